@@ -1,0 +1,114 @@
+"""The layer interface the GPT is built from, and its single-device implementation.
+
+The model never talks to process groups. It asks a ``LayerFactory`` for its linear layers,
+embedding, logits and loss; ``LocalLayers`` (here) builds plain single-device modules and
+``megaflex.parallel.TensorParallelLayers`` builds Megatron-style tensor-parallel ones with the
+same contract. Shapes below use ``tp`` for the factory's tensor-parallel size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Callable, ContextManager, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+InitMethod = Callable[[torch.Tensor], None]
+
+
+def normal_init(std: float) -> InitMethod:
+    """In-place N(0, std^2) initialiser."""
+    return lambda weight: nn.init.normal_(weight, mean=0.0, std=std)
+
+
+def pad_vocab_size(vocab_size: int, tp_size: int, multiple: int = 128) -> int:
+    """Vocabulary padded to a multiple of ``multiple * tp_size`` (Megatron's rule)."""
+    step = multiple * tp_size
+    return int(math.ceil(vocab_size / step) * step)
+
+
+class LayerFactory(Protocol):
+    """What the model needs from a (possibly tensor-parallel) layer provider."""
+
+    tp_size: int
+    tp_rank: int
+
+    def column_parallel_linear(
+        self, in_features: int, out_features: int, *, bias: bool, init_method: InitMethod
+    ) -> nn.Module:
+        """x [..., in] (full) -> y [..., out / tp] (this rank's column shard, not gathered)."""
+
+    def row_parallel_linear(
+        self, in_features: int, out_features: int, *, bias: bool, init_method: InitMethod
+    ) -> nn.Module:
+        """x [..., in / tp] (this rank's shard) -> y [..., out] (full, summed over ranks)."""
+
+    def vocab_embedding(self, vocab_size: int, hidden: int, *, init_method: InitMethod) -> nn.Module:
+        """ids [...] -> [..., hidden] (full). ``.weight`` is [padded_vocab / tp, hidden] and
+        ``.vocab_size`` the true vocabulary size; rows past it are padding."""
+
+    def lm_logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """hidden [..., h] (full) x vocab-sharded weight [padded_vocab / tp, h] -> logits shard."""
+
+    def cross_entropy(
+        self, logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, label_smoothing: float = 0.0
+    ) -> torch.Tensor:
+        """Per-token loss (fp32) from vocab-sharded logits; padded vocab entries are excluded."""
+
+    def gather_logits(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """Vocab-sharded logits -> full logits [..., vocab_size] (padding removed)."""
+
+    def tp_region_rng(self) -> ContextManager[None]:
+        """Context in which random ops (dropout on sharded activations) differ per TP rank."""
+
+
+class LocalLayers:
+    """Single-device implementation of ``LayerFactory`` (tp_size = 1)."""
+
+    tp_size = 1
+    tp_rank = 0
+
+    def column_parallel_linear(
+        self, in_features: int, out_features: int, *, bias: bool, init_method: InitMethod
+    ) -> nn.Module:
+        return _linear(in_features, out_features, bias, init_method)
+
+    def row_parallel_linear(
+        self, in_features: int, out_features: int, *, bias: bool, init_method: InitMethod
+    ) -> nn.Module:
+        return _linear(in_features, out_features, bias, init_method)
+
+    def vocab_embedding(self, vocab_size: int, hidden: int, *, init_method: InitMethod) -> nn.Module:
+        embedding = nn.Embedding(pad_vocab_size(vocab_size, 1), hidden)
+        init_method(embedding.weight)
+        embedding.vocab_size = vocab_size
+        return embedding
+
+    def lm_logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, weight)
+
+    def cross_entropy(
+        self, logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, label_smoothing: float = 0.0
+    ) -> torch.Tensor:
+        logits = logits[..., :vocab_size].float()
+        loss = F.cross_entropy(
+            logits.reshape(-1, vocab_size), labels.reshape(-1), reduction="none", label_smoothing=label_smoothing
+        )
+        return loss.view(labels.shape)
+
+    def gather_logits(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        return logits[..., :vocab_size]
+
+    def tp_region_rng(self) -> ContextManager[None]:
+        return contextlib.nullcontext()
+
+
+def _linear(in_features: int, out_features: int, bias: bool, init_method: InitMethod) -> nn.Linear:
+    layer = nn.Linear(in_features, out_features, bias=bias)
+    init_method(layer.weight)
+    if bias:
+        nn.init.zeros_(layer.bias)
+    return layer
