@@ -1,0 +1,362 @@
+"""The run configuration: one typed dataclass per section, loaded from YAML + overrides.
+
+    cfg = load_config(["configs/tiny.yaml", "configs/zero/zero1.yaml"], ["train.lr=3e-4"])
+
+Files are merged in order (later wins, nested sections merge key by key), then dotted
+command-line overrides. Unknown keys and wrongly-typed values are rejected by the loader
+(``config_loader``) with the key, its source and what is allowed; impossible combinations are
+rejected by ``validate`` (static) and ``validate_runtime`` (needs the world size and device).
+The DeepSpeed JSON is *generated* from this config (``deepspeed_config.py``), never written by
+hand. Every field carries its documentation in ``metadata["doc"]``; ``reference_markdown()``
+renders the reference in docs/training.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_type_hints
+
+import yaml
+
+from megaflex.model.config import ModelConfig
+from megaflex.training.config_loader import (
+    ConfigError,
+    Source,
+    field_docs,
+    load_dataclass,
+    parse_overrides,
+    read_yaml,
+    to_dict,
+    type_name,
+)
+
+
+def opt(default: Any, doc: str) -> Any:
+    """A documented dataclass field (lists/dicts get a default factory)."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"doc": doc})
+    return field(default=default, metadata={"doc": doc})
+
+
+@dataclass
+class DataConfig:
+    """Where the tokens come from."""
+
+    source: Literal["indexed", "synthetic"] = opt(
+        "indexed", "`indexed`: Megatron .bin/.idx files (data_prep.preprocess); `synthetic`: seeded random tokens (benchmarks)"
+    )
+    train_path: list[str] = opt([], "prefixes of the training .bin/.idx pairs (path without extension)")
+    train_weights: list[float] | None = opt(None, "blend weights of `train_path` (default: proportional to size)")
+    valid_path: list[str] = opt([], "prefixes of the validation .bin/.idx pairs (empty: no validation)")
+    tokenizer: str | None = opt(None, "sentencepiece model of the data (recorded with checkpoints, used by evaluation)")
+    seq_len: int = opt(1024, "tokens per training sample (<= model.max_seq_len)")
+    cache_dir: str | None = opt(None, "where sample-index caches go (default: next to the data)")
+
+
+@dataclass
+class ParallelConfig:
+    """How the world is split: tensor parallel inside a replica, ZeRO across replicas."""
+
+    tensor_parallel_size: int = opt(1, "ranks sharing one model replica (Megatron TP); data parallel = world / this")
+    zero_stage: int = opt(1, "DeepSpeed ZeRO stage 0-3 (0: plain DDP, 1: optimizer states, 2: +grads, 3: +params)")
+    zero_offload_optimizer: bool = opt(False, "keep ZeRO optimizer states in CPU memory (stage >= 1)")
+    zero_overlap_comm: bool = opt(False, "overlap ZeRO reductions with backward (GPU; costs memory)")
+    zero_reduce_bucket_size: int = opt(500_000_000, "elements per ZeRO gradient-reduction bucket")
+    zero_allgather_bucket_size: int = opt(500_000_000, "elements per ZeRO stage 1/2 parameter all-gather bucket")
+    zero3_prefetch_bucket_size: int = opt(50_000_000, "elements of parameters prefetched ahead (stage 3)")
+    zero3_param_persistence_threshold: int = opt(100_000, "parameters smaller than this stay unpartitioned (stage 3)")
+    backend: Literal["auto", "nccl", "gloo"] = opt("auto", "torch.distributed backend (auto: nccl with CUDA, else gloo)")
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW (torch-native, fused where the device supports it)."""
+
+    beta1: float = opt(0.9, "Adam beta1")
+    beta2: float = opt(0.95, "Adam beta2")
+    eps: float = opt(1e-8, "Adam epsilon")
+    weight_decay: float = opt(0.1, "decoupled weight decay of matrices (see no_decay_patterns)")
+    no_decay_patterns: list[str] = opt(
+        ["omega", "tau"],
+        "parameter-name substrings exempt from weight decay, besides every parameter with < 2 dims "
+        "(biases, norm gains, tau); default exempts the learned kernel: Omega and tau shape the kernel, "
+        "decay would pull the frequencies to 0 (a flat kernel), not regularise capacity",
+    )
+    fused: Literal["auto", "on", "off"] = opt("auto", "torch fused AdamW kernel (auto: on when the device supports it)")
+    use_apex: bool = opt(False, "use apex FusedAdam instead (GPU; apex must be installed)")
+
+
+@dataclass
+class ScheduleConfig:
+    """Learning-rate schedule: linear warmup, then decay to min_lr."""
+
+    warmup_iters: int = opt(0, "iterations of linear warmup from 0 to train.lr")
+    decay_style: Literal["cosine", "linear", "constant"] = opt("cosine", "shape of the decay after warmup")
+    decay_iters: int | None = opt(None, "iteration at which the decay reaches min_lr (default train.train_iters)")
+    min_lr: float = opt(0.0, "learning rate at and after decay_iters")
+
+
+@dataclass
+class TrainConfig:
+    """The optimisation loop."""
+
+    train_iters: int = opt(1000, "optimizer steps to train for")
+    lr: float = opt(3e-4, "peak learning rate (after warmup)")
+    micro_batch_size: int = opt(1, "samples per rank per forward/backward")
+    global_batch_size: int | None = opt(
+        None, "samples per optimizer step over all replicas (default micro x data-parallel); must be a multiple of it"
+    )
+    grad_clip: float = opt(1.0, "clip the global gradient norm to this (0: off)")
+    precision: Literal["fp32", "bf16", "fp16"] = opt("fp32", "parameter/activation precision (fp16: GPU only, dynamic loss scaling)")
+    fp16_initial_scale_power: int = opt(16, "fp16: initial loss scale 2^this")
+    fp16_loss_scale_window: int = opt(1000, "fp16: steps without overflow before the scale grows")
+    fp16_hysteresis: int = opt(2, "fp16: overflows tolerated before the scale shrinks")
+    fp16_min_loss_scale: float = opt(1.0, "fp16: lower bound of the loss scale")
+    seed: int = opt(1234, "seed of parameters, data order and dropout")
+    device: Literal["auto", "cpu", "cuda"] = opt("auto", "where to train (auto: cuda when available)")
+    eval_interval: int = opt(0, "run validation every this many steps (0: only at the end, if valid_path is set)")
+    eval_iters: int = opt(10, "validation micro-batches per rank per evaluation")
+    max_nonfinite_in_a_row: int = opt(5, "abort after this many consecutive steps with non-finite loss or grad norm")
+
+
+@dataclass
+class CheckpointConfig:
+    """Atomic DeepSpeed checkpoints with exact-resume client state."""
+
+    dir: str | None = opt(None, "checkpoint directory (default <logging.run_dir>/checkpoints)")
+    save_interval: int = opt(0, "save every this many steps (0: only at the end and on SIGTERM/SIGUSR1)")
+    keep_last: int = opt(3, "complete checkpoints kept; older ones are deleted after a successful save")
+    resume: str = opt("auto", "`auto`: newest complete checkpoint in dir if any; `none`: start fresh; or a checkpoint path/tag")
+    save_on_signal: bool = opt(True, "on SIGTERM/SIGUSR1 (preemption) save after the current step, then exit")
+    save_at_end: bool = opt(True, "save after the last step")
+
+
+@dataclass
+class LoggingConfig:
+    """Console, TensorBoard and metrics.jsonl (rank 0)."""
+
+    run_dir: str = opt("runs/default", "directory of this run: metrics.jsonl, tensorboard/, config.yaml, checkpoints/")
+    log_interval: int = opt(1, "log (console, TensorBoard, metrics.jsonl) every this many steps")
+    tensorboard: bool = opt(True, "write TensorBoard scalars to <run_dir>/tensorboard")
+    progress_bar: bool = opt(True, "console progress bar (plain lines when stdout is not a terminal)")
+    kernel_stats_interval: int = opt(10, "log per-layer tau and Omega statistics every this many steps (0: off)")
+    peak_tflops: float | None = opt(None, "per-device peak TFLOP/s for MFU (default: known GPU table, else not logged)")
+
+
+@dataclass
+class FaultConfig:
+    """Fault injection, for tests of skipping and crash recovery. Leave unset in real runs."""
+
+    nan_loss_at_steps: list[int] = opt([], "make rank 0's loss NaN at these steps (tests the non-finite skip)")
+    sigkill_after_step: int | None = opt(None, "every rank kill -9s itself after this step is logged")
+    sigkill_during_save_at_step: int | None = opt(
+        None, "every rank kill -9s itself in the save at this step, after the shards are written but before the commit"
+    )
+
+
+@dataclass
+class Config:
+    """A complete run: every section of the YAML files."""
+
+    model: ModelConfig
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
+    # key -> file it came from ("defaults" when never set); not part of the YAML
+    origins: dict[str, str] = field(default_factory=dict, repr=False, compare=False, metadata={"internal": True})
+
+    def where(self, key: str) -> str:
+        """Source (file or ``command line``) of a dotted key, for error messages."""
+        return self.origins.get(key, "defaults")
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.dir or str(Path(self.logging.run_dir) / "checkpoints")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dict of every section (the resolved config saved with checkpoints)."""
+        return {name: to_dict(getattr(self, name)) for name in SECTIONS}
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+SECTIONS = ("model", "data", "parallel", "optimizer", "schedule", "train", "checkpoint", "logging", "fault")
+
+
+def load_config(paths: list[str | Path], overrides: list[str] | None = None) -> Config:
+    """Load, merge and statically validate a run config (raises ``ConfigError``)."""
+    if not paths:
+        raise ConfigError("--config: expected at least one YAML file, got none")
+    sources = [read_yaml(p) for p in paths] + [parse_overrides(list(overrides or []))]
+    return config_from_sources(sources)
+
+
+def config_from_dict(data: dict[str, Any], origin: str = "dict") -> Config:
+    """Build a config from one nested mapping (e.g. the resolved config of a checkpoint)."""
+    return config_from_sources([Source(data, origin)])
+
+
+def config_from_sources(sources: list[Source]) -> Config:
+    for src in sources:
+        if "origins" in src.data:
+            raise ConfigError(f"unknown config key 'origins' (from {src.origin}); allowed sections: {', '.join(SECTIONS)}")
+    for src in sources:
+        if "model" in src.data:
+            break
+    else:
+        raise ConfigError(f"no 'model' section in {', '.join(s.origin for s in sources)}; every run needs one")
+    cfg, origins = load_dataclass(Config, sources)
+    cfg.origins = origins
+    validate(cfg)
+    return cfg
+
+
+def _bad(cfg: Config, key: str, message: str) -> ConfigError:
+    return ConfigError(f"{key} (from {cfg.where(key)}): {message}")
+
+
+def validate(cfg: Config) -> None:
+    """Reject impossible combinations that need no knowledge of the world size or device."""
+    t, s, p, d, c, lg = cfg.train, cfg.schedule, cfg.parallel, cfg.data, cfg.checkpoint, cfg.logging
+    positive = {
+        "train.train_iters": t.train_iters, "train.micro_batch_size": t.micro_batch_size,
+        "train.eval_iters": t.eval_iters, "train.max_nonfinite_in_a_row": t.max_nonfinite_in_a_row,
+        "data.seq_len": d.seq_len, "parallel.tensor_parallel_size": p.tensor_parallel_size,
+        "checkpoint.keep_last": c.keep_last, "logging.log_interval": lg.log_interval,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            raise _bad(cfg, key, f"expected a positive integer, got {value}")
+    non_negative = {
+        "train.eval_interval": t.eval_interval, "checkpoint.save_interval": c.save_interval,
+        "schedule.warmup_iters": s.warmup_iters, "logging.kernel_stats_interval": lg.kernel_stats_interval,
+        "train.grad_clip": t.grad_clip, "optimizer.weight_decay": cfg.optimizer.weight_decay,
+        "schedule.min_lr": s.min_lr,
+    }
+    for key, value in non_negative.items():
+        if value < 0:
+            raise _bad(cfg, key, f"expected >= 0, got {value}")
+    if not t.lr > 0:
+        raise _bad(cfg, "train.lr", f"expected > 0, got {t.lr}")
+    if p.zero_stage not in (0, 1, 2, 3):
+        raise _bad(cfg, "parallel.zero_stage", f"expected one of 0, 1, 2, 3, got {p.zero_stage}")
+    if p.zero_offload_optimizer and p.zero_stage == 0:
+        raise _bad(cfg, "parallel.zero_offload_optimizer", "needs parallel.zero_stage >= 1, got stage 0")
+    if t.global_batch_size is not None and t.global_batch_size % t.micro_batch_size != 0:
+        raise _bad(
+            cfg, "train.global_batch_size",
+            f"expected a multiple of train.micro_batch_size ({t.micro_batch_size}), got {t.global_batch_size}",
+        )
+    if d.seq_len > cfg.model.max_seq_len:
+        raise _bad(cfg, "data.seq_len", f"expected <= model.max_seq_len ({cfg.model.max_seq_len}), got {d.seq_len}")
+    decay_iters = s.decay_iters if s.decay_iters is not None else t.train_iters
+    if s.warmup_iters > decay_iters:
+        raise _bad(cfg, "schedule.warmup_iters", f"expected <= decay iterations ({decay_iters}), got {s.warmup_iters}")
+    if s.min_lr > t.lr:
+        raise _bad(cfg, "schedule.min_lr", f"expected <= train.lr ({t.lr}), got {s.min_lr}")
+    if cfg.model.num_heads % p.tensor_parallel_size != 0:
+        raise _bad(
+            cfg, "parallel.tensor_parallel_size",
+            f"expected a divisor of model.num_heads ({cfg.model.num_heads}), got {p.tensor_parallel_size}",
+        )
+    if d.source == "indexed" and not d.train_path:
+        raise _bad(cfg, "data.train_path", "data.source is 'indexed' but no training data prefixes are given")
+    if d.train_weights is not None and len(d.train_weights) != len(d.train_path):
+        raise _bad(
+            cfg, "data.train_weights",
+            f"expected one weight per data.train_path entry ({len(d.train_path)}), got {len(d.train_weights)}",
+        )
+
+
+def validate_runtime(cfg: Config, world_size: int, has_cuda: bool) -> None:
+    """Reject combinations that depend on the launched world and the device."""
+    p, t = cfg.parallel, cfg.train
+    if world_size % p.tensor_parallel_size != 0:
+        raise _bad(
+            cfg, "parallel.tensor_parallel_size",
+            f"expected a divisor of the world size ({world_size} ranks), got {p.tensor_parallel_size}",
+        )
+    dp = world_size // p.tensor_parallel_size
+    if t.global_batch_size is not None and t.global_batch_size % (t.micro_batch_size * dp) != 0:
+        raise _bad(
+            cfg, "train.global_batch_size",
+            f"expected a multiple of micro_batch_size x data-parallel size ({t.micro_batch_size} x {dp}), "
+            f"got {t.global_batch_size}",
+        )
+    device = resolve_device(cfg, has_cuda)
+    if t.precision == "fp16" and device != "cuda":
+        raise _bad(cfg, "train.precision", "fp16 needs a GPU (dynamic loss scaling on CPU is unsupported); use bf16 or fp32")
+    if cfg.parallel.backend == "nccl" and device != "cuda":
+        raise _bad(cfg, "parallel.backend", "nccl needs CUDA; use gloo or auto on CPU")
+    if t.device == "cuda" and not has_cuda:
+        raise _bad(cfg, "train.device", "cuda requested but no CUDA device is available")
+
+
+def resolve_device(cfg: Config, has_cuda: bool) -> str:
+    """``train.device`` with ``auto`` resolved."""
+    if cfg.train.device == "auto":
+        return "cuda" if has_cuda else "cpu"
+    return cfg.train.device
+
+
+def global_batch_size(cfg: Config, dp_size: int) -> int:
+    return cfg.train.global_batch_size or cfg.train.micro_batch_size * dp_size
+
+
+def reference_markdown() -> str:
+    """Markdown reference of every section and field (type, default, documentation)."""
+    lines = []
+    section_types = get_type_hints(Config)
+    for name in SECTIONS:
+        cls = section_types[name]
+        lines += [f"### `{name}`", "", (cls.__doc__ or "").strip().splitlines()[0], ""]
+        lines += ["| key | type | default | meaning |", "|---|---|---|---|"]
+        docs = field_docs(cls)
+        hints = get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.default is not dataclasses.MISSING:
+                default = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                default = f.default_factory()
+            else:
+                default = "(required)"
+            doc = docs.get(f.name) or _MODEL_DOCS.get(f.name, "")
+            type_text = type_name(hints[f.name]).replace(" | ", " or ")
+            lines.append(f"| `{name}.{f.name}` | {type_text} | `{default!r}` | {doc} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+# The model section is owned by megaflex.model; its fields are documented there as comments.
+_MODEL_DOCS = {
+    "vocab_size": "tokenizer vocabulary (padded internally to a multiple of 128 x TP)",
+    "num_layers": "transformer blocks",
+    "hidden_size": "residual width",
+    "num_heads": "attention heads (divisible by the TP size)",
+    "ffn_hidden_size": "MLP width (default 4h for gelu, 8h/3 rounded to 64 for swiglu)",
+    "attention": "softmax or a linear feature map (flexformer_n, flexformer_s, performer, elu, cosformer, hedgehog)",
+    "feature_dim": "feature axis F of linear attention",
+    "normalization": "linear attention output normalisation (rms or denominator)",
+    "chunk_size": "chunk length of the chunked linear-attention training form",
+    "feature_kwargs": "extra keyword arguments of the feature map",
+    "mlp": "gelu or swiglu",
+    "norm": "rmsnorm or layernorm",
+    "norm_eps": "epsilon of the norms",
+    "bias": "biases in linear layers",
+    "tie_embeddings": "share input embedding and output projection",
+    "hidden_dropout": "dropout on embeddings and residual branches",
+    "attention_dropout": "dropout on attention outputs",
+    "max_seq_len": "longest sequence (positions)",
+    "position": "rope, learned or none",
+    "rope_theta": "RoPE base",
+    "init_std": "std of the normal initialisation",
+    "activation_checkpointing": "recompute each block in backward (saves activation memory)",
+}

@@ -1,0 +1,67 @@
+"""Generate the DeepSpeed JSON config from the run config (the one source of truth).
+
+Nothing DeepSpeed-specific is written by hand: batch sizes, gradient accumulation, clipping,
+precision and ZeRO settings all derive from ``Config`` and the data-parallel size. The
+optimizer and the LR schedule are *not* DeepSpeed's: the trainer passes a torch AdamW and sets
+the learning rate itself each step, so the DeepSpeed config has no "optimizer"/"scheduler".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megaflex.training.config import Config, global_batch_size
+
+
+def gradient_accumulation_steps(cfg: Config, dp_size: int) -> int:
+    """Micro-batches per optimizer step on each rank."""
+    return global_batch_size(cfg, dp_size) // (cfg.train.micro_batch_size * dp_size)
+
+
+def deepspeed_config(cfg: Config, dp_size: int) -> dict[str, Any]:
+    """The ``config`` dict for ``deepspeed.initialize`` for a data-parallel size ``dp_size``."""
+    t, p = cfg.train, cfg.parallel
+    zero: dict[str, Any] = {"stage": p.zero_stage}
+    if p.zero_stage >= 1:
+        zero.update(
+            reduce_bucket_size=p.zero_reduce_bucket_size,
+            overlap_comm=p.zero_overlap_comm,
+            contiguous_gradients=True,
+        )
+    if p.zero_stage in (1, 2):
+        zero.update(allgather_bucket_size=p.zero_allgather_bucket_size, reduce_scatter=True)
+    if p.zero_stage == 3:
+        zero.update(
+            stage3_prefetch_bucket_size=p.zero3_prefetch_bucket_size,
+            stage3_param_persistence_threshold=p.zero3_param_persistence_threshold,
+            # Full (gathered) 16-bit weights are not needed: our checkpoints are sharded.
+            stage3_gather_16bit_weights_on_model_save=False,
+        )
+    if p.zero_offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+    config: dict[str, Any] = {
+        "train_batch_size": global_batch_size(cfg, dp_size),
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": gradient_accumulation_steps(cfg, dp_size),
+        "gradient_clipping": t.grad_clip,
+        "zero_optimization": zero,
+        "bf16": {"enabled": t.precision == "bf16"},
+        "fp16": {
+            "enabled": t.precision == "fp16",
+            "loss_scale": 0,  # 0 = dynamic
+            "initial_scale_power": t.fp16_initial_scale_power,
+            "loss_scale_window": t.fp16_loss_scale_window,
+            "hysteresis": t.fp16_hysteresis,
+            "min_loss_scale": t.fp16_min_loss_scale,
+        },
+        # The optimizer is a torch AdamW built by the trainer (weight-decay groups, fused).
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        # Logging is ours; keep DeepSpeed's periodic prints out of the console.
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+    if t.precision == "bf16":
+        # Skip (do not apply) steps whose gradients are inf/NaN, as fp16 does.
+        config["bf16"]["check_grad_overflow"] = True
+    return config
