@@ -6,6 +6,18 @@ A feature map turns queries or keys ``x`` of shape [batch, heads, seq, head_dim]
 possibly huge magnitude (e.g. ||x||^2 / e^tau) in log space, so it never overflows.
 The causal attention forms drop the query's ``log_scale`` (a per-query scalar that cancels
 under either normalisation) and stabilise the key's with a running maximum.
+
+Output normalisation (shared by every form, so they agree to rounding):
+
+* ``"rms"`` (default): ``o_t = n_t * rsqrt(mean_j n_tj^2 + eps)``. Parameter-free per-head RMS
+  norm of the numerator ``n_t = sum_s w_ts v_s``; the model adds a learnable gain. It never
+  divides by the kernel sum, which for trig (random-Fourier) features is a signed Monte-Carlo
+  estimate that can cross zero, so it is the stable default. Like the classic denominator it is
+  invariant to per-query scalars (which is why the query log-scale can be dropped).
+* ``"denominator"``: ``o_t = n_t / guard(d_t)`` with ``d_t = sum_s w_ts`` and
+  ``guard(x) = sign(x) * max(|x|, eps)``, ``sign(0) = +1``: the classic linear-attention
+  normalisation, guarded so a denominator crossing zero gives a large but finite output.
+  Exact for positive feature maps; needed to compare against softmax attention.
 """
 
 from __future__ import annotations
@@ -38,6 +50,59 @@ class LinearAttentionState:
     offset: int = 0
 
 
+    @classmethod
+    def empty(cls, batch: int, heads: int, feature_dim: int, value_dim: int, device: torch.device | str = "cpu") -> "LinearAttentionState":
+        """State before any token: zero sums and log_max = -inf (so it rescales to nothing)."""
+        return cls(
+            kv=torch.zeros(batch, heads, feature_dim, value_dim, device=device),
+            k_sum=torch.zeros(batch, heads, feature_dim, device=device),
+            log_max=torch.full((batch, heads), float("-inf"), device=device),
+            offset=0,
+        )
+
+    def detach(self) -> "LinearAttentionState":
+        """Same state cut from the autograd graph (truncated backprop across segments)."""
+        return LinearAttentionState(self.kv.detach(), self.k_sum.detach(), self.log_max.detach(), self.offset)
+
+
+NORMALIZATIONS = ("rms", "denominator")
+
+
+def guard_denominator(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """sign(x) * max(|x|, eps) with sign(0) = +1: keeps the magnitude of a denominator >= eps."""
+    return torch.where(x >= 0, x.clamp(min=eps), x.clamp(max=-eps))
+
+
+def normalize_output(numerator: torch.Tensor, denominator: torch.Tensor | None, normalization: str, eps: float) -> torch.Tensor:
+    """Apply the output normalisation to fp32 ``numerator`` [..., Dv] (``denominator`` [...]).
+
+    ``denominator`` is only read for ``normalization="denominator"`` (may be None for "rms").
+    """
+    if normalization == "rms":
+        return numerator * torch.rsqrt(numerator.pow(2).mean(dim=-1, keepdim=True) + eps)
+    if normalization == "denominator":
+        if denominator is None:
+            raise ValueError("normalize_output: normalization='denominator' needs a denominator, got None")
+        return numerator / guard_denominator(denominator, eps).unsqueeze(-1)
+    raise ValueError(f"normalization: expected one of {NORMALIZATIONS}, got {normalization!r}")
+
+
+def fp32_inputs(
+    qf: torch.Tensor,
+    kf: torch.Tensor,
+    kls: torch.Tensor | None,
+    v: torch.Tensor,
+    initial_state: LinearAttentionState | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, LinearAttentionState]:
+    """Common prologue of the attention forms: fp32 copies, ``kls=None`` -> zeros, empty state."""
+    batch, heads, n, feat = qf.shape
+    ls = torch.zeros(batch, heads, n, device=qf.device) if kls is None else kls.float()
+    state = initial_state
+    if state is None:
+        state = LinearAttentionState.empty(batch, heads, feat, v.shape[-1], device=qf.device)
+    return qf.float(), kf.float(), ls, v.float(), state
+
+
 class FeatureMap(nn.Module):
     """Base class: per-head feature map [B, H, N, head_dim] -> FeatureMapOutput."""
 
@@ -48,3 +113,16 @@ class FeatureMap(nn.Module):
 
     def forward(self, x: torch.Tensor, offset: int = 0) -> FeatureMapOutput:  # pragma: no cover
         raise NotImplementedError
+
+    def check_input(self, x: torch.Tensor, name: str = "x") -> None:
+        """ValueError unless ``x`` is a floating [B, num_heads, N, head_dim] tensor."""
+        if not torch.is_floating_point(x):
+            raise ValueError(f"{name}: expected a floating-point tensor, got dtype {x.dtype}")
+        if x.dim() != 4 or x.shape[1] != self.num_heads or x.shape[3] != self.head_dim:
+            raise ValueError(
+                f"{name}: expected shape [B, {self.num_heads}, N, {self.head_dim}] (heads={self.num_heads}, "
+                f"head_dim={self.head_dim} of the {type(self).__name__}), got {tuple(x.shape)}"
+            )
+
+    def extra_repr(self) -> str:
+        return f"num_heads={self.num_heads}, head_dim={self.head_dim}, feature_dim={self.feature_dim}"

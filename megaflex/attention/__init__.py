@@ -1,0 +1,60 @@
+"""megaflex.attention: Flexformer and baseline causal attention (feature maps, forms, AttentionCore).
+
+All tensors are [B, H, N, d]. See ``core.py`` for the maths shared by every form and
+``feature_maps/`` for the maps. Public API:
+
+* ``build_feature_map(kind, num_heads, head_dim, feature_dim, **kwargs)``
+* ``causal_linear_attention(qf, kf, kls, v, *, form, normalization, chunk_size, initial_state, eps)``
+* ``AttentionCore(kind, num_heads, head_dim, ...)``: the module the model uses
+* ``softmax_attention`` / ``KVCache``: exact baseline
+* ``redraw_random_features(module, step)``: Performer redraws, call once per optimiser step
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .base import NORMALIZATIONS, FeatureMap, FeatureMapOutput, LinearAttentionState
+from .core import (
+    ATTENTION_KINDS,
+    FORMS,
+    AttentionCore,
+    causal_linear_attention,
+    register_fused_backend,
+    validate_linear_attention_inputs,
+)
+from .feature_maps import FEATURE_MAP_KINDS, build_feature_map
+from .feature_maps.performer import PerformerFeatureMap
+from .quadratic import quadratic_linear_attention
+from .recurrent import recurrent_linear_attention
+from .softmax import KVCache, softmax_attention
+
+
+def redraw_random_features(module: nn.Module, step: int) -> int:
+    """Let every redrawable feature map in ``module`` redraw for optimiser step ``step``.
+
+    Deterministic in ``step`` (identical on all ranks, reproducible on resume); returns how
+    many maps redrew. A no-op for maps without ``redraw_interval``.
+    """
+    return sum(int(m.maybe_redraw(step)) for m in module.modules() if isinstance(m, PerformerFeatureMap))
+
+
+__all__ = [
+    "ATTENTION_KINDS",
+    "FEATURE_MAP_KINDS",
+    "FORMS",
+    "NORMALIZATIONS",
+    "AttentionCore",
+    "FeatureMap",
+    "FeatureMapOutput",
+    "KVCache",
+    "LinearAttentionState",
+    "build_feature_map",
+    "causal_linear_attention",
+    "quadratic_linear_attention",
+    "recurrent_linear_attention",
+    "redraw_random_features",
+    "register_fused_backend",
+    "softmax_attention",
+    "validate_linear_attention_inputs",
+]

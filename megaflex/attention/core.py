@@ -1,0 +1,262 @@
+"""Dispatcher over the causal linear-attention forms, input validation, and ``AttentionCore``.
+
+``causal_linear_attention`` computes (see ``base.py`` for the normalisations)
+
+    w_ts = (qf_t . kf_s) exp(kls_s - m_t),  s <= t (carried state included),
+    m_t  = max(state.log_max, max_{s<=t} kls_s)   (detached),
+    n_t  = sum_s w_ts v_s,  d_t = sum_s w_ts,  o_t = normalize(n_t, d_t)
+
+with one of three forms that agree to fp rounding:
+
+* ``quadratic``: materialised N x N weights; ground truth for tests.
+* ``recurrent``: token-by-token scan; O(1) per token, the decoding path.
+* ``chunked``:   parallel chunk form with a hand-written backward (``chunked.py``); training path.
+
+Stabiliser: the key log-scale (e.g. ||k||^2 / e^tau, unbounded) only ever enters as
+exp(kls_s - m_t) <= 1 with m_t the running max, so nothing overflows for any key norm; the
+carried state stores its sums relative to its own ``log_max`` and is rescaled on arrival of a
+larger one. m_t is a constant for autograd: the output is invariant to it up to ``eps``.
+The query log-scale is never used: it multiplies n_t and d_t by the same per-query scalar,
+which both normalisations cancel.
+
+Mixed precision: every form accumulates in fp32 and returns ``v.dtype``.
+
+``AttentionCore`` is what the model instantiates: feature map + form selection for linear kinds
+(recurrent when continuing from a state with few new tokens, chunked otherwise) or exact
+softmax attention with a ``KVCache``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .base import NORMALIZATIONS, LinearAttentionState
+from .feature_maps import FEATURE_MAP_KINDS, build_feature_map
+from .quadratic import quadratic_linear_attention
+from .recurrent import recurrent_linear_attention
+from .softmax import KVCache, softmax_attention
+
+FORMS = ("chunked", "recurrent", "quadratic")
+ATTENTION_KINDS = FEATURE_MAP_KINDS + ("softmax",)
+
+LinearAttentionFn = Callable[..., "tuple[torch.Tensor, LinearAttentionState]"]
+
+# ---------------------------------------------------------------------------------------------
+# GPU HOOK: a fused CUDA backend (e.g. flash-linear-attention's chunk kernels adapted to the
+# log-space stabiliser) can be installed with ``register_fused_backend(fn)``; ``fn`` takes the
+# arguments of ``chunked_linear_attention`` and is used for form="chunked" on CUDA tensors only.
+# Nothing is registered by default; CPU never uses it.
+# ---------------------------------------------------------------------------------------------
+_FUSED_CUDA_BACKEND: LinearAttentionFn | None = None
+
+
+def register_fused_backend(fn: LinearAttentionFn | None) -> None:
+    """Install (or with None remove) the fused CUDA implementation of the chunked form."""
+    global _FUSED_CUDA_BACKEND
+    _FUSED_CUDA_BACKEND = fn
+
+
+def _chunked_impl(on_cuda: bool) -> LinearAttentionFn:
+    if on_cuda and _FUSED_CUDA_BACKEND is not None:
+        return _FUSED_CUDA_BACKEND
+    try:
+        from .chunked import chunked_linear_attention
+    except ModuleNotFoundError as err:  # only "chunked.py missing", not errors inside it
+        if err.name != f"{__package__}.chunked":
+            raise
+        raise NotImplementedError(
+            "form='chunked': megaflex/attention/chunked.py is not available; use form='recurrent' or 'quadratic'"
+        ) from None
+    return chunked_linear_attention
+
+
+def _shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+def _check_floating(name: str, t: torch.Tensor, rank: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if not torch.is_floating_point(t):
+        raise ValueError(f"{name}: expected a floating-point tensor, got dtype {t.dtype}")
+    if t.dim() != rank:
+        raise ValueError(f"{name}: expected a rank-{rank} tensor, got shape {_shape(t)} (rank {t.dim()})")
+
+
+def validate_linear_attention_inputs(
+    qf: torch.Tensor,
+    kf: torch.Tensor,
+    kls: torch.Tensor | None,
+    v: torch.Tensor,
+    *,
+    form: str = "chunked",
+    normalization: str = "rms",
+    chunk_size: int = 64,
+    initial_state: LinearAttentionState | None = None,
+    eps: float = 1e-6,
+) -> None:
+    """ValueError naming the argument, expected vs got, for any malformed input of the forms."""
+    _check_floating("qf", qf, 4)
+    _check_floating("kf", kf, 4)
+    _check_floating("v", v, 4)
+    batch, heads, n, feat = qf.shape
+    if kf.shape != qf.shape:
+        raise ValueError(f"kf: expected shape {_shape(qf)} (same as qf [B, H, N, F]), got {_shape(kf)}")
+    if v.shape[:3] != qf.shape[:3]:
+        raise ValueError(f"v: expected shape [{batch}, {heads}, {n}, Dv] (B, H, N of qf), got {_shape(v)}")
+    if n < 1:
+        raise ValueError(f"qf: expected at least one token (N >= 1), got shape {_shape(qf)}")
+    if kls is not None:
+        _check_floating("kls", kls, 3)
+        if kls.shape != qf.shape[:3]:
+            raise ValueError(f"kls: expected shape [{batch}, {heads}, {n}] (B, H, N of qf) or None, got {_shape(kls)}")
+    if form not in FORMS:
+        raise ValueError(f"form: expected one of {FORMS}, got {form!r}")
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(f"normalization: expected one of {NORMALIZATIONS}, got {normalization!r}")
+    if not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
+    if not eps > 0:
+        raise ValueError(f"eps: expected a positive float, got {eps!r}")
+    if initial_state is not None:
+        if not isinstance(initial_state, LinearAttentionState):
+            raise ValueError(f"initial_state: expected a LinearAttentionState or None, got {type(initial_state).__name__}")
+        dv = v.shape[-1]
+        expected = {
+            "kv": (batch, heads, feat, dv),
+            "k_sum": (batch, heads, feat),
+            "log_max": (batch, heads),
+        }
+        for field, shape in expected.items():
+            t = getattr(initial_state, field)
+            if not isinstance(t, torch.Tensor) or not torch.is_floating_point(t) or _shape(t) != shape:
+                got = f"{_shape(t)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"initial_state.{field}: expected a floating tensor of shape {shape}, got {got}")
+        if initial_state.offset < 0:
+            raise ValueError(f"initial_state.offset: expected >= 0, got {initial_state.offset}")
+
+
+def causal_linear_attention(
+    qf: torch.Tensor,
+    kf: torch.Tensor,
+    kls: torch.Tensor | None,
+    v: torch.Tensor,
+    *,
+    form: str = "chunked",
+    normalization: str = "rms",
+    chunk_size: int = 64,
+    initial_state: LinearAttentionState | None = None,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, LinearAttentionState]:
+    """Causal linear attention: qf, kf [B, H, N, F], kls [B, H, N] | None, v [B, H, N, Dv]
+    -> (out [B, H, N, Dv] in v.dtype, fp32 state after the last token).
+
+    ``form`` selects the algorithm (identical maths); ``chunk_size`` only affects "chunked".
+    """
+    validate_linear_attention_inputs(
+        qf, kf, kls, v, form=form, normalization=normalization, chunk_size=chunk_size, initial_state=initial_state, eps=eps
+    )
+    if form == "quadratic":
+        return quadratic_linear_attention(qf, kf, kls, v, normalization=normalization, initial_state=initial_state, eps=eps)
+    if form == "recurrent":
+        return recurrent_linear_attention(qf, kf, kls, v, normalization=normalization, initial_state=initial_state, eps=eps)
+    chunked = _chunked_impl(qf.is_cuda)
+    return chunked(qf, kf, kls, v, normalization=normalization, chunk_size=chunk_size, initial_state=initial_state, eps=eps)
+
+
+AttentionState = LinearAttentionState | KVCache
+
+
+class AttentionCore(nn.Module):
+    """Causal attention of already-projected heads: q, k, v [B, H, N, d] -> out [B, H, N, d].
+
+    ``kind`` is a feature-map kind (linear attention) or "softmax". For linear kinds, a call
+    that continues from a ``state`` with at most ``recurrent_max_tokens`` new tokens (decoding)
+    uses the recurrent form; everything else uses ``form`` (default "chunked") with the state as
+    initial state. Position-dependent maps (cosformer) get ``state.offset`` as their offset.
+    ``feature_kwargs`` go to ``build_feature_map`` (``max_seq_len`` is passed to cosformer only).
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        num_heads: int,
+        head_dim: int,
+        *,
+        feature_dim: int = 128,
+        normalization: str = "rms",
+        chunk_size: int = 64,
+        max_seq_len: int = 2048,
+        form: str = "chunked",
+        recurrent_max_tokens: int = 16,
+        eps: float = 1e-6,
+        **feature_kwargs: object,
+    ) -> None:
+        super().__init__()
+        if kind not in ATTENTION_KINDS:
+            raise ValueError(f"kind: expected one of {ATTENTION_KINDS}, got {kind!r}")
+        if normalization not in NORMALIZATIONS:
+            raise ValueError(f"normalization: expected one of {NORMALIZATIONS}, got {normalization!r}")
+        if form not in FORMS:
+            raise ValueError(f"form: expected one of {FORMS}, got {form!r}")
+        self.kind, self.num_heads, self.head_dim = kind, num_heads, head_dim
+        self.normalization, self.chunk_size, self.form, self.eps = normalization, chunk_size, form, eps
+        self.recurrent_max_tokens = recurrent_max_tokens
+        self.max_seq_len = max_seq_len
+        self.feature_map = None
+        if kind != "softmax":
+            if kind == "cosformer":
+                feature_kwargs.setdefault("max_seq_len", max_seq_len)
+            self.feature_map = build_feature_map(kind, num_heads, head_dim, feature_dim, **feature_kwargs)
+        elif feature_kwargs:
+            raise ValueError(f"feature_kwargs: 'softmax' takes none, got {sorted(feature_kwargs)}")
+
+    def _check_qkv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            _check_floating(name, t, 4)
+        expected = (q.shape[0], self.num_heads, q.shape[2], self.head_dim)
+        for name, t in (("q", q), ("k", k)):
+            if _shape(t) != expected:
+                raise ValueError(
+                    f"{name}: expected shape [B, {self.num_heads}, N, {self.head_dim}] = {expected} "
+                    f"(num_heads={self.num_heads}, head_dim={self.head_dim}), got {_shape(t)}"
+                )
+        if v.shape[:3] != q.shape[:3]:
+            raise ValueError(f"v: expected shape [{q.shape[0]}, {self.num_heads}, {q.shape[2]}, Dv], got {_shape(v)}")
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: AttentionState | None = None, return_state: bool = False
+    ) -> tuple[torch.Tensor, AttentionState | None]:
+        """q, k, v [B, H, N, d] (+ state from the previous call) -> (out [B, H, N, d], new state | None)."""
+        self._check_qkv(q, k, v)
+        if self.feature_map is None:
+            if state is not None and not isinstance(state, KVCache):
+                raise ValueError(f"state: expected a KVCache for kind 'softmax', got {type(state).__name__}")
+            out, cache = softmax_attention(q, k, v, cache=state)
+            return out, (cache if return_state else None)
+        if state is not None and not isinstance(state, LinearAttentionState):
+            raise ValueError(f"state: expected a LinearAttentionState for kind {self.kind!r}, got {type(state).__name__}")
+        offset = state.offset if state is not None else 0
+        q_map = self.feature_map(q, offset)
+        k_map = self.feature_map(k, offset)
+        form = self.form
+        if state is not None and q.shape[2] <= self.recurrent_max_tokens:
+            form = "recurrent"
+        out, new_state = causal_linear_attention(
+            q_map.features,
+            k_map.features,
+            k_map.log_scale,
+            v,
+            form=form,
+            normalization=self.normalization,
+            chunk_size=self.chunk_size,
+            initial_state=state,
+            eps=self.eps,
+        )
+        return out, (new_state if return_state else None)
+
+    def extra_repr(self) -> str:
+        return f"kind={self.kind}, num_heads={self.num_heads}, head_dim={self.head_dim}, normalization={self.normalization}"

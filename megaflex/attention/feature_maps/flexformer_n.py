@@ -1,0 +1,81 @@
+"""Flexformer-N: two learnable frequency sets and a learnable per-head temperature.
+
+    phi_tilde(x) = exp(||x||^2 / e^tau) * (4D)^-1/2 [cos(O1 x) + cos(O2 x) ; sin(O1 x) + sin(O2 x)]
+
+with ``omega1``, ``omega2``: [H, D, d] and ``tau``: [H]. The kernel is
+
+    phi_tilde(q) . phi_tilde(k) = exp((||q||^2 + ||k||^2) / e^tau) / (4D) * sum_j [cos(O1_j (q - k))
+        + cos(O2_j (q - k)) + cos(O1_j q - O2_j k) + cos(O2_j q - O1_j k)].
+
+Design choices:
+
+* Init: O1, O2 ~ N(0, I) * d^-1/4 *independently*. Were they equal at init they would receive
+  equal gradients and stay equal forever (the map is symmetric in O1 <-> O2), collapsing to
+  Flexformer-S. Independent Gaussian O1, O2 with tau = log(2 sqrt d) make the kernel an unbiased
+  estimate of (exp(q.k / sqrt d) + 1) / 2: the two "diagonal" terms estimate the softmax kernel,
+  the cross terms estimate exp(-(||q||^2 + ||k||^2) / (2 sqrt d)), which the magnitude cancels to 1.
+  With O1 = O2 the features reduce exactly to Flexformer-S.
+* tau init log(2 sqrt d): the softmax temperature.
+* Temperature floor: a learnable tau could run to -inf (e^tau -> 0 makes ||x||^2 / e^tau explode and
+  the kernel a near-delta on the largest key). The effective temperature is
+  ``tau_eff = floor + softplus_beta(tau - floor)`` with beta = 10: exactly ``tau`` (PyTorch's
+  softplus is the identity once beta * (tau - floor) > 20, i.e. tau > floor + 2) and smoothly
+  saturating at ``floor`` below, with a non-zero gradient so tau can recover. The floor defaults
+  to ``log(2 sqrt d) - 3`` (temperature may shrink ~20x below the softmax one), and can be set
+  with ``min_log_temperature``.
+* Vectorised: one einsum projects onto [O1 ; O2] together.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..base import FeatureMap, FeatureMapOutput
+from ._common import check_even_feature_dim, fp32_region, log_sqrt_scale, project, quarter_root, sq_norm
+
+# softplus sharpness for the tau floor; identity above floor + _THRESHOLD / _BETA
+_BETA = 10.0
+_THRESHOLD = 20.0
+DEFAULT_FLOOR_MARGIN = 3.0  # default floor = log(2 sqrt d) - this
+
+
+class FlexformerNFeatureMap(FeatureMap):
+    """Learnable two-frequency-set random-Fourier map with learnable temperature e^tau."""
+
+    def __init__(
+        self, num_heads: int, head_dim: int, feature_dim: int, *, min_log_temperature: float | None = None
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim, self.feature_dim = num_heads, head_dim, feature_dim
+        self.num_frequencies = check_even_feature_dim("flexformer_n", feature_dim)
+        if min_log_temperature is None:
+            min_log_temperature = log_sqrt_scale(head_dim) - DEFAULT_FLOOR_MARGIN
+        self.min_log_temperature = float(min_log_temperature)
+        self.omega1 = nn.Parameter(torch.empty(num_heads, self.num_frequencies, head_dim))
+        self.omega2 = nn.Parameter(torch.empty(num_heads, self.num_frequencies, head_dim))
+        self.tau = nn.Parameter(torch.empty(num_heads))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.omega1, std=quarter_root(self.head_dim))
+        nn.init.normal_(self.omega2, std=quarter_root(self.head_dim))
+        nn.init.constant_(self.tau, log_sqrt_scale(self.head_dim))
+
+    def log_temperature(self) -> torch.Tensor:
+        """Effective tau [H] after the soft floor (equals ``tau`` whenever tau > floor + 2)."""
+        floor = self.min_log_temperature
+        return floor + F.softplus(self.tau.float() - floor, beta=_BETA, threshold=_THRESHOLD)
+
+    def forward(self, x: torch.Tensor, offset: int = 0) -> FeatureMapOutput:
+        self.check_input(x)
+        d_freq = self.num_frequencies
+        with fp32_region(x):
+            proj = project(x, torch.cat([self.omega1, self.omega2], dim=1))  # [B, H, N, 2D]
+            cos, sin = torch.cos(proj), torch.sin(proj)
+            features = torch.cat([cos[..., :d_freq] + cos[..., d_freq:], sin[..., :d_freq] + sin[..., d_freq:]], dim=-1)
+            features = features * (4 * d_freq) ** -0.5  # [B, H, N, 2D]
+            inv_temperature = torch.exp(-self.log_temperature())  # [H]
+            log_scale = sq_norm(x) * inv_temperature[:, None]  # [B, H, N]
+        return FeatureMapOutput(features.to(x.dtype), log_scale)

@@ -1,0 +1,39 @@
+"""Flexformer-S: a single learnable set of random-Fourier frequencies per head.
+
+    phi_tilde(x) = exp(||x||^2 / (2 sqrt d)) * D^-1/2 [cos(omega x) ; sin(omega x)]   omega: [H, D, d]
+
+Kernel: phi_tilde(q) . phi_tilde(k) = exp((||q||^2 + ||k||^2) / (2 sqrt d)) * mean_j cos(omega_j.(q - k)).
+Init omega ~ N(0, I) * d^-1/4, so E[cos(omega.(q - k))] = exp(-||q - k||^2 / (2 sqrt d)) and the
+kernel is an unbiased estimate of exp(q.k / sqrt d), the softmax kernel (Rahimi & Recht random
+Fourier features). Training then moves omega away from Gaussian: the spectrum becomes learned.
+The magnitude exp(||x||^2 / (2 sqrt d)) is returned as ``log_scale`` and never materialised.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..base import FeatureMap, FeatureMapOutput
+from ._common import check_even_feature_dim, fp32_region, project, quarter_root, sq_norm, trig_features
+
+
+class FlexformerSFeatureMap(FeatureMap):
+    """Learnable single-frequency-set random-Fourier map; ``omega`` is [H, D, d], D = F // 2."""
+
+    def __init__(self, num_heads: int, head_dim: int, feature_dim: int) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim, self.feature_dim = num_heads, head_dim, feature_dim
+        self.num_frequencies = check_even_feature_dim("flexformer_s", feature_dim)
+        self.omega = nn.Parameter(torch.empty(num_heads, self.num_frequencies, head_dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.omega, std=quarter_root(self.head_dim))
+
+    def forward(self, x: torch.Tensor, offset: int = 0) -> FeatureMapOutput:
+        self.check_input(x)
+        with fp32_region(x):
+            features = trig_features(project(x, self.omega))  # [B, H, N, 2D]
+            log_scale = sq_norm(x) / (2.0 * self.head_dim**0.5)  # [B, H, N]
+        return FeatureMapOutput(features.to(x.dtype), log_scale)

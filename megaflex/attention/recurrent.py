@@ -1,0 +1,48 @@
+"""Recurrent (token-by-token) causal linear attention: O(1) work and memory per token.
+
+The decoding form. For each token t, in fp32:
+
+    m_t   = max(m_{t-1}, kls_t)                          (detached stabiliser; m_0 = state.log_max)
+    S_t   = exp(m_{t-1} - m_t) S_{t-1} + exp(kls_t - m_t) kf_t v_t^T     [B, H, F, Dv]
+    z_t   = exp(m_{t-1} - m_t) z_{t-1} + exp(kls_t - m_t) kf_t           [B, H, F]
+    n_t   = qf_t S_t,  d_t = qf_t . z_t
+
+which is algebraically the quadratic form. A Python loop over N: fine for decoding (N = 1) and
+for tests; training uses the chunked form. Inputs are assumed valid (the dispatcher validates).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import LinearAttentionState, fp32_inputs, normalize_output
+
+
+def recurrent_linear_attention(
+    qf: torch.Tensor,
+    kf: torch.Tensor,
+    kls: torch.Tensor | None,
+    v: torch.Tensor,
+    *,
+    normalization: str = "rms",
+    initial_state: LinearAttentionState | None = None,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, LinearAttentionState]:
+    """qf, kf [B, H, N, F], kls [B, H, N] | None, v [B, H, N, Dv] -> (out [B, H, N, Dv], state)."""
+    q, k, ls, vv, state = fp32_inputs(qf, kf, kls, v, initial_state)
+    kv, k_sum, log_max = state.kv, state.k_sum, state.log_max.detach()
+    numerators, denominators = [], []
+    for t in range(q.shape[2]):
+        m = torch.maximum(log_max, ls[..., t].detach())  # [B, H]
+        decay = torch.exp(log_max - m)  # [B, H]; 0 for the empty state (log_max = -inf)
+        weighted_k = torch.exp(ls[..., t] - m).unsqueeze(-1) * k[:, :, t]  # [B, H, F]
+        kv = kv * decay[..., None, None] + weighted_k.unsqueeze(-1) * vv[:, :, t].unsqueeze(-2)
+        k_sum = k_sum * decay[..., None] + weighted_k
+        numerators.append(torch.einsum("bhf,bhfd->bhd", q[:, :, t], kv))
+        denominators.append((q[:, :, t] * k_sum).sum(dim=-1))
+        log_max = m
+    numerator = torch.stack(numerators, dim=2)  # [B, H, N, Dv]
+    denominator = torch.stack(denominators, dim=2)  # [B, H, N]
+    out = normalize_output(numerator, denominator, normalization, eps)
+    new_state = LinearAttentionState(kv=kv, k_sum=k_sum, log_max=log_max, offset=state.offset + q.shape[2])
+    return out.to(v.dtype), new_state
