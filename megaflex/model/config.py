@@ -1,0 +1,117 @@
+"""Typed configuration of the GPT model.
+
+``ModelConfig`` is the ``model:`` section of a run's YAML file. ``__post_init__`` validates
+everything that can be checked without knowing the tensor-parallel size (the model checks
+divisibility by ``tp_size`` when it is built) and every error names the offending field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from megaflex.attention import ATTENTION_KINDS, NORMALIZATIONS
+
+MLP_KINDS = ("gelu", "swiglu")
+NORM_KINDS = ("rmsnorm", "layernorm")
+POSITION_KINDS = ("rope", "learned", "none")
+
+
+@dataclass
+class ModelConfig:
+    """Decoder-only transformer hyper-parameters (see configs/*.yaml for the named sizes)."""
+
+    vocab_size: int
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    # None -> 4 * hidden for gelu, 8/3 * hidden rounded up to a multiple of 64 for swiglu
+    # (equal MLP parameter count).
+    ffn_hidden_size: int | None = None
+    # Attention ("softmax" or one of the linear feature-map kinds of megaflex.attention).
+    attention: str = "flexformer_n"
+    feature_dim: int = 128  # F: size of the feature axis (2 x number of frequencies for trig maps)
+    normalization: str = "rms"  # linear attention only: "rms" (default, stable) or "denominator"
+    chunk_size: int = 64  # chunk length of the parallel (training) linear-attention form
+    feature_kwargs: dict[str, Any] = field(default_factory=dict)  # extra kwargs of the feature map
+    mlp: str = "gelu"
+    norm: str = "rmsnorm"
+    norm_eps: float = 1e-5
+    bias: bool = False  # biases in the linear layers
+    tie_embeddings: bool = True
+    hidden_dropout: float = 0.0  # on embeddings and on each residual branch
+    attention_dropout: float = 0.0  # on the attention output of each head (before the out proj)
+    max_seq_len: int = 2048
+    position: str = "rope"
+    rope_theta: float = 10000.0
+    init_std: float = 0.02
+    activation_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "num_layers", "hidden_size", "num_heads", "feature_dim", "chunk_size", "max_seq_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.hidden_size % self.num_heads != 0:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads}); "
+                f"expected a multiple of {self.num_heads}"
+            )
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = (
+                4 * self.hidden_size if self.mlp == "gelu" else 64 * -(-8 * self.hidden_size // (3 * 64))
+            )
+        if isinstance(self.ffn_hidden_size, bool) or not isinstance(self.ffn_hidden_size, int) or self.ffn_hidden_size <= 0:
+            raise ValueError(f"ffn_hidden_size must be a positive int, got {self.ffn_hidden_size!r}")
+        _check_choice("attention", self.attention, ATTENTION_KINDS)
+        _check_choice("normalization", self.normalization, NORMALIZATIONS)
+        _check_choice("mlp", self.mlp, MLP_KINDS)
+        _check_choice("norm", self.norm, NORM_KINDS)
+        _check_choice("position", self.position, POSITION_KINDS)
+        if self.position == "rope" and self.head_dim % 2 != 0:
+            raise ValueError(f"position='rope' needs an even head dim (hidden_size / num_heads), got {self.head_dim}")
+        for name in ("hidden_dropout", "attention_dropout"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {value!r}")
+        for name in ("norm_eps", "init_std", "rope_theta"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value!r}")
+        if not isinstance(self.feature_kwargs, dict):
+            raise ValueError(f"feature_kwargs must be a mapping, got {type(self.feature_kwargs).__name__}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def is_linear_attention(self) -> bool:
+        return self.attention != "softmax"
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "ModelConfig":
+        """Build from a mapping (e.g. a YAML ``model:`` section); unknown keys are an error."""
+        if not isinstance(values, Mapping):
+            raise ValueError(f"model config must be a mapping, got {type(values).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown model config key(s) {unknown}; expected a subset of {sorted(known)}")
+        missing = sorted(
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and f.name not in values
+        )
+        if missing:
+            raise ValueError(f"model config is missing required key(s) {missing}")
+        return cls(**dict(values))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")

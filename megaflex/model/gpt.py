@@ -1,0 +1,340 @@
+"""GPT: a pre-norm decoder-only transformer whose attention is any kind of ``megaflex.attention``.
+
+    ids [B, N] -> embedding (+ learned positions) -> num_layers x Block -> norm -> logits
+    Block:  x = x + Attention(norm(x));  x = x + MLP(norm(x))
+    Attention: fused QKV -> RoPE(q, k) -> AttentionCore (Flexformer linear attention by default,
+               or exact softmax) -> per-head gain -> output projection
+
+Every linear layer, the embedding, the logits and the loss come from a ``LayerFactory``
+(``LocalLayers`` on one device, ``megaflex.parallel.TensorParallelLayers`` for Megatron-style
+tensor parallelism), so this file never touches process groups. Under tensor parallelism each
+rank holds ``num_heads / tp`` whole heads and ``ffn_hidden_size / tp`` MLP channels; the fused
+layouts below are chosen so that a *contiguous* shard of an output dim is exactly that.
+
+Training runs the parallel (chunked) attention form over whole sequences. Decoding passes the
+``GPTState`` returned by ``forward(..., return_state=True)`` back in: each layer continues from its
+recurrent state (a ``LinearAttentionState``, or a ``KVCache`` for softmax), so
+``forward(a)`` then ``forward(b, state)`` equals ``forward(a + b)`` up to fp rounding.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from megaflex.attention import AttentionCore
+from megaflex.model.config import ModelConfig
+from megaflex.model.layers import LayerFactory, LocalLayers, normal_init
+from megaflex.model.rope import RotaryEmbedding
+
+IGNORE_INDEX = -100  # labels equal to this contribute no loss
+
+
+@dataclass
+class GPTState:
+    """Decoding state of the whole model."""
+
+    layers: list[Any]  # per layer: LinearAttentionState (linear kinds) or KVCache (softmax)
+    offset: int  # tokens consumed so far = absolute position of the next token
+
+
+@dataclass
+class ModelOutput:
+    # [B, N, padded_vocab / tp]: this rank's vocab shard, padding columns included; use
+    # ``GPT.gather_logits`` for the full [B, N, vocab_size] logits.
+    logits: torch.Tensor
+    loss: torch.Tensor | None = None  # scalar fp32, mean over non-ignored tokens
+    per_token_loss: torch.Tensor | None = None  # [B, N] fp32, 0 where labels == IGNORE_INDEX
+    state: GPTState | None = None
+
+
+class Attention(nn.Module):
+    """Multi-head attention over this rank's ``num_heads / tp`` heads."""
+
+    def __init__(self, config: ModelConfig, layers: LayerFactory) -> None:
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.head_dim = d
+        self.local_heads = config.num_heads // layers.tp_size
+        self.layer_factory = layers
+        # Output features ordered (head, {q, k, v}, head_dim): a contiguous 1/tp shard of the
+        # 3h outputs is exactly the q, k and v of num_heads / tp whole heads.
+        self.qkv = layers.column_parallel_linear(h, 3 * h, bias=config.bias, init_method=normal_init(config.init_std))
+        self.rope = RotaryEmbedding(d, config.rope_theta) if config.position == "rope" else None
+        self.core = _build_attention_core(config, layers, self.local_heads)
+        # The core's "rms" normalisation is parameter-free; this per-head, per-channel gain is its
+        # learnable scale (heads on dim 0, sharded like the feature maps under TP).
+        self.out_gain = None
+        if config.is_linear_attention and config.normalization == "rms":
+            self.out_gain = nn.Parameter(torch.ones(self.local_heads, d))
+            self.out_gain.tensor_model_parallel = True  # Megatron attribute names: TP-sharded on dim 0
+            self.out_gain.partition_dim = 0
+        self.dropout = nn.Dropout(config.attention_dropout)
+        self.proj = layers.row_parallel_linear(
+            h, h, bias=config.bias, init_method=normal_init(_scaled_std(config))
+        )
+
+    def forward(
+        self, x: torch.Tensor, state: Any = None, return_state: bool = False, offset: int = 0
+    ) -> tuple[torch.Tensor, Any]:
+        B, N, _ = x.shape
+        qkv = self.qkv(x).view(B, N, self.local_heads, 3, self.head_dim)
+        q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each [B, Hl, N, d]
+        if self.rope is not None:
+            q, k = self.rope(q, k, offset)  # absolute positions offset .. offset + N - 1
+        out, new_state = self.core(q, k, v, state=state, return_state=return_state)  # [B, Hl, N, d]
+        if self.out_gain is not None:
+            out = out * self.out_gain[:, None, :].to(out.dtype)
+        if self.training and self.dropout.p > 0:
+            with self.layer_factory.tp_region_rng():  # sharded activations: masks must differ per TP rank
+                out = self.dropout(out)
+        out = out.transpose(1, 2).reshape(B, N, self.local_heads * self.head_dim)  # [B, N, h / tp]
+        return self.proj(out), new_state  # [B, N, h]
+
+
+class MLP(nn.Module):
+    """Column-parallel in, activation, row-parallel out (GELU or SwiGLU)."""
+
+    def __init__(self, config: ModelConfig, layers: LayerFactory) -> None:
+        super().__init__()
+        h, ffn = config.hidden_size, config.ffn_hidden_size
+        self.swiglu = config.mlp == "swiglu"
+        # SwiGLU's gate and up projections are fused with outputs interleaved as (ffn, {gate, up}),
+        # so any contiguous shard holds matching gate/up channel pairs, independent of tp.
+        self.fc_in = layers.column_parallel_linear(
+            h, (2 if self.swiglu else 1) * ffn, bias=config.bias, init_method=normal_init(config.init_std)
+        )
+        self.fc_out = layers.row_parallel_linear(
+            ffn, h, bias=config.bias, init_method=normal_init(_scaled_std(config))
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc_in(x)  # [B, N, ffn / tp] (gelu) or [B, N, 2 ffn / tp] (swiglu)
+        if self.swiglu:
+            gate, up = y.unflatten(-1, (-1, 2)).unbind(-1)  # [B, N, ffn / tp] each
+            y = F.silu(gate) * up
+        else:
+            y = F.gelu(y)
+        return self.fc_out(y)  # [B, N, h]
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block."""
+
+    def __init__(self, config: ModelConfig, layers: LayerFactory) -> None:
+        super().__init__()
+        self.attn_norm = _norm(config)
+        self.attn = Attention(config, layers)
+        self.mlp_norm = _norm(config)
+        self.mlp = MLP(config, layers)
+        self.dropout = nn.Dropout(config.hidden_dropout)  # full (replicated) activations: default RNG
+
+    def forward(
+        self, x: torch.Tensor, state: Any = None, return_state: bool = False, offset: int = 0
+    ) -> tuple[torch.Tensor, Any]:
+        a, new_state = self.attn(self.attn_norm(x), state, return_state, offset)
+        x = x + self.dropout(a)
+        x = x + self.dropout(self.mlp(self.mlp_norm(x)))
+        return x, new_state
+
+
+class GPT(nn.Module):
+    """Decoder-only language model built through a ``LayerFactory`` (default: single device)."""
+
+    def __init__(self, config: ModelConfig, layers: LayerFactory | None = None) -> None:
+        super().__init__()
+        layers = LocalLayers() if layers is None else layers
+        _check_tp_fit(config, layers.tp_size)
+        self.config = config
+        self.layer_factory = layers
+        init = normal_init(config.init_std)
+
+        self.embed = layers.vocab_embedding(config.vocab_size, config.hidden_size, init_method=init)
+        self.pos_embed = None
+        if config.position == "learned":
+            self.pos_embed = nn.Embedding(config.max_seq_len, config.hidden_size)
+            init(self.pos_embed.weight)
+        self.embed_dropout = nn.Dropout(config.hidden_dropout)
+        self.blocks = nn.ModuleList(Block(config, layers) for _ in range(config.num_layers))
+        self.final_norm = _norm(config)
+        # Untied output weight: another vocab-sharded [padded_vocab / tp, h] matrix from the factory.
+        self.lm_head = None
+        if not config.tie_embeddings:
+            self.lm_head = layers.vocab_embedding(config.vocab_size, config.hidden_size, init_method=init)
+        self.activation_checkpointing = False
+        self.set_activation_checkpointing(config.activation_checkpointing)
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        state: GPTState | None = None,
+        return_state: bool = False,
+    ) -> ModelOutput:
+        """input_ids [B, N] (int) -> ModelOutput; ``state`` continues a previous call."""
+        self._check_inputs(input_ids, labels, state)
+        B, N = input_ids.shape
+        offset = 0 if state is None else state.offset
+
+        x = self.embed(input_ids)  # [B, N, h]
+        if self.pos_embed is not None:
+            x = x + self.pos_embed(torch.arange(offset, offset + N, device=input_ids.device))
+        x = self.embed_dropout(x)
+
+        new_states = []
+        checkpointing = self.activation_checkpointing and self.training and torch.is_grad_enabled()
+        for i, block in enumerate(self.blocks):
+            layer_state = None if state is None else state.layers[i]
+            if checkpointing:
+                # Non-reentrant: recomputes the block in backward, keeps RNG state (dropout masks).
+                x, s = checkpoint(block, x, layer_state, return_state, offset, use_reentrant=False)
+            else:
+                x, s = block(x, layer_state, return_state, offset)
+            new_states.append(s)
+
+        x = self.final_norm(x)
+        logits = self.layer_factory.lm_logits(x, self.output_weight)  # [B, N, padded_vocab / tp]
+
+        out = ModelOutput(logits=logits)
+        if labels is not None:
+            valid = labels != IGNORE_INDEX
+            # Ignored labels are mapped to a valid id before the (possibly vocab-parallel) loss.
+            per_token = self.layer_factory.cross_entropy(logits, labels.masked_fill(~valid, 0), self.config.vocab_size)
+            out.per_token_loss = per_token.float() * valid  # [B, N]
+            out.loss = out.per_token_loss.sum() / valid.sum().clamp(min=1)
+        if return_state:
+            out.state = GPTState(layers=new_states, offset=offset + N)
+        return out
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """Vocab-sharded output matrix [padded_vocab / tp, h] (the embedding's when tied)."""
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
+    def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """ModelOutput.logits -> full logits [..., vocab_size] (gathered over TP, padding removed)."""
+        return self.layer_factory.gather_logits(logits, self.config.vocab_size)
+
+    # ------------------------------------------------------------------ utilities
+
+    def set_activation_checkpointing(self, enabled: bool) -> None:
+        """Recompute each block in backward instead of storing its activations."""
+        if enabled and self.layer_factory.tp_size > 1 and self.config.attention_dropout > 0:
+            # torch's checkpoint restores the default RNG for the recompute, not the factory's
+            # TP-region RNG, so the attention-dropout masks would differ between the passes.
+            raise ValueError(
+                "activation checkpointing with tensor parallelism needs attention_dropout == 0, "
+                f"got {self.config.attention_dropout}"
+            )
+        self.activation_checkpointing = bool(enabled)
+
+    def num_parameters(self) -> int:
+        """Parameters held by this module (this rank's shards under TP; tied weights once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    @torch.no_grad()
+    def kernel_statistics(self) -> dict[str, float]:
+        """Per-layer statistics of the learnable kernels, as flat scalars for logging.
+
+        ``layer{i}/tau_{mean,min,max}`` for bandwidth parameters (Flexformer-N's tau), and
+        ``layer{i}/{name}_norm_{mean,min,max}`` over the frequency vectors (rows along the last
+        dim) of every 3-D [H, D, d] feature-map parameter (the Omega matrices). Local heads only
+        under tensor parallelism. Empty for softmax and parameter-free feature maps.
+        """
+        stats: dict[str, float] = {}
+        for i, block in enumerate(self.blocks):
+            feature_map = block.attn.core.feature_map
+            if feature_map is None:
+                continue
+            for name, param in feature_map.named_parameters():
+                leaf = name.rsplit(".", 1)[-1]
+                if leaf == "tau":
+                    values, key = param.float(), f"layer{i:02d}/tau"
+                elif param.dim() == 3:
+                    values, key = param.float().norm(dim=-1), f"layer{i:02d}/{name}_norm"
+                else:
+                    continue
+                stats[f"{key}_mean"] = values.mean().item()
+                stats[f"{key}_min"] = values.min().item()
+                stats[f"{key}_max"] = values.max().item()
+        return stats
+
+    def _check_inputs(self, input_ids: torch.Tensor, labels: torch.Tensor | None, state: GPTState | None) -> None:
+        if input_ids.dim() != 2 or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+            raise ValueError(f"input_ids must be an integer tensor [B, N], got {input_ids.dtype} {tuple(input_ids.shape)}")
+        if labels is not None and labels.shape != input_ids.shape:
+            raise ValueError(f"labels must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
+        if state is not None:
+            if not isinstance(state, GPTState) or len(state.layers) != len(self.blocks):
+                got = len(state.layers) if isinstance(state, GPTState) else type(state).__name__
+                raise ValueError(f"state must be a GPTState with {len(self.blocks)} layer states, got {got}")
+        if self.pos_embed is not None:
+            end = (0 if state is None else state.offset) + input_ids.shape[1]
+            if end > self.config.max_seq_len:
+                raise ValueError(
+                    f"position='learned' supports max_seq_len={self.config.max_seq_len} positions, got up to {end}"
+                )
+
+
+def _check_tp_fit(config: ModelConfig, tp_size: int) -> None:
+    """Errors for configs whose dims cannot be split over ``tp_size`` ranks."""
+    for name in ("num_heads", "ffn_hidden_size"):
+        value = getattr(config, name)
+        if value % tp_size != 0:
+            raise ValueError(f"{name} ({value}) must be divisible by the tensor-parallel size {tp_size}")
+
+
+def _scaled_std(config: ModelConfig) -> float:
+    # Output projections add into the residual stream 2 x num_layers times (GPT-2 / Megatron init).
+    return config.init_std / math.sqrt(2 * config.num_layers)
+
+
+def _norm(config: ModelConfig) -> nn.Module:
+    if config.norm == "rmsnorm":
+        return nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+    return nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
+
+
+def _build_attention_core(config: ModelConfig, layers: LayerFactory, local_heads: int) -> AttentionCore:
+    """AttentionCore over this rank's heads, initialised as the tp=1 core sliced by heads.
+
+    Under TP the full core is drawn from the default RNG (identical on every rank, and consumed
+    exactly as at tp=1) and this rank's heads of every feature-map tensor (heads on dim 0) are
+    copied into a core built from a throwaway RNG fork. So the model's init does not depend on
+    tp, and different ranks never duplicate heads.
+    """
+
+    def build(num_heads: int) -> AttentionCore:
+        return AttentionCore(
+            config.attention,
+            num_heads,
+            config.head_dim,
+            feature_dim=config.feature_dim,
+            normalization=config.normalization,
+            chunk_size=config.chunk_size,
+            max_seq_len=config.max_seq_len,
+            **config.feature_kwargs,
+        )
+
+    if layers.tp_size == 1:
+        return build(config.num_heads)
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else []):
+        core = build(local_heads)
+    full = build(config.num_heads)
+    if full.feature_map is not None:
+        lo, hi = layers.tp_rank * local_heads, (layers.tp_rank + 1) * local_heads
+        sliced = {
+            name: t[lo:hi] if t.dim() > 0 and t.shape[0] == config.num_heads else t
+            for name, t in full.feature_map.state_dict().items()
+        }
+        core.feature_map.load_state_dict(sliced)
+    return core

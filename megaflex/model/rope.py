@@ -1,0 +1,41 @@
+"""Rotary position embedding (RoPE, Su et al. 2021).
+
+RoPE rotates pairs of query/key channels by angles proportional to the absolute position. The
+rotation is applied to q and k *before* the attention feature map, so it composes with any
+attention form: the recurrent/decoding path only needs the absolute position of the first new
+token (``state.offset``). Rotations preserve norms, so norm-based log-scales (e.g.
+||x||^2 / e^tau of Flexformer) are unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE over the full head dim (pairs (i, i + d/2) share one frequency)."""
+
+    def __init__(self, head_dim: int, theta: float = 10000.0) -> None:
+        super().__init__()
+        if head_dim % 2 != 0:
+            raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+        self.head_dim = head_dim
+        # Not persistent: derived from (head_dim, theta), so checkpoints stay free of it.
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """q, k [B, H, N, d] -> rotated q, k at absolute positions offset .. offset + N - 1."""
+        n = q.shape[-2]
+        positions = torch.arange(offset, offset + n, device=q.device, dtype=torch.float32)
+        angles = torch.outer(positions, self.inv_freq.to(q.device))  # [N, d/2]
+        cos, sin = angles.cos(), angles.sin()
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # Rotation in fp32 (angles at large positions lose precision in bf16), result in x.dtype.
+    x1, x2 = x.float().chunk(2, dim=-1)  # [B, H, N, d/2] each
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return rotated.to(x.dtype)

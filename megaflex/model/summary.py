@@ -1,0 +1,101 @@
+"""Print a model's dimensions and exact parameter count from a YAML config.
+
+    python -m megaflex.model.summary configs/flexformer_n_247m.yaml
+
+Reads the ``model:`` section of the file (or the whole file when it is a bare mapping of model
+fields), builds the GPT on the ``meta`` device (no memory, no init cost, so the 1.3B config is
+instant) and counts its parameters; the last line is ``parameters: N``. The count is that of a
+single-device model: embeddings are counted at the padded vocabulary size, tied weights once.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from megaflex.model.config import ModelConfig
+from megaflex.model.gpt import GPT
+from megaflex.model.layers import pad_vocab_size
+
+
+def load_model_config(path: str | Path) -> ModelConfig:
+    """ModelConfig from the ``model:`` section of a YAML file, or from a bare mapping."""
+    with open(path) as f:
+        data: Any = yaml.safe_load(f)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a YAML mapping, got {type(data).__name__}")
+    section = data.get("model", data)
+    if not isinstance(section, dict):
+        raise ValueError(f"{path}: 'model' must be a mapping, got {type(section).__name__}")
+    return ModelConfig.from_dict(section)
+
+
+def build_meta_model(config: ModelConfig) -> GPT:
+    """The single-device GPT with parameters on the meta device (shapes only).
+
+    Falls back to a real CPU build for feature maps whose construction needs data (e.g.
+    Performer draws its fixed frequencies from per-head seeds at init).
+    """
+    try:
+        with torch.device("meta"):
+            return GPT(config)
+    except (NotImplementedError, RuntimeError):
+        return GPT(config)
+
+
+def parameter_breakdown(model: GPT) -> dict[str, int]:
+    """Parameter count per component (embedding, attention, feature maps, mlp, norms, head)."""
+    counts: dict[str, int] = defaultdict(int)
+    for name, param in model.named_parameters():  # shared (tied) parameters appear once
+        if ".core.feature_map." in name:
+            group = "attention feature maps"
+        elif ".attn." in name:
+            group = "attention (qkv, out, gain)"
+        elif ".mlp." in name:
+            group = "mlp"
+        elif "norm" in name:
+            group = "norms"
+        elif name.startswith("lm_head"):
+            group = "lm head (untied)"
+        else:
+            group = "embeddings"
+        counts[group] += param.numel()
+    return dict(counts)
+
+
+def summarize(config: ModelConfig) -> str:
+    """Human-readable summary; the last line is ``parameters: N``."""
+    model = build_meta_model(config)
+    total = model.num_parameters()
+    lines = [
+        f"attention:        {config.attention}"
+        + (f" (normalization={config.normalization}, chunk={config.chunk_size})" if config.is_linear_attention else ""),
+        f"layers:           {config.num_layers}",
+        f"hidden:           {config.hidden_size}",
+        f"heads:            {config.num_heads} x head_dim {config.head_dim}",
+        f"ffn:              {config.ffn_hidden_size} ({config.mlp})",
+        f"feature dim:      {config.feature_dim if config.is_linear_attention else '-'}",
+        f"vocab:            {config.vocab_size} (padded {pad_vocab_size(config.vocab_size, 1)}), "
+        f"tied embeddings: {config.tie_embeddings}",
+        f"positions:        {config.position}, max_seq_len {config.max_seq_len}",
+    ]
+    for group, count in parameter_breakdown(model).items():
+        lines.append(f"  {group:<28s} {count:>14,d}")
+    lines.append(f"parameters: {total}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("config", help="YAML file with a 'model:' section (or a bare model mapping)")
+    args = parser.parse_args(argv)
+    print(summarize(load_model_config(args.config)))
+
+
+if __name__ == "__main__":
+    main()
