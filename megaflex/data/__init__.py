@@ -1,1 +1,54 @@
-"""megaflex.data"""
+"""megaflex.data: memory-mapped token datasets, GPT samples, blending, and DP sampling.
+
+Typical use by training code::
+
+    from megaflex.data import build_datasets, PretrainingSampler, Tokenizer
+
+    tok = Tokenizer("tok/wt103.model")                  # encode/decode, eod_id, vocab_size, bytes per token
+    sets = build_datasets(["data/wt103_train"], split="949,50,1", seq_len=1024,
+                          num_samples_per_split=(train_iters * global_batch, eval_samples, None),
+                          seed=1234, cache_dir="runs/x/index_cache",
+                          is_builder=(rank == 0), barrier=dist.barrier)
+    sampler = PretrainingSampler(len(sets["train"]), consumed_samples, micro_batch_size, dp_rank, dp_size)
+    loader = torch.utils.data.DataLoader(sets["train"], batch_sampler=sampler, num_workers=2)
+    # each batch: int64 [micro_batch_size, seq_len + 1]; inputs = b[:, :-1], targets = b[:, 1:]
+
+Public API:
+
+* :class:`IndexedDataset` (reader), :class:`IndexedDatasetBuilder` (writer), :func:`merge_datasets`,
+  :class:`IndexedDatasetError` — Megatron-LM's ``.bin``/``.idx`` format, byte for byte.
+* :class:`GPTDataset` — seq_len+1-token samples with cached document/sample/shuffle indices.
+* :class:`BlendedDataset`, :func:`build_datasets` — weighted blends, train/valid/test splits.
+* :class:`PretrainingSampler` — exact resume from ``consumed_samples``, DP-size independent order.
+* :class:`Tokenizer` — sentencepiece model + card written by ``data_prep.train_tokenizer``.
+"""
+
+from megaflex.data.blended import BlendedDataset, blend_indices, build_datasets
+from megaflex.data.gpt_dataset import GPTDataset, build_indices, parse_split, split_ranges
+from megaflex.data.indexed import (
+    IndexedDataset,
+    IndexedDatasetBuilder,
+    IndexedDatasetError,
+    merge_datasets,
+    optimal_dtype,
+)
+from megaflex.data.sampler import PretrainingSampler
+from megaflex.data.tokenizer import Tokenizer, TokenizerCard
+
+__all__ = [
+    "BlendedDataset",
+    "GPTDataset",
+    "IndexedDataset",
+    "IndexedDatasetBuilder",
+    "IndexedDatasetError",
+    "PretrainingSampler",
+    "Tokenizer",
+    "TokenizerCard",
+    "blend_indices",
+    "build_datasets",
+    "build_indices",
+    "merge_datasets",
+    "optimal_dtype",
+    "parse_split",
+    "split_ranges",
+]
