@@ -36,7 +36,7 @@ class FeatureMapOutput:
 
 @dataclass
 class LinearAttentionState:
-    """Recurrent state of causal linear attention, always fp32.
+    """Recurrent state of causal linear attention, fp32 (fp64 only for fp64 inputs).
 
     kv:       [B, H, F, Dv]  sum_s exp(ls_s - log_max) phi(k_s) v_s^T
     k_sum:    [B, H, F]      sum_s exp(ls_s - log_max) phi(k_s)
@@ -51,12 +51,20 @@ class LinearAttentionState:
 
 
     @classmethod
-    def empty(cls, batch: int, heads: int, feature_dim: int, value_dim: int, device: torch.device | str = "cpu") -> "LinearAttentionState":
+    def empty(
+        cls,
+        batch: int,
+        heads: int,
+        feature_dim: int,
+        value_dim: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> "LinearAttentionState":
         """State before any token: zero sums and log_max = -inf (so it rescales to nothing)."""
         return cls(
-            kv=torch.zeros(batch, heads, feature_dim, value_dim, device=device),
-            k_sum=torch.zeros(batch, heads, feature_dim, device=device),
-            log_max=torch.full((batch, heads), float("-inf"), device=device),
+            kv=torch.zeros(batch, heads, feature_dim, value_dim, device=device, dtype=dtype),
+            k_sum=torch.zeros(batch, heads, feature_dim, device=device, dtype=dtype),
+            log_max=torch.full((batch, heads), float("-inf"), device=device, dtype=dtype),
             offset=0,
         )
 
@@ -87,6 +95,11 @@ def normalize_output(numerator: torch.Tensor, denominator: torch.Tensor | None, 
     raise ValueError(f"normalization: expected one of {NORMALIZATIONS}, got {normalization!r}")
 
 
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for half/bf16/fp32 inputs; fp64 stays fp64 (gradcheck, reference computations)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def fp32_inputs(
     qf: torch.Tensor,
     kf: torch.Tensor,
@@ -94,13 +107,17 @@ def fp32_inputs(
     v: torch.Tensor,
     initial_state: LinearAttentionState | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, LinearAttentionState]:
-    """Common prologue of the attention forms: fp32 copies, ``kls=None`` -> zeros, empty state."""
+    """Common prologue of the attention forms: upcast to the accumulation dtype (fp32, or fp64
+    for fp64 inputs), ``kls=None`` -> zeros, ``initial_state=None`` -> the empty state."""
     batch, heads, n, feat = qf.shape
-    ls = torch.zeros(batch, heads, n, device=qf.device) if kls is None else kls.float()
+    acc = accumulation_dtype(v.dtype)
+    ls = torch.zeros(batch, heads, n, device=qf.device, dtype=acc) if kls is None else kls.to(acc)
     state = initial_state
     if state is None:
-        state = LinearAttentionState.empty(batch, heads, feat, v.shape[-1], device=qf.device)
-    return qf.float(), kf.float(), ls, v.float(), state
+        state = LinearAttentionState.empty(batch, heads, feat, v.shape[-1], device=qf.device, dtype=acc)
+    else:
+        state = LinearAttentionState(state.kv.to(acc), state.k_sum.to(acc), state.log_max.to(acc), state.offset)
+    return qf.to(acc), kf.to(acc), ls, v.to(acc), state
 
 
 class FeatureMap(nn.Module):

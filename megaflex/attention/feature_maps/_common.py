@@ -1,7 +1,7 @@
 """Helpers shared by the feature maps: fp32 projection, trig features, frequency sampling.
 
-Precision policy (all maps): features are computed in fp32 with autocast disabled and cast back
-to the input dtype; ``log_scale`` stays fp32. Random-Fourier arguments ``omega @ x`` reach O(10)
+Precision policy (all maps): features are computed in fp32 (fp64 for fp64 inputs) with autocast
+disabled and cast back to the input dtype; ``log_scale`` stays fp32. Random-Fourier arguments ``omega @ x`` reach O(10)
 and bf16 keeps ~3 significant digits, so cos/sin of a bf16 argument would be noise; the log-scale
 enters an ``exp`` and an O(1) error there is a multiplicative error of the kernel.
 """
@@ -14,6 +14,8 @@ from typing import Iterator
 
 import torch
 
+from ..base import accumulation_dtype
+
 
 @contextlib.contextmanager
 def fp32_region(x: torch.Tensor) -> Iterator[None]:
@@ -22,15 +24,21 @@ def fp32_region(x: torch.Tensor) -> Iterator[None]:
         yield
 
 
+def upcast(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in fp32 (fp64 stays fp64, for gradcheck)."""
+    return t.to(accumulation_dtype(t.dtype))
+
+
 def sq_norm(x: torch.Tensor) -> torch.Tensor:
     """||x||^2 over the head dim in fp32: [B, H, N, d] -> [B, H, N]."""
-    x = x.float()
+    x = upcast(x)
     return (x * x).sum(dim=-1)
 
 
 def project(x: torch.Tensor, omega: torch.Tensor) -> torch.Tensor:
     """Per-head projection in fp32: x [B, H, N, d], omega [H, D, d] -> [B, H, N, D]."""
-    return torch.einsum("bhnd,hfd->bhnf", x.float(), omega.float())
+    x = upcast(x)
+    return torch.einsum("bhnd,hfd->bhnf", x, omega.to(x.dtype))
 
 
 def trig_features(proj: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ import math
 import torch
 
 from ..base import FeatureMap, FeatureMapOutput
-from ._common import fp32_region
+from ._common import fp32_region, upcast
 
 
 class CosformerFeatureMap(FeatureMap):
@@ -40,8 +40,9 @@ class CosformerFeatureMap(FeatureMap):
                 f"got offset={offset}, N={n}"
             )
         with fp32_region(x):
-            angle = (math.pi / (2 * self.max_seq_len)) * torch.arange(offset, offset + n, device=x.device, dtype=torch.float32)
-            relu = torch.relu(x.float())  # [B, H, N, d]
+            relu = torch.relu(upcast(x))  # [B, H, N, d]
+            positions = torch.arange(offset, offset + n, device=x.device, dtype=relu.dtype)
+            angle = (math.pi / (2 * self.max_seq_len)) * positions  # [N]
             features = torch.cat([relu * torch.cos(angle)[:, None], relu * torch.sin(angle)[:, None]], dim=-1)
         return FeatureMapOutput(features.to(x.dtype), None)
 

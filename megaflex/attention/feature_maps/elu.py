@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ..base import FeatureMap, FeatureMapOutput
-from ._common import fp32_region
+from ._common import fp32_region, upcast
 
 
 class EluFeatureMap(FeatureMap):
@@ -25,5 +25,5 @@ class EluFeatureMap(FeatureMap):
     def forward(self, x: torch.Tensor, offset: int = 0) -> FeatureMapOutput:
         self.check_input(x)
         with fp32_region(x):
-            features = F.elu(x.float()) + 1.0  # [B, H, N, d]
+            features = F.elu(upcast(x)) + 1.0  # [B, H, N, d]
         return FeatureMapOutput(features.to(x.dtype), None)

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..base import FeatureMap, FeatureMapOutput
-from ._common import check_even_feature_dim, fp32_region, log_sqrt_scale, project, quarter_root, sq_norm
+from ._common import check_even_feature_dim, fp32_region, log_sqrt_scale, project, quarter_root, sq_norm, upcast
 
 # softplus sharpness for the tau floor; identity above floor + _THRESHOLD / _BETA
 _BETA = 10.0
@@ -66,7 +66,7 @@ class FlexformerNFeatureMap(FeatureMap):
     def log_temperature(self) -> torch.Tensor:
         """Effective tau [H] after the soft floor (equals ``tau`` whenever tau > floor + 2)."""
         floor = self.min_log_temperature
-        return floor + F.softplus(self.tau.float() - floor, beta=_BETA, threshold=_THRESHOLD)
+        return floor + F.softplus(upcast(self.tau) - floor, beta=_BETA, threshold=_THRESHOLD)
 
     def forward(self, x: torch.Tensor, offset: int = 0) -> FeatureMapOutput:
         self.check_input(x)

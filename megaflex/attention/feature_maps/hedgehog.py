@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..base import FeatureMap, FeatureMapOutput
-from ._common import check_even_feature_dim, fp32_region
+from ._common import check_even_feature_dim, fp32_region, upcast
 
 
 class HedgehogFeatureMap(FeatureMap):
@@ -36,6 +36,7 @@ class HedgehogFeatureMap(FeatureMap):
     def forward(self, x: torch.Tensor, offset: int = 0) -> FeatureMapOutput:
         self.check_input(x)
         with fp32_region(x):
-            proj = torch.einsum("bhnd,hdf->bhnf", x.float(), self.W.float())  # [B, H, N, F/2]
+            x32 = upcast(x)
+            proj = torch.einsum("bhnd,hdf->bhnf", x32, self.W.to(x32.dtype))  # [B, H, N, F/2]
             features = torch.softmax(torch.cat([proj, -proj], dim=-1), dim=-1)  # [B, H, N, F]
         return FeatureMapOutput(features.to(x.dtype), None)

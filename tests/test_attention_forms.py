@@ -1,0 +1,167 @@
+"""The causal linear-attention forms agree: recurrent == quadratic (outputs and every gradient),
+segmented runs with a carried state == one-shot runs, and AttentionCore keeps state across calls."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attention_helpers import AVAILABLE_FORMS, LINEAR_KINDS, attend, make_map, make_qkv, rel_err
+from megaflex.attention import AttentionCore, KVCache, LinearAttentionState, NORMALIZATIONS
+
+
+def _prefix_state(fmap, heads: int, head_dim: int, value_dim: int, n: int, seed: int) -> LinearAttentionState:
+    """A genuine state (from a prefix), with kv / k_sum as leaves so their gradients can be compared."""
+    q, k, v = make_qkv(2, heads, n, head_dim, value_dim, seed=seed)
+    with torch.no_grad():
+        _, state = attend(fmap, q, k, v, form="quadratic")
+    return LinearAttentionState(
+        state.kv.clone().requires_grad_(), state.k_sum.clone().requires_grad_(), state.log_max, state.offset
+    )
+
+
+def _outputs_and_grads(kind, form, normalization, n, with_state, *, head_dim=8, feature_dim=32):
+    heads = 2
+    fmap = make_map(kind, heads, head_dim, feature_dim)
+    state = _prefix_state(fmap, heads, head_dim, 6, 5, seed=1) if with_state else None
+    q, k, v = make_qkv(2, heads, n, head_dim, value_dim=6, seed=2)
+    for t in (q, k, v):
+        t.requires_grad_()
+    out, new_state = attend(fmap, q, k, v, form=form, normalization=normalization, state=state)
+    probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    loss = (out * probe).sum() + new_state.kv.sum() * 1e-3 + new_state.k_sum.sum() * 1e-3
+    leaves = {"q": q, "k": k, "v": v, **{f"map.{n}": p for n, p in fmap.named_parameters()}}
+    if state is not None:
+        leaves.update({"state.kv": state.kv, "state.k_sum": state.k_sum})
+    grads = torch.autograd.grad(loss, list(leaves.values()))
+    return out, new_state, dict(zip(leaves, grads))
+
+
+def _assert_forms_agree(kind, normalization, n, with_state, form="recurrent", **sizes):
+    ref_out, ref_state, ref_grads = _outputs_and_grads(kind, "quadratic", normalization, n, with_state, **sizes)
+    out, state, grads = _outputs_and_grads(kind, form, normalization, n, with_state, **sizes)
+    assert torch.isfinite(ref_out).all()
+    assert rel_err(out, ref_out) < 1e-5
+    assert rel_err(state.kv, ref_state.kv) < 1e-5 and rel_err(state.k_sum, ref_state.k_sum) < 1e-5
+    assert torch.equal(state.log_max, ref_state.log_max) and state.offset == ref_state.offset
+    # Gradients agree to 1e-4 relative; a gradient far below the largest one is compared at 1e-2 of
+    # that scale (e.g. d out / d q at N = 1 under "rms" is O(eps): the output is scale-invariant).
+    floor = 1e-2 * max(g.abs().max().item() for g in ref_grads.values())
+    for name, ref in ref_grads.items():
+        scale = max(ref.abs().max().item(), floor)
+        assert (grads[name] - ref).abs().max().item() < 1e-4 * scale, f"grad of {name}"
+
+
+@pytest.mark.parametrize("kind", ["flexformer_n", "flexformer_s"])
+@pytest.mark.parametrize("normalization", NORMALIZATIONS)
+@pytest.mark.parametrize("n", [1, 7, 65])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_recurrent_matches_quadratic_flexformer(kind, normalization, n, with_state):
+    _assert_forms_agree(kind, normalization, n, with_state)
+
+
+@pytest.mark.parametrize("kind", [k for k in LINEAR_KINDS if not k.startswith("flexformer")])
+@pytest.mark.parametrize("normalization", NORMALIZATIONS)
+def test_recurrent_matches_quadratic_other_kinds(kind, normalization):
+    _assert_forms_agree(kind, normalization, n=9, with_state=True, head_dim=4, feature_dim=8)
+
+
+@pytest.mark.parametrize("form", AVAILABLE_FORMS)
+@pytest.mark.parametrize("kind", LINEAR_KINDS)
+@pytest.mark.parametrize("normalization", NORMALIZATIONS)
+def test_segments_with_carried_state_equal_one_shot(form, kind, normalization):
+    heads, head_dim = 2, 8
+    fmap = make_map(kind, heads, head_dim, 32)
+    q, k, v = make_qkv(2, heads, 40, head_dim, seed=4)
+    full, full_state = attend(fmap, q, k, v, form="quadratic", normalization=normalization)
+    pieces, state, start = [], None, 0
+    for length in (1, 13, 2, 17, 7):  # arbitrary, not aligned to the chunk size
+        sl = slice(start, start + length)
+        out, state = attend(fmap, q[:, :, sl], k[:, :, sl], v[:, :, sl], form=form, normalization=normalization, state=state)
+        pieces.append(out)
+        start += length
+    assert start == 40 and state.offset == 40
+    assert rel_err(torch.cat(pieces, dim=2), full) < 1e-5
+    assert rel_err(state.kv, full_state.kv) < 1e-5
+    assert torch.equal(state.log_max, full_state.log_max)
+
+
+def test_states_are_interchangeable_between_forms():
+    fmap = make_map("flexformer_n", 2, 8, 32)
+    q, k, v = make_qkv(1, 2, 30, 8, seed=5)
+    full, _ = attend(fmap, q, k, v, form="quadratic")
+    out_a, state = attend(fmap, q[:, :, :11], k[:, :, :11], v[:, :, :11], form="recurrent")
+    out_b, _ = attend(fmap, q[:, :, 11:], k[:, :, 11:], v[:, :, 11:], form=AVAILABLE_FORMS[-1], state=state)
+    assert rel_err(torch.cat([out_a, out_b], dim=2), full) < 1e-5
+
+
+def test_gradients_flow_through_the_carried_state():
+    """Backprop across segments equals backprop through the one-shot computation."""
+    fmap = make_map("flexformer_n", 2, 8, 32)
+    q, k, v = make_qkv(1, 2, 20, 8, seed=6)
+    probe = torch.randn(1, 2, 20, 8, generator=torch.Generator().manual_seed(7))
+
+    def grads(split: bool):
+        fmap.zero_grad()
+        if split:
+            a, state = attend(fmap, q[:, :, :9], k[:, :, :9], v[:, :, :9], form="recurrent")
+            b, _ = attend(fmap, q[:, :, 9:], k[:, :, 9:], v[:, :, 9:], form="quadratic", state=state)
+            out = torch.cat([a, b], dim=2)
+        else:
+            out, _ = attend(fmap, q, k, v, form="quadratic")
+        (out * probe).sum().backward()
+        return [p.grad.clone() for p in fmap.parameters()]
+
+    for g_split, g_full in zip(grads(True), grads(False)):
+        assert rel_err(g_split, g_full) < 1e-4
+
+
+def test_bf16_inputs_accumulate_in_fp32():
+    fmap = make_map("flexformer_n", 2, 8, 32)
+    q, k, v = make_qkv(1, 2, 24, 8, seed=8)
+    ref, _ = attend(fmap, q, k, v, form="quadratic")
+    for form in AVAILABLE_FORMS:
+        out, state = attend(fmap, q.bfloat16(), k.bfloat16(), v.bfloat16(), form=form)
+        assert out.dtype == torch.bfloat16 and state.kv.dtype == torch.float32
+        assert rel_err(out, ref) < 5e-2  # bf16 input rounding only
+
+
+# ----------------------------------------------------------------------------- AttentionCore
+
+
+def test_attention_core_softmax_matches_full_sdpa_when_decoding_with_kv_cache():
+    torch.manual_seed(0)
+    core = AttentionCore("softmax", 3, 8)
+    assert core.feature_map is None
+    q, k, v = make_qkv(2, 3, 12, 8, scale=1.0, seed=9)
+    full = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    one_call, cache = core(q, k, v, return_state=True)
+    assert torch.allclose(one_call, full, atol=1e-6) and isinstance(cache, KVCache) and cache.offset == 12
+    # prompt of 5 tokens, then token-by-token, then a 3-token block (masked within the cache)
+    out, state = core(q[:, :, :5], k[:, :, :5], v[:, :, :5], return_state=True)
+    pieces = [out]
+    for t in range(5, 9):
+        out, state = core(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], state=state, return_state=True)
+        pieces.append(out)
+    out, state = core(q[:, :, 9:], k[:, :, 9:], v[:, :, 9:], state=state, return_state=True)
+    pieces.append(out)
+    assert state.offset == 12 and state.k.shape[2] == 12
+    assert torch.allclose(torch.cat(pieces, dim=2), full, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", LINEAR_KINDS)
+def test_attention_core_state_across_calls_equals_one_call(kind):
+    torch.manual_seed(0)
+    form = AVAILABLE_FORMS[-1]  # chunked once available
+    core = AttentionCore(kind, 2, 8, feature_dim=32, max_seq_len=64, form=form, chunk_size=8)
+    q, k, v = make_qkv(2, 2, 30, 8, seed=10)
+    full, full_state = core(q, k, v, return_state=True)
+    assert core(q, k, v)[1] is None  # no state unless asked
+    state, pieces = None, []
+    for start, stop in ((0, 20), (20, 21), (21, 22), (22, 30)):  # long prefix, decode steps, a block
+        out, state = core(q[:, :, start:stop], k[:, :, start:stop], v[:, :, start:stop], state=state, return_state=True)
+        pieces.append(out)
+    assert state.offset == 30
+    assert rel_err(torch.cat(pieces, dim=2), full) < 1e-5
+    assert rel_err(state.kv, full_state.kv) < 1e-5
