@@ -98,7 +98,7 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         """Text of ``ids``; control tokens (BOS/EOS/PAD) decode to nothing."""
-        return self._sp.decode([int(i) for i in ids])
+        return self._sp.decode(np.asarray(ids, dtype=np.int64).tolist())
 
     def id_to_piece(self, idx: int) -> str:
         return self._sp.id_to_piece(int(idx))
