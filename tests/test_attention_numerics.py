@@ -1,0 +1,177 @@
+"""Numerical robustness: the log-space stabiliser (huge key norms, carried-state rescaling), the
+guarded denominator, the Flexformer temperature floor, and gradchecks of the reference forms."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from attention_helpers import AVAILABLE_FORMS, attend, make_map, make_qkv, rel_err
+from megaflex.attention import LinearAttentionState, NORMALIZATIONS, causal_linear_attention
+from megaflex.attention.feature_maps.flexformer_n import DEFAULT_FLOOR_MARGIN
+
+
+@pytest.mark.parametrize("kind", ["flexformer_n", "flexformer_s", "performer"])
+@pytest.mark.parametrize("key_scale", [100.0, 1000.0])
+@pytest.mark.parametrize("normalization", NORMALIZATIONS)
+def test_huge_key_norms_stay_finite_in_every_form(kind, key_scale, normalization):
+    fmap = make_map(kind, 2, 8, 32)
+    q, k, v = make_qkv(1, 2, 21, 8, seed=0)
+    k = k * key_scale
+    k[:, :, 5] *= 3  # one dominant key mid-sequence: later queries must still see finite sums
+    fq, fk = fmap(q), fmap(k)
+    qf, kls = fq.features.detach(), fk.log_scale.detach()
+    assert kls.abs().max() > 1e3  # exp(log_scale) itself would overflow (or underflow) fp32
+    outputs = {}
+    for form in AVAILABLE_FORMS:
+        kf = fk.features.detach().requires_grad_()
+        vv = v.clone().requires_grad_()
+        out, state = causal_linear_attention(qf, kf, kls, vv, form=form, normalization=normalization, chunk_size=8)
+        assert torch.isfinite(out).all() and torch.isfinite(state.kv).all() and torch.isfinite(state.k_sum).all()
+        out.sum().backward()
+        assert torch.isfinite(kf.grad).all() and torch.isfinite(vv.grad).all()
+        outputs[form] = out
+    if normalization == "rms":  # (a signed denominator near its guard is ill-conditioned, only finite)
+        for form, out in outputs.items():
+            assert rel_err(out, outputs["quadratic"]) < 1e-4, form
+
+
+@pytest.mark.parametrize("form", AVAILABLE_FORMS)
+@pytest.mark.parametrize("kind", ["flexformer_n", "flexformer_s"])
+def test_state_rescaled_when_a_later_segment_has_much_larger_keys(form, kind):
+    fmap = make_map(kind, 2, 8, 32)
+    q, k, v = make_qkv(1, 2, 24, 8, seed=1)
+    k[:, :, 12:] *= 5  # the second segment's key log-scales exceed the carried log_max by > 10
+    full, full_state = attend(fmap, q, k, v, form="quadratic")
+    first, state = attend(fmap, q[:, :, :12], k[:, :, :12], v[:, :, :12], form=form, chunk_size=4)
+    second, final = attend(fmap, q[:, :, 12:], k[:, :, 12:], v[:, :, 12:], form=form, state=state, chunk_size=4)
+    assert (final.log_max - state.log_max).min() > 10
+    assert rel_err(torch.cat([first, second], dim=2), full) < 1e-5
+    assert rel_err(final.kv, full_state.kv) < 1e-5 and rel_err(final.k_sum, full_state.k_sum) < 1e-5
+    # sensitivity: the carried (rescaled) state visibly matters for the second segment
+    alone, _ = attend(fmap, q[:, :, 12:], k[:, :, 12:], v[:, :, 12:], form="quadratic")
+    assert rel_err(alone, full[:, :, 12:]) > 1e-3
+
+
+@pytest.mark.parametrize("form", AVAILABLE_FORMS)
+@pytest.mark.parametrize("normalization", NORMALIZATIONS)
+def test_carried_state_rescaling_with_synthetic_log_scales(form, normalization):
+    """Positive features, key log-scales jumping by +30 then +300 across three segments."""
+    g = torch.Generator().manual_seed(6)
+    qf, kf = torch.rand(2, 1, 2, 30, 4, generator=g) + 0.05
+    v = torch.randn(1, 2, 30, 3, generator=g)
+    kls = torch.randn(1, 2, 30, generator=g)
+    kls[..., 10:20] += 30
+    kls[..., 20:] += 300  # exp(kls) alone overflows fp32 here
+    full, full_state = causal_linear_attention(qf, kf, kls, v, form="quadratic", normalization=normalization)
+    pieces, state = [], None
+    for sl in (slice(0, 10), slice(10, 20), slice(20, 30)):
+        out, state = causal_linear_attention(
+            qf[:, :, sl], kf[:, :, sl], kls[..., sl], v[:, :, sl], form=form, normalization=normalization,
+            initial_state=state, chunk_size=4,
+        )
+        pieces.append(out)
+    assert torch.isfinite(full).all()
+    assert rel_err(torch.cat(pieces, dim=2), full) < 1e-5
+    assert torch.equal(state.log_max, full_state.log_max) and rel_err(state.kv, full_state.kv) < 1e-5
+
+
+@pytest.mark.parametrize("form", AVAILABLE_FORMS)
+def test_state_with_larger_log_max_than_new_keys(form):
+    """The opposite case: new keys are tiny relative to the carried log_max (no rescale of the state)."""
+    fmap = make_map("flexformer_s", 2, 8, 32)
+    q, k, v = make_qkv(1, 2, 20, 8, seed=2)
+    k[:, :, :8] *= 4
+    full, _ = attend(fmap, q, k, v, form="quadratic")
+    first, state = attend(fmap, q[:, :, :8], k[:, :, :8], v[:, :, :8], form=form, chunk_size=4)
+    second, final = attend(fmap, q[:, :, 8:], k[:, :, 8:], v[:, :, 8:], form=form, state=state, chunk_size=4)
+    assert torch.equal(final.log_max, state.log_max)
+    assert rel_err(torch.cat([first, second], dim=2), full) < 1e-5
+
+
+@pytest.mark.parametrize("form", AVAILABLE_FORMS)
+def test_denominator_mode_is_finite_when_the_trig_denominator_crosses_zero(form):
+    # Signed (trig-like) features: qf = e1 and keys +-e1, so d_t = sum_s qf_t . kf_s goes
+    # 1, 0, 1, 0, -1, ... (exactly zero at even t) while the numerator does not vanish.
+    n = 10
+    qf = torch.zeros(1, 1, n, 2)
+    qf[..., 0] = 1.0
+    signs = torch.tensor([1.0, -1.0, 1.0, -1.0, -1.0, -1.0, 1.0, 1.0, 1.0, -1.0])
+    kf = torch.zeros(1, 1, n, 2)
+    kf[0, 0, :, 0] = signs
+    kf = kf.requires_grad_()
+    v = torch.randn(1, 1, n, 3, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    denominators = torch.cumsum(signs, 0)
+    assert (denominators == 0).any() and (denominators < 0).any()
+    eps = 1e-6
+    out, _ = causal_linear_attention(qf, kf, None, v, form=form, normalization="denominator", chunk_size=4, eps=eps)
+    assert torch.isfinite(out).all()
+    numerators = torch.cumsum(signs[:, None] * v[0, 0].detach(), 0)
+    guarded = torch.where(denominators >= 0, denominators.clamp(min=eps), denominators.clamp(max=-eps))
+    assert rel_err(out[0, 0], numerators / guarded[:, None]) < 1e-6
+    out.sum().backward()
+    assert torch.isfinite(kf.grad).all() and torch.isfinite(v.grad).all()
+
+
+@pytest.mark.parametrize("form", AVAILABLE_FORMS)
+def test_rms_mode_with_zero_numerator_is_finite(form):
+    qf, kf, _ = make_qkv(1, 2, 9, 4, seed=4)
+    v = torch.zeros(1, 2, 9, 4, requires_grad=True)
+    out, _ = causal_linear_attention(qf, kf, None, v, form=form, chunk_size=4)
+    assert torch.equal(out, torch.zeros_like(out))
+    out.sum().backward()
+    assert torch.isfinite(v.grad).all()
+
+
+def test_flexformer_temperature_cannot_collapse_below_its_floor():
+    head_dim = 16
+    fmap = make_map("flexformer_n", 3, head_dim, 32)
+    floor = math.log(2 * math.sqrt(head_dim)) - DEFAULT_FLOOR_MARGIN
+    assert fmap.min_log_temperature == pytest.approx(floor)
+    with torch.no_grad():
+        fmap.tau.copy_(torch.tensor([-1e4, floor, floor + 2.5]))
+    tau_eff = fmap.log_temperature().detach()
+    assert (tau_eff >= floor).all() and tau_eff[0] == pytest.approx(floor, abs=1e-6)
+    assert tau_eff[2].item() == pytest.approx(floor + 2.5, abs=1e-6)  # identity well above the floor
+    # the log-scale stays bounded by ||x||^2 / e^floor, and tau keeps a gradient (it can recover)
+    x = torch.randn(1, 3, 4, head_dim)
+    out = fmap(x)
+    assert (out.log_scale <= (x * x).sum(-1) * math.exp(-floor) * (1 + 1e-5)).all()
+    out.log_scale.sum().backward()
+    assert (fmap.tau.grad[1:] != 0).all()
+    # a custom floor
+    custom = make_map("flexformer_n", 1, head_dim, 8, min_log_temperature=0.5)
+    with torch.no_grad():
+        custom.tau.fill_(-30.0)
+    assert custom.log_temperature().detach().item() == pytest.approx(0.5, abs=1e-6)
+
+
+# ----------------------------------------------------------------------------- gradcheck
+
+
+@pytest.mark.parametrize("form", ["quadratic", "recurrent"])
+@pytest.mark.parametrize("normalization", NORMALIZATIONS)
+def test_reference_forms_gradcheck(form, normalization):
+    """Float64 gradcheck of the output w.r.t. features, key log-scales, values and the carried state.
+
+    m_t is detached by definition; the output is invariant to it up to eps, so a tiny eps makes
+    the analytic gradient exact. Positive features keep the denominator away from its guard.
+    """
+    g = torch.Generator().manual_seed(5)
+    b, h, n, f, dv = 1, 2, 5, 3, 2
+    qf = torch.rand(b, h, n, f, generator=g, dtype=torch.float64) + 0.1
+    kf = torch.rand(b, h, n, f, generator=g, dtype=torch.float64) + 0.1
+    kls = torch.randn(b, h, n, generator=g, dtype=torch.float64) * 2
+    v = torch.randn(b, h, n, dv, generator=g, dtype=torch.float64)
+    kv = torch.rand(b, h, f, dv, generator=g, dtype=torch.float64)
+    k_sum = torch.rand(b, h, f, generator=g, dtype=torch.float64) + 0.1
+    log_max = torch.zeros(b, h, dtype=torch.float64)
+
+    def fn(qf, kf, kls, v, kv, k_sum):
+        state = LinearAttentionState(kv, k_sum, log_max, offset=3)
+        return causal_linear_attention(qf, kf, kls, v, form=form, normalization=normalization, initial_state=state, eps=1e-14)[0]
+
+    inputs = tuple(t.requires_grad_() for t in (qf, kf, kls, v, kv, k_sum))
+    assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-6)
