@@ -1,0 +1,173 @@
+"""Rank-0 logging: metrics.jsonl, TensorBoard scalars, console progress, FLOP estimates.
+
+``metrics.jsonl`` gets one JSON object per logged step (``step``, ``loss``, ``lr``,
+``tokens_per_s``, ...). Floats are written with ``json``'s shortest round-trip repr, so a loss
+read back is bit-identical to the one logged; every line is flushed and fsynced so a run killed
+with ``kill -9`` leaves a readable log. Resumed runs append; readers take the last entry of a
+step (``read_metrics``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megaflex.model.config import ModelConfig
+
+# Dense bf16 peak TFLOP/s per device, for MFU when logging.peak_tflops is unset.
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "A10G": 125.0, "L4": 121.0, "V100": 125.0}
+
+
+def read_metrics(path: str | Path, kind: str = "train") -> dict[int, dict[str, Any]]:
+    """step -> the last logged record of that step (``kind``: "train" or "valid")."""
+    records: dict[int, dict[str, Any]] = {}
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a torn last line of a killed run
+            if rec.get("kind", "train") == kind:
+                records[rec["step"]] = rec
+    return records
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int, num_params: int) -> float:
+    """Estimated training FLOPs per token (forward + backward = 3 x forward).
+
+    Matmuls: 6 per parameter (the tied embedding counts once, as the logits matmul).
+    Attention per layer and token, forward: softmax 4*N*h (QK^T and AV over the full window,
+    Megatron's convention); linear attention 4*h*F (feature projections of q and k) +
+    4*h*F (state update and readout per head dim) + 2*C*(F + d)*H (intra-chunk quadratic part).
+    """
+    L, h, H = cfg.num_layers, cfg.hidden_size, cfg.num_heads
+    if cfg.attention == "softmax":
+        attn_fwd = 4.0 * seq_len * h
+    else:
+        d, F, C = cfg.head_dim, cfg.feature_dim, min(cfg.chunk_size, seq_len)
+        attn_fwd = 4.0 * h * F + 4.0 * h * F + 2.0 * C * (F + d) * H
+    return 6.0 * num_params + 3.0 * L * attn_fwd
+
+
+def peak_memory_mb(device: str) -> float:
+    """Peak memory of this process: CUDA allocator peak on GPU, peak RSS on CPU."""
+    if device == "cuda" and torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**20
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return rss / 1024.0
+
+
+def device_peak_tflops(configured: float | None, device: str) -> float | None:
+    if configured is not None:
+        return configured
+    if device == "cuda" and torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        for key, value in PEAK_TFLOPS.items():
+            if key in name:
+                return value
+    return None
+
+
+class MetricsLogger:
+    """Writes metrics on rank 0; a no-op object on other ranks."""
+
+    def __init__(self, run_dir: str | Path, *, enabled: bool, tensorboard: bool, progress_bar: bool, total_steps: int) -> None:
+        self.enabled = enabled
+        self.total_steps = total_steps
+        self._file = None
+        self._tb = None
+        self._bar = None
+        if not enabled:
+            return
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = run_dir / "metrics.jsonl"
+        self._file = open(self.path, "a")
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+        if progress_bar and sys.stdout.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, dynamic_ncols=True, desc="train")
+        self._start_time = time.time()
+        self._start_step: int | None = None
+
+    def log(self, record: dict[str, Any], scalars: dict[str, float] | None = None) -> None:
+        """One JSONL line (``record``), TensorBoard scalars and a console update."""
+        if not self.enabled:
+            return
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        step = record["step"]
+        if self._tb is not None:
+            for key, value in {**_numeric(record), **(scalars or {})}.items():
+                if key != "step" and math.isfinite(value):
+                    self._tb.add_scalar(key, value, step)
+        if record.get("kind", "train") == "train":
+            self._console(record)
+        else:
+            self.print(f"[valid] step {step}: loss {record['loss']:.4f} ppl {record['ppl']:.2f}")
+
+    def _console(self, rec: dict[str, Any]) -> None:
+        step = rec["step"]
+        if self._start_step is None:
+            self._start_step, self._start_time = step, time.time()
+        done = step - self._start_step
+        rate = done / max(1e-9, time.time() - self._start_time)
+        eta = (self.total_steps - step) / rate if rate > 0 else float("nan")
+        text = (
+            f"loss {rec['loss']:.4f} | ppl {rec['ppl']:.2f} | lr {rec['lr']:.2e} | "
+            f"{rec['tokens_per_s']:,.0f} tok/s | ETA {_hms(eta)}"
+            + (" | SKIPPED (non-finite)" if rec.get("skipped") else "")
+        )
+        if self._bar is not None:
+            self._bar.n = step
+            self._bar.set_postfix_str(text, refresh=True)
+        else:
+            print(f"step {step}/{self.total_steps} | {text}", flush=True)
+
+    def print(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._file is not None:
+            self._file.close()
+
+
+def _numeric(record: dict[str, Any]) -> dict[str, float]:
+    prefix = "valid/" if record.get("kind") == "valid" else "train/"
+    return {
+        prefix + k: float(v)
+        for k, v in record.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("step", "kind")
+    }
+
+
+def _hms(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"

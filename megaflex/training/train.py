@@ -1,0 +1,59 @@
+"""``megaflex-train`` / ``python -m megaflex.train``: train from YAML configs.
+
+    megaflex-train --config configs/tiny.yaml configs/zero/zero1.yaml train.lr=3e-4 [--resume auto]
+
+Under a launcher every rank runs this (``deepspeed --num_gpus N -m megaflex.train ...``);
+``--local_rank`` (passed by older DeepSpeed launchers) is accepted and ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megaflex.training.config import ConfigError, load_config
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="megaflex-train",
+        description="Train a megaflex GPT with DeepSpeed. Positional key=value arguments override config keys.",
+    )
+    ap.add_argument("--config", nargs="+", required=True, help="YAML files, merged in order")
+    ap.add_argument("--resume", default=None, help="auto | none | checkpoint path or tag (= checkpoint.resume=...)")
+    ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4 parallel.zero_stage=3")
+    args = ap.parse_args(argv)
+    # `--config a.yaml b.yaml train.lr=1` puts the overrides into --config's list: move them.
+    args.overrides = [c for c in args.config if "=" in c] + args.overrides
+    args.config = [c for c in args.config if "=" not in c]
+    if args.resume is not None:
+        args.overrides.append(f"checkpoint.resume={args.resume}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"megaflex-train: config error: {e}", file=sys.stderr)
+        return 2
+    from megaflex.training.trainer import NonFiniteAbort, run, shutdown
+
+    clean = False
+    try:
+        run(cfg)
+        clean = True
+    except ConfigError as e:
+        print(f"megaflex-train: config error: {e}", file=sys.stderr)
+        return 2
+    except NonFiniteAbort as e:
+        print(f"megaflex-train: {e}", file=sys.stderr)
+        return 3
+    finally:
+        shutdown(clean)
+    return 0
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,319 @@
+"""The training loop on a DeepSpeed engine.
+
+    run(cfg)  # every rank; torch.distributed env vars set by deepspeed/torchrun/Slurm
+
+Order of set-up: distributed init (gloo on CPU, nccl on GPU) -> ``ParallelState`` (TP x DP)
+-> seeds (same default RNG on every rank, per-TP-rank tracker stream) -> model through the
+layer factory -> AdamW with weight-decay groups -> ``deepspeed.initialize(..., mpu=...)`` with
+the generated config -> resume -> loop.
+
+One optimizer step = ``grad_accum`` micro-batches, each ``engine.backward`` + ``engine.step``
+(DeepSpeed applies the update at the accumulation boundary). A non-finite micro-batch loss is
+masked to zero before backward and the whole step is skipped (``SkippableAdamW.skip``, decided
+identically on every rank); a non-finite gradient norm makes DeepSpeed's ZeRO/bf16/fp16
+optimizers discard the step (for ZeRO 0 fp32, ``SkippableAdamW`` checks the gradients). Skipped
+steps still consume their data; ``train.max_nonfinite_in_a_row`` in a row abort the run.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megaflex.model.gpt import GPT
+from megaflex.model.layers import LocalLayers
+from megaflex.training.checkpoint import (
+    CheckpointManager,
+    SignalFlag,
+    check_compatible,
+    find_resume_path,
+    parameter_shapes,
+    read_meta,
+)
+from megaflex.training.config import Config, global_batch_size, resolve_device, validate_runtime
+from megaflex.training.data import build_datasets, get_batch, micro_batch_indices, step_batches
+from megaflex.training.deepspeed_config import deepspeed_config, gradient_accumulation_steps
+from megaflex.training.metrics import MetricsLogger, device_peak_tflops, flops_per_token, peak_memory_mb
+from megaflex.training.optim import build_optimizer, lr_at, no_decay_names, set_lr
+
+
+class NonFiniteAbort(RuntimeError):
+    """Too many consecutive steps with a non-finite loss or gradient norm."""
+
+
+def init_distributed(cfg: Config) -> str:
+    """Initialise torch.distributed through DeepSpeed; returns the device ("cpu"/"cuda")."""
+    import deepspeed
+
+    has_cuda = torch.cuda.is_available() and cfg.train.device != "cpu"
+    device = resolve_device(cfg, has_cuda)
+    backend = cfg.parallel.backend if cfg.parallel.backend != "auto" else ("nccl" if device == "cuda" else "gloo")
+    if "RANK" not in os.environ:  # plain `python -m megaflex.train`: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    deepspeed.init_distributed(dist_backend=backend)
+    validate_runtime(cfg, dist.get_world_size(), has_cuda)
+    return device
+
+
+def run(cfg: Config) -> dict[str, Any]:
+    """Train as configured; returns a summary (rank 0's numbers) when training ends."""
+    import deepspeed
+
+    from megaflex.parallel import DeepSpeedMPU, ParallelState, TensorParallelLayers, model_parallel_seed
+
+    device = init_distributed(cfg)
+    state = ParallelState.create(cfg.parallel.tensor_parallel_size)
+    rank, dp_size = dist.get_rank(), state.dp_size
+    is_main = rank == 0
+    run_dir = Path(cfg.logging.run_dir)
+    if cfg.train.precision == "bf16" and device == "cpu":
+        torch.set_default_dtype(torch.float32)  # DeepSpeed casts the module itself
+
+    # Same default-RNG seed on every rank: replicas start identical and TP shards are cut from
+    # identically initialised full matrices; the tracker gives each TP rank its own stream.
+    tracker = model_parallel_seed(cfg.train.seed, state.tp_rank, device=device)
+    layers = LocalLayers() if state.tp_size == 1 else TensorParallelLayers(state, tracker)
+    model = GPT(cfg.model, layers=layers)
+    shapes = parameter_shapes(model)
+    num_params = _full_parameter_count(model, state.tp_size)
+    optimizer = build_optimizer(cfg, model, device)
+    if cfg.parallel.zero_stage == 0 and cfg.train.precision == "fp32" and hasattr(optimizer, "skip"):
+        optimizer.check_finite = True  # no ZeRO/bf16 wrapper checks the gradients here
+    ds_config = deepspeed_config(cfg, dp_size)
+    grad_accum = gradient_accumulation_steps(cfg, dp_size)
+    gbs = global_batch_size(cfg, dp_size)
+
+    logger = MetricsLogger(
+        run_dir, enabled=is_main, tensorboard=cfg.logging.tensorboard,
+        progress_bar=cfg.logging.progress_bar, total_steps=cfg.train.train_iters,
+    )
+    if is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(cfg.to_yaml())
+        import json
+
+        (run_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=1))
+        logger.print("resolved config:\n" + cfg.to_yaml())
+        logger.print(
+            f"world {state.world_size} = TP {state.tp_size} x DP {dp_size} | device {device} | "
+            f"ZeRO {cfg.parallel.zero_stage} | {cfg.train.precision} | {num_params / 1e6:.2f}M parameters | "
+            f"global batch {gbs} = micro {cfg.train.micro_batch_size} x DP {dp_size} x accum {grad_accum}"
+        )
+        logger.print(f"no weight decay: {', '.join(no_decay_names(model, cfg.optimizer.no_decay_patterns)) or 'none'}")
+
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, config=ds_config, mpu=DeepSpeedMPU(state), dist_init_required=False
+    )
+
+    # ---------------------------------------------------------------- data and resume
+    train_samples = cfg.train.train_iters * gbs
+    valid_samples = cfg.train.eval_iters * cfg.train.micro_batch_size * dp_size
+    train_data, valid_data = build_datasets(cfg, train_samples, valid_samples)
+
+    manager = CheckpointManager(Path(cfg.checkpoint_dir), cfg.checkpoint.keep_last, rank)
+    if cfg.fault.sigkill_during_save_at_step is not None:
+        kill_step = cfg.fault.sigkill_during_save_at_step
+        manager.before_commit = lambda it: _sigkill() if it == kill_step else None
+    iteration, consumed, nonfinite_total = 0, 0, 0
+    resume_path = find_resume_path(cfg.checkpoint_dir, cfg.checkpoint.resume)
+    if resume_path is not None:
+        meta = read_meta(resume_path)
+        check_compatible(meta, cfg.to_dict()["model"], shapes, state.tp_size)
+        same_world = meta["world_size"] == state.world_size
+        manager.load(engine, resume_path, tracker, load_rng=same_world)
+        iteration, consumed = meta["iteration"], meta["consumed_samples"]
+        nonfinite_total = meta.get("nonfinite_total", 0)
+        logger.print(
+            f"resumed from {resume_path} at step {iteration} ({consumed} samples consumed"
+            + ("" if meta["data_parallel_size"] == dp_size else f"; data parallel {meta['data_parallel_size']} -> {dp_size}")
+            + ")"
+        )
+
+    def save(step: int) -> None:
+        meta = {
+            "iteration": step, "consumed_samples": consumed, "nonfinite_total": nonfinite_total,
+            "world_size": state.world_size, "tensor_parallel_size": state.tp_size, "data_parallel_size": dp_size,
+            "zero_stage": cfg.parallel.zero_stage, "precision": cfg.train.precision,
+            "parameter_shapes": shapes, "num_parameters": num_params, "config": cfg.to_dict(),
+            "deepspeed_config": ds_config, "sampler": {"consumed_samples": consumed, "global_batch_size": gbs},
+        }
+        path = manager.save(engine, step, meta, tracker)
+        logger.print(f"saved checkpoint {path}")
+
+    # ---------------------------------------------------------------- loop
+    signals = SignalFlag(cfg.checkpoint.save_on_signal)
+    fpt = flops_per_token(cfg.model, cfg.data.seq_len, num_params)
+    peak_tflops = device_peak_tflops(cfg.logging.peak_tflops, device)
+    tokens_per_step = gbs * cfg.data.seq_len
+    in_a_row, last_saved = 0, iteration
+    dp_group = state.dp_group
+    stop_reason = "done"
+    t_last = time.time()
+    while iteration < cfg.train.train_iters:
+        engine.train()
+        lr = lr_at(cfg, iteration)
+        set_lr(engine.optimizer, lr)
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        bad = torch.zeros((), dtype=torch.float64)
+        inject_nan = (iteration + 1) in cfg.fault.nan_loss_at_steps and rank == 0
+        for ids, labels in step_batches(
+            train_data, consumed, cfg.train.micro_batch_size, grad_accum, state.dp_rank, dp_size, device
+        ):
+            loss = engine(ids, labels).loss
+            if inject_nan:
+                loss = loss + float("nan")
+            finite = torch.isfinite(loss.detach())
+            bad += (~finite).double().cpu()
+            loss_sum += torch.where(finite, loss.detach(), 0.0).double().cpu()
+            # Masked, not dropped: every rank must run the same backward/step sequence.
+            engine.backward(torch.where(finite, loss, torch.zeros_like(loss)))
+            if engine.is_gradient_accumulation_boundary():
+                # Decided on every rank alike before the update (the last micro-batch is the boundary).
+                skipped_loss = bool(_all_reduce(bad.clone(), dist.ReduceOp.MAX, None) > 0)
+                if hasattr(optimizer, "skip"):
+                    optimizer.skip = skipped_loss
+            engine.step()
+        if hasattr(optimizer, "skip"):
+            optimizer.skip = False
+        grad_norm = engine.get_global_grad_norm()
+        grad_norm = float(grad_norm) if grad_norm is not None else None  # None: clipping off under ZeRO 0
+        skipped = (
+            skipped_loss
+            or (grad_norm is not None and not math.isfinite(grad_norm))
+            or getattr(optimizer, "skipped_nonfinite_grad", False)
+        )
+        loss_avg = float(_all_reduce(loss_sum, dist.ReduceOp.SUM, dp_group)) / (grad_accum * dp_size)
+        iteration += 1
+        consumed += gbs
+
+        if skipped:
+            in_a_row += 1
+            nonfinite_total += 1
+            logger.print(
+                f"step {iteration}: non-finite {'loss' if skipped_loss else 'gradient norm'}; step skipped "
+                f"({in_a_row} in a row, {nonfinite_total} in total)"
+            )
+            if in_a_row >= cfg.train.max_nonfinite_in_a_row:
+                raise NonFiniteAbort(
+                    f"aborting at step {iteration}: {in_a_row} consecutive steps had a non-finite loss or gradient "
+                    f"norm (train.max_nonfinite_in_a_row={cfg.train.max_nonfinite_in_a_row}); lower train.lr, raise "
+                    f"schedule.warmup_iters or check the data; resume from the last checkpoint in {cfg.checkpoint_dir}"
+                )
+        else:
+            in_a_row = 0
+
+        kernel = {}
+        if cfg.logging.kernel_stats_interval and iteration % cfg.logging.kernel_stats_interval == 0:
+            kernel = _kernel_statistics(engine, cfg.parallel.zero_stage)
+        if iteration % cfg.logging.log_interval == 0 or skipped or iteration == cfg.train.train_iters:
+            now = time.time()
+            elapsed = max(now - t_last, 1e-9)
+            t_last = now
+            steps = cfg.logging.log_interval if iteration % cfg.logging.log_interval == 0 else 1
+            tok_s = tokens_per_step * steps / elapsed
+            tflops = fpt * tok_s / state.world_size / 1e12
+            record = {
+                "kind": "train", "step": iteration, "loss": loss_avg if not skipped_loss else float("nan"),
+                "ppl": math.exp(min(loss_avg, 50.0)) if not skipped_loss else float("nan"), "lr": lr,
+                "grad_norm": grad_norm, "tokens_per_s": tok_s, "tflops_per_device": tflops,
+                "consumed_samples": consumed, "tokens": consumed * cfg.data.seq_len,
+                "skipped": skipped, "nonfinite_total": nonfinite_total,
+                "memory_mb": peak_memory_mb(device),
+            }
+            if peak_tflops:
+                record["mfu"] = tflops / peak_tflops
+            logger.log(record, scalars={f"kernel/{k}": v for k, v in kernel.items()})
+
+        if cfg.train.eval_interval and iteration % cfg.train.eval_interval == 0 and valid_data is not None:
+            _log_validation(cfg, engine, valid_data, state, device, iteration, logger)
+        if cfg.checkpoint.save_interval and iteration % cfg.checkpoint.save_interval == 0:
+            save(iteration)
+            last_saved = iteration
+        if cfg.fault.sigkill_after_step == iteration:
+            dist.barrier()  # rank 0 has logged the step
+            _sigkill()
+        got_signal = _all_reduce(torch.tensor(float(signals.signum or 0)), dist.ReduceOp.MAX, None)
+        if got_signal > 0:
+            stop_reason = f"signal {signal.Signals(int(got_signal)).name}"
+            break
+
+    if (stop_reason != "done" or cfg.checkpoint.save_at_end) and last_saved != iteration:
+        save(iteration)
+    valid_loss = None
+    if stop_reason == "done" and valid_data is not None:
+        valid_loss = _log_validation(cfg, engine, valid_data, state, device, iteration, logger)
+    logger.print(
+        f"training stopped ({stop_reason}) at step {iteration}; metrics {run_dir / 'metrics.jsonl'}, "
+        f"TensorBoard {run_dir / 'tensorboard'}, checkpoints {cfg.checkpoint_dir}"
+    )
+    logger.close()
+    return {"iteration": iteration, "stop_reason": stop_reason, "valid_loss": valid_loss, "nonfinite_total": nonfinite_total}
+
+
+# -------------------------------------------------------------------------------- helpers
+def _all_reduce(t: torch.Tensor, op: Any, group: Any) -> torch.Tensor:
+    dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+def _sigkill() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _full_parameter_count(model: torch.nn.Module, tp_size: int) -> int:
+    """Parameters of the whole model (TP shards counted once per shard, replicated ones once)."""
+    from megaflex.parallel import is_tensor_parallel
+
+    return sum(p.numel() * (tp_size if tp_size > 1 and is_tensor_parallel(p) else 1) for p in model.parameters())
+
+
+def _kernel_statistics(engine: Any, zero_stage: int) -> dict[str, float]:
+    """Per-layer tau / Omega statistics (collective under ZeRO 3: parameters are gathered)."""
+    module = engine.module
+    if zero_stage == 3:
+        import deepspeed
+
+        params = [p for b in module.blocks for p in (b.attn.core.feature_map.parameters() if b.attn.core.feature_map else [])]
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            return module.kernel_statistics()
+    return module.kernel_statistics()
+
+
+@torch.no_grad()
+def evaluate(cfg: Config, engine: Any, dataset: Any, state: Any, device: str) -> float:
+    """Mean validation loss over ``train.eval_iters`` micro-batches per data-parallel rank."""
+    engine.eval()
+    micro = cfg.train.micro_batch_size
+    total = torch.zeros((), dtype=torch.float64)
+    for i in range(cfg.train.eval_iters):
+        ids, labels = get_batch(dataset, micro_batch_indices(i * micro * state.dp_size, micro, state.dp_rank, state.dp_size), device)
+        total += engine(ids, labels).loss.double().cpu()
+    engine.train()
+    total = _all_reduce(total, dist.ReduceOp.SUM, state.dp_group)
+    return float(total) / (cfg.train.eval_iters * state.dp_size)
+
+
+def _log_validation(cfg: Config, engine: Any, dataset: Any, state: Any, device: str, step: int, logger: MetricsLogger) -> float:
+    loss = evaluate(cfg, engine, dataset, state, device)
+    logger.log({"kind": "valid", "step": step, "loss": loss, "ppl": math.exp(min(loss, 50.0))})
+    return loss
+
+
+def shutdown(clean: bool) -> None:
+    """End a distributed program cleanly (a missing destroy aborts ~1 in 4 gloo runs at exit).
+
+    After an error (``clean`` False) peers may be gone, so no barrier then: destroy only."""
+    if dist.is_available() and dist.is_initialized():
+        if clean:
+            dist.barrier()
+        dist.destroy_process_group()
