@@ -1,1 +1,47 @@
-"""megaflex.parallel"""
+"""Megatron-style tensor parallelism: process-group state, region mappings, sharded layers,
+vocab-parallel cross-entropy, a TP-aware RNG tracker and checkpoint resharding.
+
+Layering: this package may import ``megaflex.attention`` and ``megaflex.model`` (the
+``LayerFactory`` protocol it implements); the model never imports it.
+"""
+
+from megaflex.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megaflex.parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallelLayers,
+    VocabParallelEmbedding,
+    is_tensor_parallel,
+    mark_head_sharded_params,
+    set_tensor_parallel_attributes,
+)
+from megaflex.parallel.mappings import (
+    copy_to_tp_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+    scatter_to_tp_region,
+)
+from megaflex.parallel.random import TensorParallelRNGTracker, model_parallel_seed, model_parallel_tracker
+from megaflex.parallel.state import DeepSpeedMPU, ParallelLayout, ParallelState, initialize_parallel_state
+
+__all__ = [
+    "ColumnParallelLinear",
+    "DeepSpeedMPU",
+    "ParallelLayout",
+    "ParallelState",
+    "RowParallelLinear",
+    "TensorParallelLayers",
+    "TensorParallelRNGTracker",
+    "VocabParallelEmbedding",
+    "copy_to_tp_region",
+    "gather_from_tp_region",
+    "initialize_parallel_state",
+    "is_tensor_parallel",
+    "mark_head_sharded_params",
+    "model_parallel_seed",
+    "model_parallel_tracker",
+    "reduce_from_tp_region",
+    "scatter_to_tp_region",
+    "set_tensor_parallel_attributes",
+    "vocab_parallel_cross_entropy",
+]

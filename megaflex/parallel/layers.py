@@ -1,0 +1,249 @@
+"""Megatron-style tensor-parallel layers and the ``TensorParallelLayers`` factory.
+
+Every sharded parameter carries Megatron's attributes
+
+    tensor_model_parallel = True   (DeepSpeed counts it on every rank when reducing grad norms)
+    partition_dim         = 0 | 1  (the dim that is split over TP ranks)
+    partition_stride      = 1
+
+and vocabulary-padded ones additionally ``true_vocab_size`` (rows at or past it are padding).
+``megaflex.parallel.reshard`` uses these tags to convert checkpoints between TP sizes.
+
+Initialisation: each layer builds the *full* layer exactly as ``LocalLayers`` does (same
+default-RNG draws, identical on every TP rank) and keeps its slice. So a TP=k model built
+after ``torch.manual_seed(s)`` holds exactly the slices of the TP=1 model built after the
+same seed (as long as the model draws its other random numbers in the same order).
+Materialising the full weight is cheap at the sizes this project trains; for very large
+layers, initialise on the meta device and load a resharded checkpoint instead.
+"""
+
+from __future__ import annotations
+
+from typing import ContextManager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megaflex.attention.base import FeatureMap
+from megaflex.model.layers import InitMethod, LocalLayers, pad_vocab_size
+from megaflex.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megaflex.parallel.mappings import (
+    copy_to_tp_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+    scatter_to_tp_region,
+)
+from megaflex.parallel.random import TensorParallelRNGTracker, model_parallel_tracker
+from megaflex.parallel.state import ParallelState
+
+
+def set_tensor_parallel_attributes(param: torch.Tensor, partition_dim: int, stride: int = 1) -> None:
+    """Tag ``param`` as split along ``partition_dim`` over the TP group (Megatron's convention)."""
+    param.tensor_model_parallel = True
+    param.partition_dim = partition_dim
+    param.partition_stride = stride
+
+
+def is_tensor_parallel(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "tensor_model_parallel", False))
+
+
+def mark_head_sharded_params(model: nn.Module) -> int:
+    """Tag every parameter of every ``FeatureMap`` in ``model`` as split on dim 0 (heads).
+
+    Feature maps are built by the attention core with local heads and know nothing about TP,
+    so the tags are added afterwards. Call it once after building a TP model: DeepSpeed's grad
+    norm only counts untagged parameters on TP rank 0. Returns the number of tagged params.
+    """
+    count = 0
+    for module in model.modules():
+        if isinstance(module, FeatureMap):
+            for param in module.parameters():
+                if not is_tensor_parallel(param):
+                    set_tensor_parallel_attributes(param, 0)
+                    count += 1
+    return count
+
+
+def _check_divisible(name: str, value: int, tp_size: int) -> None:
+    if value % tp_size != 0:
+        raise ValueError(f"{name}: expected a multiple of the tensor-parallel size {tp_size}, got {value}")
+
+
+def _full_linear_weight(in_features: int, out_features: int, bias: bool, init_method: InitMethod) -> torch.Tensor:
+    """The [out, in] weight ``LocalLayers`` would build: same RNG draws, so shards are its slices."""
+    return LocalLayers().column_parallel_linear(in_features, out_features, bias=bias, init_method=init_method).weight.data
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x A^T + b with A split by rows (output features): x [..., in] -> y [..., out / tp].
+
+    ``gather_output=True`` all-gathers y to [..., out]. The output shard of rank r holds output
+    features [r * out / tp, (r + 1) * out / tp), so order features so that a contiguous block
+    is a self-contained unit (the fused QKV is ordered (head, {q,k,v}, head_dim)).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        state: ParallelState,
+        *,
+        bias: bool = True,
+        init_method: InitMethod,
+        gather_output: bool = False,
+    ) -> None:
+        super().__init__()
+        _check_divisible("out_features", out_features, state.tp_size)
+        self.state = state
+        self.in_features, self.out_features = in_features, out_features
+        self.gather_output = gather_output
+        full = _full_linear_weight(in_features, out_features, bias, init_method)  # [out, in]
+        self.weight = nn.Parameter(full.chunk(state.tp_size, dim=0)[state.tp_rank].clone())
+        set_tensor_parallel_attributes(self.weight, 0)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features // state.tp_size))
+            set_tensor_parallel_attributes(self.bias, 0)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(copy_to_tp_region(x, self.state), self.weight, self.bias)  # [..., out / tp]
+        return gather_from_tp_region(y, self.state) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, tp={self.state.tp_size}, bias={self.bias is not None}"
+
+
+class RowParallelLinear(nn.Module):
+    """y = x A^T + b with A split by columns (input features): x [..., in / tp] -> y [..., out].
+
+    Each rank computes a partial product; one all-reduce sums them. The bias is replicated and
+    added after the reduce (adding it per rank would count it tp times).
+    ``input_is_parallel=False`` accepts a full x and scatters it first.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        state: ParallelState,
+        *,
+        bias: bool = True,
+        init_method: InitMethod,
+        input_is_parallel: bool = True,
+    ) -> None:
+        super().__init__()
+        _check_divisible("in_features", in_features, state.tp_size)
+        self.state = state
+        self.in_features, self.out_features = in_features, out_features
+        self.input_is_parallel = input_is_parallel
+        full = _full_linear_weight(in_features, out_features, bias, init_method)  # [out, in]
+        self.weight = nn.Parameter(full.chunk(state.tp_size, dim=1)[state.tp_rank].clone())
+        set_tensor_parallel_attributes(self.weight, 1)
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tp_region(x, self.state)
+        y = reduce_from_tp_region(F.linear(x, self.weight), self.state)  # [..., out]
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, tp={self.state.tp_size}, bias={self.bias is not None}"
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding with the (padded) vocabulary split over TP ranks: ids [...] -> [..., hidden].
+
+    The vocabulary is padded to ``pad_vocab_size(vocab_size, tp)``; rank r owns rows
+    [r * V_local, (r + 1) * V_local). Ids outside a rank's slice produce zeros there and the
+    all-reduce assembles the full embedding.
+
+    Init builds ``LocalLayers``' table ([pad_vocab_size(vocab_size, 1), hidden], same RNG
+    draws) and zero-fills the extra TP padding rows, so all rows it has match the TP=1 model.
+    """
+
+    def __init__(self, vocab_size: int, hidden: int, state: ParallelState, *, init_method: InitMethod) -> None:
+        super().__init__()
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size: expected >= 1, got {vocab_size}")
+        self.state = state
+        self.vocab_size = vocab_size
+        self.hidden = hidden
+        self.padded_vocab_size = pad_vocab_size(vocab_size, state.tp_size)
+        per_rank = self.padded_vocab_size // state.tp_size
+        self.vocab_start = state.tp_rank * per_rank
+        self.vocab_end = self.vocab_start + per_rank
+
+        local_table = LocalLayers().vocab_embedding(vocab_size, hidden, init_method=init_method).weight.data
+        full = torch.zeros(self.padded_vocab_size, hidden, dtype=local_table.dtype, device=local_table.device)
+        full[: local_table.shape[0]] = local_table
+        self.weight = nn.Parameter(full[self.vocab_start : self.vocab_end].clone())
+        set_tensor_parallel_attributes(self.weight, 0)
+        self.weight.true_vocab_size = vocab_size
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.state.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local = (ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)  # [..., hidden]
+        return reduce_from_tp_region(out, self.state)
+
+    def extra_repr(self) -> str:
+        return f"vocab={self.vocab_size} (padded {self.padded_vocab_size}), hidden={self.hidden}, tp={self.state.tp_size}"
+
+
+class TensorParallelLayers:
+    """``LayerFactory`` building Megatron-style tensor-parallel layers over ``state``'s TP group.
+
+    ``rng_tracker`` provides the per-rank stream for ``tp_region_rng``; by default one is
+    created with ``model_parallel_tracker(seed, tp_rank)``. The default RNG is left alone: the
+    caller seeds it identically on every TP rank (``model_parallel_seed`` does both), which the
+    sharded init relies on.
+    """
+
+    def __init__(
+        self, state: ParallelState, rng_tracker: TensorParallelRNGTracker | None = None, *, seed: int = 1234
+    ) -> None:
+        self.state = state
+        self.rng_tracker = rng_tracker if rng_tracker is not None else model_parallel_tracker(seed, state.tp_rank)
+
+    @property
+    def tp_size(self) -> int:
+        return self.state.tp_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.state.tp_rank
+
+    def column_parallel_linear(
+        self, in_features: int, out_features: int, *, bias: bool, init_method: InitMethod
+    ) -> nn.Module:
+        return ColumnParallelLinear(in_features, out_features, self.state, bias=bias, init_method=init_method)
+
+    def row_parallel_linear(
+        self, in_features: int, out_features: int, *, bias: bool, init_method: InitMethod
+    ) -> nn.Module:
+        return RowParallelLinear(in_features, out_features, self.state, bias=bias, init_method=init_method)
+
+    def vocab_embedding(self, vocab_size: int, hidden: int, *, init_method: InitMethod) -> nn.Module:
+        return VocabParallelEmbedding(vocab_size, hidden, self.state, init_method=init_method)
+
+    def lm_logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """hidden [..., h] (replicated) x weight [V_padded / tp, h] -> logits [..., V_padded / tp]."""
+        return F.linear(copy_to_tp_region(hidden, self.state), weight)
+
+    def cross_entropy(
+        self, logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, label_smoothing: float = 0.0
+    ) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, labels, vocab_size, self.state, label_smoothing=label_smoothing)
+
+    def gather_logits(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """[..., V_padded / tp] -> [..., vocab_size] (all-gather, then drop padding columns)."""
+        return gather_from_tp_region(logits, self.state)[..., :vocab_size]
+
+    def tp_region_rng(self) -> ContextManager[None]:
+        return self.rng_tracker.fork()

@@ -1,0 +1,114 @@
+"""The four tensor-parallel region mappings (Megatron-LM ``mappings.py``) as autograd functions.
+
+Each is a conjugate pair: what the forward does over the TP group, the backward undoes.
+
+    copy_to_tp_region      fwd: identity          bwd: all-reduce      (enter a column-parallel region)
+    reduce_from_tp_region  fwd: all-reduce        bwd: identity        (leave a row-parallel region)
+    scatter_to_tp_region   fwd: split last dim    bwd: all-gather
+    gather_from_tp_region  fwd: all-gather last   bwd: split last dim
+
+With a TP size of 1 all four are identities and never touch ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megaflex.parallel.state import ParallelState
+
+
+def _check_groups(state: ParallelState) -> None:
+    if state.tp_group is None:
+        raise RuntimeError(f"{state} has no process groups (built with single()/detached()); cannot communicate")
+
+
+def _all_reduce(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
+    if state.tp_size == 1:
+        return x
+    _check_groups(state)
+    x = x.contiguous().clone()  # never mutate a tensor autograd may have saved
+    dist.all_reduce(x, group=state.tp_group)
+    return x
+
+
+def _split_last(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
+    if state.tp_size == 1:
+        return x
+    size = x.shape[-1]
+    if size % state.tp_size != 0:
+        raise ValueError(f"last dim: expected a multiple of tp_size={state.tp_size}, got {size}")
+    return x.chunk(state.tp_size, dim=-1)[state.tp_rank].contiguous()
+
+
+def _gather_last(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
+    if state.tp_size == 1:
+        return x
+    _check_groups(state)
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(state.tp_size)]
+    dist.all_gather(parts, x, group=state.tp_group)
+    return torch.cat(parts, dim=-1)
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, state: ParallelState) -> torch.Tensor:
+        ctx.state = state
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_reduce(grad, ctx.state), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, state: ParallelState) -> torch.Tensor:
+        return _all_reduce(x, state)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, state: ParallelState) -> torch.Tensor:
+        ctx.state = state
+        return _split_last(x, state)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _gather_last(grad, ctx.state), None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, state: ParallelState) -> torch.Tensor:
+        ctx.state = state
+        return _gather_last(x, state)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _split_last(grad, ctx.state), None
+
+
+def copy_to_tp_region(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
+    """Identity forward; all-reduce the gradient (input replicated, consumers sharded)."""
+    return _CopyToTP.apply(x, state)
+
+
+def reduce_from_tp_region(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
+    """Sum partial results over the TP group; gradient passes through."""
+    return _ReduceFromTP.apply(x, state)
+
+
+def scatter_to_tp_region(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
+    """Keep this rank's chunk of the last dim [..., n] -> [..., n / tp]; backward all-gathers."""
+    return _ScatterToTP.apply(x, state)
+
+
+def gather_from_tp_region(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
+    """All-gather the last dim [..., n / tp] -> [..., n] (rank order); backward splits."""
+    return _GatherFromTP.apply(x, state)
