@@ -155,13 +155,14 @@ def test_attention_core_state_across_calls_equals_one_call(kind):
     torch.manual_seed(0)
     form = AVAILABLE_FORMS[-1]  # chunked once available
     core = AttentionCore(kind, 2, 8, feature_dim=32, max_seq_len=64, form=form, chunk_size=8)
-    q, k, v = make_qkv(2, 2, 30, 8, seed=10)
+    q, k, v = make_qkv(2, 2, 50, 8, seed=10)
     full, full_state = core(q, k, v, return_state=True)
     assert core(q, k, v)[1] is None  # no state unless asked
     state, pieces = None, []
-    for start, stop in ((0, 20), (20, 21), (21, 22), (22, 30)):  # long prefix, decode steps, a block
+    # prefix, decode steps and a short block (recurrent path), then a long block (form + initial state)
+    for start, stop in ((0, 20), (20, 21), (21, 22), (22, 27), (27, 50)):
         out, state = core(q[:, :, start:stop], k[:, :, start:stop], v[:, :, start:stop], state=state, return_state=True)
         pieces.append(out)
-    assert state.offset == 30
+    assert state.offset == 50
     assert rel_err(torch.cat(pieces, dim=2), full) < 1e-5
     assert rel_err(state.kv, full_state.kv) < 1e-5

@@ -4,17 +4,14 @@ Every map follows ``megaflex.attention.base.FeatureMap``: ``forward(x [B, H, N, 
 -> FeatureMapOutput(features [B, H, N, F], log_scale [B, H, N] | None)``. Every parameter and
 buffer has heads as dim 0 so tensor parallelism shards a map by slicing dim 0.
 
-========== ======================================================== ============ =========
-kind       features                                                  F            learnable
-========== ======================================================== ============ =========
-flexformer_n (4D)^-1/2 [cos O1x + cos O2x ; sin O1x + sin O2x],       2D           O1, O2, tau
-           log_scale ||x||^2 / e^tau
-flexformer_s D^-1/2 [cos wx ; sin wx], log_scale ||x||^2 / (2 sqrt d) 2D           w
-performer  fixed orthogonal Gaussian; ``variant`` positive | trig     D | 2D       no
-elu        elu(x) + 1                                                d            no
-cosformer  relu(x) (x) [cos ; sin](pi i / 2M)                         2d           no
-hedgehog   softmax([xW ; -xW])                                       F            W
-========== ======================================================== ============ =========
+* ``flexformer_n``: (4D)^-1/2 [cos O1x + cos O2x ; sin O1x + sin O2x], log_scale ||x||^2 / e^tau;
+  F = 2D; learnable O1, O2 [H, D, d] and tau [H].
+* ``flexformer_s``: D^-1/2 [cos wx ; sin wx], log_scale ||x||^2 / (2 sqrt d); F = 2D; learnable w.
+* ``performer``: fixed orthogonal Gaussian frequencies (buffer), ``variant`` "positive" (FAVOR+,
+  F = D) or "trig" (F = 2D); optional seeded redraws.
+* ``elu``: elu(x) + 1; F = d.
+* ``cosformer``: relu(x) re-weighted by [cos ; sin](pi i / 2M); F = 2d.
+* ``hedgehog``: softmax([xW ; -xW]); learnable W [H, d, F/2].
 """
 
 from __future__ import annotations

@@ -18,9 +18,9 @@ Design choices:
 * tau init log(2 sqrt d): the softmax temperature.
 * Temperature floor: a learnable tau could run to -inf (e^tau -> 0 makes ||x||^2 / e^tau explode and
   the kernel a near-delta on the largest key). The effective temperature is
-  ``tau_eff = floor + softplus_beta(tau - floor)`` with beta = 10: exactly ``tau`` (PyTorch's
-  softplus is the identity once beta * (tau - floor) > 20, i.e. tau > floor + 2) and smoothly
-  saturating at ``floor`` below, with a non-zero gradient so tau can recover. The floor defaults
+  ``tau_eff = floor + softplus_beta(tau - floor)`` with beta = 10, taken as exactly ``tau`` once
+  tau > floor + 2 (where the two differ by < 1e-9) and smoothly saturating at ``floor`` below,
+  with a non-zero gradient so tau can recover. The floor defaults
   to ``log(2 sqrt d) - 3`` (temperature may shrink ~20x below the softmax one), and can be set
   with ``min_log_temperature``.
 * Vectorised: one einsum projects onto [O1 ; O2] together.
@@ -35,7 +35,7 @@ from torch import nn
 from ..base import FeatureMap, FeatureMapOutput
 from ._common import check_even_feature_dim, fp32_region, log_sqrt_scale, project, quarter_root, sq_norm, upcast
 
-# softplus sharpness for the tau floor; identity above floor + _THRESHOLD / _BETA
+# softplus sharpness for the tau floor; identity above floor + _THRESHOLD / _BETA = floor + 2
 _BETA = 10.0
 _THRESHOLD = 20.0
 DEFAULT_FLOOR_MARGIN = 3.0  # default floor = log(2 sqrt d) - this
@@ -65,8 +65,10 @@ class FlexformerNFeatureMap(FeatureMap):
 
     def log_temperature(self) -> torch.Tensor:
         """Effective tau [H] after the soft floor (equals ``tau`` whenever tau > floor + 2)."""
-        floor = self.min_log_temperature
-        return floor + F.softplus(upcast(self.tau) - floor, beta=_BETA, threshold=_THRESHOLD)
+        floor, tau = self.min_log_temperature, upcast(self.tau)
+        soft = floor + F.softplus(tau - floor, beta=_BETA)
+        # select tau itself above floor + 2 so the effective value is bit-exact there
+        return torch.where(tau > floor + _THRESHOLD / _BETA, tau, soft)
 
     def forward(self, x: torch.Tensor, offset: int = 0) -> FeatureMapOutput:
         self.check_input(x)
