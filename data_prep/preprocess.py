@@ -25,7 +25,7 @@ from typing import Iterator
 
 import numpy as np
 
-from data_prep.sources import DOC_MODES, input_size_bytes, iter_corpus
+from data_prep.sources import DOC_MODES, check_inputs, input_size_bytes, iter_corpus
 from megaflex.data.indexed import IndexedDatasetBuilder, check_vocab_fits, optimal_dtype
 from megaflex.data.tokenizer import Tokenizer
 
@@ -112,6 +112,7 @@ def _encoded_batches(cfg: PreprocessConfig) -> Iterator[tuple[np.ndarray, np.nda
 
 def preprocess(cfg: PreprocessConfig) -> dict:
     """Run the pipeline; returns stats (prefixes, documents, tokens, bytes, seconds)."""
+    check_inputs(cfg.inputs)
     tok = Tokenizer(cfg.tokenizer)
     dtype = optimal_dtype(tok.vocab_size) if cfg.dtype == "auto" else np.dtype(cfg.dtype)
     check_vocab_fits(tok.vocab_size, dtype)

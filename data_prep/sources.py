@@ -236,12 +236,7 @@ def iter_corpus(
 ) -> Iterator[str]:
     """Documents of several inputs in order; raises :class:`SourceError` if there are none."""
     specs = list(specs)
-    if not specs:
-        raise SourceError("input: expected at least one input, got none")
-    for s in specs:  # fail on a missing file before spending time on the others
-        p = parse_spec(s)
-        if p.kind != "hf" and not os.path.isfile(p.path):
-            raise SourceError(f"{p.path}: input file not found")
+    check_inputs(specs)
     n = 0
     for s in specs:
         for doc in iter_documents(s, text_key, doc_mode, errors):
@@ -249,6 +244,16 @@ def iter_corpus(
             yield doc
     if n == 0:
         raise SourceError(f"input: empty corpus, no non-blank documents in {specs}")
+
+
+def check_inputs(specs: list[str]) -> None:
+    """Fail on a missing file before spending time on the others."""
+    if not specs:
+        raise SourceError("input: expected at least one input, got none")
+    for s in specs:
+        p = parse_spec(s)
+        if p.kind != "hf" and not os.path.isfile(p.path):
+            raise SourceError(f"{p.path}: input file not found")
 
 
 def input_size_bytes(specs: Iterable[str]) -> int | None:
