@@ -1,0 +1,280 @@
+"""GPT model: decoding/continuation equivalence, checkpointing, loss, TP layouts, validation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megaflex.model import GPT, GPTState, ModelConfig
+from megaflex.model.gpt import IGNORE_INDEX, MLP, Attention, _build_attention_core
+from megaflex.model.layers import LocalLayers, _linear
+
+VOCAB = 97
+
+# (attention kind, extra feature-map kwargs): the learnable maps, a positive map and softmax.
+DECODE_KINDS = [
+    ("flexformer_n", {}),
+    ("flexformer_s", {}),
+    ("performer", {"variant": "positive"}),
+    ("cosformer", {}),  # position-dependent feature map: exercises state.offset
+    ("softmax", {}),
+]
+
+
+def tiny_config(attention: str = "flexformer_n", **overrides) -> ModelConfig:
+    values = dict(
+        vocab_size=VOCAB,
+        num_layers=2,
+        hidden_size=32,
+        num_heads=4,
+        ffn_hidden_size=64,
+        attention=attention,
+        feature_dim=16,
+        chunk_size=8,
+        max_seq_len=64,
+        # A large init makes attention (and therefore state handling) matter for the logits.
+        init_std=0.2,
+    )
+    values.update(overrides)
+    return ModelConfig(**values)
+
+
+def build(config: ModelConfig, seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(config).eval()
+
+
+def ids(batch: int, n: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def assert_close_logits(got: torch.Tensor, want: torch.Tensor) -> None:
+    # fp32 end to end; logits have O(1) scale at this init.
+    assert want.std() > 0.3
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=5e-5)
+
+
+@pytest.mark.parametrize("kind,kwargs", DECODE_KINDS, ids=[k + str(v.get("variant", "")) for k, v in DECODE_KINDS])
+def test_token_by_token_decoding_matches_training_forward(kind, kwargs):
+    model = build(tiny_config(kind, feature_kwargs=kwargs))
+    x = ids(2, 21)
+    with torch.no_grad():
+        full = model(x).logits  # [2, 21, V]
+        state, steps = None, []
+        for t in range(x.shape[1]):
+            out = model(x[:, t : t + 1], state=state, return_state=True)
+            state = out.state
+            steps.append(out.logits)
+    assert state.offset == x.shape[1]
+    assert_close_logits(torch.cat(steps, dim=1), full)
+
+
+@pytest.mark.parametrize("kind,kwargs", DECODE_KINDS, ids=[k + str(v.get("variant", "")) for k, v in DECODE_KINDS])
+def test_chunked_continuation_matches_one_forward(kind, kwargs):
+    model = build(tiny_config(kind, feature_kwargs=kwargs))
+    x = ids(2, 45)  # split 19 + 26: neither is a multiple of chunk_size=8
+    with torch.no_grad():
+        full = model(x).logits
+        first = model(x[:, :19], return_state=True)
+        second = model(x[:, 19:], state=first.state, return_state=True)
+    assert second.state.offset == 45
+    assert_close_logits(torch.cat([first.logits, second.logits], dim=1), full)
+
+
+@pytest.mark.parametrize("position", ["rope", "learned"])
+def test_continuation_uses_absolute_positions(position):
+    """Continuing from a state must use positions state.offset..; restarting them at 0 differs."""
+    model = build(tiny_config(position=position))
+    x = ids(1, 30)
+    with torch.no_grad():
+        full = model(x).logits
+        first = model(x[:, :10], return_state=True)
+        right = model(x[:, 10:], state=first.state).logits
+        wrong_state = GPTState(layers=first.state.layers, offset=0)
+        wrong = model(x[:, 10:], state=wrong_state).logits
+    assert_close_logits(right, full[:, 10:])
+    assert (wrong - full[:, 10:]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("attention", ["flexformer_n", "softmax"])
+def test_activation_checkpointing_gives_identical_loss_and_grads(attention):
+    # Dropout on: checkpoint's recompute must replay the same masks.
+    config = tiny_config(attention, hidden_dropout=0.1, attention_dropout=0.1, init_std=0.02)
+    model = build(config).train()
+    x, y = ids(2, 24, seed=3), ids(2, 24, seed=4)
+
+    def loss_and_grads(checkpointing: bool):
+        model.set_activation_checkpointing(checkpointing)
+        model.zero_grad()
+        torch.manual_seed(123)
+        loss = model(x, labels=y).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    loss_plain, grads_plain = loss_and_grads(False)
+    loss_ckpt, grads_ckpt = loss_and_grads(True)
+    torch.testing.assert_close(loss_ckpt, loss_plain, rtol=0, atol=0)
+    assert grads_plain.keys() == grads_ckpt.keys()
+    for name, grad in grads_plain.items():
+        torch.testing.assert_close(grads_ckpt[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_loss_matches_reference_cross_entropy_and_ignores_labels():
+    model = build(tiny_config())
+    x, y = ids(2, 16, seed=5), ids(2, 16, seed=6)
+    y[0, :5] = IGNORE_INDEX
+    out = model(x, labels=y)
+    full_logits = model.gather_logits(out.logits)
+    assert full_logits.shape == (2, 16, VOCAB)
+    want = F.cross_entropy(full_logits.reshape(-1, VOCAB), y.reshape(-1), ignore_index=IGNORE_INDEX)
+    torch.testing.assert_close(out.loss, want)
+    assert out.loss.dtype == torch.float32
+    assert torch.all(out.per_token_loss[0, :5] == 0) and torch.all(out.per_token_loss[0, 5:] > 0)
+
+
+def test_tied_and_untied_output_weights():
+    tied = build(tiny_config())
+    untied = build(tiny_config(tie_embeddings=False))
+    assert tied.output_weight is tied.embed.weight
+    assert untied.output_weight is untied.lm_head.weight
+    assert untied.num_parameters() - tied.num_parameters() == untied.lm_head.weight.numel()
+    assert tied.num_parameters() == sum(p.numel() for p in tied.parameters())
+
+
+def test_swiglu_default_width_and_forward():
+    config = tiny_config(mlp="swiglu", ffn_hidden_size=None)
+    assert config.ffn_hidden_size == 64 * math.ceil(8 * 32 / 3 / 64)
+    model = build(config)
+    assert model.blocks[0].mlp.fc_in.weight.shape == (2 * config.ffn_hidden_size, 32)
+    assert torch.isfinite(model(ids(1, 9), labels=ids(1, 9, seed=2)).loss)
+
+
+def test_kernel_statistics_reports_tau_and_frequency_norms():
+    model = build(tiny_config("flexformer_n"))
+    feature_map = model.blocks[1].attn.core.feature_map
+    with torch.no_grad():
+        feature_map.tau.copy_(torch.tensor([1.0, 2.0, 3.0, 4.0]))
+        feature_map.omega1.zero_()
+        feature_map.omega1[2, 0, :4] = torch.tensor([3.0, 4.0, 0.0, 0.0])  # one frequency of norm 5
+    stats = model.kernel_statistics()
+    assert stats["layer01/tau_mean"] == pytest.approx(2.5)
+    assert stats["layer01/tau_min"] == pytest.approx(1.0) and stats["layer01/tau_max"] == pytest.approx(4.0)
+    assert stats["layer01/omega1_norm_max"] == pytest.approx(5.0)
+    assert stats["layer01/omega1_norm_min"] == 0.0
+    assert {"layer00/tau_mean", "layer00/omega2_norm_mean"} <= stats.keys()
+    assert build(tiny_config("softmax")).kernel_statistics() == {}
+
+
+# ---------------------------------------------------------------- tensor-parallel layouts
+# A single-process stand-in for a TP rank: column layers keep out/tp outputs, row layers take
+# in/tp inputs and return partial sums (the real factory all-reduces them). Summing the
+# partial outputs of all ranks must reproduce the tp=1 module when every weight is the
+# contiguous shard of the tp=1 weight: that is the layout contract the model promises.
+
+
+class ShardShapeLayers(LocalLayers):
+    def __init__(self, tp_size: int, tp_rank: int) -> None:
+        self.tp_size, self.tp_rank = tp_size, tp_rank
+
+    def column_parallel_linear(self, in_features, out_features, *, bias, init_method):
+        return _linear(in_features, out_features // self.tp_size, bias, init_method)
+
+    def row_parallel_linear(self, in_features, out_features, *, bias, init_method):
+        return _linear(in_features // self.tp_size, out_features, bias, init_method)
+
+
+def shard_state_dict(full: dict[str, torch.Tensor], rank: int, tp: int) -> dict[str, torch.Tensor]:
+    def piece(t: torch.Tensor, dim: int) -> torch.Tensor:
+        return t.chunk(tp, dim=dim)[rank]
+
+    out = {}
+    for name, t in full.items():
+        if name.endswith(("qkv.weight", "fc_in.weight")) or ".feature_map." in f".{name}" or name == "out_gain":
+            out[name] = piece(t, 0)  # column-parallel outputs / per-head tensors: dim 0
+        elif name.endswith(("proj.weight", "fc_out.weight")):
+            out[name] = piece(t, 1)  # row-parallel inputs: dim 1
+        else:
+            out[name] = t
+    return out
+
+
+@pytest.mark.parametrize("kind", ["flexformer_n", "softmax"])
+def test_attention_contiguous_shards_hold_whole_heads(kind):
+    config, tp = tiny_config(kind), 2
+    torch.manual_seed(0)
+    full = Attention(config, LocalLayers()).eval()
+    with torch.no_grad():
+        if full.out_gain is not None:
+            full.out_gain.uniform_(0.5, 1.5)  # make the per-head gain layout observable
+        x = torch.randn(2, 11, config.hidden_size)
+        want, _ = full(x)
+        got = 0
+        for rank in range(tp):
+            part = Attention(config, ShardShapeLayers(tp, rank)).eval()
+            part.load_state_dict(shard_state_dict(full.state_dict(), rank, tp))
+            assert part.local_heads == config.num_heads // tp
+            got = got + part(x)[0]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mlp", ["gelu", "swiglu"])
+def test_mlp_contiguous_shards_are_consistent(mlp):
+    config, tp = tiny_config(mlp=mlp), 2
+    torch.manual_seed(0)
+    full = MLP(config, LocalLayers())
+    x = torch.randn(3, 5, config.hidden_size)
+    with torch.no_grad():
+        want = full(x)
+        got = 0
+        for rank in range(tp):
+            part = MLP(config, ShardShapeLayers(tp, rank))
+            part.load_state_dict(shard_state_dict(full.state_dict(), rank, tp))
+            got = got + part(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind,kwargs", [("flexformer_n", {}), ("performer", {"variant": "trig"}), ("hedgehog", {})])
+def test_tp_feature_map_init_is_the_tp1_init_sliced_by_heads(kind, kwargs):
+    config, tp = tiny_config(kind, feature_kwargs=kwargs), 2
+    torch.manual_seed(7)
+    reference = _build_attention_core(config, LocalLayers(), config.num_heads).feature_map.state_dict()
+    after_reference = torch.rand(1)
+    for rank in range(tp):
+        torch.manual_seed(7)
+        local = _build_attention_core(config, ShardShapeLayers(tp, rank), config.num_heads // tp)
+        # The default RNG advances exactly as at tp=1, so later inits do not depend on tp either.
+        assert torch.equal(torch.rand(1), after_reference)
+        for name, t in local.feature_map.state_dict().items():
+            assert torch.equal(t, reference[name].chunk(tp, dim=0)[rank]), name
+
+
+# ---------------------------------------------------------------- validation
+
+
+def test_tp_size_must_divide_heads_and_ffn():
+    with pytest.raises(ValueError, match="num_heads"):
+        GPT(tiny_config(), ShardShapeLayers(3, 0))
+    with pytest.raises(ValueError, match="ffn_hidden_size"):
+        GPT(tiny_config(ffn_hidden_size=66), ShardShapeLayers(4, 0))
+
+
+def test_forward_rejects_bad_inputs():
+    model = build(tiny_config(position="learned"))
+    with pytest.raises(ValueError, match="input_ids"):
+        model(torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="input_ids"):
+        model(torch.zeros(6, dtype=torch.long))
+    with pytest.raises(ValueError, match="labels"):
+        model(ids(2, 4), labels=ids(2, 5))
+    with pytest.raises(ValueError, match="state"):
+        model(ids(1, 4), state=GPTState(layers=[None], offset=0))
+    with pytest.raises(ValueError, match="max_seq_len"):
+        model(ids(1, 65))
+
+
+def test_checkpointing_refused_with_tp_attention_dropout():
+    with pytest.raises(ValueError, match="attention_dropout"):
+        GPT(tiny_config(attention_dropout=0.1, activation_checkpointing=True), ShardShapeLayers(2, 0))
