@@ -84,6 +84,43 @@ def test_chunked_continuation_matches_one_forward(kind, kwargs):
     assert_close_logits(torch.cat([first.logits, second.logits], dim=1), full)
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"norm": "layernorm", "bias": True},
+        {"mlp": "swiglu", "tie_embeddings": False},
+        {"position": "none", "normalization": "denominator", "attention": "elu"},
+        {"position": "learned", "attention": "hedgehog"},
+    ],
+    ids=["layernorm-bias", "swiglu-untied", "nopos-denominator", "learned-hedgehog"],
+)
+def test_config_variants_continue_exactly(overrides):
+    model = build(tiny_config(**overrides))
+    x = ids(2, 27)
+    with torch.no_grad():
+        full = model(x).logits
+        first = model(x[:, :20], return_state=True)
+        steps = [first.logits]
+        state = first.state
+        for t in range(20, 27):  # recurrent decoding after a chunked prefix
+            out = model(x[:, t : t + 1], state=state, return_state=True)
+            state, steps = out.state, steps + [out.logits]
+    assert_close_logits(torch.cat(steps, dim=1), full)
+
+
+@pytest.mark.parametrize("attention", ["flexformer_n", "softmax"])
+def test_bfloat16_model_tracks_fp32(attention):
+    fp32 = build(tiny_config(attention, init_std=0.05)).train()
+    bf16 = build(tiny_config(attention, init_std=0.05)).train().to(torch.bfloat16)
+    x, y = ids(2, 40, seed=8), ids(2, 40, seed=9)
+    want = fp32(x, labels=y).loss
+    out = bf16(x, labels=y)
+    assert out.logits.dtype == torch.bfloat16 and out.loss.dtype == torch.float32
+    assert abs(out.loss.item() - want.item()) < 0.02 * want.item()
+    out.loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in bf16.parameters())
+
+
 @pytest.mark.parametrize("position", ["rope", "learned"])
 def test_continuation_uses_absolute_positions(position):
     """Continuing from a state must use positions state.offset..; restarting them at 0 differs."""

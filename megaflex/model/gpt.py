@@ -75,6 +75,7 @@ class Attention(nn.Module):
             self.out_gain = nn.Parameter(torch.ones(self.local_heads, d))
             self.out_gain.tensor_model_parallel = True  # Megatron attribute names: TP-sharded on dim 0
             self.out_gain.partition_dim = 0
+            self.out_gain.partition_stride = 1
         self.dropout = nn.Dropout(config.attention_dropout)
         self.proj = layers.row_parallel_linear(
             h, h, bias=config.bias, init_method=normal_init(_scaled_std(config))
