@@ -36,6 +36,7 @@ BASE = dict(vocab_size=100, num_layers=2, hidden_size=32, num_heads=4)
         ({"attention_dropout": -0.1}, "attention_dropout"),
         ({"init_std": 0.0}, "init_std"),
         ({"feature_kwargs": [1]}, "feature_kwargs"),
+        ({"attention": "softmax", "feature_kwargs": {"variant": "trig"}}, "feature_kwargs"),
     ],
 )
 def test_invalid_config_names_the_field(overrides, field):
@@ -62,6 +63,20 @@ def test_default_ffn_width():
     assert ModelConfig(**BASE).ffn_hidden_size == 4 * 32
     # SwiGLU: 8/3 h rounded up to a multiple of 64 keeps the MLP size of a 4h GELU MLP (roughly).
     assert ModelConfig(**{**BASE, "hidden_size": 768, "num_heads": 12}, mlp="swiglu").ffn_hidden_size == 2048
+
+
+@pytest.mark.parametrize(
+    "overrides,field",
+    [
+        ({"attention": "flexformer_n", "feature_dim": 15}, "feature_dim"),  # trig maps: F = 2D
+        ({"attention": "performer", "feature_kwargs": {"variant": "cosine"}}, "variant"),
+        ({"attention": "flexformer_s", "feature_kwargs": {"redraw_interval": 10}}, "redraw_interval"),
+    ],
+)
+def test_feature_map_misfit_is_reported_when_the_model_is_built(overrides, field):
+    config = ModelConfig(**BASE, **overrides)
+    with pytest.raises(ValueError, match=field):
+        GPT(config)
 
 
 def test_head_dim_rope_odd_allowed_without_rope():

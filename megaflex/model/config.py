@@ -81,6 +81,8 @@ class ModelConfig:
                 raise ValueError(f"{name} must be > 0, got {value!r}")
         if not isinstance(self.feature_kwargs, dict):
             raise ValueError(f"feature_kwargs must be a mapping, got {type(self.feature_kwargs).__name__}")
+        if self.attention == "softmax" and self.feature_kwargs:
+            raise ValueError(f"feature_kwargs must be empty for attention='softmax', got {sorted(self.feature_kwargs)}")
 
     @property
     def head_dim(self) -> int:

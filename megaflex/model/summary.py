@@ -72,6 +72,7 @@ def summarize(config: ModelConfig) -> str:
     """Human-readable summary; the last line is ``parameters: N``."""
     model = build_meta_model(config)
     total = model.num_parameters()
+    feature_map = model.blocks[0].attn.core.feature_map
     lines = [
         f"attention:        {config.attention}"
         + (f" (normalization={config.normalization}, chunk={config.chunk_size})" if config.is_linear_attention else ""),
@@ -79,7 +80,8 @@ def summarize(config: ModelConfig) -> str:
         f"hidden:           {config.hidden_size}",
         f"heads:            {config.num_heads} x head_dim {config.head_dim}",
         f"ffn:              {config.ffn_hidden_size} ({config.mlp})",
-        f"feature dim:      {config.feature_dim if config.is_linear_attention else '-'}",
+        # The built map's F (elu and cosformer fix it from head_dim, ignoring config.feature_dim).
+        f"feature dim:      {feature_map.feature_dim if feature_map is not None else '-'}",
         f"vocab:            {config.vocab_size} (padded {pad_vocab_size(config.vocab_size, 1)}), "
         f"tied embeddings: {config.tie_embeddings}",
         f"positions:        {config.position}, max_seq_len {config.max_seq_len}",
