@@ -1,0 +1,246 @@
+"""The GPT under tensor parallelism equals the single-device GPT; checkpoint resharding is exact.
+
+The TP=k models are loaded with the TP=1 model's weights resharded by
+``megaflex.parallel.reshard``, so these tests check the layers, the model's sharded layouts
+(fused QKV, SwiGLU, feature maps, per-head gains) and the resharding together.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from distributed import run_distributed
+from megaflex.model.config import ModelConfig
+from megaflex.model.gpt import GPT
+from megaflex.model.layers import pad_vocab_size
+from megaflex.parallel import ParallelState, TensorParallelLayers, mark_head_sharded_params
+from megaflex.parallel.reshard import (
+    ShardSpec,
+    export_safetensors,
+    gpt_layout,
+    layout_from_json,
+    layout_to_json,
+    load_safetensors,
+    load_state_dict_checked,
+    main as reshard_main,
+    merge_shards,
+    reshard,
+    split_state_dict,
+)
+
+VOCAB = 301  # not divisible by 2 or 4
+SEQ = 13  # not a multiple of the chunk size
+CONFIGS = {
+    # Flexformer-N, tied embeddings, GELU, no bias
+    "flex_tied": dict(vocab_size=VOCAB, num_layers=2, hidden_size=32, num_heads=4, attention="flexformer_n",
+                      feature_dim=16, chunk_size=8, max_seq_len=64),
+    # Hedgehog (learnable per-head map), untied head, SwiGLU, biases, denominator normalisation
+    "hedgehog_untied": dict(vocab_size=VOCAB, num_layers=2, hidden_size=32, num_heads=4, attention="hedgehog",
+                            feature_dim=16, chunk_size=8, max_seq_len=64, tie_embeddings=False, mlp="swiglu",
+                            bias=True, normalization="denominator"),
+    # exact softmax attention with learned positions
+    "softmax": dict(vocab_size=VOCAB, num_layers=1, hidden_size=32, num_heads=4, attention="softmax",
+                    max_seq_len=64, position="learned"),
+}
+
+
+def _reference(name: str) -> dict:
+    """TP=1 model (random, non-trivial weights), its outputs and its gradients."""
+    config = ModelConfig(**CONFIGS[name])
+    torch.manual_seed(0)
+    model = GPT(config)
+    with torch.no_grad():  # perturb the gains/biases that are initialised to constants
+        for pname, p in model.named_parameters():
+            if pname.endswith(("bias", "out_gain", "norm.weight")):
+                p.add_(0.1 * torch.randn_like(p))
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=gen)
+    ids[0, 0] = VOCAB - 1  # the last real token sits on the last (partly padded) shard
+    labels = torch.randint(0, VOCAB, (2, SEQ), generator=gen)
+    labels[1, 3] = -100
+    out = model(ids, labels=labels)
+    out.loss.backward()
+    return {
+        "config": CONFIGS[name],
+        "state_dict": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "grads": {k: p.grad.clone() for k, p in model.named_parameters()},
+        "ids": ids,
+        "labels": labels,
+        "logits": model.gather_logits(out.logits).detach(),
+        "loss": out.loss.detach(),
+    }
+
+
+def _tp_worker(rank: int, world: int, tp: int, refs: list[dict]) -> list[dict]:
+    state = ParallelState.create(tensor_parallel_size=tp)
+    results = []
+    for ref in refs:
+        config = ModelConfig(**ref["config"])
+        layout = gpt_layout(config)
+        model = GPT(config, TensorParallelLayers(state, seed=3))
+        assert mark_head_sharded_params(model) >= 0
+        load_state_dict_checked(model, split_state_dict(ref["state_dict"], layout, tp)[state.tp_rank])
+        out = model(ref["ids"], labels=ref["labels"])
+        out.loss.backward()
+        # Every parameter is this rank's shard (or a replica): the layout says which.
+        for name, p in model.named_parameters():
+            assert (layout[name].partition_dim is not None) == bool(getattr(p, "tensor_model_parallel", False)), name
+        results.append({
+            "logits": model.gather_logits(out.logits).detach(),
+            "loss": out.loss.detach(),
+            "grads": {k: p.grad.clone() for k, p in model.named_parameters()},
+            "state_dict": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        })
+    return results
+
+
+def _check_against_reference(refs: list[dict], per_rank: list[list[dict]], tp: int) -> None:
+    world = len(per_rank)
+    for i, ref in enumerate(refs):
+        layout = gpt_layout(ModelConfig(**ref["config"]))
+        for rank in range(world):
+            res = per_rank[rank][i]
+            torch.testing.assert_close(res["logits"], ref["logits"], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(res["loss"], ref["loss"], atol=1e-5, rtol=1e-5)
+        for group_start in range(0, world, tp):  # each data-parallel replica separately
+            ranks = range(group_start, group_start + tp)
+            param_layout = {k: layout[k] for k in ref["grads"]}
+            grads = merge_shards([per_rank[r][i]["grads"] for r in ranks], param_layout)
+            assert grads.keys() == ref["grads"].keys()
+            for name, grad in ref["grads"].items():
+                torch.testing.assert_close(grads[name], grad, atol=2e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+            # the loaded shards merge back to the original weights exactly
+            weights = merge_shards([per_rank[r][i]["state_dict"] for r in ranks], layout)
+            for name, value in ref["state_dict"].items():
+                assert torch.equal(weights[name], value), name
+
+
+@pytest.mark.slow
+def test_gpt_tp2_dp2_equals_tp1() -> None:
+    refs = [_reference(name) for name in ("flex_tied", "hedgehog_untied")]
+    _check_against_reference(refs, run_distributed(_tp_worker, 4, args=(2, refs)), tp=2)
+
+
+@pytest.mark.slow
+def test_gpt_tp4_equals_tp1() -> None:
+    refs = [_reference(name) for name in ("flex_tied", "softmax")]
+    _check_against_reference(refs, run_distributed(_tp_worker, 4, args=(4, refs)), tp=4)
+
+
+# ----------------------------------------------------------------------------------------
+# single process: layout, resharding, export, errors
+# ----------------------------------------------------------------------------------------
+def test_layout_of_gpt() -> None:
+    layout = gpt_layout(ModelConfig(**CONFIGS["hedgehog_untied"]))
+    assert layout["embed.weight"] == ShardSpec(0, VOCAB)
+    assert layout["lm_head.weight"] == ShardSpec(0, VOCAB)
+    assert layout["blocks.0.attn.qkv.weight"] == ShardSpec(0)
+    assert layout["blocks.0.attn.qkv.bias"] == ShardSpec(0)
+    assert layout["blocks.0.attn.proj.weight"] == ShardSpec(1)
+    assert layout["blocks.0.attn.proj.bias"] == ShardSpec(None)  # added after the all-reduce
+    assert layout["blocks.0.attn.core.feature_map.W"] == ShardSpec(0)  # heads on dim 0
+    assert "blocks.0.attn.out_gain" not in layout  # only with "rms" normalisation
+    assert layout["blocks.1.mlp.fc_out.weight"] == ShardSpec(1)
+    assert layout["final_norm.weight"] == ShardSpec(None)
+    flex = gpt_layout(ModelConfig(**CONFIGS["flex_tied"]))
+    assert {flex[f"blocks.0.attn.core.feature_map.{p}"] for p in ("omega1", "omega2", "tau")} == {ShardSpec(0)}
+    assert flex["blocks.0.attn.out_gain"] == ShardSpec(0)
+    assert layout_from_json(json.loads(json.dumps(layout_to_json(flex)))) == flex
+
+
+@pytest.mark.parametrize("name", ["flex_tied", "hedgehog_untied"])
+def test_reshard_round_trip_is_exact(name: str) -> None:
+    config = ModelConfig(**CONFIGS[name])
+    torch.manual_seed(0)
+    model = GPT(config)
+    original = model.state_dict()
+    layout = gpt_layout(config)
+
+    tp2 = split_state_dict(original, layout, 2)
+    assert tp2[0]["embed.weight"].shape == (pad_vocab_size(VOCAB, 2) // 2, 32)
+    assert tp2[1]["blocks.0.attn.qkv.weight"].shape == (48, 32)
+    tp4 = reshard(tp2, layout, 4)
+    assert tp4[3]["blocks.0.mlp.fc_in.weight"].shape[0] == config.ffn_hidden_size * (2 if config.mlp == "swiglu" else 1) // 4
+    back = reshard(tp4, layout, 1)[0]
+    assert back.keys() == original.keys()
+    for key, value in original.items():
+        assert torch.equal(back[key], value), key
+    # shard contents are the slices of the full tensor, heads/vocab rows in order
+    omega_or_w = next(k for k in layout if ".feature_map." in k)
+    assert torch.equal(tp4[2][omega_or_w], original[omega_or_w][2:3])
+    assert torch.equal(tp4[1]["embed.weight"], original["embed.weight"][128:256])  # 128 rows per rank at TP=4
+    assert torch.equal(tp4[2]["embed.weight"][: VOCAB - 256], original["embed.weight"][256:VOCAB])
+    assert torch.all(tp4[3]["embed.weight"] == 0)  # pure padding, past TP=1's padded size
+
+    reloaded = GPT(config)
+    load_state_dict_checked(reloaded, back)
+    ids = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, model(ids).logits)
+
+
+def test_tp_init_equals_slices_of_tp1_init() -> None:
+    config = ModelConfig(**CONFIGS["hedgehog_untied"])
+    torch.manual_seed(5)
+    full = GPT(config).state_dict()
+    layout = gpt_layout(config)
+    expected = split_state_dict(full, layout, 2)
+    for tp_rank in range(2):
+        torch.manual_seed(5)
+        shard = GPT(config, TensorParallelLayers(ParallelState.detached(2, tp_rank), seed=0)).state_dict()
+        for key, value in shard.items():
+            assert torch.equal(value, expected[tp_rank][key]), key
+
+
+def test_bad_tp_and_shape_errors() -> None:
+    config = ModelConfig(**CONFIGS["flex_tied"])
+    with pytest.raises(ValueError, match=r"num_heads \(4\) must be divisible by the tensor-parallel size 3"):
+        GPT(config, TensorParallelLayers(ParallelState.detached(3, 0), seed=0))
+    layout = gpt_layout(config)
+    torch.manual_seed(0)
+    shards = split_state_dict(GPT(config).state_dict(), layout, 2)
+    with pytest.raises(ValueError, match=r"embed\.weight: checkpoint shape \(256, 32\) does not match the model's \(384, 32\)"):
+        load_state_dict_checked(GPT(config), shards[0])
+    with pytest.raises(ValueError, match=r"state_dict: keys do not match.*missing \['final_norm.weight'\]"):
+        load_state_dict_checked(GPT(config), {k: v for k, v in merge_shards(shards, layout).items() if k != "final_norm.weight"})
+    with pytest.raises(ValueError, match="cannot be split over tp_size=3"):
+        split_state_dict(merge_shards(shards, layout), layout, 3)
+    bad = [dict(shards[0]), dict(shards[1])]
+    bad[1]["blocks.0.attn.proj.weight"] = bad[1]["blocks.0.attn.proj.weight"][:, :-1]
+    with pytest.raises(ValueError, match=r"blocks\.0\.attn\.proj\.weight: shards have different shapes"):
+        merge_shards(bad, layout)
+
+
+def test_safetensors_export_and_cli(tmp_path) -> None:
+    config = ModelConfig(**CONFIGS["hedgehog_untied"])
+    torch.manual_seed(0)
+    model = GPT(config)
+    layout = gpt_layout(config)
+    original = model.state_dict()
+
+    # A checkpoint tag as megaflex.training.checkpoint writes it, at TP=2.
+    tag = tmp_path / "step_00000010"
+    tag.mkdir()
+    for rank, sd in enumerate(split_state_dict(original, layout, 2)):
+        torch.save({"module": sd}, tag / f"mp_rank_{rank:02d}_model_states.pt")
+    meta = {"tensor_parallel_size": 2, "config": {"model": config.to_dict()},
+            "parameter_shapes": {k: list(p.shape) for k, p in model.named_parameters()}}
+    (tag / "megaflex.json").write_text(json.dumps(meta))
+
+    reshard_main([str(tag), str(tmp_path / "tp4"), "--tp", "4"])
+    new_meta = json.loads((tmp_path / "tp4" / "megaflex.json").read_text())
+    assert new_meta["tensor_parallel_size"] == 4
+    tp4 = [torch.load(tmp_path / "tp4" / f"mp_rank_{r:02d}_model_states.pt")["module"] for r in range(4)]
+    assert new_meta["parameter_shapes"]["blocks.0.attn.qkv.weight"] == list(tp4[0]["blocks.0.attn.qkv.weight"].shape)
+    merged = merge_shards(tp4, layout)
+
+    reshard_main([str(tmp_path / "tp4"), str(tmp_path / "export"), "--safetensors"])
+    exported, config_dict = load_safetensors(tmp_path / "export")
+    assert ModelConfig.from_dict(config_dict) == config
+    for key, value in original.items():
+        assert torch.equal(exported[key], value) and torch.equal(merged[key], value), key
+    export_safetensors(original, config, tmp_path / "direct")  # tied weights / views are fine too
+    assert torch.equal(load_safetensors(tmp_path / "direct")[0]["embed.weight"], original["embed.weight"])
