@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"megaflex-train: config error: {e}", file=sys.stderr)
         return 2
+    from megaflex.training.checkpoint import CheckpointError
     from megaflex.training.trainer import NonFiniteAbort, run, shutdown
 
     clean = False
@@ -47,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
         clean = True
     except ConfigError as e:
         print(f"megaflex-train: config error: {e}", file=sys.stderr)
+        return 2
+    except CheckpointError as e:
+        print(f"megaflex-train: checkpoint error: {e}", file=sys.stderr)
         return 2
     except NonFiniteAbort as e:
         print(f"megaflex-train: {e}", file=sys.stderr)

@@ -111,6 +111,8 @@ def run(cfg: Config) -> dict[str, Any]:
         )
         logger.print(f"no weight decay: {', '.join(no_decay_names(model, cfg.optimizer.no_decay_patterns)) or 'none'}")
 
+    if cfg.parallel.zero_stage == 3:
+        _register_zero3_external_parameters(model)
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, config=ds_config, mpu=DeepSpeedMPU(state), dist_init_required=False
     )
@@ -275,6 +277,24 @@ def _full_parameter_count(model: torch.nn.Module, tp_size: int) -> int:
     from megaflex.parallel import is_tensor_parallel
 
     return sum(p.numel() * (tp_size if tp_size > 1 and is_tensor_parallel(p) else 1) for p in model.parameters())
+
+
+def _register_zero3_external_parameters(model: GPT) -> None:
+    """Tell ZeRO 3 about parameters used outside their own module's forward.
+
+    ZeRO 3 gathers a module's parameters around its forward/backward, hooking the *tensors* it
+    returns. The feature maps return a ``FeatureMapOutput`` dataclass (not hooked), so their
+    Omega/tau are registered with the attention core that calls them; the tied embedding is
+    used again by the logits in the model's own forward.
+    """
+    from deepspeed.runtime.zero.partition_parameters import register_external_parameter
+
+    for block in model.blocks:
+        core = block.attn.core
+        if getattr(core, "feature_map", None) is not None:
+            for p in core.feature_map.parameters():
+                register_external_parameter(core, p)
+    register_external_parameter(model, model.output_weight)
 
 
 def _kernel_statistics(engine: Any, zero_stage: int) -> dict[str, float]:

@@ -1,0 +1,104 @@
+"""Helpers of the training tests: a tiny config and a torchrun-like launcher of real processes.
+
+``launch`` starts ``world_size`` separate ``python -m megaflex.train`` processes with the
+torch.distributed env vars (gloo on localhost), so a test can let them ``kill -9`` themselves
+(fault injection) and inspect exit codes, outputs and the run directory afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+
+# 2 layers, hidden 64, seq 64, vocab 256: a few ms per step, all code paths of the real model.
+TINY = {
+    "model": {
+        "vocab_size": 256, "num_layers": 2, "hidden_size": 64, "num_heads": 4, "ffn_hidden_size": 128,
+        "attention": "flexformer_n", "feature_dim": 32, "chunk_size": 32, "max_seq_len": 64,
+    },
+    "data": {"source": "synthetic", "seq_len": 64},
+    "train": {"train_iters": 20, "lr": 3e-3, "micro_batch_size": 2, "global_batch_size": 8, "seed": 7},
+    "schedule": {"warmup_iters": 3, "decay_style": "cosine", "min_lr": 1e-4},
+    "logging": {"progress_bar": False, "tensorboard": False, "kernel_stats_interval": 5},
+    "checkpoint": {"save_interval": 10, "keep_last": 5},
+}
+
+
+def write_config(path: Path, data: dict | None = None) -> Path:
+    path.write_text(yaml.safe_dump(data or TINY))
+    return path
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def base_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", DS_ACCELERATOR="cpu")
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".torch_extensions"))
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+@dataclass
+class Result:
+    returncodes: list[int]
+    outputs: list[str]
+
+    @property
+    def output(self) -> str:
+        return "\n".join(f"--- rank {i} (rc {rc}) ---\n{out[-6000:]}" for i, (rc, out) in enumerate(zip(self.returncodes, self.outputs)))
+
+
+def launch(config: Path, overrides: list[str], world_size: int = 1, timeout: float = 300) -> Result:
+    """Run ``megaflex.train`` on ``world_size`` local gloo ranks; wait for all of them.
+
+    When a rank exits with an error the others are given a few seconds, then killed (they may
+    be blocked in a collective with the dead rank)."""
+    port = free_port()
+    procs, logs = [], []
+    for rank in range(world_size):
+        env = base_env()
+        env.update(
+            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+            LOCAL_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        )
+        log = open(config.parent / f"rank{rank}-{port}.log", "w+")
+        procs.append(subprocess.Popen(
+            [PYTHON, "-m", "megaflex.train", "--config", str(config), *overrides],
+            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+        ))
+        logs.append(log)
+    deadline = time.time() + timeout
+    failed_at = None
+    while any(p.poll() is None for p in procs):
+        if time.time() > deadline:
+            break
+        if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
+            failed_at = time.time()
+        if failed_at is not None and time.time() - failed_at > 15:
+            break
+        time.sleep(0.1)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    outputs = []
+    for log in logs:
+        log.seek(0)
+        outputs.append(log.read())
+        log.close()
+    return Result([p.returncode for p in procs], outputs)
