@@ -193,6 +193,11 @@ def test_index_cache_reuse_and_invalidation(tmp_path: Path) -> None:
         assert changed.built_indices, change
         assert len(list(cache.iterdir())) == n_files + 4, change  # a new entry: 3 arrays + description
         n_files += 4
+    import pickle
+
+    clone = pickle.loads(pickle.dumps(again))  # e.g. a spawned DataLoader worker: re-maps the cache
+    assert isinstance(clone.indices.doc_idx, np.memmap)
+    np.testing.assert_array_equal(clone[7], again[7])
     make_dataset(tmp_path / "d", 100, seed=1)  # same prefix, different document lengths
     assert GPTDataset(data.prefix, **kw).built_indices
 

@@ -8,7 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the hf: path must work without a network

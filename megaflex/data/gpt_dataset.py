@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from megaflex.data.indexed import IndexedDataset, index_file_path
+from megaflex.data.indexed import IndexedDataset
 
 SPLIT_NAMES = ("train", "valid", "test")
 INDEX_VERSION = 1  # bump when the index algorithm changes, invalidating every cache
@@ -134,14 +134,6 @@ def build_indices(
     return GPTIndices(doc_idx, sample_idx, shuffle_idx.astype(np.int64))
 
 
-def _sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 class GPTDataset:
     """``ds[i]`` -> int64 array of ``seq_len + 1`` tokens (inputs ``[:-1]``, targets ``[1:]``).
 
@@ -184,12 +176,13 @@ class GPTDataset:
         self.description = {
             "class": "GPTDataset", "version": INDEX_VERSION,
             "prefix": os.path.realpath(self.indexed.prefix),
-            "idx_sha256": _sha256_file(index_file_path(self.indexed.prefix)),
+            "idx_sha256": self.indexed.index_sha256(),
             "split": self.split, "split_name": split_name, "doc_range": [lo, hi],
             "seq_len": seq_len, "num_samples": num_samples, "seed": seed,
         }
         self.cache_hash = hashlib.sha256(json.dumps(self.description, sort_keys=True).encode()).hexdigest()[:32]
         self.built_indices = False  # True when this process built (not loaded) the indices
+        self._cache_dir = cache_dir
         self.indices = self._load_or_build(num_samples, cache_dir, is_builder, barrier)
         self.num_samples = len(self.indices.shuffle_idx)
 
@@ -237,6 +230,19 @@ class GPTDataset:
                 f"the is_builder process must build them before the barrier"
             )
         return GPTIndices(*(np.load(paths[k], mmap_mode="r") for k in ("doc_idx", "sample_idx", "shuffle_idx")))
+
+    def __getstate__(self) -> dict:
+        # DataLoader workers started with spawn: re-map cached indices instead of pickling copies.
+        state = self.__dict__.copy()
+        if self._cache_dir is not None:
+            state["indices"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if self.indices is None:
+            paths = self.cache_paths(self._cache_dir)
+            self.indices = GPTIndices(*(np.load(paths[k], mmap_mode="r") for k in ("doc_idx", "sample_idx", "shuffle_idx")))
 
     # ------------------------------------------------------------------ samples
     def __len__(self) -> int:

@@ -22,6 +22,7 @@ a memory-mapped read must never silently return bytes that belong to something e
 
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
 from array import array
@@ -229,6 +230,16 @@ class IndexedDataset:
         if hi - lo == 1:
             return self.get(lo)
         return np.concatenate([self.get(i) for i in range(lo, hi)]) if hi > lo else np.zeros(0, self.dtype)
+
+    def index_sha256(self) -> str:
+        """sha256 of the ``.idx`` file (cached): identifies everything sample indices depend on."""
+        if getattr(self, "_idx_sha256", None) is None:
+            h = hashlib.sha256()
+            with open(index_file_path(self.prefix), "rb") as f:
+                while chunk := f.read(1 << 22):
+                    h.update(chunk)
+            self._idx_sha256 = h.hexdigest()
+        return self._idx_sha256
 
     def __getstate__(self) -> dict:
         # Re-map in the receiving process (DataLoader workers) instead of pickling the mapping.
