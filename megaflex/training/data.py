@@ -6,7 +6,7 @@ A dataset maps a sample index to ``seq_len + 1`` token ids (inputs = [:-1], labe
 
 The stream is a pure function of ``consumed_samples``: optimizer step ``i`` reads the
 ``global_batch`` consecutive sample indices starting at ``consumed_samples`` and data-parallel
-rank ``r`` takes micro-batches out of them (``PretrainingSampler``). Resuming from a checkpoint
+rank ``r`` takes its micro-batches out of them (``megaflex.data.PretrainingSampler``). Resuming from a checkpoint
 with the same or a different data-parallel size therefore continues exactly where it stopped.
 """
 
@@ -17,6 +17,7 @@ from typing import Any, Iterator, Protocol
 import numpy as np
 import torch
 
+from megaflex.data.sampler import PretrainingSampler
 from megaflex.training.config import Config
 
 
@@ -40,54 +41,51 @@ class SyntheticDataset:
         return rng.integers(0, self.vocab_size, size=self.seq_len + 1, dtype=np.int64)
 
 
-def build_datasets(cfg: Config, train_samples: int, valid_samples: int) -> tuple[TokenDataset, TokenDataset | None]:
-    """(train, valid or None) holding at least the requested number of samples."""
+def build_datasets(cfg: Config, train_samples: int, valid_samples: int, rank: int = 0) -> tuple[TokenDataset, TokenDataset | None]:
+    """(train, valid or None) holding at least the requested number of samples.
+
+    Indexed data: with ``data.valid_path`` the two sets come from their own files, otherwise
+    ``data.split`` cuts train/valid out of ``data.train_path`` (Megatron's document split).
+    Rank 0 builds the cached sample indices, the others wait at a barrier and load them."""
     d = cfg.data
     if d.source == "synthetic":
         train = SyntheticDataset(train_samples, d.seq_len, cfg.model.vocab_size, cfg.train.seed)
         valid = SyntheticDataset(valid_samples, d.seq_len, cfg.model.vocab_size, cfg.train.seed + 1)
         return train, valid
-    from megaflex.data import gpt_dataset  # noqa: PLC0415 - only needed for indexed data
+    import torch.distributed as dist
 
-    train = gpt_dataset.build_dataset(
-        d.train_path, weights=d.train_weights, seq_len=d.seq_len, num_samples=train_samples,
-        seed=cfg.train.seed, cache_dir=d.cache_dir,
+    from megaflex.data import build_datasets as build_indexed  # noqa: PLC0415 - only for indexed data
+
+    common = dict(
+        seq_len=d.seq_len, seed=cfg.train.seed, cache_dir=d.cache_dir, is_builder=(rank == 0),
+        barrier=dist.barrier if dist.is_initialized() else None,
     )
-    valid = None
     if d.valid_path:
-        valid = gpt_dataset.build_dataset(
-            d.valid_path, weights=None, seq_len=d.seq_len, num_samples=valid_samples,
-            seed=cfg.train.seed, cache_dir=d.cache_dir,
-        )
+        train = build_indexed(d.train_path, d.train_weights, split="1,0,0",
+                              num_samples_per_split=(train_samples, 0, 0), **common)["train"]
+        valid = build_indexed(d.valid_path, None, split="0,1,0",
+                              num_samples_per_split=(0, valid_samples, 0), **common)["valid"]
+    else:
+        sets = build_indexed(d.train_path, d.train_weights, split=d.split,
+                             num_samples_per_split=(train_samples, valid_samples, 0), **common)
+        train, valid = sets["train"], sets["valid"]
     return train, valid
 
 
 def _tokens(sample: Any) -> torch.Tensor:
-    if isinstance(sample, dict):  # Megatron-style {"text": ...} / {"tokens": ...}
-        sample = sample.get("tokens", sample.get("text"))
     return torch.as_tensor(np.asarray(sample, dtype=np.int64))
 
 
-def micro_batch_indices(consumed_samples: int, micro: int, dp_rank: int, dp_size: int) -> range:
-    """Sample indices of this rank's next micro-batch when ``consumed_samples`` are done.
-
-    One micro-step of all replicas reads ``micro * dp_size`` consecutive indices; rank ``r``
-    takes its ``micro``-sized slice (Megatron's MegatronPretrainingSampler)."""
-    start = consumed_samples + dp_rank * micro
-    return range(start, start + micro)
-
-
-def get_batch(dataset: TokenDataset, indices: range, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+def get_batch(dataset: TokenDataset, indices: list[int], device: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids [B, N], labels [B, N]) of the given samples."""
-    tokens = torch.stack([_tokens(dataset[i % len(dataset)]) for i in indices])  # [B, N + 1]
-    tokens = tokens.to(device)
+    tokens = torch.stack([_tokens(dataset[i]) for i in indices]).to(device)  # [B, N + 1]
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
-def step_batches(
-    dataset: TokenDataset, consumed_samples: int, micro: int, grad_accum: int, dp_rank: int, dp_size: int, device: str
+def micro_batches(
+    dataset: TokenDataset, consumed_samples: int, micro: int, count: int, dp_rank: int, dp_size: int, device: str
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """The ``grad_accum`` micro-batches of this rank for the optimizer step at ``consumed_samples``."""
-    for m in range(grad_accum):
-        base = consumed_samples + m * micro * dp_size
-        yield get_batch(dataset, micro_batch_indices(base, micro, dp_rank, dp_size), device)
+    """This rank's next ``count`` micro-batches after ``consumed_samples`` (all ranks together)."""
+    sampler = PretrainingSampler(len(dataset), consumed_samples, micro, dp_rank, dp_size)
+    for _, indices in zip(range(count), sampler):
+        yield get_batch(dataset, indices, device)

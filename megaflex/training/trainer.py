@@ -38,7 +38,7 @@ from megaflex.training.checkpoint import (
     read_meta,
 )
 from megaflex.training.config import Config, global_batch_size, resolve_device, validate_runtime
-from megaflex.training.data import build_datasets, get_batch, micro_batch_indices, step_batches
+from megaflex.training.data import build_datasets, micro_batches
 from megaflex.training.deepspeed_config import deepspeed_config, gradient_accumulation_steps
 from megaflex.training.metrics import MetricsLogger, device_peak_tflops, flops_per_token, peak_memory_mb
 from megaflex.training.optim import build_optimizer, lr_at, no_decay_names, set_lr
@@ -120,7 +120,7 @@ def run(cfg: Config) -> dict[str, Any]:
     # ---------------------------------------------------------------- data and resume
     train_samples = cfg.train.train_iters * gbs
     valid_samples = cfg.train.eval_iters * cfg.train.micro_batch_size * dp_size
-    train_data, valid_data = build_datasets(cfg, train_samples, valid_samples)
+    train_data, valid_data = build_datasets(cfg, train_samples, valid_samples, rank)
 
     manager = CheckpointManager(Path(cfg.checkpoint_dir), cfg.checkpoint.keep_last, rank)
     if cfg.fault.sigkill_during_save_at_step is not None:
@@ -168,7 +168,7 @@ def run(cfg: Config) -> dict[str, Any]:
         loss_sum = torch.zeros((), dtype=torch.float64)
         bad = torch.zeros((), dtype=torch.float64)
         inject_nan = (iteration + 1) in cfg.fault.nan_loss_at_steps and rank == 0
-        for ids, labels in step_batches(
+        for ids, labels in micro_batches(
             train_data, consumed, cfg.train.micro_batch_size, grad_accum, state.dp_rank, dp_size, device
         ):
             loss = engine(ids, labels).loss
@@ -313,10 +313,9 @@ def _kernel_statistics(engine: Any, zero_stage: int) -> dict[str, float]:
 def evaluate(cfg: Config, engine: Any, dataset: Any, state: Any, device: str) -> float:
     """Mean validation loss over ``train.eval_iters`` micro-batches per data-parallel rank."""
     engine.eval()
-    micro = cfg.train.micro_batch_size
     total = torch.zeros((), dtype=torch.float64)
-    for i in range(cfg.train.eval_iters):
-        ids, labels = get_batch(dataset, micro_batch_indices(i * micro * state.dp_size, micro, state.dp_rank, state.dp_size), device)
+    batches = micro_batches(dataset, 0, cfg.train.micro_batch_size, cfg.train.eval_iters, state.dp_rank, state.dp_size, device)
+    for ids, labels in batches:
         total += engine(ids, labels).loss.double().cpu()
     engine.train()
     total = _all_reduce(total, dist.ReduceOp.SUM, state.dp_group)
