@@ -66,13 +66,13 @@ def generate_tokens(
     max_new_tokens: int,
     sampling: SamplingConfig | None = None,
     *,
-    vocab_size: int | None = None,
     generator: torch.Generator | None = None,
     stop_ids: Sequence[int] = (),
 ) -> Iterator[torch.Tensor]:
     """Yield next-token ids [B] one at a time, continuing ``prompt`` [B, N] with carried state.
 
-    ``vocab_size`` trims padded-vocabulary logits. Stops after ``max_new_tokens`` or once every
+    Logits go through ``model.gather_logits`` (full vocabulary, padding removed, gathered over
+    tensor-parallel ranks) when the model has it. Stops after ``max_new_tokens`` or once every
     row has produced one of ``stop_ids``.
     """
     sampling = sampling or SamplingConfig()
@@ -84,14 +84,13 @@ def generate_tokens(
     model.eval()
     try:
         device = next(model.parameters()).device
+        gather = getattr(model, "gather_logits", lambda logits: logits)
         out = model(prompt.to(device), state=None, return_state=True)  # prefill: parallel form
         state = out.state
-        logits = out.logits[:, -1]
+        logits = gather(out.logits[:, -1])  # [B, V]
         done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=device)
         stop = torch.tensor(list(stop_ids), dtype=torch.long, device=device)
         for _ in range(max_new_tokens):
-            if vocab_size is not None:
-                logits = logits[:, :vocab_size]
             token = sample_next(logits.float(), sampling, generator)  # [B]
             yield token
             done |= torch.isin(token, stop)
@@ -99,7 +98,7 @@ def generate_tokens(
                 return
             out = model(token[:, None], state=state, return_state=True)  # O(1) recurrent step
             state = out.state
-            logits = out.logits[:, -1]
+            logits = gather(out.logits[:, -1])
     finally:
         model.train(was_training)
 
@@ -165,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     streamer = TextStreamer(loaded.tokenizer.decode, prompt[0].tolist())
     sys.stdout.write(prompt_text)
     for token in generate_tokens(loaded.model, prompt, args.max_new_tokens, sampling,
-                                 vocab_size=loaded.vocab_size, generator=generator, stop_ids=stop_ids):
+                                 generator=generator, stop_ids=stop_ids):
         sys.stdout.write(streamer.push(int(token[0])))
         sys.stdout.flush()
     sys.stdout.write("\n")

@@ -14,12 +14,12 @@ from megaflex.model.gpt import GPT
 VOCAB = 97
 
 
-def tiny_gpt(attention: str = "flexformer_n", seed: int = 0) -> GPT:
+def tiny_gpt(attention: str = "flexformer_n", seed: int = 0, **overrides: object) -> GPT:
     torch.manual_seed(seed)
-    config = ModelConfig(
-        vocab_size=VOCAB, num_layers=2, hidden_size=32, num_heads=2, attention=attention,
-        feature_dim=16, chunk_size=8, max_seq_len=1024,
-    )
+    config = ModelConfig(**{
+        "vocab_size": VOCAB, "num_layers": 2, "hidden_size": 32, "num_heads": 2, "attention": attention,
+        "feature_dim": 16, "chunk_size": 8, "max_seq_len": 1024, **overrides,
+    })
     return GPT(config).eval()
 
 
