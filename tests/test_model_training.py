@@ -67,6 +67,7 @@ def train_losses(data: torch.Tensor, attention: str, feature_kwargs: dict) -> li
     return losses
 
 
+@pytest.mark.slow  # ~10 s per kind on a loaded 2-core machine
 @pytest.mark.parametrize("attention,feature_kwargs", KINDS, ids=[k + "-" + v.get("variant", "") for k, v in KINDS])
 def test_short_training_run_reduces_loss(wikitext_bytes, attention, feature_kwargs):
     losses = train_losses(wikitext_bytes, attention, feature_kwargs)
