@@ -21,26 +21,26 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from megaflex.attention import AttentionCore
+from megaflex.attention import AttentionCore, KVCache, LinearAttentionState
 from megaflex.model.config import ModelConfig
 from megaflex.model.layers import LayerFactory, LocalLayers, normal_init
 from megaflex.model.rope import RotaryEmbedding
 
 IGNORE_INDEX = -100  # labels equal to this contribute no loss
+LayerState = LinearAttentionState | KVCache  # one layer's decoding state (linear kinds | softmax)
 
 
 @dataclass
 class GPTState:
     """Decoding state of the whole model."""
 
-    layers: list[Any]  # per layer: LinearAttentionState (linear kinds) or KVCache (softmax)
+    layers: list[LayerState]  # one per block
     offset: int  # tokens consumed so far = absolute position of the next token
 
 
@@ -82,8 +82,8 @@ class Attention(nn.Module):
         )
 
     def forward(
-        self, x: torch.Tensor, state: Any = None, return_state: bool = False, offset: int = 0
-    ) -> tuple[torch.Tensor, Any]:
+        self, x: torch.Tensor, state: LayerState | None = None, return_state: bool = False, offset: int = 0
+    ) -> tuple[torch.Tensor, LayerState | None]:
         B, N, _ = x.shape
         qkv = self.qkv(x).view(B, N, self.local_heads, 3, self.head_dim)
         q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each [B, Hl, N, d]
@@ -137,8 +137,8 @@ class Block(nn.Module):
         self.dropout = nn.Dropout(config.hidden_dropout)  # full (replicated) activations: default RNG
 
     def forward(
-        self, x: torch.Tensor, state: Any = None, return_state: bool = False, offset: int = 0
-    ) -> tuple[torch.Tensor, Any]:
+        self, x: torch.Tensor, state: LayerState | None = None, return_state: bool = False, offset: int = 0
+    ) -> tuple[torch.Tensor, LayerState | None]:
         a, new_state = self.attn(self.attn_norm(x), state, return_state, offset)
         x = x + self.dropout(a)
         x = x + self.dropout(self.mlp(self.mlp_norm(x)))
