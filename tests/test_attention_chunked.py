@@ -1,0 +1,233 @@
+"""The chunked form (training fast path) == the recurrent and quadratic forms, its hand-written
+backward passes gradcheck, it survives bf16 autocast at 64k tokens with huge keys, and it rejects
+bad input with a clear ValueError."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attention_helpers import attend, make_map, make_qkv, rel_err
+from megaflex.attention import LinearAttentionState, NORMALIZATIONS, causal_linear_attention
+from megaflex.attention.chunked import _ChunkedLinearAttention, chunked_linear_attention
+from megaflex.attention.core import _chunked_impl
+
+LENGTHS = (1, 7, 63, 64, 65, 500, 1000)
+CHUNKS = (16, 64, 128)
+HEADS, HEAD_DIM, FEATURES, VALUE_DIM = 2, 8, 16, 6
+
+
+def _prefix_state(fmap, seed: int) -> LinearAttentionState:
+    """A genuine state from a 9-token prefix, with kv / k_sum / log_max as gradient leaves."""
+    q, k, v = make_qkv(1, HEADS, 9, HEAD_DIM, VALUE_DIM, seed=seed)
+    with torch.no_grad():
+        _, state = attend(fmap, q, k, v, form="quadratic")
+    return LinearAttentionState(
+        state.kv.clone().requires_grad_(),
+        state.k_sum.clone().requires_grad_(),
+        state.log_max.clone().requires_grad_(),
+        state.offset,
+    )
+
+
+def _run(kind, form, normalization, n, with_state, chunk_size=64):
+    """Outputs, state and gradients (inputs, every feature-map parameter, the initial state)."""
+    fmap = make_map(kind, HEADS, HEAD_DIM, FEATURES, **({"max_seq_len": 2048} if kind == "cosformer" else {}))
+    state = _prefix_state(fmap, seed=1) if with_state else None
+    q, k, v = make_qkv(1, HEADS, n, HEAD_DIM, VALUE_DIM, seed=2)
+    for t in (q, k, v):
+        t.requires_grad_()
+    out, new_state = attend(fmap, q, k, v, form=form, normalization=normalization, state=state, chunk_size=chunk_size)
+    g = torch.Generator().manual_seed(3)
+    probes = [torch.randn(t.shape, generator=g) for t in (out, new_state.kv, new_state.k_sum)]
+    # the returned state carries gradient too (truncated BPTT across segments)
+    loss = (out * probes[0]).sum() + 1e-2 * ((new_state.kv * probes[1]).sum() + (new_state.k_sum * probes[2]).sum())
+    leaves = {"q": q, "k": k, "v": v, **{f"map.{name}": p for name, p in fmap.named_parameters()}}
+    if state is not None:
+        leaves.update({"state.kv": state.kv, "state.k_sum": state.k_sum})
+        if form != "recurrent":  # the recurrent form treats the incoming log_max as a constant
+            leaves["state.log_max"] = state.log_max
+    grads = torch.autograd.grad(loss, list(leaves.values()))
+    return out, new_state, dict(zip(leaves, grads))
+
+
+def _assert_agree(actual, reference):
+    out, state, grads = actual
+    ref_out, ref_state, ref_grads = reference
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref_out) < 1e-5
+    assert rel_err(state.kv, ref_state.kv) < 1e-5 and rel_err(state.k_sum, ref_state.k_sum) < 1e-5
+    assert torch.equal(state.log_max, ref_state.log_max) and state.offset == ref_state.offset
+    common = grads.keys() & ref_grads.keys()  # the recurrent form has no log_max gradient
+    assert len(common) >= len(grads) - 1 and {"q", "k", "v"} <= common
+    # gradients to 1e-4 of their own scale; one far below the largest (e.g. d out / d q at N = 1
+    # under "rms", O(eps) by scale invariance) is compared at 1e-2 of the largest scale
+    floor = 1e-2 * max(g.abs().max().item() for g in ref_grads.values())
+    for name in common:
+        ref = ref_grads[name]
+        scale = max(ref.abs().max().item(), floor)
+        err = (grads[name] - ref).abs().max().item()
+        assert err < 1e-4 * scale, f"grad of {name}: max abs err {err:.3g} vs scale {scale:.3g}"
+
+
+_QUADRATIC_CACHE: dict = {}
+
+
+def _quadratic(kind, normalization, n, with_state):
+    key = (kind, normalization, n, with_state)
+    if key not in _QUADRATIC_CACHE:
+        _QUADRATIC_CACHE[key] = _run(kind, "quadratic", normalization, n, with_state)
+    return _QUADRATIC_CACHE[key]
+
+
+@pytest.mark.parametrize("normalization", NORMALIZATIONS)
+@pytest.mark.parametrize("with_state", [False, True])
+@pytest.mark.parametrize("n", LENGTHS)
+def test_chunked_matches_quadratic_flexformer_n(n, with_state, normalization):
+    """Full grid: every length x chunk size x state x normalisation, through flexformer_n (O1, O2, tau)."""
+    reference = _quadratic("flexformer_n", normalization, n, with_state)
+    for chunk_size in CHUNKS:
+        _assert_agree(_run("flexformer_n", "chunked", normalization, n, with_state, chunk_size), reference)
+
+
+@pytest.mark.parametrize("normalization", NORMALIZATIONS)
+@pytest.mark.parametrize("n", LENGTHS)
+def test_chunked_matches_recurrent(n, normalization):
+    """All three forms on every length (recurrent is a Python loop: one chunk size, with a state)."""
+    recurrent = _run("flexformer_n", "recurrent", normalization, n, True)
+    _assert_agree(recurrent, _quadratic("flexformer_n", normalization, n, True))
+    _assert_agree(_run("flexformer_n", "chunked", normalization, n, True, chunk_size=64), recurrent)
+
+
+@pytest.mark.parametrize("kind", ["flexformer_s", "performer", "elu", "cosformer", "hedgehog"])
+@pytest.mark.parametrize("n", [7, 65, 500])
+def test_chunked_matches_quadratic_other_maps(kind, n):
+    """Every other map's parameters (omega for flexformer_s, W for hedgehog) get the reference gradients."""
+    for normalization in NORMALIZATIONS:
+        reference = _run(kind, "quadratic", normalization, n, True)
+        _assert_agree(_run(kind, "chunked", normalization, n, True, chunk_size=16), reference)
+
+
+def test_segments_with_carried_state_equal_one_shot():
+    """Three chunked segments chained through the state (gradient flowing through it) == one call."""
+    fmap = make_map("flexformer_n", HEADS, HEAD_DIM, FEATURES)
+    q, k, v = make_qkv(2, HEADS, 150, HEAD_DIM, VALUE_DIM, seed=4)
+    for t in (q, k, v):
+        t.requires_grad_()
+    full, full_state = attend(fmap, q, k, v, form="chunked", chunk_size=32)
+    parts, state = [], None
+    for lo, hi in ((0, 37), (37, 101), (101, 150)):
+        out, state = attend(fmap, q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], form="chunked", state=state, chunk_size=32)
+        parts.append(out)
+    segmented = torch.cat(parts, dim=2)
+    assert rel_err(segmented, full) < 1e-5 and rel_err(state.kv, full_state.kv) < 1e-5
+    probe = torch.randn(full.shape, generator=torch.Generator().manual_seed(5))
+    g_full = torch.autograd.grad((full * probe).sum(), (q, k, v, fmap.omega1, fmap.tau))
+    g_seg = torch.autograd.grad((segmented * probe).sum(), (q, k, v, fmap.omega1, fmap.tau))
+    for a, b in zip(g_seg, g_full):
+        assert rel_err(a, b) < 1e-4
+
+
+@pytest.mark.parametrize("normalization", NORMALIZATIONS)
+def test_gradcheck_autograd_function(normalization):
+    """float64 gradcheck of the raw autograd.Function (all outputs incl. the final state), odd
+    shapes: N = 11 with chunks of 4 (last one short), an initial state whose log_max dominates so
+    the detached stabiliser is locally constant (the function is then smooth in every input)."""
+    g = torch.Generator().manual_seed(6)
+    bh, n, feat, dv = 3, 11, 5, 3
+    q = torch.randn(bh, n, feat, dtype=torch.float64, generator=g).requires_grad_()
+    k = torch.randn(bh, n, feat, dtype=torch.float64, generator=g).requires_grad_()
+    lam = torch.randn(bh, n, dtype=torch.float64, generator=g).requires_grad_()
+    v = torch.randn(bh, n, dv, dtype=torch.float64, generator=g).requires_grad_()
+    s0 = torch.randn(bh, feat, dv + 1, dtype=torch.float64, generator=g).requires_grad_()
+    m0 = lam.detach().max() + 1 + torch.rand(bh, dtype=torch.float64, generator=g)
+
+    def fn(q, k, lam, v, s0):
+        out, final, _ = _ChunkedLinearAttention.apply(q, k, lam, v, s0, m0, 4)
+        return out, final
+
+    assert torch.autograd.gradcheck(fn, (q, k, lam, v, s0))
+    # the public function (normalised output) w.r.t. everything, incl. the state's log_max, with
+    # a below-all log_max: the output is invariant to the stabiliser, so m may move freely
+    B, H = 1, 2
+    qf, kf = (torch.randn(B, H, n, feat, dtype=torch.float64, generator=g).requires_grad_() for _ in range(2))
+    if normalization == "denominator":  # keep denominators away from the non-smooth guard
+        qf, kf = (t.detach().abs().requires_grad_() for t in (qf, kf))
+    kls = torch.randn(B, H, n, dtype=torch.float64, generator=g).requires_grad_()
+    vv = torch.randn(B, H, n, dv, dtype=torch.float64, generator=g).requires_grad_()
+    kv0 = torch.rand(B, H, feat, dv, dtype=torch.float64, generator=g).requires_grad_()
+    ks0 = torch.rand(B, H, feat, dtype=torch.float64, generator=g).requires_grad_()
+    lm0 = (kls.detach().min() - 1 - torch.rand(B, H, dtype=torch.float64, generator=g)).requires_grad_()
+
+    def public(qf, kf, kls, vv, kv0, ks0, lm0):
+        state = LinearAttentionState(kv0, ks0, lm0, offset=3)
+        out, _ = chunked_linear_attention(
+            qf, kf, kls, vv, normalization=normalization, chunk_size=4, initial_state=state, eps=1e-12
+        )
+        return out
+
+    assert torch.autograd.gradcheck(public, (qf, kf, kls, vv, kv0, ks0, lm0))
+
+
+def test_bf16_autocast_64k_huge_keys_finite():
+    """bf16 autocast forward + backward at 65,536 tokens with q, k scaled x100 through flexformer_n:
+    log-scales ~1e4 must not overflow anything; every output and gradient is finite."""
+    fmap = make_map("flexformer_n", 2, 32, 32)
+    q, k, v = make_qkv(1, 2, 65_536, 32, seed=7, scale=100.0)
+    for t in (q, k, v):
+        t.requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, state = attend(fmap, q, k, v, form="chunked", chunk_size=64)
+        loss = out.float().pow(2).mean() + state.kv.float().mean()
+    loss.backward()
+    assert out.shape == v.shape and torch.isfinite(out).all()
+    assert state.kv.dtype == torch.float32 and torch.isfinite(state.kv).all() and torch.isfinite(state.k_sum).all()
+    assert state.log_max.min() > 1e3  # the keys really were huge
+    for name, t in [("q", q), ("k", k), ("v", v), *fmap.named_parameters()]:
+        assert t.grad is not None and torch.isfinite(t.grad).all(), name
+    assert q.grad.abs().sum() > 0 and fmap.omega1.grad.abs().sum() > 0
+
+
+def test_bf16_inputs_keep_fp32_state():
+    fmap = make_map("flexformer_n", HEADS, HEAD_DIM, FEATURES)
+    q, k, v = make_qkv(1, HEADS, 70, HEAD_DIM, VALUE_DIM, seed=8)
+    ref, ref_state = attend(fmap, q, k, v, form="quadratic")
+    out, state = attend(fmap, q.bfloat16(), k.bfloat16(), v.bfloat16(), form="chunked")
+    assert out.dtype == torch.bfloat16 and state.kv.dtype == torch.float32
+    assert rel_err(out, ref) < 5e-2 and rel_err(state.kv, ref_state.kv) < 5e-2
+
+
+def test_dispatcher_reaches_chunked():
+    assert _chunked_impl(on_cuda=False) is chunked_linear_attention
+    q, k, v = make_qkv(1, 2, 20, 4, seed=9)
+    a, _ = causal_linear_attention(q, k, None, v, form="chunked", chunk_size=8)
+    b, _ = causal_linear_attention(q, k, None, v, form="quadratic")
+    assert rel_err(a, b) < 1e-5
+
+
+def _good_args():
+    q, k, v = make_qkv(1, 2, 10, 4, seed=10)
+    return dict(qf=q, kf=k, kls=torch.zeros(1, 2, 10), v=v)
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda a: a.update(qf=a["qf"][0]), r"qf: expected a rank-4 tensor"),
+        (lambda a: a.update(kf=a["kf"][..., :3]), r"kf: expected shape"),
+        (lambda a: a.update(v=a["v"][:, :, :5]), r"v: expected shape"),
+        (lambda a: a.update(kls=torch.zeros(1, 2, 9)), r"kls: expected shape"),
+        (lambda a: a.update(qf=a["qf"].long()), r"qf: expected a floating-point tensor"),
+        (lambda a: a.update(chunk_size=0), r"chunk_size: expected a positive int"),
+        (lambda a: a.update(normalization="l2"), r"normalization: expected one of"),
+        (
+            lambda a: a.update(initial_state=LinearAttentionState(torch.zeros(1, 2, 4, 3), torch.zeros(1, 2, 4), torch.zeros(1, 2))),
+            r"initial_state.kv: expected a floating tensor of shape \(1, 2, 4, 4\)",
+        ),
+    ],
+)
+def test_bad_input_raises_value_error(change, match):
+    args = _good_args()
+    change(args)
+    with pytest.raises(ValueError, match=match):
+        chunked_linear_attention(**args)
