@@ -132,6 +132,39 @@ def test_rng_tracker_fork_and_restore() -> None:
         fresh.add("b", 1)
 
 
+def test_rng_tracker_replays_tp_dropout_under_activation_checkpointing() -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    tracker = model_parallel_seed(3, tp_rank=1)
+    weight = torch.randn(16, 16, generator=torch.Generator().manual_seed(0), requires_grad=True)
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        with tracker.fork():
+            h = F.dropout(x @ weight, 0.5)  # a TP-region dropout: its mask comes from the tracker
+        return F.dropout(torch.tanh(h), 0.3)  # default-RNG dropout
+
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    saved_default, saved_tracker = torch.get_rng_state(), tracker.get_states()
+    block(x).sum().backward()
+    expected = weight.grad.clone()
+
+    weight.grad = None
+    torch.set_rng_state(saved_default)
+    tracker.set_states(saved_tracker)
+    out = checkpoint(block, x, use_reentrant=False, context_fn=tracker.checkpoint_context)
+    after_forward = tracker.get_states()
+    out.sum().backward()  # recompute: must replay both streams
+    torch.testing.assert_close(weight.grad, expected, rtol=0, atol=0)
+    for name, state in tracker.get_states().items():  # the replay did not rewind the stream
+        assert torch.equal(state, after_forward[name])
+
+    weight.grad = None
+    torch.set_rng_state(saved_default)
+    tracker.set_states(saved_tracker)
+    checkpoint(block, x, use_reentrant=False).sum().backward()  # without the context: different masks
+    assert not torch.equal(weight.grad, expected)
+
+
 def test_bad_sizes_name_the_argument() -> None:
     state = ParallelState.detached(tp_size=4, tp_rank=1)
     layers = TensorParallelLayers(state, seed=0)

@@ -16,7 +16,7 @@ The tracker is an ordinary object (no globals); ``get_states``/``set_states`` ch
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import ContextManager, Iterator
 
 import torch
 
@@ -80,6 +80,28 @@ class TensorParallelRNGTracker:
     def set_states(self, states: dict[str, torch.Tensor]) -> None:
         """Restore states saved by ``get_states`` (replaces all streams)."""
         self._states = {name: state.clone() for name, state in states.items()}
+
+    def checkpoint_context(self) -> tuple[ContextManager[None], ContextManager[None]]:
+        """``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``.
+
+        torch restores only the default RNG for the recompute; this also replays the tracker's
+        streams, so dropout inside ``fork()`` draws the same masks in the recompute as in the
+        forward (Megatron's ``CheckpointFunction`` does the same)::
+
+            checkpoint(block, x, use_reentrant=False, context_fn=tracker.checkpoint_context)
+        """
+        at_forward = self.get_states()
+
+        @contextlib.contextmanager
+        def recompute() -> Iterator[None]:
+            current = self.get_states()
+            self.set_states(at_forward)
+            try:
+                yield
+            finally:
+                self.set_states(current)  # later forwards continue from where they were
+
+        return contextlib.nullcontext(), recompute()
 
     @contextlib.contextmanager
     def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
