@@ -69,10 +69,11 @@ class Attention(nn.Module):
         self.rope = RotaryEmbedding(d, config.rope_theta) if config.position == "rope" else None
         self.core = _build_attention_core(config, layers, self.local_heads)
         # The core's "rms" normalisation is parameter-free; this per-head, per-channel gain is its
-        # learnable scale (heads on dim 0, sharded like the feature maps under TP).
+        # learnable scale. Flat [heads * d], head-major: a contiguous 1/tp shard is whole heads,
+        # and being 1-D it is exempt from weight decay like every other norm gain.
         self.out_gain = None
         if config.is_linear_attention and config.normalization == "rms":
-            self.out_gain = nn.Parameter(torch.ones(self.local_heads, d))
+            self.out_gain = nn.Parameter(torch.ones(self.local_heads * d))
             self.out_gain.tensor_model_parallel = True  # Megatron attribute names: TP-sharded on dim 0
             self.out_gain.partition_dim = 0
             self.out_gain.partition_stride = 1
@@ -90,12 +91,12 @@ class Attention(nn.Module):
         if self.rope is not None:
             q, k = self.rope(q, k, offset)  # absolute positions offset .. offset + N - 1
         out, new_state = self.core(q, k, v, state=state, return_state=return_state)  # [B, Hl, N, d]
+        out = out.transpose(1, 2).reshape(B, N, self.local_heads * self.head_dim)  # [B, N, h / tp]
         if self.out_gain is not None:
-            out = out * self.out_gain[:, None, :].to(out.dtype)
+            out = out * self.out_gain.to(out.dtype)
         if self.training and self.dropout.p > 0:
             with self.layer_factory.tp_region_rng():  # sharded activations: masks must differ per TP rank
                 out = self.dropout(out)
-        out = out.transpose(1, 2).reshape(B, N, self.local_heads * self.head_dim)  # [B, N, h / tp]
         return self.proj(out), new_state  # [B, N, h]
 
 
