@@ -306,6 +306,8 @@ def test_forward_rejects_bad_inputs():
         model(torch.zeros(6, dtype=torch.long))
     with pytest.raises(ValueError, match="labels"):
         model(ids(2, 4), labels=ids(2, 5))
+    with pytest.raises(ValueError, match="labels"):
+        model(ids(2, 4), labels=ids(2, 4).float())
     with pytest.raises(ValueError, match="state"):
         model(ids(1, 4), state=GPTState(layers=[None], offset=0))
     with pytest.raises(ValueError, match="max_seq_len"):

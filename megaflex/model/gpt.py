@@ -272,8 +272,11 @@ class GPT(nn.Module):
     def _check_inputs(self, input_ids: torch.Tensor, labels: torch.Tensor | None, state: GPTState | None) -> None:
         if input_ids.dim() != 2 or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
             raise ValueError(f"input_ids must be an integer tensor [B, N], got {input_ids.dtype} {tuple(input_ids.shape)}")
-        if labels is not None and labels.shape != input_ids.shape:
-            raise ValueError(f"labels must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
+        if labels is not None and (labels.shape != input_ids.shape or labels.dtype.is_floating_point):
+            raise ValueError(
+                f"labels must be integer with the shape of input_ids {tuple(input_ids.shape)}, "
+                f"got {labels.dtype} {tuple(labels.shape)}"
+            )
         if state is not None:
             if not isinstance(state, GPTState) or len(state.layers) != len(self.blocks):
                 got = len(state.layers) if isinstance(state, GPTState) else type(state).__name__
