@@ -361,3 +361,11 @@ _MODEL_DOCS = {
     "init_std": "std of the normal initialisation",
     "activation_checkpointing": "recompute each block in backward (saves activation memory)",
 }
+
+
+if __name__ == "__main__":  # python -m megaflex.training.config --reference > reference.md
+    import sys
+
+    if sys.argv[1:] != ["--reference"]:
+        sys.exit("usage: python -m megaflex.training.config --reference")
+    print(reference_markdown())

@@ -1,0 +1,185 @@
+"""Config system, generated DeepSpeed config, LR schedule, weight-decay groups, checkpoint discovery."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megaflex.model.config import ModelConfig
+from megaflex.model.gpt import GPT
+from megaflex.training.checkpoint import CheckpointError, check_compatible, find_resume_path, parameter_shapes
+from megaflex.training.config import ConfigError, load_config, reference_markdown, validate_runtime
+from megaflex.training.deepspeed_config import deepspeed_config
+from megaflex.training.optim import lr_at, param_groups
+from training_harness import REPO, TINY
+
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+
+
+def write(tmp_path: Path, name: str, data: dict) -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.fixture
+def tiny(tmp_path: Path) -> Path:
+    return write(tmp_path, "tiny.yaml", TINY)
+
+
+def test_files_merge_in_order_then_overrides(tmp_path: Path, tiny: Path) -> None:
+    second = write(tmp_path, "b.yaml", {"train": {"lr": 1e-4, "precision": "bf16"}, "parallel": {"zero_stage": 3}})
+    cfg = load_config([tiny, second], ["train.lr=3e-4", "data.seq_len=32"])
+    assert cfg.train.lr == 3e-4 and cfg.train.precision == "bf16" and cfg.parallel.zero_stage == 3
+    assert cfg.train.train_iters == TINY["train"]["train_iters"]  # untouched keys of the first file survive
+    assert cfg.where("train.lr") == "command line" and cfg.where("train.precision") == str(second)
+    assert cfg.where("train.train_iters") == str(tiny) and cfg.where("train.grad_clip") == "defaults"
+    assert cfg.model.hidden_size == 64 and cfg.data.seq_len == 32
+
+
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("train.lrr=1", "unknown config key 'train.lrr' (from command line); allowed keys in train:"),
+        ("bogus.x=1", "unknown config key 'bogus'"),
+        ("train.lr=fast", "config key 'train.lr' (from command line): expected float, got 'fast'"),
+        ("train.train_iters=1.5", "config key 'train.train_iters' (from command line): expected int, got 1.5"),
+        ("train.precision=fp8", "expected one of 'fp32', 'bf16', 'fp16', got 'fp8'"),
+        ("logging.tensorboard=3", "expected bool, got 3"),
+        ("parallel.zero_stage=4", "parallel.zero_stage (from command line): expected one of 0, 1, 2, 3, got 4"),
+        ("train.global_batch_size=9", "train.global_batch_size (from command line): expected a multiple of train.micro_batch_size (2), got 9"),
+        ("data.seq_len=65", "data.seq_len (from command line): expected <= model.max_seq_len (64), got 65"),
+        ("parallel.zero_offload_optimizer=true", "needs parallel.zero_stage >= 1"),
+        ("parallel.tensor_parallel_size=3", "expected a divisor of model.num_heads (4), got 3"),
+        ("schedule.warmup_iters=50", "schedule.warmup_iters (from"),
+        ("schedule.min_lr=1.0", "expected <= train.lr"),
+        ("train.micro_batch_size=0", "train.micro_batch_size (from command line): expected a positive integer, got 0"),
+        ("data.source=indexed", "data.train_path (from defaults): data.source is 'indexed' but no training data"),
+        ("model.hidden_size=66", "model (from"),
+    ],
+)
+def test_rejected_configs_name_key_source_and_allowed(tiny: Path, override: str, needle: str) -> None:
+    overrides = [override] + (["parallel.zero_stage=0"] if "offload" in override else [])
+    with pytest.raises(ConfigError) as e:
+        load_config([tiny], overrides)
+    assert needle in str(e.value)
+
+
+def test_errors_name_the_file(tmp_path: Path, tiny: Path) -> None:
+    bad = write(tmp_path, "bad.yaml", {"optimizer": {"beta3": 0.9}})
+    with pytest.raises(ConfigError, match=rf"optimizer.beta3' \(from {bad}\).*allowed keys in optimizer: beta1, beta2"):
+        load_config([tiny, bad])
+    with pytest.raises(ConfigError, match="no 'model' section"):
+        load_config([bad])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config([tmp_path / "missing.yaml"])
+
+
+def test_runtime_combinations(tiny: Path) -> None:
+    cfg = load_config([tiny], ["parallel.tensor_parallel_size=2"])
+    with pytest.raises(ConfigError, match=r"expected a divisor of the world size \(3 ranks\), got 2"):
+        validate_runtime(cfg, world_size=3, has_cuda=False)
+    cfg = load_config([tiny], ["train.global_batch_size=6"])  # 6 = 3 x micro 2, but DP 2 needs a multiple of 4
+    with pytest.raises(ConfigError, match=r"micro_batch_size x data-parallel size \(2 x 2\), got 6"):
+        validate_runtime(cfg, world_size=2, has_cuda=False)
+    cfg = load_config([tiny], ["train.precision=fp16"])
+    with pytest.raises(ConfigError, match="fp16 needs a GPU"):
+        validate_runtime(cfg, world_size=1, has_cuda=False)
+    validate_runtime(cfg, world_size=1, has_cuda=True)  # fine on a GPU
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_shipped_configs_load_with_every_zero_preset(path: Path) -> None:
+    for preset in sorted((REPO / "configs" / "zero").glob("*.yaml")):
+        cfg = load_config([path, preset])
+        assert cfg.parallel.zero_stage == yaml.safe_load(preset.read_text())["parallel"]["zero_stage"]
+        assert cfg.data.seq_len <= cfg.model.max_seq_len
+
+
+def test_deepspeed_config_is_generated(tiny: Path) -> None:
+    cfg = load_config([tiny], ["parallel.zero_stage=3", "train.precision=bf16", "train.grad_clip=0.5", "train.global_batch_size=16"])
+    ds = deepspeed_config(cfg, dp_size=2)
+    assert ds["train_batch_size"] == 16 and ds["train_micro_batch_size_per_gpu"] == 2
+    assert ds["gradient_accumulation_steps"] == 4 and ds["gradient_clipping"] == 0.5
+    assert ds["zero_optimization"]["stage"] == 3 and ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
+    assert "optimizer" not in ds and "scheduler" not in ds  # torch AdamW + our schedule
+    cfg = load_config([tiny], ["parallel.zero_stage=0", "train.precision=fp16"])
+    ds = deepspeed_config(cfg, dp_size=1)
+    assert ds["fp16"]["enabled"] and ds["fp16"]["loss_scale"] == 0  # dynamic loss scaling
+    assert ds["gradient_accumulation_steps"] == 4 and ds["zero_optimization"] == {"stage": 0}
+    json.dumps(ds)  # serialisable as the JSON DeepSpeed reads
+
+
+def test_lr_schedule_warmup_cosine_linear(tiny: Path) -> None:
+    cfg = load_config([tiny], ["train.lr=1.0", "schedule.warmup_iters=4", "schedule.min_lr=0.1", "train.train_iters=14"])
+    assert [lr_at(cfg, i) for i in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_at(cfg, 9) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))  # halfway
+    assert lr_at(cfg, 14) == pytest.approx(0.1) and lr_at(cfg, 100) == pytest.approx(0.1)
+    cfg = load_config([tiny], ["train.lr=1.0", "schedule.warmup_iters=0", "schedule.min_lr=0.0",
+                               "schedule.decay_style=linear", "schedule.decay_iters=10"])
+    assert [round(lr_at(cfg, i), 10) for i in (0, 5, 10)] == [1.0, 0.5, 0.0]
+
+
+def test_weight_decay_groups_exempt_norms_biases_and_the_kernel() -> None:
+    model = GPT(ModelConfig(**{**TINY["model"], "bias": True}))
+    groups = {g["name"]: g for g in param_groups(model, 0.1, ["omega", "tau"])}
+    names = {id(p): n for n, p in model.named_parameters()}
+    no_decay = {names[id(p)] for p in groups["no_decay"]["params"]}
+    decay = {names[id(p)] for p in groups["decay"]["params"]}
+    assert groups["no_decay"]["weight_decay"] == 0.0 and groups["decay"]["weight_decay"] == 0.1
+    assert any(n.endswith("omega1") for n in no_decay) and any(n.endswith(".tau") for n in no_decay)
+    assert any(n.endswith("norm.weight") for n in no_decay) and any(n.endswith(".bias") for n in no_decay)
+    assert "embed.weight" in decay and all(model.get_parameter(n).dim() == 2 for n in decay)
+    assert decay | no_decay == set(names.values()) and not decay & no_decay
+
+
+def test_resume_discovery_ignores_incomplete_saves(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    assert find_resume_path(ckpt, "auto") is None
+    for tag in ("step_00000005", "step_00000010", ".tmp-step_00000015", "step_00000020"):
+        (ckpt / tag).mkdir(parents=True)
+    for tag in ("step_00000005", "step_00000010"):
+        (ckpt / tag / "megaflex.json").write_text("{}")
+    # step 20 has no metadata (a crash before commit of an old-style writer); pointer is stale.
+    (ckpt / "latest").write_text("step_00000020\n")
+    assert find_resume_path(ckpt, "auto") == ckpt / "step_00000010"
+    (ckpt / "latest").write_text("step_00000005\n")
+    assert find_resume_path(ckpt, "auto") == ckpt / "step_00000005"
+    assert find_resume_path(ckpt, "none") is None
+    assert find_resume_path(ckpt, "step_00000010") == ckpt / "step_00000010"
+    with pytest.raises(CheckpointError, match=r"'step_00000020' is not a complete checkpoint"):
+        find_resume_path(ckpt, "step_00000020")
+
+
+def test_shape_mismatch_names_both_shapes() -> None:
+    small, big = ModelConfig(**TINY["model"]), ModelConfig(**{**TINY["model"], "num_layers": 3})
+    meta = {"tensor_parallel_size": 1, "parameter_shapes": parameter_shapes(GPT(small)),
+            "config": {"model": small.to_dict()}}
+    check_compatible(meta, small.to_dict(), parameter_shapes(GPT(small)), tp_size=1)  # same: fine
+    with pytest.raises(CheckpointError, match=r"blocks.2.\S+: checkpoint absent vs config \[.*num_layers': \(2, 3\)"):
+        check_compatible(meta, big.to_dict(), parameter_shapes(GPT(big)), tp_size=1)
+    with pytest.raises(CheckpointError, match="tensor_parallel_size=1, this run 2"):
+        check_compatible(meta, small.to_dict(), parameter_shapes(GPT(small)), tp_size=2)
+
+
+def test_cli_reports_config_errors(tiny: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "megaflex.train", "--config", str(tiny), "train.nope=1"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 2
+    assert "config error: unknown config key 'train.nope' (from command line)" in out.stderr
+
+
+def test_reference_documents_every_field() -> None:
+    ref = reference_markdown()
+    for key in ("train.lr", "parallel.zero_stage", "checkpoint.resume", "model.feature_dim", "fault.sigkill_after_step"):
+        assert f"`{key}`" in ref
+    doc = (REPO / "docs" / "training.md").read_text()
+    assert ref in doc, "docs/training.md is stale: regenerate with python -m megaflex.training.config --reference"
