@@ -18,6 +18,7 @@ import argparse
 import collections
 import itertools
 import multiprocessing as mp
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -110,13 +111,18 @@ def _encoded_batches(cfg: PreprocessConfig) -> Iterator[tuple[np.ndarray, np.nda
             yield pending.popleft().get()
 
 
+def _cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 def preprocess(cfg: PreprocessConfig) -> dict:
     """Run the pipeline; returns stats (prefixes, documents, tokens, bytes, seconds)."""
     check_inputs(cfg.inputs)
     tok = Tokenizer(cfg.tokenizer)
     dtype = optimal_dtype(tok.vocab_size) if cfg.dtype == "auto" else np.dtype(cfg.dtype)
     check_vocab_fits(tok.vocab_size, dtype)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), _cpu_seconds()
     total_bytes = input_size_bytes(cfg.inputs)
     bar = None
     if cfg.progress:
@@ -156,11 +162,13 @@ def preprocess(cfg: PreprocessConfig) -> dict:
     finally:
         if bar is not None:
             bar.close()
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, _cpu_seconds() - c0
     stats = {
         "prefixes": prefixes, "documents": n_docs, "tokens": n_tokens, "text_bytes": n_bytes,
         "seconds": seconds, "dtype": str(dtype), "num_proc": cfg.num_proc,
         "mb_per_s": n_bytes / 1e6 / seconds, "tokens_per_s": n_tokens / seconds,
+        # CPU time of this process and its (reaped) workers: throughput independent of machine load
+        "cpu_seconds": cpu, "mb_per_cpu_s": n_bytes / 1e6 / max(cpu, 1e-9),
     }
     print(
         f"wrote {', '.join(prefixes)}: {n_docs} documents, {n_tokens} tokens ({dtype}), "

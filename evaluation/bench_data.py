@@ -43,7 +43,9 @@ def bench_preprocess(work: Path, vocab_size: int, files: list[str]) -> dict:
     for n in (1, 2):
         s = preprocess(PreprocessConfig(files, str(model), str(work / f"en{n}"), num_proc=n, progress=False))
         out[f"num_proc_{n}"] = {k: round(s[k], 3) if isinstance(s[k], float) else s[k]
-                                for k in ("documents", "tokens", "text_bytes", "seconds", "mb_per_s", "tokens_per_s")}
+                                for k in ("documents", "tokens", "text_bytes", "seconds", "mb_per_s", "tokens_per_s",
+                                          "cpu_seconds", "mb_per_cpu_s")}
+        out[f"num_proc_{n}"]["load_average_1m"] = round(os.getloadavg()[0], 1)
     return out
 
 
@@ -70,12 +72,14 @@ def write_synthetic_idx(prefix: Path, n_docs: int, n_tokens: int, seed: int = 0)
 
 
 _BUILD_CHILD = r"""
-import json, resource, sys, time
+import json, sys, time
 from megaflex.data import GPTDataset
 t = time.perf_counter()
 ds = GPTDataset(sys.argv[1], "train", int(sys.argv[2]), None, seed=1234, split="949,50,1", cache_dir=sys.argv[3])
 sec = time.perf_counter() - t
-print(json.dumps({"seconds": sec, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+# VmHWM is this process's own peak RSS (ru_maxrss would include the parent's, inherited over fork)
+hwm = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM"))
+print(json.dumps({"seconds": sec, "peak_rss_mib": hwm / 1024,
                   "num_samples": len(ds), "train_documents": ds.doc_range[1] - ds.doc_range[0], "built": ds.built_indices}))
 """
 
