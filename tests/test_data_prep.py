@@ -77,6 +77,7 @@ def test_hf_sources_match_local_files(shared_data: Path, tmp_path: Path) -> None
     # hf:text rows are lines without "\n": the article splitter (auto-detected) restores them
     hf_wiki = list(iter_documents(f"hf:text:{cache}:data_files={raw}"))
     assert hf_wiki == list(iter_documents(str(raw)))
+    assert list(iter_documents(f"hf:text:{cache}:data_files={raw}:streaming=true")) == hf_wiki
     spec = parse_spec(f"hf:json::validation:data_files={jsonl}:{cache}")
     assert spec.hf_name == "json" and spec.hf_config is None and spec.hf_kwargs["split"] == "validation"
     hf_json = list(iter_documents(f"hf:json:{cache}:data_files={jsonl}"))
@@ -192,6 +193,28 @@ def test_num_proc_and_shards_give_identical_tokens(tok: Tokenizer, shared_data: 
     assert r.returncode == 0, r.stderr
     for ext in ("bin", "idx"):
         assert (tmp_path / f"one.{ext}").read_bytes() == (tmp_path / f"merged.{ext}").read_bytes()
+
+
+def test_preprocess_streams_with_bounded_read_ahead(tok: Tokenizer, monkeypatch, tmp_path: Path) -> None:
+    """Workers never hold more than 2*num_proc batches: the reader is only that far ahead."""
+    import data_prep.preprocess as pp
+
+    pulled = []
+
+    def endless_corpus(*args, **kwargs):
+        for i in range(10**9):  # far more text than RAM; only a bounded prefix may be read
+            pulled.append(i)
+            yield f"document {i} with a few words\n"
+
+    monkeypatch.setattr(pp, "iter_corpus", endless_corpus)
+    cfg = PreprocessConfig(["unused"], tok.model_path, str(tmp_path / "o"), num_proc=2, batch_chars=300)
+    batches = pp._encoded_batches(cfg)
+    docs_per_batch = 300 // len("document 0 with a few words\n") + 1
+    for k in range(1, 6):
+        flat, lengths, _ = next(batches)
+        assert len(lengths) == docs_per_batch
+        assert len(pulled) <= (k + 2 * cfg.num_proc) * docs_per_batch  # read-ahead stays bounded
+    batches.close()
 
 
 def test_preprocess_errors(tok: Tokenizer, tmp_path: Path) -> None:
