@@ -247,3 +247,8 @@ class TensorParallelLayers:
 
     def tp_region_rng(self) -> ContextManager[None]:
         return self.rng_tracker.fork()
+
+    def checkpoint_context(self) -> tuple[ContextManager[None], ContextManager[None]]:
+        """``context_fn`` for non-reentrant activation checkpointing that also replays the
+        TP-region RNG in the recompute (see ``TensorParallelRNGTracker.checkpoint_context``)."""
+        return self.rng_tracker.checkpoint_context()
