@@ -9,7 +9,7 @@ import torch
 
 from attention_helpers import attend, make_map, make_qkv, rel_err
 from megaflex.attention import LinearAttentionState, NORMALIZATIONS, causal_linear_attention
-from megaflex.attention.chunked import _ChunkedLinearAttention, chunked_linear_attention
+from megaflex.attention.chunked import _ChunkedLinearAttention, _stabiliser, chunked_linear_attention
 from megaflex.attention.core import _chunked_impl
 
 LENGTHS = (1, 7, 63, 64, 65, 500, 1000)
@@ -108,6 +108,35 @@ def test_chunked_matches_quadratic_other_maps(kind, n):
         _assert_agree(_run(kind, "chunked", normalization, n, True, chunk_size=16), reference)
 
 
+@pytest.mark.parametrize("normalization", NORMALIZATIONS)
+def test_large_log_scale_jumps_take_exact_path(normalization):
+    """Key log-scales spread over hundreds of nats: chunks whose running max jumps more than
+    _FAST_RANGE use the exact C x C factor, the others the factorised one; both == quadratic.
+    In fp64: with one key dominating each row the q/k gradients are cancellation-limited, so
+    even the fp32 quadratic form is only ~1e-1 accurate there; fp64 isolates the algorithm."""
+    g = torch.Generator().manual_seed(11)
+    qf, kf = (torch.rand(1, 2, 300, 8, generator=g, dtype=torch.float64).requires_grad_() for _ in range(2))
+    kls = torch.randn(1, 2, 300, generator=g, dtype=torch.float64) * 3
+    kls[..., ::37] += 40 * torch.arange(1, 10)  # a few big, rising jumps: the running max climbs in steps
+    kls.requires_grad_()
+    v = torch.randn(1, 2, 300, 5, generator=g, dtype=torch.float64).requires_grad_()
+    _, _, _, fast = _stabiliser(kls.detach().view(2, 300), torch.full((2,), float("-inf"), dtype=torch.float64), 16)
+    flags = {f for head in fast for f in head}
+    assert flags == {True, False}, "both paths must be exercised"
+    results = []
+    for form in ("quadratic", "chunked"):
+        out, state = causal_linear_attention(qf, kf, kls, v, form=form, normalization=normalization, chunk_size=16)
+        grads = torch.autograd.grad((out * torch.cos(out.detach() * 7)).sum(), (qf, kf, kls, v))
+        results.append((out, state, grads))
+    (ref, ref_state, ref_grads), (out, state, grads) = results
+    assert rel_err(out, ref) < 1e-10 and rel_err(state.kv, ref_state.kv) < 1e-10
+    assert torch.equal(state.log_max, ref_state.log_max)
+    # rows dominated by one key make some gradients ~1e-17 (zero up to rounding): floor the scale
+    floor = 1e-2 * max(b.abs().max().item() for b in ref_grads)
+    for a, b in zip(grads, ref_grads):
+        assert (a - b).abs().max().item() < 1e-8 * max(b.abs().max().item(), floor)
+
+
 def test_segments_with_carried_state_equal_one_shot():
     """Three chunked segments chained through the state (gradient flowing through it) == one call."""
     fmap = make_map("flexformer_n", HEADS, HEAD_DIM, FEATURES)
@@ -143,17 +172,18 @@ def test_gradcheck_autograd_function(normalization):
     m0 = lam.detach().max() + 1 + torch.rand(bh, dtype=torch.float64, generator=g)
 
     def fn(q, k, lam, v, s0):
-        out, final, _ = _ChunkedLinearAttention.apply(q, k, lam, v, s0, m0, 4)
+        out, final, _ = _ChunkedLinearAttention.apply(q, k, lam, v, s0, m0, 4, normalization, 1e-12, torch.float64)
         return out, final
 
     assert torch.autograd.gradcheck(fn, (q, k, lam, v, s0))
     # the public function (normalised output) w.r.t. everything, incl. the state's log_max, with
-    # a below-all log_max: the output is invariant to the stabiliser, so m may move freely
+    # a below-all log_max: the output is invariant to the stabiliser, so m may move freely.
+    # kls spread x30 also sends chunks whose running max jumps > _FAST_RANGE down the exact path.
     B, H = 1, 2
     qf, kf = (torch.randn(B, H, n, feat, dtype=torch.float64, generator=g).requires_grad_() for _ in range(2))
     if normalization == "denominator":  # keep denominators away from the non-smooth guard
         qf, kf = (t.detach().abs().requires_grad_() for t in (qf, kf))
-    kls = torch.randn(B, H, n, dtype=torch.float64, generator=g).requires_grad_()
+    kls = (30 * torch.randn(B, H, n, dtype=torch.float64, generator=g)).requires_grad_()
     vv = torch.randn(B, H, n, dv, dtype=torch.float64, generator=g).requires_grad_()
     kv0 = torch.rand(B, H, feat, dv, dtype=torch.float64, generator=g).requires_grad_()
     ks0 = torch.rand(B, H, feat, dtype=torch.float64, generator=g).requires_grad_()

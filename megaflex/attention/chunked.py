@@ -42,11 +42,13 @@ from typing import Iterator
 
 import torch
 
-from .base import LinearAttentionState, fp32_inputs, normalize_output
+from .base import LinearAttentionState, fp32_inputs, guard_denominator, normalize_output
 from .core import validate_linear_attention_inputs
 
 # target number of elements of a group's C x C weight block (x 4 bytes = 1 MiB)
 _GROUP_ELEMENTS = 1 << 18
+# a chunk whose running max rises by at most this much (within the chunk) takes the fast path
+_FAST_RANGE = 20.0
 
 
 @functools.lru_cache(maxsize=32)
@@ -55,19 +57,21 @@ def _future_mask(c: int, device: torch.device) -> torch.Tensor:
     return torch.ones(c, c, dtype=torch.bool, device=device).triu(1)
 
 
-def _groups(n: int, c: int) -> Iterator[tuple[int, int, int, int]]:
-    """Split N tokens into groups of whole chunks: yields (first token, chunks, chunk length, first chunk).
+def _groups(n: int, c: int, max_dim: int) -> list[tuple[slice, int, int, int]]:
+    """Split N tokens into groups of whole chunks: (token slice, chunks g, chunk length, first chunk).
 
-    Full chunks are grouped ``G`` at a time (G * C * C ~ _GROUP_ELEMENTS); a shorter last chunk
-    (N not a multiple of C) forms its own group.
+    Full chunks are grouped so that a group's largest temporary (g x C x max(C, F)) is about
+    ``_GROUP_ELEMENTS``; a shorter last chunk (N not a multiple of C) forms its own group.
     """
     full = n // c
-    per_group = max(1, _GROUP_ELEMENTS // (c * c))
+    per_group = max(1, _GROUP_ELEMENTS // (c * max(c, max_dim)))
+    groups = []
     for first in range(0, full, per_group):
-        chunks = min(per_group, full - first)
-        yield first * c, chunks, c, first
+        g = min(per_group, full - first)
+        groups.append((slice(first * c, (first + g) * c), g, c, first))
     if n % c:
-        yield full * c, 1, n % c, full
+        groups.append((slice(full * c, n), 1, n % c, full))
+    return groups
 
 
 def _decay_weights(lam: torch.Tensor, m: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -77,111 +81,151 @@ def _decay_weights(lam: torch.Tensor, m: torch.Tensor, mask: torch.Tensor) -> to
     return e.masked_fill_(mask, float("-inf")).exp_()
 
 
+def _normalize_backward(n: torch.Tensor, grad: torch.Tensor, normalization: str, eps: float) -> torch.Tensor:
+    """Gradient w.r.t. n_aug = [numerator, denominator] ([..., Dv+1]) of ``normalize_output``."""
+    dv = n.shape[-1] - 1
+    num, grad = n[..., :dv], grad.to(n.dtype)
+    d_n = torch.empty_like(n)
+    if normalization == "rms":  # o = n r, r = (mean n^2 + eps)^-1/2: dn = r g - r^3 mean(n g) n
+        r = torch.rsqrt(num.pow(2).mean(dim=-1, keepdim=True) + eps)
+        coef = (num * grad).mean(dim=-1, keepdim=True) * r.pow(3)
+        torch.sub(grad * r, num * coef, out=d_n[..., :dv])
+        d_n[..., dv] = 0
+    else:  # o = n / G(d): dn = g / G, dd = -(g . o) / G where the guard is inactive (|d| >= eps)
+        den = n[..., dv]
+        guard = guard_denominator(den, eps)
+        torch.div(grad, guard.unsqueeze(-1), out=d_n[..., :dv])
+        d_n[..., dv] = -(d_n[..., :dv] * num).sum(dim=-1) / guard * (den.abs() >= eps)
+    return d_n
+
+
+def _decay_column(decay: list[list[float]], h: int, c0: int, g: int, like: torch.Tensor) -> torch.Tensor:
+    """Per-chunk decays exp(M_{c-1} - M_c) of head h, chunks c0..c0+g-1, as a [g, 1, 1] tensor."""
+    return torch.tensor(decay[h][c0 : c0 + g], dtype=like.dtype, device=like.device).view(g, 1, 1)
+
+
+def _stabiliser(lam: torch.Tensor, m0: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor, list, list]:
+    """Running max m [BH, N], chunk boundaries M [BH, L+1] (M_0 = m0), per-chunk decays
+    exp(M_{c-1} - M_c) and fast-path flags (running max rises <= _FAST_RANGE inside the chunk)."""
+    n = lam.shape[-1]
+    m = torch.maximum(lam.cummax(dim=-1).values, m0.unsqueeze(-1))  # [BH, N], detached by construction
+    starts = torch.arange(0, n, c, device=lam.device)
+    ends = torch.clamp(starts + c, max=n) - 1
+    bounds = torch.cat([m0.unsqueeze(-1), m[:, ends]], dim=-1)  # [BH, L+1]
+    # nan only for an all -inf prefix (-inf - -inf): such a state is empty, decay it to 0
+    decay = torch.exp(bounds[:, :-1] - bounds[:, 1:]).nan_to_num_(0.0)
+    fast = (bounds[:, 1:] - m[:, starts]) <= _FAST_RANGE
+    return m, bounds, decay.tolist(), fast.tolist()
+
+
 class _ChunkedLinearAttention(torch.autograd.Function):
-    """(q, k [BH, N, F], lam [BH, N], v [BH, N, Dv], s0 [BH, F, Dv+1], m0 [BH])
-    -> (n_aug [BH, N, Dv+1], final state [BH, F, Dv+1], final log_max [BH]). All one dtype."""
+    """(q, k [BH, N, F], lam [BH, N], v [BH, N, Dv], s0 [BH, F, Dv+1], m0 [BH], ...)
+    -> (out [BH, N, Dv] in ``out_dtype``, final state [BH, F, Dv+1], final log_max [BH]).
+
+    One sweep over each head's chunk groups, in order (forward) or reverse order (backward), so
+    the state scan and the chunk work share hot data. Per group, the *fast path* factorises
+    exp(kls_s - m_t) = exp(kls_s - M_c) * exp(M_c - m_t) (key scale <= 1, row scale <= e^20 when
+    the running max rises by <= _FAST_RANGE inside the chunk): the C x C weights are then a plain
+    masked matmul of pre-scaled keys. Otherwise (huge log-scale jumps) the exact C x C factor
+    exp(kls_s - m_t) is built. Both are exact; the fast path skips ~4 elementwise C x C passes.
+    """
 
     @staticmethod
-    def forward(ctx, q, k, lam, v, s0, m0, chunk_size):  # type: ignore[override]
+    def forward(ctx, q, k, lam, v, s0, m0, chunk_size, normalization, eps, out_dtype):  # type: ignore[override]
         bh, n, feat = q.shape
         dv = v.shape[-1]
         c = min(chunk_size, n)
-        num_chunks = -(-n // c)
-        v_aug = torch.cat([v, v.new_ones(bh, n, 1)], dim=-1)  # [BH, N, Dv+1]
-        # per-token stabiliser m_t and per-boundary M_j (M_0 = initial log_max)
-        m = torch.maximum(lam.cummax(dim=-1).values, m0.unsqueeze(-1))  # [BH, N]
-        ends = torch.arange(1, num_chunks + 1, device=q.device) * c
-        ends[-1] = n
-        bounds = torch.cat([m0.unsqueeze(-1), m[:, ends - 1]], dim=-1)  # [BH, L+1]
-        # exp(M_{j} - M_{j+1}); nan only for an all -inf prefix (-inf - -inf): treat as empty
-        decay = torch.exp(bounds[:, :-1] - bounds[:, 1:]).nan_to_num_(0.0)  # [BH, L]
+        groups = _groups(n, c, feat)
+        v_aug = torch.cat([v, v.new_ones(bh, n, 1)], dim=-1)  # [BH, N, Dv+1]: last column -> d_t, k_sum
+        m, bounds, decay, fast = _stabiliser(lam, m0, c)
 
-        # states[:, j] = S_j, the state after j chunks ([:, 0] = initial state)
-        states = q.new_empty(bh, num_chunks + 1, feat, dv + 1)
+        states = q.new_empty(bh, len(decay[0]) + 1, feat, dv + 1)  # states[:, j] = S_j (after j chunks)
         states[:, 0] = s0
-        for h in range(bh):  # chunk increments sum_s exp(kls_s - M_c) kf_s v_s^T
-            for t0, g, cl, c0 in _groups(n, c):
-                t1 = t0 + g * cl
-                w = torch.exp(lam[h, t0:t1].view(g, cl) - bounds[h, c0 + 1 : c0 + 1 + g, None])  # [g, cl]
-                kw = k[h, t0:t1].view(g, cl, feat) * w.unsqueeze(-1)
-                torch.bmm(kw.transpose(1, 2), v_aug[h, t0:t1].view(g, cl, dv + 1), out=states[h, c0 + 1 : c0 + 1 + g])
-        for j in range(num_chunks):  # sequential scan, O(F Dv) per chunk
-            states[:, j + 1].addcmul_(states[:, j], decay[:, j, None, None])
-
-        out = q.new_empty(bh, n, dv + 1)
+        numer = q.new_empty(bh, n, dv + 1)  # fp32 [numerator, denominator], kept for backward
+        out = torch.empty(bh, n, dv, dtype=out_dtype, device=q.device)
         for h in range(bh):
-            for t0, g, cl, c0 in _groups(n, c):
-                t1 = t0 + g * cl
-                qg, kg = q[h, t0:t1].view(g, cl, feat), k[h, t0:t1].view(g, cl, feat)
-                mg = m[h, t0:t1].view(g, cl)
-                e = _decay_weights(lam[h, t0:t1].view(g, cl), mg, _future_mask(cl, q.device))
-                weights = torch.bmm(qg, kg.transpose(1, 2)).mul_(e)  # [g, cl(t), cl(s)]
-                og = out[h, t0:t1].view(g, cl, dv + 1)
-                torch.bmm(qg, states[h, c0 : c0 + g], out=og)  # inter-chunk, then rescale rows
-                og.mul_(torch.exp(bounds[h, c0 : c0 + g, None] - mg).unsqueeze(-1))
-                og.baddbmm_(weights, v_aug[h, t0:t1].view(g, cl, dv + 1))
+            s_h = states[h]
+            for sl, g, cl, c0 in groups:
+                qg, kg = q[h, sl].view(g, cl, feat), k[h, sl].view(g, cl, feat)
+                vg, lg, mg = v_aug[h, sl].view(g, cl, dv + 1), lam[h, sl].view(g, cl), m[h, sl].view(g, cl)
+                m_prev, m_end = bounds[h, c0 : c0 + g, None], bounds[h, c0 + 1 : c0 + 1 + g, None]
+                mask = _future_mask(cl, q.device)
+                kw = kg * torch.exp(lg - m_end).unsqueeze(-1)  # keys scaled to the chunk's end max, [g, cl, F]
+                # chunk increments U_c = sum_s exp(kls_s - M_c) k_s v_s^T, then the scan S_c = d_c S_{c-1} + U_c
+                torch.bmm(kw.transpose(1, 2), vg, out=s_h[c0 + 1 : c0 + 1 + g])
+                for j in range(c0, c0 + g):
+                    s_h[j + 1].add_(s_h[j], alpha=decay[h][j])
+                ng = numer[h, sl].view(g, cl, dv + 1)
+                torch.bmm(qg, s_h[c0 : c0 + g], out=ng)  # inter-chunk: q_t S_{c-1}
+                if all(fast[h][c0 : c0 + g]):
+                    # n_t = exp(M_c - m_t) [exp(M_{c-1} - M_c) q_t S_{c-1} + sum_s (q_t . kw_s) v_s]
+                    ng.mul_(_decay_column(decay, h, c0, g, q))
+                    ng.baddbmm_(torch.bmm(qg, kw.transpose(1, 2)).masked_fill_(mask, 0.0), vg)
+                    ng.mul_(torch.exp(m_end - mg).unsqueeze(-1))
+                else:
+                    ng.mul_(torch.exp(m_prev - mg).unsqueeze(-1))
+                    ng.baddbmm_(torch.bmm(qg, kg.transpose(1, 2)).mul_(_decay_weights(lg, mg, mask)), vg)
+                out[h, sl] = normalize_output(ng[..., :dv], ng[..., dv], normalization, eps).view(g * cl, dv)
 
-        ctx.save_for_backward(q, k, lam, v_aug, s0, m, bounds, decay, states)
-        ctx.chunk = c
+        ctx.save_for_backward(q, k, lam, v_aug, s0, numer, m, bounds, states)
+        ctx.meta = (c, decay, fast, normalization, eps)
         log_max = bounds[:, -1].clone()
         ctx.mark_non_differentiable(log_max)
         return out, states[:, -1].clone(), log_max
 
     @staticmethod
     def backward(ctx, d_out, d_final, _d_log_max):  # type: ignore[override]
-        q, k, lam, v_aug, s0, m, bounds, decay, states = ctx.saved_tensors
-        c = ctx.chunk
+        q, k, lam, v_aug, s0, numer, m, bounds, states = ctx.saved_tensors
+        c, decay, fast, normalization, eps = ctx.meta
         bh, n, feat = q.shape
         dva = v_aug.shape[-1]
-        num_chunks = states.shape[1] - 1
-        d_out = torch.zeros_like(v_aug) if d_out is None else d_out.contiguous()
+        groups = _groups(n, c, feat)
 
-        # d_states[:, j] = dL/dS_j; seeded by the returned state's gradient, then reverse scan
-        d_states = q.new_empty(bh, num_chunks + 1, feat, dva)
-        if d_final is None:
-            d_states[:, -1].zero_()
-        else:
-            d_states[:, -1] = d_final
-        for h in range(bh):  # direct use of S_c by the queries of chunk c: sum_t exp(M_c - m_t) q_t dn_t^T
-            for t0, g, cl, c0 in _groups(n, c):
-                t1 = t0 + g * cl
-                scale = torch.exp(bounds[h, c0 : c0 + g, None] - m[h, t0:t1].view(g, cl))
-                dns = d_out[h, t0:t1].view(g, cl, dva) * scale.unsqueeze(-1)
-                torch.bmm(q[h, t0:t1].view(g, cl, feat).transpose(1, 2), dns, out=d_states[h, c0 : c0 + g])
-        for j in range(num_chunks - 1, -1, -1):
-            d_states[:, j].addcmul_(d_states[:, j + 1], decay[:, j, None, None])
-
-        dq, dk, dv_aug = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v_aug)
+        # d_states[:, j] = dL/dS_j, seeded by the returned state's gradient
+        d_states = q.new_empty(states.shape)
+        d_states[:, -1] = d_final
+        dq, dk, dv_aug, d_lam = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v_aug), torch.empty_like(lam)
         for h in range(bh):
-            for t0, g, cl, c0 in _groups(n, c):
-                t1 = t0 + g * cl
-                qg, kg = q[h, t0:t1].view(g, cl, feat), k[h, t0:t1].view(g, cl, feat)
-                vg, dng = v_aug[h, t0:t1].view(g, cl, dva), d_out[h, t0:t1].view(g, cl, dva)
-                lg, mg = lam[h, t0:t1].view(g, cl), m[h, t0:t1].view(g, cl)
-                s_prev, ds_next = states[h, c0 : c0 + g], d_states[h, c0 + 1 : c0 + 1 + g]
-                e = _decay_weights(lg, mg, _future_mask(cl, q.device))
-                weights = torch.bmm(qg, kg.transpose(1, 2)).mul_(e)
-                key_w = torch.exp(lg - bounds[h, c0 + 1 : c0 + 1 + g, None]).unsqueeze(-1)  # [g, cl, 1]
-                # dv = W^T dn + exp(kls_s - M_c) K dS_c
-                dvg = dv_aug[h, t0:t1].view(g, cl, dva)
-                torch.bmm(weights.transpose(1, 2), dng, out=dvg)
-                dvg.baddbmm_(kg * key_w, ds_next)
-                # dW' = (dn V^T) * E
-                dw = torch.bmm(dng, vg.transpose(1, 2)).mul_(e)
-                # dq = dW' K + exp(M_{c-1} - m_t) dn S_{c-1}^T
-                dqg = dq[h, t0:t1].view(g, cl, feat)
-                torch.bmm(dw, kg, out=dqg)
-                dns = dng * torch.exp(bounds[h, c0 : c0 + g, None] - mg).unsqueeze(-1)
-                dqg.baddbmm_(dns, s_prev.transpose(1, 2))
-                # dk = dW'^T Q + exp(kls_s - M_c) V dS_c^T
-                dkg = dk[h, t0:t1].view(g, cl, feat)
-                torch.bmm(dw.transpose(1, 2), qg, out=dkg)
-                dkg.baddbmm_(vg * key_w, ds_next.transpose(1, 2))
-        d_lam = (k * dk).sum(dim=-1)
+            ds_h, s_h = d_states[h], states[h]
+            for sl, g, cl, c0 in reversed(groups):
+                qg, kg = q[h, sl].view(g, cl, feat), k[h, sl].view(g, cl, feat)
+                vg, lg, mg = v_aug[h, sl].view(g, cl, dva), lam[h, sl].view(g, cl), m[h, sl].view(g, cl)
+                m_prev, m_end = bounds[h, c0 : c0 + g, None], bounds[h, c0 + 1 : c0 + 1 + g, None]
+                mask = _future_mask(cl, q.device)
+                dng = _normalize_backward(numer[h, sl].view(g, cl, dva), d_out[h, sl].view(g, cl, dva - 1), normalization, eps)
+                # inter-chunk: n_t += exp(M_{c-1} - m_t) q_t S_{c-1}
+                dn_inter = dng * torch.exp(m_prev - mg).unsqueeze(-1)
+                torch.bmm(qg.transpose(1, 2), dn_inter, out=ds_h[c0 : c0 + g])
+                for j in range(c0 + g - 1, c0 - 1, -1):  # reverse scan: dS_j += d_j dS_{j+1}
+                    ds_h[j].add_(ds_h[j + 1], alpha=decay[h][j])
+                d_u = ds_h[c0 + 1 : c0 + 1 + g]  # dL/dS_c = dL/dU_c for this group's chunks
+                dqg, dkg, dvg = dq[h, sl].view(g, cl, feat), dk[h, sl].view(g, cl, feat), dv_aug[h, sl].view(g, cl, dva)
+                torch.bmm(dn_inter, s_h[c0 : c0 + g].transpose(1, 2), out=dqg)
+                key_scale = torch.exp(lg - m_end).unsqueeze(-1)  # [g, cl, 1]
+                kw = kg * key_scale
+                if all(fast[h][c0 : c0 + g]):
+                    dn_intra = dng * torch.exp(m_end - mg).unsqueeze(-1)
+                    weights = torch.bmm(qg, kw.transpose(1, 2)).masked_fill_(mask, 0.0)
+                    torch.bmm(weights.transpose(1, 2), dn_intra, out=dvg)
+                    d_w = torch.bmm(dn_intra, vg.transpose(1, 2)).masked_fill_(mask, 0.0)
+                    dqg.baddbmm_(d_w, kw)
+                    torch.bmm(d_w.transpose(1, 2), qg, out=dkg)  # d(kw), scaled to dk below
+                    dkg.baddbmm_(vg, d_u.transpose(1, 2)).mul_(key_scale)
+                else:
+                    e = _decay_weights(lg, mg, mask)
+                    weights = torch.bmm(qg, kg.transpose(1, 2)).mul_(e)
+                    torch.bmm(weights.transpose(1, 2), dng, out=dvg)
+                    d_w = torch.bmm(dng, vg.transpose(1, 2)).mul_(e)
+                    dqg.baddbmm_(d_w, kg)
+                    torch.bmm(d_w.transpose(1, 2), qg, out=dkg)
+                    dkg.baddbmm_(vg * key_scale, d_u.transpose(1, 2))
+                dvg.baddbmm_(kw, d_u)
+                # every path of kls_s is exp(kls_s - .) k_s, hence dkls_s = k_s . dk_s
+                torch.sum(kg * dkg, dim=-1, out=d_lam[h, sl].view(g, cl))
         d_s0 = d_states[:, 0] if ctx.needs_input_grad[4] else None
         # S_0 enters as exp(M_0 - m) S_0, so dL/dM_0 = <S_0, dL/dS_0> (m itself is a constant)
         d_m0 = (s0 * d_states[:, 0]).sum(dim=(-1, -2)) if ctx.needs_input_grad[5] else None
-        return dq, dk, d_lam, dv_aug[..., :-1], d_s0, d_m0, None
+        return dq, dk, d_lam, dv_aug[..., :-1], d_s0, d_m0, None, None, None, None
 
 
 def chunked_linear_attention(
@@ -211,7 +255,7 @@ def chunked_linear_attention(
         q, k, lam, vv, state = fp32_inputs(qf, kf, kls, v, initial_state)
         s0 = torch.cat([state.kv, state.k_sum.unsqueeze(-1)], dim=-1)  # [B, H, F, Dv+1]
         bh = batch * heads
-        out_aug, final, log_max = _ChunkedLinearAttention.apply(
+        out, final, log_max = _ChunkedLinearAttention.apply(
             q.reshape(bh, n, feat).contiguous(),
             k.reshape(bh, n, feat).contiguous(),
             lam.reshape(bh, n).contiguous(),
@@ -219,11 +263,12 @@ def chunked_linear_attention(
             s0.reshape(bh, feat, dv + 1),
             state.log_max.reshape(bh),
             chunk_size,
+            normalization,
+            eps,
+            v.dtype,
         )
-        out_aug = out_aug.view(batch, heads, n, dv + 1)
-        out = normalize_output(out_aug[..., :dv], out_aug[..., dv], normalization, eps)
         final = final.view(batch, heads, feat, dv + 1)
     new_state = LinearAttentionState(
         kv=final[..., :dv], k_sum=final[..., dv], log_max=log_max.view(batch, heads), offset=state.offset + n
     )
-    return out.to(v.dtype), new_state
+    return out.view(batch, heads, n, dv), new_state
