@@ -63,7 +63,7 @@ class Result:
         return "\n".join(f"--- rank {i} (rc {rc}) ---\n{out[-6000:]}" for i, (rc, out) in enumerate(zip(self.returncodes, self.outputs)))
 
 
-def launch(config: Path, overrides: list[str], world_size: int = 1, timeout: float = 300) -> Result:
+def launch(config: Path, overrides: list[str], world_size: int = 1, timeout: float = 900) -> Result:
     """Run ``megaflex.train`` on ``world_size`` local gloo ranks; wait for all of them.
 
     When a rank exits with an error the others are given a few seconds, then killed (they may
