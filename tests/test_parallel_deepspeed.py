@@ -36,13 +36,17 @@ def _ds_worker(rank: int, world: int, ref_state: dict, zero_stage: int) -> dict:
     state = ParallelState.create(tensor_parallel_size=2)
     config = ModelConfig(**CONFIG)
     model = GPT(config, TensorParallelLayers(state, seed=0))
-    assert mark_head_sharded_params(model) == 3  # omega1, omega2, tau of the single layer
     load_state_dict_checked(model, split_state_dict(ref_state, gpt_layout(config), 2)[state.tp_rank])
     mpu = DeepSpeedMPU(state)
     ids, labels = _batch()
 
-    # DeepSpeed's own fp32 clipping norm, straight from the model's gradients.
+    # DeepSpeed's own fp32 clipping norm, straight from the model's gradients; without the
+    # feature-map tags the TP rank 1 halves of Omega/tau are left out.
     model(ids, labels=labels).loss.backward()
+    feature_map = [p for name, p in model.named_parameters() if ".feature_map." in name]
+    untagged_fm_norm = float(clip_grad_norm_(feature_map, max_norm=1e9, mpu=mpu))
+    assert mark_head_sharded_params(model) == 3  # omega1, omega2, tau of the single layer
+    fm_norm = float(clip_grad_norm_(feature_map, max_norm=1e9, mpu=mpu))
     plain_norm = float(clip_grad_norm_(list(model.parameters()), max_norm=1e9, mpu=mpu))
     model.zero_grad(set_to_none=True)
 
@@ -62,7 +66,7 @@ def _ds_worker(rank: int, world: int, ref_state: dict, zero_stage: int) -> dict:
     loss = engine(ids, labels=labels).loss
     engine.backward(loss)
     engine.step()
-    return {"plain_norm": plain_norm, "engine_norm": engine.get_global_grad_norm(), "loss": loss.item()}
+    return {"untagged_fm_norm": untagged_fm_norm, "fm_norm": fm_norm, "plain_norm": plain_norm, "engine_norm": engine.get_global_grad_norm(), "loss": loss.item()}
 
 
 @pytest.mark.slow
@@ -73,10 +77,15 @@ def test_deepspeed_grad_norm_with_tp2_dp2_equals_tp1() -> None:
     out = model(ids, labels=labels)
     out.loss.backward()
     ref_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])).item()
+    ref_fm_norm = torch.linalg.vector_norm(
+        torch.stack([p.grad.norm() for name, p in model.named_parameters() if ".feature_map." in name])).item()
     ref_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
 
     results = run_distributed(_ds_worker, 4, args=(ref_state, 1))
     for res in results:
         assert res["loss"] == pytest.approx(out.loss.item(), rel=1e-5)
+        # untagged, TP rank 1's heads are dropped from the norm: why mark_head_sharded_params exists
+        assert res["untagged_fm_norm"] < ref_fm_norm * (1 - 1e-3)
+        assert res["fm_norm"] == pytest.approx(ref_fm_norm, rel=1e-5)
         assert res["plain_norm"] == pytest.approx(ref_norm, rel=1e-5)
         assert res["engine_norm"] == pytest.approx(ref_norm, rel=1e-5)  # ZeRO-1 over the DP group
