@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -314,6 +315,30 @@ def test_forward_rejects_bad_inputs():
         model(ids(1, 65))
 
 
-def test_checkpointing_refused_with_tp_attention_dropout():
-    with pytest.raises(ValueError, match="attention_dropout"):
-        GPT(tiny_config(attention_dropout=0.1, activation_checkpointing=True), ShardShapeLayers(2, 0))
+class RecordingCheckpointLayers(LocalLayers):
+    """Local layers that record which checkpoint contexts the model entered."""
+
+    def __init__(self) -> None:
+        self.entered: list[str] = []
+
+    def checkpoint_context(self):
+        return self._record("forward"), self._record("recompute")
+
+    @contextlib.contextmanager
+    def _record(self, phase: str):
+        self.entered.append(phase)
+        yield
+
+
+def test_activation_checkpointing_uses_the_factory_checkpoint_context():
+    """The TP factory replays its TP-region RNG in the recompute through this hook."""
+    layers = RecordingCheckpointLayers()
+    torch.manual_seed(0)
+    model = GPT(tiny_config(activation_checkpointing=True), layers).train()
+    loss = model(ids(1, 8), labels=ids(1, 8, seed=2)).loss
+    assert layers.entered == ["forward"] * 2  # one per block
+    loss.backward()
+    assert layers.entered == ["forward"] * 2 + ["recompute"] * 2
+    with torch.no_grad():  # no recompute without autograd: the hook is not used
+        model(ids(1, 8))
+    assert len(layers.entered) == 4

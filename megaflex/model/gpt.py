@@ -196,8 +196,18 @@ class GPT(nn.Module):
         for i, block in enumerate(self.blocks):
             layer_state = None if state is None else state.layers[i]
             if checkpointing:
-                # Non-reentrant: recomputes the block in backward, keeps RNG state (dropout masks).
-                x, s = checkpoint(block, x, layer_state, return_state, offset, use_reentrant=False)
+                # Non-reentrant: recomputes the block in backward. torch restores the default RNG
+                # for the recompute and the factory's context_fn replays its TP-region stream, so
+                # every dropout mask is redrawn identically.
+                x, s = checkpoint(
+                    block,
+                    x,
+                    layer_state,
+                    return_state,
+                    offset,
+                    use_reentrant=False,
+                    context_fn=self.layer_factory.checkpoint_context,
+                )
             else:
                 x, s = block(x, layer_state, return_state, offset)
             new_states.append(s)
@@ -229,13 +239,6 @@ class GPT(nn.Module):
 
     def set_activation_checkpointing(self, enabled: bool) -> None:
         """Recompute each block in backward instead of storing its activations."""
-        if enabled and self.layer_factory.tp_size > 1 and self.config.attention_dropout > 0:
-            # torch's checkpoint restores the default RNG for the recompute, not the factory's
-            # TP-region RNG, so the attention-dropout masks would differ between the passes.
-            raise ValueError(
-                "activation checkpointing with tensor parallelism needs attention_dropout == 0, "
-                f"got {self.config.attention_dropout}"
-            )
         self.activation_checkpointing = bool(enabled)
 
     def num_parameters(self) -> int:

@@ -64,6 +64,10 @@ class LayerFactory(Protocol):
     def tp_region_rng(self) -> ContextManager[None]:
         """Context in which random ops (dropout on sharded activations) differ per TP rank."""
 
+    def checkpoint_context(self) -> tuple[ContextManager[None], ContextManager[None]]:
+        """``context_fn`` for non-reentrant ``torch.utils.checkpoint``: (forward, recompute)
+        contexts under which the recompute replays ``tp_region_rng``'s random stream."""
+
 
 class LocalLayers:
     """Single-device implementation of ``LayerFactory`` (tp_size = 1)."""
@@ -104,6 +108,10 @@ class LocalLayers:
 
     def tp_region_rng(self) -> ContextManager[None]:
         return contextlib.nullcontext()
+
+    def checkpoint_context(self) -> tuple[ContextManager[None], ContextManager[None]]:
+        # No TP-region stream: torch's own RNG restore covers the default generator.
+        return contextlib.nullcontext(), contextlib.nullcontext()
 
 
 def _linear(in_features: int, out_features: int, bias: bool, init_method: InitMethod) -> nn.Linear:
