@@ -144,3 +144,33 @@ def test_checkpoint_with_other_model_shape_is_refused(tmp_path: Path) -> None:
     assert "[256, 64]" in out and "[256, 128]" in out  # embedding shard shapes of both
     meta = json.loads((run / "checkpoints" / "step_00000004" / "megaflex.json").read_text())
     assert meta["config"]["model"]["hidden_size"] == 64
+
+
+def test_sigterm_saves_and_stops(tmp_path: Path) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from training_harness import REPO, base_env
+
+    cfg = write_config(tmp_path / "cfg.yaml")
+    run = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "megaflex.train", "--config", str(cfg), f"logging.run_dir={run}",
+         "train.train_iters=100000", "schedule.warmup_iters=0", "checkpoint.save_interval=0"],
+        cwd=REPO, env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    metrics = run / "metrics.jsonl"
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.is_file() and len(read_metrics(metrics)) >= 3:
+            break
+        time.sleep(0.2)
+    os.kill(proc.pid, signal.SIGTERM)  # preemption notice
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-4000:]
+    stopped = max(read_metrics(metrics))
+    assert f"training stopped (signal SIGTERM) at step {stopped}" in out
+    assert complete_tags(run / "checkpoints") == [f"step_{stopped:08d}"]

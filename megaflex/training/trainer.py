@@ -56,8 +56,8 @@ def init_distributed(cfg: Config) -> str:
     device = resolve_device(cfg, has_cuda)
     backend = cfg.parallel.backend if cfg.parallel.backend != "auto" else ("nccl" if device == "cuda" else "gloo")
     if "RANK" not in os.environ:  # plain `python -m megaflex.train`: a world of one
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))  # 29500 may be taken by another job
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     deepspeed.init_distributed(dist_backend=backend)
@@ -266,6 +266,14 @@ def run(cfg: Config) -> dict[str, Any]:
 def _all_reduce(t: torch.Tensor, op: Any, group: Any) -> torch.Tensor:
     dist.all_reduce(t, op=op, group=group)
     return t
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _sigkill() -> None:
