@@ -149,6 +149,11 @@ def test_layout_of_gpt() -> None:
     assert {flex[f"blocks.0.attn.core.feature_map.{p}"] for p in ("omega1", "omega2", "tau")} == {ShardSpec(0)}
     assert flex["blocks.0.attn.out_gain"] == ShardSpec(0)
     assert layout_from_json(json.loads(json.dumps(layout_to_json(flex)))) == flex
+    # one head: no TP>1 skeleton exists; the layout comes from the partition tags
+    single = gpt_layout(ModelConfig(**dict(CONFIGS["flex_tied"], num_heads=1)))
+    assert single["embed.weight"] == ShardSpec(0, VOCAB)
+    assert single["blocks.0.attn.proj.weight"] == ShardSpec(1)
+    assert single["final_norm.weight"] == ShardSpec(None)
 
 
 @pytest.mark.parametrize("name", ["flex_tied", "hedgehog_untied"])

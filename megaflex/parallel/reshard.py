@@ -2,11 +2,11 @@
 
 A *layout* maps every state-dict key to a ``ShardSpec``: replicated, split along one dim, or
 vocabulary-padded (split on dim 0 with padding rows at or past ``vocab_size``). It is derived
-once from the model itself: ``derive_layout(build)`` builds the model on the meta device at
-TP=1 and at TP=2 (with a group-less ``ParallelState.detached``) and compares shapes, so every
-sharded tensor is found (column/row weights, feature-map Omega/tau, per-head gains, buffers)
-without a hand-written name list; vocabulary tensors are recognised by their
-``true_vocab_size`` tag.
+once from the model itself: ``derive_layout(build)`` builds the model (on the meta device when
+it can) at TP=1 and at a small TP>1 (with a group-less ``ParallelState.detached``) and compares
+shapes, so every sharded tensor is found (column/row weights, feature-map Omega/tau,
+per-head gains, buffers) without a hand-written name list; vocabulary tensors are recognised
+by their ``true_vocab_size`` tag.
 
 Resharding TP=a -> TP=b concatenates the a shards along each split dim and cuts the result into
 b. Vocabulary tensors keep every row that the new padded size has room for (only padding rows
@@ -29,6 +29,8 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
+from megaflex.model.config import ModelConfig
+from megaflex.model.gpt import GPT
 from megaflex.model.layers import LayerFactory, LocalLayers, pad_vocab_size
 from megaflex.parallel.layers import TensorParallelLayers
 from megaflex.parallel.random import TensorParallelRNGTracker
@@ -98,6 +100,9 @@ def derive_layout(build: Callable[[LayerFactory], nn.Module], probe_tp: int = 2)
             raise ValueError(f"{name}: cannot infer its TP layout from shapes {tuple(tensor.shape)} (TP=1) and "
                              f"{tuple(local.shape)} (TP={probe_tp})")
         tagged = getattr(local, "partition_dim", None) if getattr(local, "tensor_model_parallel", False) else None
+        if probe_tp == 1:  # shapes cannot tell: trust the tags
+            layout[name] = ShardSpec(tagged)
+            continue
         dim = diff[0] if diff else None
         if tagged is not None and tagged != dim:
             raise ValueError(f"{name}: tagged partition_dim={tagged} but its shapes differ on dim {dim}")
@@ -105,19 +110,18 @@ def derive_layout(build: Callable[[LayerFactory], nn.Module], probe_tp: int = 2)
     return layout
 
 
-def gpt_layout(config: Any) -> Layout:
-    """Layout of ``megaflex.model.GPT(config)`` (``config``: a ``ModelConfig``)."""
-    from megaflex.model.gpt import GPT
-
+def gpt_layout(config: ModelConfig) -> Layout:
+    """Layout of ``megaflex.model.GPT(config)``."""
     return derive_layout(lambda layers: GPT(config, layers), probe_tp=_probe_tp(config))
 
 
-def _probe_tp(config: Any) -> int:
+def _probe_tp(config: ModelConfig) -> int:
     # The smallest TP size >= 2 the config can be built with (its heads and MLP must divide).
+    # None (e.g. one head): the model only exists at TP=1, where only the vocab padding matters.
     for tp in range(2, config.num_heads + 1):
         if config.num_heads % tp == 0 and config.ffn_hidden_size % tp == 0:
             return tp
-    raise ValueError(f"config: num_heads={config.num_heads} admits no tensor-parallel size > 1")
+    return 1
 
 
 def layout_to_json(layout: Layout) -> dict[str, dict[str, int | None]]:
@@ -263,8 +267,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     group.add_argument("--tp", type=int, help="target tensor-parallel size (writes mp_rank_XX_model_states.pt)")
     group.add_argument("--safetensors", action="store_true", help="export TP=1 model.safetensors + config.json")
     args = parser.parse_args(argv)
-
-    from megaflex.model.config import ModelConfig
 
     shards, meta = _read_checkpoint(args.checkpoint)
     config = ModelConfig.from_dict(meta["config"]["model"])
