@@ -94,7 +94,7 @@ def run_distributed(
         ctx.Process(
             target=_worker,
             args=(rank, world_size, port, fn, tuple(args), dict(kwargs or {}), init_process_group, results),
-            daemon=True,
+            daemon=False,  # ranks may start their own children (e.g. DataLoader workers)
         )
         for rank in range(world_size)
     ]
