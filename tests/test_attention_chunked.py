@@ -4,13 +4,18 @@ bad input with a clear ValueError."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from attention_helpers import attend, make_map, make_qkv, rel_err
 from megaflex.attention import LinearAttentionState, NORMALIZATIONS, causal_linear_attention
 from megaflex.attention.chunked import _ChunkedLinearAttention, _stabiliser, chunked_linear_attention
+from megaflex.attention.chunked_cuda import gla_linear_attention
+from megaflex.attention.chunked_cuda import install as install_fused_backend
 from megaflex.attention.core import _chunked_impl
+from megaflex.attention.quadratic import quadratic_linear_attention
 
 LENGTHS = (1, 7, 63, 64, 65, 500, 1000)
 CHUNKS = (16, 64, 128)
@@ -233,6 +238,54 @@ def test_dispatcher_reaches_chunked():
     a, _ = causal_linear_attention(q, k, None, v, form="chunked", chunk_size=8)
     b, _ = causal_linear_attention(q, k, None, v, form="quadratic")
     assert rel_err(a, b) < 1e-5
+
+
+def _naive_simple_gla(q, k, v, g, scale, initial_state, output_final_state):
+    """Stand-in for fla's chunk_simple_gla ([B, T, H, *] layout): S_t = e^{g_t} S_{t-1} + k_t v_t^T, o_t = scale q_t S_t."""
+    batch, n, heads, feat = q.shape
+    s = initial_state if initial_state is not None else q.new_zeros(batch, heads, feat, v.shape[-1])
+    outs = []
+    for t in range(n):
+        s = s * g[:, t].exp()[..., None, None] + k[:, t, :, :, None] * v[:, t, :, None, :]
+        outs.append(scale * torch.einsum("bhk,bhkv->bhv", q[:, t], s))
+    return torch.stack(outs, dim=1), s
+
+
+@pytest.mark.parametrize("normalization", NORMALIZATIONS)
+@pytest.mark.parametrize("with_state", [False, True])
+def test_gpu_hook_mapping_onto_gated_linear_attention(normalization, with_state):
+    """The optional fla backend's stabiliser -> GLA-gate mapping reproduces the contract (kernel
+    replaced by a plain scan with fla's semantics), incl. huge log-scale jumps and the state."""
+    g = torch.Generator().manual_seed(12)
+    qf, kf = (torch.rand(2, 2, 40, 6, generator=g, dtype=torch.float64).requires_grad_() for _ in range(2))
+    kls = torch.randn(2, 2, 40, generator=g, dtype=torch.float64) * 3
+    kls[..., ::9] += 50.0
+    kls.requires_grad_()
+    v = torch.randn(2, 2, 40, 5, generator=g, dtype=torch.float64).requires_grad_()
+    state = None
+    if with_state:
+        state = LinearAttentionState(
+            torch.rand(2, 2, 6, 5, dtype=torch.float64, generator=g), torch.rand(2, 2, 6, dtype=torch.float64, generator=g),
+            torch.full((2, 2), 4.0, dtype=torch.float64), offset=3,
+        )
+    results = []
+    for fn in (quadratic_linear_attention, functools.partial(gla_linear_attention, gla_fn=_naive_simple_gla)):
+        out, new_state = fn(qf, kf, kls, v, normalization=normalization, initial_state=state)
+        grads = torch.autograd.grad((out * torch.sin(out.detach() * 5)).sum(), (qf, kf, kls, v))
+        results.append((out, new_state, grads))
+    (ref, ref_state, ref_grads), (out, new_state, grads) = results
+    assert rel_err(out, ref) < 1e-10
+    for field in ("kv", "k_sum", "log_max"):
+        assert rel_err(getattr(new_state, field), getattr(ref_state, field)) < 1e-10, field
+    assert new_state.offset == ref_state.offset
+    floor = 1e-2 * max(b.abs().max().item() for b in ref_grads)
+    for a, b in zip(grads, ref_grads):
+        assert (a - b).abs().max().item() < 1e-8 * max(b.abs().max().item(), floor)
+
+
+def test_gpu_hook_not_installed_on_cpu():
+    assert install_fused_backend() is False or torch.cuda.is_available()
+    assert _chunked_impl(on_cuda=False) is chunked_linear_attention
 
 
 def _good_args():

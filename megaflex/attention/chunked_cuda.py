@@ -1,0 +1,99 @@
+"""OPTIONAL fused-GPU backend of the chunked form: flash-linear-attention's ``chunk_simple_gla``.
+
+NOT a dependency and never used on CPU. ``install()`` registers it with
+``core.register_fused_backend`` (used for form="chunked" on CUDA tensors) only when CUDA and the
+``fla`` package (``pip install megaflex[gpu]``) are importable. The kernel itself has not been
+run in this repository's CI (no GPU there); the mapping below is tested on CPU against the
+quadratic reference with a plain scan standing in for the kernel (tests/test_attention_chunked.py).
+
+Mapping of the log-space stabiliser onto scalar-gated linear attention (GLA): with the running
+max m_t (m_0 = state.log_max),
+
+    exp(kls_s - m_t) = exp(kls_s - m_s) * prod_{u=s+1..t} exp(m_{u-1} - m_u)
+
+so the contract's weights are GLA with keys k'_s = exp(kls_s - m_s) kf_s (scale <= 1) and
+log-space gates g_u = m_{u-1} - m_u <= 0: every exponent the kernel forms is <= 0. The GLA state
+after token t is then exactly the contract's kv relative to m_t. The denominator rides along as a
+ones column of v (only for normalization="denominator"; for "rms" k_sum is one reduction).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .base import LinearAttentionState, fp32_inputs, normalize_output
+from .core import register_fused_backend, validate_linear_attention_inputs
+
+# (q, k, v [B, T, H, *], g [B, T, H], scale, initial_state [B, H, K, V] | None, output_final_state)
+#   -> (o [B, T, H, V], final_state [B, H, K, V]); the signature of fla.ops.simple_gla.chunk_simple_gla
+GlaFn = Callable[..., "tuple[torch.Tensor, torch.Tensor]"]
+
+
+def _fla_chunk_simple_gla() -> GlaFn:
+    from fla.ops.simple_gla import chunk_simple_gla  # optional dependency (extra "gpu")
+
+    return chunk_simple_gla
+
+
+def gla_linear_attention(
+    qf: torch.Tensor,
+    kf: torch.Tensor,
+    kls: torch.Tensor | None,
+    v: torch.Tensor,
+    *,
+    normalization: str = "rms",
+    chunk_size: int = 64,
+    initial_state: LinearAttentionState | None = None,
+    eps: float = 1e-6,
+    gla_fn: GlaFn | None = None,
+) -> tuple[torch.Tensor, LinearAttentionState]:
+    """The chunked form's contract computed by a scalar-gated linear-attention kernel ``gla_fn``
+    (default: flash-linear-attention's fused ``chunk_simple_gla``; ``chunk_size`` is the kernel's own)."""
+    validate_linear_attention_inputs(
+        qf, kf, kls, v, form="chunked", normalization=normalization, chunk_size=chunk_size, initial_state=initial_state, eps=eps
+    )
+    gla = gla_fn if gla_fn is not None else _fla_chunk_simple_gla()
+    dv = v.shape[-1]
+    q, k, lam, vv, state = fp32_inputs(qf, kf, kls, v, initial_state)
+    m0 = state.log_max.detach()
+    m = torch.maximum(lam.detach().cummax(dim=-1).values, m0.unsqueeze(-1))  # [B, H, N], a constant
+    # an empty state (log_max = -inf) holds zeros: start the gates at m_1 so no -inf enters the kernel
+    start = torch.where(torch.isfinite(m0), m0, m[..., 0])
+    gates = torch.cat([start.unsqueeze(-1), m[..., :-1]], dim=-1) - m  # g_t = m_{t-1} - m_t <= 0
+    keys = k * torch.exp(lam - m).unsqueeze(-1)  # exp(kls_s - m_s) kf_s
+    denominator = normalization == "denominator"
+    values = torch.cat([vv, torch.ones_like(vv[..., :1])], dim=-1) if denominator else vv
+    s0 = torch.cat([state.kv, state.k_sum.unsqueeze(-1)], dim=-1) if denominator else state.kv
+    s0 = torch.where(torch.isfinite(m0)[..., None, None], s0, torch.zeros_like(s0))
+
+    def seq_major(t: torch.Tensor) -> torch.Tensor:  # [B, H, N, ...] -> [B, N, H, ...]
+        return t.transpose(1, 2).contiguous()
+
+    o, final = gla(
+        seq_major(q), seq_major(keys), seq_major(values), g=seq_major(gates), scale=1.0,
+        initial_state=s0, output_final_state=True,
+    )
+    o = o.transpose(1, 2)  # [B, H, N, Dv(+1)]
+    out = normalize_output(o[..., :dv], o[..., dv] if denominator else None, normalization, eps)
+    m_last = m[..., -1]
+    if denominator:
+        kv, k_sum = final[..., :dv], final[..., dv]
+    else:
+        decay = torch.exp(m0 - m_last).nan_to_num(0.0)  # 0 for the empty state
+        kv = final
+        k_sum = state.k_sum * decay.unsqueeze(-1) + torch.einsum("bhn,bhnf->bhf", torch.exp(lam - m_last.unsqueeze(-1)), k)
+    return out.to(v.dtype), LinearAttentionState(kv, k_sum, m_last, state.offset + q.shape[2])
+
+
+def install() -> bool:
+    """Register the fla backend for CUDA tensors when CUDA and ``fla`` are available; True if installed."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        _fla_chunk_simple_gla()
+    except ImportError:
+        return False
+    register_fused_backend(gla_linear_attention)
+    return True
