@@ -162,18 +162,19 @@ def _forward_nll(
 
 
 def _accumulate(result: EvalResult, nll: torch.Tensor, targets: torch.Tensor, contexts: torch.Tensor,
-                token_bytes: torch.Tensor | None) -> None:
-    """Add scored NLL [M] of targets [M] seen with ``contexts`` [M] tokens into ``result``."""
-    nll = nll.double()
+                mask: torch.Tensor, token_bytes: torch.Tensor | None) -> None:
+    """Add the NLL [B, L] of targets [B, L] seen with ``contexts`` [B, L] tokens where ``mask``."""
+    nll = nll.detach().double().cpu()[mask]
+    targets, contexts = targets.cpu()[mask], contexts[mask]
     result.nll_sum += nll.sum().item()
     result.tokens += nll.numel()
     if token_bytes is not None:
-        result.bytes += int(token_bytes[targets.cpu()].sum().item())
-    buckets = torch.ceil(torch.log2(contexts.double())).long().clamp_(0, NUM_BUCKETS - 1).cpu()
-    result_nll = torch.zeros(NUM_BUCKETS, dtype=torch.float64).index_add_(0, buckets, nll.cpu())
-    result_n = torch.bincount(buckets, minlength=NUM_BUCKETS)
-    result.bucket_nll = [a + b for a, b in zip(result.bucket_nll, result_nll.tolist())]
-    result.bucket_tokens = [a + b for a, b in zip(result.bucket_tokens, result_n.tolist())]
+        result.bytes += int(token_bytes[targets].sum().item())
+    buckets = torch.ceil(torch.log2(contexts.double())).long().clamp_(0, NUM_BUCKETS - 1)
+    bucket_nll = torch.zeros(NUM_BUCKETS, dtype=torch.float64).index_add_(0, buckets, nll)
+    bucket_n = torch.bincount(buckets, minlength=NUM_BUCKETS)
+    result.bucket_nll = [a + b for a, b in zip(result.bucket_nll, bucket_nll.tolist())]
+    result.bucket_tokens = [a + b for a, b in zip(result.bucket_tokens, bucket_n.tolist())]
 
 
 # --- the three modes ----------------------------------------------------------------------------
@@ -205,11 +206,10 @@ def evaluate_windows(
             batch = group_windows[i : i + batch_size]
             inputs = torch.stack([docs[w.doc][w.begin : w.end] for w in batch]).to(device)
             targets = torch.stack([docs[w.doc][w.begin + 1 : w.end + 1] for w in batch]).to(device)
-            nll, _ = _forward_nll(model, inputs, targets)
-            for row, w in enumerate(batch):
-                skip = w.score_from - w.begin
-                ctx = torch.arange(skip + 1, length + 1)  # tokens visible to target t: t - begin + 1
-                _accumulate(result, nll[row, skip:], targets[row, skip:], ctx, token_bytes)
+            nll, _ = _forward_nll(model, inputs, targets)  # [b, length]
+            ctx = torch.arange(1, length + 1).expand(len(batch), -1)  # tokens visible to target t: t - begin + 1
+            skip = torch.tensor([[w.score_from - w.begin] for w in batch])  # [b, 1]
+            _accumulate(result, nll, targets, ctx, ctx > skip, token_bytes)
     return result
 
 
@@ -246,11 +246,9 @@ def evaluate_stateful(
         for begin in range(0, longest, context):
             end = min(begin + context, longest)
             nll, state = _forward_nll(model, padded[:, begin:end], padded[:, begin + 1 : end + 1], state, True)
-            for row, n in enumerate(num_targets):
-                stop = min(end, n) - begin
-                if stop > 0:
-                    ctx = torch.arange(begin + 1, begin + stop + 1)
-                    _accumulate(result, nll[row, :stop], padded[row, begin + 1 : begin + stop + 1], ctx, token_bytes)
+            ctx = torch.arange(begin + 1, end + 1).expand(len(batch), -1)  # target t sees t + 1 tokens
+            real = ctx <= torch.tensor(num_targets)[:, None]  # not padding
+            _accumulate(result, nll, padded[:, begin + 1 : end + 1], ctx, real, token_bytes)
     return result
 
 
