@@ -47,6 +47,7 @@ def test_bit_exact_resume_after_kill(tmp_path: Path, zero: int, precision: str, 
     crashed_dir = tmp_path / "crashed"
     killed = launch(cfg, common + [f"logging.run_dir={crashed_dir}", "fault.sigkill_after_step=13"], world)
     assert all(rc == -9 for rc in killed.returncodes), killed.output  # kill -9 of every rank
+    assert "step 13/20" in killed.outputs[0], killed.output  # killed by the fault injection, not a timeout
     assert complete_tags(crashed_dir / "checkpoints") == ["step_00000010"]
     assert max(read_metrics(crashed_dir / "metrics.jsonl")) == 13  # the killed run's log is readable
 

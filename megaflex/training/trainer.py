@@ -252,7 +252,8 @@ def run(cfg: Config) -> dict[str, Any]:
     if (stop_reason != "done" or cfg.checkpoint.save_at_end) and last_saved != iteration:
         save(iteration)
     valid_loss = None
-    if stop_reason == "done" and valid_data is not None:
+    evaluated_last = bool(cfg.train.eval_interval) and iteration % cfg.train.eval_interval == 0
+    if stop_reason == "done" and valid_data is not None and not evaluated_last:
         valid_loss = _log_validation(cfg, engine, valid_data, state, device, iteration, logger)
     logger.print(
         f"training stopped ({stop_reason}) at step {iteration}; metrics {run_dir / 'metrics.jsonl'}, "
