@@ -79,7 +79,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"device": "cpu", "setup": setup, "results": rows}, indent=1))
-    print(f"\n| config | ZeRO | precision | tokens/s | peak RSS rank 0 (MB) |\n|---|---|---|---|---|")
+    print("\n| config | ZeRO | precision | tokens/s | peak RSS rank 0 (MB) |\n|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
             print(f"| {r['config']} | {r['zero_stage']} | {r['precision']} | error | |")

@@ -156,12 +156,11 @@ def _coerce(tp: Any, value: Any, key: str, origins: dict) -> Any:
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, origins, prefix=key + ".")
     if origin in (Union, types.UnionType):
-        errors = []
         for option in get_args(tp):
             try:
                 return _coerce(option, value, key, origins)
-            except ConfigError as e:
-                errors.append(e)
+            except ConfigError:
+                continue
         _fail(tp, value, key, origins)
     if origin is Literal:
         if value in get_args(tp) and type(value) in {type(a) for a in get_args(tp)}:
