@@ -23,6 +23,7 @@ summation order.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import time
 from typing import Any, Sequence
@@ -96,7 +97,7 @@ def run_eval(
     out: dict[str, Any] = result.to_dict()
     out.update(
         mode=mode, context=context, stride=stride if mode == "sliding" else None,
-        word_ppl=float(torch.tensor(result.nll_sum / words).exp()) if words else None, words=words,
+        word_ppl=math.exp(result.nll_sum / words) if words else None, words=words,
         num_documents=len(docs), eval_seconds=seconds, tokens_per_second=result.tokens / seconds if seconds else None,
         counting=COUNTING,
     )
