@@ -11,6 +11,8 @@ performer (chunked form). Each (impl, seq_len) runs in a *fresh subprocess*:
   ``fwd_bwd_s`` is the best, ``fwd_bwd_s_median`` the median. SDPA above ``--sdpa-max-seq`` is not
   run but *estimated* from the longest measured SDPA length by quadratic scaling
   (``"estimated": true``); at or below it, lengths > 16k run once without warm-up (minutes each).
+* allocator: workers run with ``MALLOC_TUNING`` (glibc never mmaps/trims; see below) unless
+  ``--no-malloc-tuning``.
 * peak memory: ``peak_mem_mb`` = the process's peak RSS (VmHWM) during the first fwd+bwd minus its
   RSS just before it (inputs and parameters already allocated): the extra memory the layer's
   forward + backward needs, activations and temporaries included.
@@ -39,6 +41,12 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_JSON = REPO / "evaluation" / "results" / "bench_attention.json"
 IMPLS = ("softmax", "flexformer_n", "flexformer_s", "performer")
 HEADS, HEAD_DIM, FEATURE_DIM = 8, 64, 128
+# glibc malloc: never mmap (then munmap) large blocks, never trim the heap. PyTorch's CPU
+# allocator does not cache, so without this every > 32 MiB tensor of every step is a fresh mmap
+# whose pages fault in (and are zeroed by the kernel) again: at 16k tokens that doubled the
+# linear layers' time. Applied to every impl alike (SDPA allocates little); jemalloc/tcmalloc
+# achieve the same in production.
+MALLOC_TUNING = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
 
 
 def matmul_gflops(repeats: int = 5) -> float:
@@ -114,10 +122,14 @@ def run_one(impl: str, seq_len: int, chunk_size: int, repeats: int, warmup: bool
     }
 
 
-def run_subprocess(impl: str, seq_len: int, chunk_size: int, repeats: int, warmup: bool, timeout: float) -> dict:
+def run_subprocess(impl: str, seq_len: int, chunk_size: int, repeats: int, warmup: bool, timeout: float,
+                   malloc_tuning: bool) -> dict:
     cmd = [sys.executable, "-m", "evaluation.bench_attention", "--worker", impl, str(seq_len),
            "--chunk-size", str(chunk_size), "--repeats", str(repeats)] + ([] if warmup else ["--no-warmup"])
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    env = dict(os.environ)
+    if malloc_tuning:
+        env.update(MALLOC_TUNING)
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"worker {impl} {seq_len} failed:\n{proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -132,6 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sdpa-max-seq", type=int, default=65536, help="longer SDPA runs are estimated, not run")
     parser.add_argument("--timeout", type=float, default=1800.0, help="per-config subprocess timeout (s)")
+    parser.add_argument("--no-malloc-tuning", action="store_true", help="run workers with glibc malloc defaults")
     parser.add_argument("--worker", nargs=2, metavar=("IMPL", "SEQ_LEN"), help=argparse.SUPPRESS)
     parser.add_argument("--no-warmup", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -157,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 long_sdpa = impl == "softmax" and seq_len > 16384
                 row = run_subprocess(impl, seq_len, args.chunk_size, 1 if long_sdpa else args.repeats,
-                                     not long_sdpa, args.timeout)
+                                     not long_sdpa, args.timeout, not args.no_malloc_tuning)
             if impl == "softmax":
                 sdpa[seq_len] = row["fwd_bwd_s"]
             else:
@@ -182,7 +195,8 @@ def main(argv: list[str] | None = None) -> None:
         "config": {"batch": 1, "heads": HEADS, "head_dim": HEAD_DIM, "feature_dim": FEATURE_DIM, "dtype": "float32",
                    "chunk_size": args.chunk_size, "repeats": args.repeats, "threads": torch.get_num_threads(),
                    "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
-                   "cpus": os.cpu_count(), "peak_mem": "VmHWM - VmRSS before the first fwd+bwd, fresh process"},
+                   "cpus": os.cpu_count(), "peak_mem": "VmHWM - VmRSS before the first fwd+bwd, fresh process",
+                   "malloc_env": {} if args.no_malloc_tuning else MALLOC_TUNING},
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2) + "\n")
