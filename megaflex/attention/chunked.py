@@ -13,16 +13,23 @@ d_t is the same sum with v_s := 1, so we append a ones column to v ("v_aug" [..,
 last column of the numerator is d_t and the last column of the state is k_sum. One code path
 then serves both normalisations and returns the full state.
 
-Performance design (CPU; the GPU hook is in ``core.register_fused_backend``):
+Performance design (CPU; the optional fused GPU backend is ``chunked_cuda.py``):
 
 * All compute in fp32 (fp64 for fp64 inputs) with autocast off, whatever the input dtype.
-* Work is done per head and per *group* of G chunks, so every temporary (the C x C weights,
-  scaled keys, ...) is ~1 MiB: it stays in cache and the allocator reuses it, instead of
-  multi-hundred-MiB temporaries that page-fault on every call.
-* Within a group all chunks go through one batched matmul (``bmm``/``baddbmm`` into
-  preallocated outputs); the only Python loop over chunks is the O(F Dv) state scan.
-* Backward recomputes the C x C weights from q, k (cheap: one bmm + a few elementwise passes)
-  and keeps only the O(N / C) boundary states S_c from the forward. Gradients:
+* One sweep per head over *groups* of G chunks (forward in order, backward in reverse): chunk
+  increments, the O(F Dv)-per-chunk state scan and the chunk outputs of a group share hot data,
+  and every temporary (C x C weights, scaled keys, ...) is ~1 MiB, so it stays in cache and the
+  allocator reuses it. Within a group all chunks go through one batched ``bmm``/``baddbmm``
+  into preallocated outputs; Python loops only over groups and the tiny per-chunk scan adds.
+* Fast path: exp(kls_s - m_t) = exp(kls_s - M_c) exp(M_c - m_t) (key scale <= 1, row scale
+  <= e^_FAST_RANGE while the running max rises little inside the chunk, the common case), so
+  the C x C weights are one masked matmul of pre-scaled keys. Chunks with bigger jumps build the
+  exact C x C factor (``_decay_weights``). Both are exact; the choice is made per group.
+* The output normalisation is fused (per group, reusing ``normalize_output``), so no full-size
+  normalisation temporaries exist; the fp32 numerators n_aug are saved for its backward.
+* Backward recomputes the C x C weights from q, k (one bmm + a mask) and keeps only the N / C
+  boundary states S_c from the forward. Gradients (exact-path notation; the fast path is the
+  same algebra with the factorised weights):
 
       dW'_ts = (dn_t . v_s) exp(kls_s - m_t)            (masked, s <= t)
       dq     = dW' K + exp(M_{c-1} - m_t) dn S_{c-1}^T
@@ -30,16 +37,19 @@ Performance design (CPU; the GPU hook is in ``core.register_fused_backend``):
       dS_c   = exp(M_c - M_{c+1}) dS_{c+1} + sum_{t in c+1} exp(M_c - m_t) qf_t dn_t^T  (reverse scan)
       dkls_s = kf_s . dk_s        (every path of kls_s into the output is exp(kls_s - .) kf_s)
 
-  The gradient of the returned state seeds the reverse scan, so truncated-BPTT through
+  The gradient of the returned state seeds the reverse scan, so truncated BPTT through
   carried states works; the initial state gets kv/k_sum gradients (and log_max through the
-  exp(log_max - m) rescaling).
+  exp(log_max - m) rescaling, m being a constant).
+* PyTorch's CPU allocator does not cache: with glibc defaults every > 32 MiB tensor is a fresh
+  mmap that page-faults again each step. Set ``MALLOC_MMAP_MAX_=0`` and a large
+  ``MALLOC_TRIM_THRESHOLD_`` (or use jemalloc/tcmalloc) for long sequences: ~2x at 16k tokens.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Iterator
-
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 import torch
 
 from .base import LinearAttentionState, fp32_inputs, guard_denominator, normalize_output
@@ -72,6 +82,39 @@ def _groups(n: int, c: int, max_dim: int) -> list[tuple[slice, int, int, int]]:
     if n % c:
         groups.append((slice(full * c, n), 1, n % c, full))
     return groups
+
+
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+
+
+def _for_each_head(fn: Callable[[int], None], bh: int, device: torch.device) -> None:
+    """Run ``fn(h)`` for h in range(bh): on a multi-threaded CPU, heads go to a thread pool.
+
+    Heads are independent, and ATen releases the GIL, so with intra-op threads set to 1 for the
+    duration every core works on its own heads with no synchronisation at all. Intra-op
+    parallelism would instead put a barrier after each of the many ~1 MiB ops, which costs a
+    scheduler time slice per op whenever other processes compete for the cores (a shared
+    machine, or data-loader workers). Grad mode is thread-local, hence the no_grad in workers.
+    """
+    threads = torch.get_num_threads()
+    workers = min(threads, bh)
+    if device.type != "cpu" or workers <= 1:
+        for h in range(bh):
+            fn(h)
+        return
+
+    def run(h: int) -> None:
+        with torch.no_grad():
+            fn(h)
+
+    pool = _POOLS.get(workers)
+    if pool is None:
+        pool = _POOLS[workers] = ThreadPoolExecutor(workers, thread_name_prefix="megaflex-chunked")
+    torch.set_num_threads(1)
+    try:
+        list(pool.map(run, range(bh)))  # re-raises a worker's exception
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _decay_weights(lam: torch.Tensor, m: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -143,7 +186,8 @@ class _ChunkedLinearAttention(torch.autograd.Function):
         states[:, 0] = s0
         numer = q.new_empty(bh, n, dv + 1)  # fp32 [numerator, denominator], kept for backward
         out = torch.empty(bh, n, dv, dtype=out_dtype, device=q.device)
-        for h in range(bh):
+
+        def forward_head(h: int) -> None:
             s_h = states[h]
             for sl, g, cl, c0 in groups:
                 qg, kg = q[h, sl].view(g, cl, feat), k[h, sl].view(g, cl, feat)
@@ -167,6 +211,8 @@ class _ChunkedLinearAttention(torch.autograd.Function):
                     ng.baddbmm_(torch.bmm(qg, kg.transpose(1, 2)).mul_(_decay_weights(lg, mg, mask)), vg)
                 out[h, sl] = normalize_output(ng[..., :dv], ng[..., dv], normalization, eps).view(g * cl, dv)
 
+        _for_each_head(forward_head, bh, q.device)
+
         ctx.save_for_backward(q, k, lam, v_aug, s0, numer, m, bounds, states)
         ctx.meta = (c, decay, fast, normalization, eps)
         log_max = bounds[:, -1].clone()
@@ -185,7 +231,8 @@ class _ChunkedLinearAttention(torch.autograd.Function):
         d_states = q.new_empty(states.shape)
         d_states[:, -1] = d_final
         dq, dk, dv_aug, d_lam = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v_aug), torch.empty_like(lam)
-        for h in range(bh):
+
+        def backward_head(h: int) -> None:
             ds_h, s_h = d_states[h], states[h]
             for sl, g, cl, c0 in reversed(groups):
                 qg, kg = q[h, sl].view(g, cl, feat), k[h, sl].view(g, cl, feat)
@@ -222,6 +269,8 @@ class _ChunkedLinearAttention(torch.autograd.Function):
                 dvg.baddbmm_(kw, d_u)
                 # every path of kls_s is exp(kls_s - .) k_s, hence dkls_s = k_s . dk_s
                 torch.sum(kg * dkg, dim=-1, out=d_lam[h, sl].view(g, cl))
+
+        _for_each_head(backward_head, bh, q.device)
         d_s0 = d_states[:, 0] if ctx.needs_input_grad[4] else None
         # S_0 enters as exp(M_0 - m) S_0, so dL/dM_0 = <S_0, dL/dS_0> (m itself is a constant)
         d_m0 = (s0 * d_states[:, 0]).sum(dim=(-1, -2)) if ctx.needs_input_grad[5] else None
