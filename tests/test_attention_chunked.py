@@ -1,6 +1,7 @@
-"""The chunked form (training fast path) == the recurrent and quadratic forms, its hand-written
-backward passes gradcheck, it survives bf16 autocast at 64k tokens with huge keys, and it rejects
-bad input with a clear ValueError."""
+"""The chunked form (training fast path) == the recurrent and quadratic forms (both of its
+weight paths), its hand-written backward passes gradcheck, it survives bf16 autocast at 64k tokens
+with huge keys, its head thread pool changes nothing, the optional GPU backend's mapping onto gated
+linear attention is exact, and bad input raises a clear ValueError."""
 
 from __future__ import annotations
 
@@ -221,6 +222,28 @@ def test_bf16_autocast_64k_huge_keys_finite():
     for name, t in [("q", q), ("k", k), ("v", v), *fmap.named_parameters()]:
         assert t.grad is not None and torch.isfinite(t.grad).all(), name
     assert q.grad.abs().sum() > 0 and fmap.omega1.grad.abs().sum() > 0
+
+
+def test_head_thread_pool_is_bitwise_equal_and_restores_threads():
+    """With >1 intra-op threads the heads run on a thread pool (1 thread each): same ops per head,
+    so results are bitwise equal to the sequential run, and the thread setting is restored."""
+    fmap = make_map("flexformer_n", 3, HEAD_DIM, FEATURES)
+    q, k, v = make_qkv(2, 3, 150, HEAD_DIM, VALUE_DIM, seed=13)
+    probe = torch.randn(2, 3, 150, VALUE_DIM, generator=torch.Generator().manual_seed(14))
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            out, state = attend(fmap, *leaves, form="chunked", chunk_size=32)
+            grads = torch.autograd.grad((out * probe).sum() + state.kv.sum(), leaves)
+            assert torch.get_num_threads() == threads
+            results.append((out, state.kv, *grads))
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
 
 
 def test_bf16_inputs_keep_fp32_state():
