@@ -58,7 +58,7 @@ class StudyConfig:
     num_heads: int = 4
     feature_dim: int = 64
     # training
-    steps: int = 500
+    steps: int = 300
     seq_len: int = 256
     micro_batch_size: int = 8
     global_batch_size: int = 16
@@ -69,7 +69,7 @@ class StudyConfig:
     # data / evaluation
     max_train_docs: int | None = None  # None: both english-docs train shards
     tokenizer_sentences: int = 200_000
-    eval_tokens: int | None = None  # cap per evaluation set (None: the whole set)
+    eval_tokens: int = 200_000  # cap per evaluation set (first N tokens; 0: the whole set)
     eval_batch_size: int = 16
 
     @property
@@ -163,7 +163,7 @@ def evaluate_run(cfg: StudyConfig, kind: str, run_dir: Path, data: dict[str, Pat
     }
     row: dict[str, Any] = {"kind": kind, "num_parameters": loaded.meta.get("num_parameters")}
     for name, path in sets.items():
-        eval_set = load_eval_set(path, tok, max_tokens=cfg.eval_tokens)
+        eval_set = load_eval_set(path, tok, max_tokens=cfg.eval_tokens or None)
         r = evaluate(model, eval_set.docs, "windows", cfg.seq_len, batch_size=cfg.eval_batch_size, token_bytes=token_bytes)
         row[f"{name}_ppl"], row[f"{name}_bpb"], row[f"{name}_tokens"] = r.ppl, r.bits_per_byte, r.tokens
     train = read_metrics(run_dir / "metrics.jsonl", "train")
@@ -221,8 +221,9 @@ def write_report(cfg: StudyConfig, rows: list[dict[str, Any]], command: str, sec
           f"{len(rows)} runs x {cfg.tokens_per_run:,} training tokens ({cfg.steps} steps x {cfg.global_batch_size} x "
           f"{cfg.seq_len}); {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} heads, feature_dim "
           f"{cfg.feature_dim}, vocab {cfg.vocab_size}; wall time {seconds / 60:.1f} min.\n",
-          "Perplexity: windows of the training length, every target token once (`evaluation/scoring.py`); "
-          "bpb = bits per UTF-8 byte. tau: mean over heads per layer (Flexformer-N).\n",
+          "Perplexity: windows of the training length, every target token once (`evaluation/scoring.py`), "
+          f"{'whole sets' if not cfg.eval_tokens else f'first {cfg.eval_tokens:,} tokens of each set'}; "
+          "bpb = bits per UTF-8 byte. tau: raw tau parameter, mean over heads, per layer (Flexformer-N).\n",
           markdown_table(table_rows, columns), "\n", verdict(summary)]
     (out / "results.md").write_text("\n".join(md) + "\n")
 
@@ -300,7 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("lr", "min_lr"):
         p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(defaults, name))
     p.add_argument("--max-train-docs", type=int, default=None, help="use only the first N train-00 documents")
-    p.add_argument("--eval-tokens", type=int, default=None, help="cap tokens per evaluation set")
+    p.add_argument("--eval-tokens", type=int, default=defaults.eval_tokens,
+                   help="evaluate the first N tokens of each set (0: the whole set)")
     return p
 
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -318,15 +318,3 @@ def _device_of(model: torch.nn.Module) -> torch.device:
 def _check_positive(name: str, value: int) -> None:
     if not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}: expected a positive int, got {value!r}")
-
-
-def concat_documents(docs: Iterable[torch.Tensor], separator: Sequence[int] = ()) -> torch.Tensor:
-    """One stream of all documents joined by ``separator`` tokens (WikiText's convention treats
-    a whole split as one document)."""
-    sep = torch.tensor(list(separator), dtype=torch.long)
-    parts: list[torch.Tensor] = []
-    for i, d in enumerate(docs):
-        if i and len(sep):
-            parts.append(sep)
-        parts.append(d.long())
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
