@@ -69,7 +69,10 @@ def run(cfg: Config) -> dict[str, Any]:
     """Train as configured; returns a summary (rank 0's numbers) when training ends."""
     import deepspeed
 
-    from megaflex.parallel import DeepSpeedMPU, ParallelState, TensorParallelLayers, model_parallel_seed
+    from megaflex.attention import redraw_random_features
+    from megaflex.parallel import (
+        DeepSpeedMPU, ParallelState, TensorParallelLayers, mark_head_sharded_params, model_parallel_seed,
+    )
 
     device = init_distributed(cfg)
     state = ParallelState.create(cfg.parallel.tensor_parallel_size)
@@ -84,6 +87,9 @@ def run(cfg: Config) -> dict[str, Any]:
     tracker = model_parallel_seed(cfg.train.seed, state.tp_rank, device=device)
     layers = LocalLayers() if state.tp_size == 1 else TensorParallelLayers(state, tracker)
     model = GPT(cfg.model, layers=layers)
+    if state.tp_size > 1:
+        # Feature-map params (Omega, tau) are head-sharded: tag them so grad norms count every shard.
+        mark_head_sharded_params(model)
     shapes = parameter_shapes(model)
     num_params = _full_parameter_count(model, state.tp_size)
     optimizer = build_optimizer(cfg, model, device)
@@ -197,6 +203,7 @@ def run(cfg: Config) -> dict[str, Any]:
         loss_avg = float(_all_reduce(loss_sum, dist.ReduceOp.SUM, dp_group)) / (grad_accum * dp_size)
         iteration += 1
         consumed += gbs
+        redraw_random_features(engine.module, iteration)  # Performer redraws (deterministic in the step)
 
         if skipped:
             in_a_row += 1
