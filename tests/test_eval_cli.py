@@ -59,7 +59,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, shared_data: Path) -> dict[st
     raw = (shared_data / "wikitext-2-raw" / "wiki.valid.raw").read_text(encoding="utf-8")
     (data / "train.raw").write_text(raw[:150_000], encoding="utf-8")
     test = (shared_data / "wikitext-2-raw" / "wiki.test.raw").read_text(encoding="utf-8")
-    (data / "test.raw").write_text(test[:6_000], encoding="utf-8")
+    (data / "test.raw").write_text(test[: test.index("\n", 6_000) + 1], encoding="utf-8")  # whole lines
     py = sys.executable
     subprocess.run([py, "-m", "data_prep.train_tokenizer", "--input", str(data / "train.raw"), "--vocab-size", "512",
                     "--output-prefix", str(data / "tok")], check=True, cwd=REPO, capture_output=True)
@@ -154,3 +154,18 @@ def test_megaflex_generate_streams_a_continuation(runs: dict[str, Path], capsys:
     printed = capsys.readouterr().out
     assert printed.startswith(" = Valkyria")
     assert len(printed.rstrip("\n")) > len(" = Valkyria")
+
+
+@pytest.mark.slow
+def test_hf_dataset_source_tokenized_on_the_fly_matches_the_raw_file(runs: dict[str, Path],
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from evaluation.perplexity import main
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    text_path = runs["data"] / "test.raw"
+    common = ["--checkpoint", str(runs["z0"]), "--mode", "stateful", "--context", "128"]
+    raw = main(common + ["--data", str(text_path)])
+    # HF's "text" loader yields the file's lines without newlines; "stream" joins them back
+    hf = main(common + ["--data", f"hf:text:data_files={text_path}", "--doc-mode", "stream"])
+    assert hf["tokens"] == raw["tokens"] and hf["bytes"] == raw["bytes"] and hf["words"] == raw["words"]
+    assert hf["ppl"] == pytest.approx(raw["ppl"], rel=1e-9)
