@@ -1,7 +1,7 @@
 """megaflex-eval / megaflex-generate on real checkpoints written by megaflex-train.
 
-Two runs with the same seed and data: ZeRO-0 at TP=1 (one process) and ZeRO-3 at TP=2 (two
-gloo processes). The learning rate is tiny, so both stay within ~lr of the same weights and any
+Three runs with the same seed and data: ZeRO-0 at TP=1 (one process), ZeRO-3 at TP=2 and ZeRO-2
+at DP=2 (two gloo processes each). The learning rate is tiny, so both stay within ~lr of the same weights and any
 mistake in ZeRO consolidation or TP resharding (a wrong shard, a permuted head) shows up as an
 O(init) difference.
 """
@@ -73,13 +73,17 @@ def runs(tmp_path_factory: pytest.TempPathFactory, shared_data: Path) -> dict[st
     out["z3tp2"] = root / "z3tp2"
     assert run_distributed(_train_rank, 2, args=(_train_args(data, out["z3tp2"], 3, 2),),
                            init_process_group=False) == [0, 0]
+    out["z2dp2"] = root / "z2dp2"  # ZeRO-2 partitions over two data-parallel ranks
+    assert run_distributed(_train_rank, 2, args=(_train_args(data, out["z2dp2"], 2, 1),),
+                           init_process_group=False) == [0, 0]
     return out
 
 
 @pytest.mark.slow
-def test_zero3_tp2_checkpoint_loads_as_the_same_model(runs: dict[str, Path]) -> None:
+@pytest.mark.parametrize("other", ["z3tp2", "z2dp2"])
+def test_zero_and_tp_checkpoints_load_as_the_same_model(runs: dict[str, Path], other: str) -> None:
     a = load_for_eval(runs["z0"]).model.state_dict()
-    b = load_for_eval(runs["z3tp2"]).model.state_dict()
+    b = load_for_eval(runs[other]).model.state_dict()
     assert a.keys() == b.keys()
     for name in a:
         # both start from the same init and move by at most ~lr per step (Adam)
