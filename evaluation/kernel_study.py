@@ -29,6 +29,7 @@ import json
 import math
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -134,6 +135,7 @@ def train_overrides(cfg: StudyConfig, kind: str, data: dict[str, Path], run_dir:
 def train_kind(cfg: StudyConfig, kind: str, data: dict[str, Path]) -> Path:
     """Train one kind in a fresh process (clean RNG and process-group state); returns its run dir."""
     run_dir = Path(cfg.work_dir) / "runs" / kind
+    shutil.rmtree(run_dir, ignore_errors=True)  # a stale run's metrics/checkpoints must not mix in
     cmd = [sys.executable, "-m", "megaflex.training.train", "--config", str(REPO / "configs" / "tiny.yaml"),
            *train_overrides(cfg, kind, data, run_dir)]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1)))
