@@ -38,8 +38,8 @@ Performance design (CPU; the optional fused GPU backend is ``chunked_cuda.py``):
       dkls_s = kf_s . dk_s        (every path of kls_s into the output is exp(kls_s - .) kf_s)
 
   The gradient of the returned state seeds the reverse scan, so truncated BPTT through
-  carried states works; the initial state gets kv/k_sum gradients (and log_max through the
-  exp(log_max - m) rescaling, m being a constant).
+  carried states works; the initial state gets kv/k_sum gradients. Its log_max, like every
+  stabiliser, is a constant for autograd (as in the quadratic and recurrent forms).
 * PyTorch's CPU allocator does not cache: with glibc defaults every > 32 MiB tensor is a fresh
   mmap that page-faults again each step. Set ``MALLOC_MMAP_MAX_=0`` and a large
   ``MALLOC_TRIM_THRESHOLD_`` (or use jemalloc/tcmalloc) for long sequences: ~2x at 16k tokens.
@@ -48,10 +48,10 @@ Performance design (CPU; the optional fused GPU backend is ``chunked_cuda.py``):
 from __future__ import annotations
 
 import functools
-from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+
 import torch
 
+from ._heads import for_each_head
 from .base import LinearAttentionState, fp32_inputs, guard_denominator, normalize_output
 from .core import validate_linear_attention_inputs
 
@@ -82,39 +82,6 @@ def _groups(n: int, c: int, max_dim: int) -> list[tuple[slice, int, int, int]]:
     if n % c:
         groups.append((slice(full * c, n), 1, n % c, full))
     return groups
-
-
-_POOLS: dict[int, ThreadPoolExecutor] = {}
-
-
-def _for_each_head(fn: Callable[[int], None], bh: int, device: torch.device) -> None:
-    """Run ``fn(h)`` for h in range(bh): on a multi-threaded CPU, heads go to a thread pool.
-
-    Heads are independent, and ATen releases the GIL, so with intra-op threads set to 1 for the
-    duration every core works on its own heads with no synchronisation at all. Intra-op
-    parallelism would instead put a barrier after each of the many ~1 MiB ops, which costs a
-    scheduler time slice per op whenever other processes compete for the cores (a shared
-    machine, or data-loader workers). Grad mode is thread-local, hence the no_grad in workers.
-    """
-    threads = torch.get_num_threads()
-    workers = min(threads, bh)
-    if device.type != "cpu" or workers <= 1:
-        for h in range(bh):
-            fn(h)
-        return
-
-    def run(h: int) -> None:
-        with torch.no_grad():
-            fn(h)
-
-    pool = _POOLS.get(workers)
-    if pool is None:
-        pool = _POOLS[workers] = ThreadPoolExecutor(workers, thread_name_prefix="megaflex-chunked")
-    torch.set_num_threads(1)
-    try:
-        list(pool.map(run, range(bh)))  # re-raises a worker's exception
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _decay_weights(lam: torch.Tensor, m: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -211,7 +178,7 @@ class _ChunkedLinearAttention(torch.autograd.Function):
                     ng.baddbmm_(torch.bmm(qg, kg.transpose(1, 2)).mul_(_decay_weights(lg, mg, mask)), vg)
                 out[h, sl] = normalize_output(ng[..., :dv], ng[..., dv], normalization, eps).view(g * cl, dv)
 
-        _for_each_head(forward_head, bh, q.device)
+        for_each_head(forward_head, bh, q.device)
 
         ctx.save_for_backward(q, k, lam, v_aug, s0, numer, m, bounds, states)
         ctx.meta = (c, decay, fast, normalization, eps)
@@ -270,11 +237,10 @@ class _ChunkedLinearAttention(torch.autograd.Function):
                 # every path of kls_s is exp(kls_s - .) k_s, hence dkls_s = k_s . dk_s
                 torch.sum(kg * dkg, dim=-1, out=d_lam[h, sl].view(g, cl))
 
-        _for_each_head(backward_head, bh, q.device)
+        for_each_head(backward_head, bh, q.device)
         d_s0 = d_states[:, 0] if ctx.needs_input_grad[4] else None
-        # S_0 enters as exp(M_0 - m) S_0, so dL/dM_0 = <S_0, dL/dS_0> (m itself is a constant)
-        d_m0 = (s0 * d_states[:, 0]).sum(dim=(-1, -2)) if ctx.needs_input_grad[5] else None
-        return dq, dk, d_lam, dv_aug[..., :-1], d_s0, d_m0, None, None, None, None
+        # m0 (the carried log_max) is part of the detached stabiliser: no gradient, like m
+        return dq, dk, d_lam, dv_aug[..., :-1], d_s0, None, None, None, None, None
 
 
 def chunked_linear_attention(
@@ -310,7 +276,7 @@ def chunked_linear_attention(
             lam.reshape(bh, n).contiguous(),
             vv.reshape(bh, n, dv).contiguous(),
             s0.reshape(bh, feat, dv + 1),
-            state.log_max.reshape(bh),
+            state.log_max.detach().reshape(bh),  # the stabiliser is a constant for autograd
             chunk_size,
             normalization,
             eps,

@@ -29,20 +29,22 @@ def quadratic_linear_attention(
     """qf, kf [B, H, N, F], kls [B, H, N] | None, v [B, H, N, Dv] -> (out [B, H, N, Dv], state)."""
     q, k, ls, vv, state = fp32_inputs(qf, kf, kls, v, initial_state)
     n = q.shape[2]
-    # running stabiliser, a constant for autograd: [B, H, N]
-    m = torch.maximum(ls.detach().cummax(dim=-1).values, state.log_max.detach().unsqueeze(-1))
+    # the stabiliser is a constant for autograd everywhere (the carried log_max included, as in
+    # the recurrent and chunked forms): [B, H]
+    log_max = state.log_max.detach()
+    m = torch.maximum(ls.detach().cummax(dim=-1).values, log_max.unsqueeze(-1))  # running max [B, H, N]
     causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
     # exponent masked to -inf *before* exp: future keys may have larger log-scales than m_t
     exponent = (ls.unsqueeze(-2) - m.unsqueeze(-1)).masked_fill(~causal, float("-inf"))  # [B, H, N, N]
     weights = (q @ k.transpose(-1, -2)) * torch.exp(exponent)  # [B, H, N(t), N(s)]
-    carry = torch.exp(state.log_max.unsqueeze(-1) - m)  # [B, H, N] rescales the carried state
+    carry = torch.exp(log_max.unsqueeze(-1) - m)  # [B, H, N] rescales the carried state
     numerator = weights @ vv + carry.unsqueeze(-1) * (q @ state.kv)  # [B, H, N, Dv]
     denominator = weights.sum(dim=-1) + carry * (q @ state.k_sum.unsqueeze(-1)).squeeze(-1)  # [B, H, N]
     out = normalize_output(numerator, denominator, normalization, eps)
 
     m_last = m[..., -1]  # [B, H]
     w_last = torch.exp(ls - m_last.unsqueeze(-1))  # [B, H, N] key weights relative to m_N
-    decay = torch.exp(state.log_max - m_last)  # [B, H]
+    decay = torch.exp(log_max - m_last)  # [B, H]
     kv = state.kv * decay[..., None, None] + torch.einsum("bhn,bhnf,bhnd->bhfd", w_last, k, vv)
     k_sum = state.k_sum * decay[..., None] + torch.einsum("bhn,bhnf->bhf", w_last, k)
     new_state = LinearAttentionState(kv=kv, k_sum=k_sum, log_max=m_last, offset=state.offset + n)

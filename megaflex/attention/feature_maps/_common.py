@@ -1,4 +1,4 @@
-"""Helpers shared by the feature maps: fp32 projection, trig features, frequency sampling.
+"""Helpers shared by the feature maps: fp32 projection, frequency sampling (trig features: ``_trig.py``).
 
 Precision policy (all maps): features are computed in fp32 (fp64 for fp64 inputs) with autocast
 disabled and cast back to the input dtype; ``log_scale`` stays fp32. Random-Fourier arguments ``omega @ x`` reach O(10)
@@ -39,12 +39,6 @@ def project(x: torch.Tensor, omega: torch.Tensor) -> torch.Tensor:
     """Per-head projection in fp32: x [B, H, N, d], omega [H, D, d] -> [B, H, N, D]."""
     x = upcast(x)
     return torch.einsum("bhnd,hfd->bhnf", x, omega.to(x.dtype))
-
-
-def trig_features(proj: torch.Tensor) -> torch.Tensor:
-    """D^-1/2 [cos proj ; sin proj]: [B, H, N, D] -> [B, H, N, 2D]."""
-    scale = proj.shape[-1] ** -0.5
-    return torch.cat([torch.cos(proj), torch.sin(proj)], dim=-1) * scale
 
 
 def check_even_feature_dim(kind: str, feature_dim: int) -> int:

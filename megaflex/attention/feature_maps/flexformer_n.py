@@ -23,7 +23,8 @@ Design choices:
   with a non-zero gradient so tau can recover. The floor defaults
   to ``log(2 sqrt d) - 3`` (temperature may shrink ~20x below the softmax one), and can be set
   with ``min_log_temperature``.
-* Vectorised: one einsum projects onto [O1 ; O2] together.
+* Fused (``_trig.py``): one projection onto the stacked [O1 ; O2], cos/sin once, the pair sums,
+  scale and log-scale in one autograd.Function with a hand-written, cache-blocked backward.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..base import FeatureMap, FeatureMapOutput
-from ._common import check_even_feature_dim, fp32_region, log_sqrt_scale, project, quarter_root, sq_norm, upcast
+from ._common import check_even_feature_dim, fp32_region, log_sqrt_scale, quarter_root, upcast
+from ._trig import trig_feature_map
 
 # softplus sharpness for the tau floor; identity above floor + _THRESHOLD / _BETA = floor + 2
 _BETA = 10.0
@@ -72,12 +74,8 @@ class FlexformerNFeatureMap(FeatureMap):
 
     def forward(self, x: torch.Tensor, offset: int = 0) -> FeatureMapOutput:
         self.check_input(x)
-        d_freq = self.num_frequencies
         with fp32_region(x):
-            proj = project(x, torch.cat([self.omega1, self.omega2], dim=1))  # [B, H, N, 2D]
-            cos, sin = torch.cos(proj), torch.sin(proj)
-            features = torch.cat([cos[..., :d_freq] + cos[..., d_freq:], sin[..., :d_freq] + sin[..., d_freq:]], dim=-1)
-            features = features * (4 * d_freq) ** -0.5  # [B, H, N, 2D]
             inv_temperature = torch.exp(-self.log_temperature())  # [H]
-            log_scale = sq_norm(x) * inv_temperature[:, None]  # [B, H, N]
-        return FeatureMapOutput(features.to(x.dtype), log_scale)
+            omega = torch.cat([self.omega1, self.omega2], dim=1)  # [H, 2D, d]: one projection for both sets
+            features, log_scale = trig_feature_map(x, omega, inv_temperature, paired=True)
+        return FeatureMapOutput(features, log_scale)  # [B, H, N, 2D] in x.dtype, [B, H, N] fp32

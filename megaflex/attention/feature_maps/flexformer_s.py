@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from ..base import FeatureMap, FeatureMapOutput
-from ._common import check_even_feature_dim, fp32_region, project, quarter_root, sq_norm, trig_features
+from ._common import check_even_feature_dim, fp32_region, quarter_root
+from ._trig import trig_feature_map
 
 
 class FlexformerSFeatureMap(FeatureMap):
@@ -33,7 +34,7 @@ class FlexformerSFeatureMap(FeatureMap):
 
     def forward(self, x: torch.Tensor, offset: int = 0) -> FeatureMapOutput:
         self.check_input(x)
+        inv_temperature = x.new_full((self.num_heads,), 1.0 / (2.0 * self.head_dim**0.5), dtype=torch.float32)
         with fp32_region(x):
-            features = trig_features(project(x, self.omega))  # [B, H, N, 2D]
-            log_scale = sq_norm(x) / (2.0 * self.head_dim**0.5)  # [B, H, N]
-        return FeatureMapOutput(features.to(x.dtype), log_scale)
+            features, log_scale = trig_feature_map(x, self.omega, inv_temperature, paired=False)
+        return FeatureMapOutput(features, log_scale)  # [B, H, N, 2D] in x.dtype, [B, H, N] fp32

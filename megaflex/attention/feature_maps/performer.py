@@ -25,7 +25,8 @@ from __future__ import annotations
 import torch
 
 from ..base import FeatureMap, FeatureMapOutput
-from ._common import check_even_feature_dim, fp32_region, orthogonal_gaussian, project, quarter_root, sq_norm, trig_features
+from ._common import check_even_feature_dim, fp32_region, orthogonal_gaussian, project, quarter_root, sq_norm
+from ._trig import trig_feature_map
 
 PERFORMER_VARIANTS = ("positive", "trig")
 _SEED_MIX = 1_000_003  # combines (head seed, draw index) into one generator seed
@@ -91,10 +92,11 @@ class PerformerFeatureMap(FeatureMap):
     def forward(self, x: torch.Tensor, offset: int = 0) -> FeatureMapOutput:
         self.check_input(x)
         with fp32_region(x):
+            if self.variant == "trig":  # Flexformer-S with frozen frequencies: the same fused map
+                inv_temperature = x.new_full((self.num_heads,), 1.0 / (2.0 * self.head_dim**0.5), dtype=torch.float32)
+                return FeatureMapOutput(*trig_feature_map(x, self.omega, inv_temperature, paired=False))
             proj = project(x, self.omega)  # [B, H, N, D]
             half_sq_norm = sq_norm(x) / (2.0 * self.head_dim**0.5)  # [B, H, N]
-            if self.variant == "trig":
-                return FeatureMapOutput(trig_features(proj).to(x.dtype), half_sq_norm)
             peak = proj.amax(dim=-1, keepdim=True).detach()  # [B, H, N, 1] stabiliser
             features = torch.exp(proj - peak) * self.num_frequencies**-0.5
             log_scale = peak.squeeze(-1) - half_sq_norm

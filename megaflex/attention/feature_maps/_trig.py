@@ -1,0 +1,204 @@
+"""Fused random-Fourier (trig) feature maps: one autograd.Function for Flexformer-N/-S and Performer-trig.
+
+    proj          = x omega^T                                  x [B, H, N, d], omega [H, P, d]
+    unpaired (P = D):   features = D^-1/2  [cos proj ; sin proj]
+    paired   (P = 2D):  features = (4D)^-1/2 [cos p1 + cos p2 ; sin p1 + sin p2],  proj = [p1 ; p2]
+    log_scale     = ||x||^2 * inv_temperature[h]                                 [B, H, N]
+
+Why fused: with plain autograd the map costs about as much as the whole chunked attention,
+because every elementwise step (cos, sin, the pair sums, the scale, their backward) is a full
+pass over a [B, H, N, P] tensor in main memory, and autograd keeps each intermediate alive.
+Here each head's tokens go through in row blocks with ~512 KiB temporaries (in L2): per token the
+forward writes only the features (which the attention saves anyway: shared, not copied) and, for
+paired maps, the pair differences; the backward reads them and the incoming gradient and writes
+dx. cos/sin (~10x a multiply each) are computed once: features = s [cos ; sin] already hold them
+for unpaired maps, and for paired ones sums +- differences recover cos p1, cos p2, sin p1,
+sin p2, so the backward has no transcendental and saves no more than the projection would cost.
+Heads run on the shared head thread pool, like the chunked form.
+
+Backward (g = dL/dfeatures, split into gC, gS [.., D]; s = the feature scale):
+
+    dproj_j = s (cos(proj_j) gS - sin(proj_j) gC)       (each half j of a paired map alike)
+    dx      = dproj omega + 2 x (dL/dlog_scale) inv_temperature[h]
+    domega  = sum_b dproj^T x,    dinv_temperature[h] = sum_{b, n} dL/dlog_scale ||x||^2
+
+``trig_feature_map_reference`` is the same map in plain autograd: the ground truth for tests.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .._heads import for_each_head
+from ..base import accumulation_dtype
+from ._common import fp32_region
+
+# elements of one block temporary ([rows, P] fp32): 512 KiB, so a block's few temporaries fit in L2
+_BLOCK_ELEMENTS = 1 << 17
+
+
+def _row_blocks(n: int, width: int) -> list[slice]:
+    rows = max(64, _BLOCK_ELEMENTS // width)
+    return [slice(r, min(r + rows, n)) for r in range(0, n, rows)]
+
+
+def _feature_scale(proj_rows: int, paired: bool) -> float:
+    """D^-1/2 (unpaired, D = P) or (4D)^-1/2 (paired, D = P / 2)."""
+    return (2 * proj_rows) ** -0.5 if paired else proj_rows**-0.5
+
+
+def _cos_sin(src: torch.Tensor, cos_out: torch.Tensor, sin_out: torch.Tensor) -> None:
+    """cos and sin of a contiguous block into ``cos_out``, ``sin_out`` (same shape and dtype).
+
+    On CPU through NumPy, whose SIMD (SVML-style) float32 cos/sin run ~2x faster than ATen's
+    here, and release the GIL like ATen does; both are accurate to a few ulp.
+    """
+    if src.device.type == "cpu":
+        np_src = src.numpy()
+        np.cos(np_src, out=cos_out.numpy())
+        np.sin(np_src, out=sin_out.numpy())
+    else:
+        torch.cos(src, out=cos_out)
+        torch.sin(src, out=sin_out)
+
+
+class _TrigFeatureMap(torch.autograd.Function):
+    """(x [B, H, N, d], omega [H, P, d], inv_temperature [H], paired) -> (features [B, H, N, 2D] in
+    x.dtype, log_scale [B, H, N] in the accumulation dtype). See the module docstring."""
+
+    @staticmethod
+    def forward(ctx, x, omega, inv_temperature, paired):  # type: ignore[override]
+        batch, heads, n, d = x.shape
+        bh, p = batch * heads, omega.shape[1]
+        acc = accumulation_dtype(x.dtype)
+        half = p // 2 if paired else p  # D
+        scale = _feature_scale(p, paired)
+        x32 = x.to(acc).reshape(bh, n, d).contiguous()  # [BH, N, d]
+        w = omega.to(acc).contiguous()
+        inv_t = inv_temperature.to(acc)
+        features = x32.new_empty(bh, n, 2 * half)  # fp32 [s cos ; s sin] (pair sums when paired)
+        # paired: the pair differences s [cos p1 - cos p2 ; sin p1 - sin p2] [BH, N, 2D = P]; with the
+        # sums they give every cos/sin back, so the backward needs no transcendental at all
+        diffs = x32.new_empty(bh, n, p) if paired else None
+        log_scale = x32.new_empty(bh, n)
+        blocks = _row_blocks(n, p)
+
+        def head(i: int) -> None:
+            h = i % heads
+            proj, cos, sin = (x32.new_empty(blocks[0].stop - blocks[0].start, p) for _ in range(3))
+            for rows in blocks:
+                r = rows.stop - rows.start
+                xb, fb, pb, cb, sb = x32[i, rows], features[i, rows], proj[:r], cos[:r], sin[:r]
+                torch.mm(xb, w[h].t(), out=pb)  # [R, P]
+                _cos_sin(pb, cb, sb)
+                if paired:
+                    c1, c2, s1, s2 = cb[:, :half], cb[:, half:], sb[:, :half], sb[:, half:]
+                    torch.add(c1, c2, out=fb[:, :half])
+                    torch.add(s1, s2, out=fb[:, half:])
+                    db = diffs[i, rows]
+                    torch.sub(c1, c2, out=db[:, :half])
+                    torch.sub(s1, s2, out=db[:, half:])
+                    db.mul_(scale)
+                else:
+                    fb[:, :half] = cb
+                    fb[:, half:] = sb
+                fb.mul_(scale)
+                torch.mul((xb * xb).sum(dim=-1), inv_t[h], out=log_scale[i, rows])
+
+        with fp32_region(x):
+            for_each_head(head, bh, x.device)
+        ctx.save_for_backward(x32, w, inv_t, features, diffs)
+        ctx.meta = (x.shape, x.dtype, omega.dtype, inv_temperature.dtype, paired)
+        ctx.set_materialize_grads(False)  # the query's log_scale is unused: its gradient stays None
+        out = features.view(batch, heads, n, 2 * half)
+        return (out if out.dtype == x.dtype else out.to(x.dtype)), log_scale.view(batch, heads, n)
+
+    @staticmethod
+    def backward(ctx, d_features, d_log_scale):  # type: ignore[override]
+        x32, w, inv_t, features, diffs = ctx.saved_tensors
+        (batch, heads, n, d), x_dtype, omega_dtype, inv_dtype, paired = ctx.meta
+        need_x, need_omega, need_inv = ctx.needs_input_grad[:3]
+        bh, p = batch * heads, w.shape[1]
+        half = p // 2 if paired else p
+        acc = x32.dtype
+        dx = x32.new_zeros(bh, n, d) if need_x else None
+        d_omega = x32.new_zeros(bh, p, d) if need_omega and d_features is not None else None
+        d_inv = x32.new_zeros(bh) if need_inv and d_log_scale is not None else None
+        g_all = None if d_features is None else d_features.reshape(bh, n, 2 * half)
+        ls_all = None if d_log_scale is None else d_log_scale.reshape(bh, n).to(acc)
+        blocks = _row_blocks(n, p)
+
+        def head(i: int) -> None:
+            h = i % heads
+            for rows in blocks:
+                xb = x32[i, rows]
+                if g_all is not None and (dx is not None or d_omega is not None):
+                    g = g_all[i, rows].to(acc)  # [R, 2D]
+                    g_cos, g_sin = g[:, :half], g[:, half:]
+                    fb = features[i, rows]  # s cos | s sin (pair sums when paired)
+                    # dproj = s cos(proj) g_sin - s sin(proj) g_cos
+                    d_sum = fb[:, :half] * g_sin
+                    d_sum.sub_(fb[:, half:] * g_cos)
+                    if paired:  # s cos p1 = (sum + diff) / 2, s cos p2 = (sum - diff) / 2 (same for sin)
+                        db = diffs[i, rows]
+                        d_diff = db[:, :half] * g_sin
+                        d_diff.sub_(db[:, half:] * g_cos)
+                        d_proj = torch.cat([d_sum + d_diff, d_sum - d_diff], dim=-1).mul_(0.5)  # [R, P]
+                    else:
+                        d_proj = d_sum
+                    if dx is not None:
+                        torch.mm(d_proj, w[h], out=dx[i, rows])
+                    if d_omega is not None:
+                        d_omega[i].addmm_(d_proj.t(), xb)
+                if ls_all is not None:
+                    lsb = ls_all[i, rows]
+                    if dx is not None:
+                        dx[i, rows].addcmul_(xb, (lsb * (2 * inv_t[h])).unsqueeze(-1))
+                    if d_inv is not None:
+                        d_inv[i] += torch.dot(lsb, (xb * xb).sum(dim=-1))
+
+        with fp32_region(x32):
+            for_each_head(head, bh, x32.device)
+        d_x = None if dx is None else dx.view(batch, heads, n, d).to(x_dtype)
+        if d_omega is not None:
+            d_omega = d_omega.view(batch, heads, p, d).sum(dim=0).to(omega_dtype)
+        if d_inv is not None:
+            d_inv = d_inv.view(batch, heads).sum(dim=0).to(inv_dtype)
+        return d_x, d_omega, d_inv, None
+
+
+def trig_feature_map(
+    x: torch.Tensor, omega: torch.Tensor, inv_temperature: torch.Tensor, *, paired: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused trig features and log-scale: x [B, H, N, d], omega [H, P, d], inv_temperature [H]
+    -> (features [B, H, N, 2D] in x.dtype, log_scale [B, H, N] fp32; fp64 for fp64 x).
+
+    ``paired``: omega stacks two frequency sets [O1 ; O2] (P = 2D) whose cos and sin are summed
+    (Flexformer-N); otherwise P = D (Flexformer-S, Performer-trig). Differentiable w.r.t. x,
+    omega and inv_temperature (first order).
+    """
+    if paired and omega.shape[1] % 2:
+        raise ValueError(f"omega: paired maps need an even number of rows [O1 ; O2], got shape {tuple(omega.shape)}")
+    if omega.dim() != 3 or omega.shape[0] != x.shape[1] or omega.shape[2] != x.shape[3]:
+        raise ValueError(f"omega: expected shape [{x.shape[1]}, P, {x.shape[3]}] (heads, rows, head_dim of x), got {tuple(omega.shape)}")
+    if inv_temperature.shape != (x.shape[1],):
+        raise ValueError(f"inv_temperature: expected shape ({x.shape[1]},) (one per head), got {tuple(inv_temperature.shape)}")
+    return _TrigFeatureMap.apply(x, omega, inv_temperature, paired)
+
+
+def trig_feature_map_reference(
+    x: torch.Tensor, omega: torch.Tensor, inv_temperature: torch.Tensor, *, paired: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``trig_feature_map`` in plain autograd (every intermediate materialised): the test reference."""
+    acc = accumulation_dtype(x.dtype)
+    with fp32_region(x):
+        x32 = x.to(acc)
+        proj = torch.einsum("bhnd,hpd->bhnp", x32, omega.to(acc))
+        cos, sin = torch.cos(proj), torch.sin(proj)
+        if paired:
+            half = proj.shape[-1] // 2
+            cos, sin = cos[..., :half] + cos[..., half:], sin[..., :half] + sin[..., half:]
+        features = torch.cat([cos, sin], dim=-1) * _feature_scale(proj.shape[-1], paired)
+        log_scale = (x32 * x32).sum(dim=-1) * inv_temperature.to(acc)[:, None]
+    return features.to(x.dtype), log_scale
