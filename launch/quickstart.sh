@@ -58,8 +58,8 @@ from megaflex.training.config import load_config
 print(load_config(["configs/tiny.yaml"], sys.argv[1:]).logging.run_dir)
 PY
 )"
-echo "[quickstart] evaluating perplexity (megaflex-eval, stateful mode, held-out split)"
-megaflex-eval --checkpoint "$run_dir" --data "$out/valid" --mode stateful --context 256 \
+echo "[quickstart] evaluating perplexity (megaflex-eval, 256-token windows as in training, held-out split)"
+megaflex-eval --checkpoint "$run_dir" --data "$out/valid" --mode windows --context 256 \
   --max-tokens "${EVAL_TOKENS:-200000}" --json "$run_dir/eval_valid.json"
 python - "$run_dir" <<'PY'
 import json, math, sys
@@ -71,7 +71,7 @@ last = max(valid)
 print(f"[quickstart] step {last}: validation loss {valid[last]['loss']:.4f}, perplexity {valid[last]['ppl']:.2f} "
       f"(first logged training loss {train[min(train)]['loss']:.4f}, ppl {math.exp(train[min(train)]['loss']):.1f})")
 ev = json.load(open(f"{run}/eval_valid.json"))
-print(f"[quickstart] megaflex-eval (stateful, unbounded context): ppl {ev['ppl']:.2f}, "
+print(f"[quickstart] megaflex-eval (windows of 256): ppl {ev['ppl']:.2f}, "
       f"bits/byte {ev['bits_per_byte']:.4f} over {ev['tokens']} tokens -> {run}/eval_valid.json")
 print(f"[quickstart] metrics:     {run}/metrics.jsonl")
 print(f"[quickstart] TensorBoard: tensorboard --logdir {run}/tensorboard")

@@ -18,7 +18,10 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   echo "[setup] environment up to date ($venv)"
 else
   echo "[setup] installing $torch_spec"
-  "$venv/bin/pip" install -q "$torch_spec" 2>&1 | grep -v "is ignored" || true
+  # MEGAFLEX_TORCH_INDEX: a wheel index for torch alone (e.g. PyTorch's CPU-only index on a machine
+  # without a GPU, where PyPI's default Linux wheel is the CUDA build).
+  "$venv/bin/pip" install -q ${MEGAFLEX_TORCH_INDEX:+--index-url "$MEGAFLEX_TORCH_INDEX"} "$torch_spec" 2>&1 \
+    | grep -v "is ignored" || true
   "$venv/bin/python" -c "import torch" || { echo "[setup] torch failed to install" >&2; exit 1; }
   echo "[setup] installing megaflex and its dependencies"
   "$venv/bin/pip" install -q -e "$repo[dev]" "$torch_spec" 2>&1 | grep -v "is ignored" || true
