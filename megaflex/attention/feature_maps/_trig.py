@@ -131,20 +131,23 @@ class _TrigFeatureMap(torch.autograd.Function):
 
         def head(i: int) -> None:
             h = i % heads
+            d_proj_buf = x32.new_empty(blocks[0].stop - blocks[0].start, p) if paired else None
             for rows in blocks:
                 xb = x32[i, rows]
                 if g_all is not None and (dx is not None or d_omega is not None):
-                    g = g_all[i, rows].to(acc)  # [R, 2D]
+                    # paired: s cos p1 = (sum + diff) / 2, s cos p2 = (sum - diff) / 2 (same for sin);
+                    # the 1/2 is folded into g
+                    g = g_all[i, rows].to(acc) * 0.5 if paired else g_all[i, rows].to(acc)  # [R, 2D]
                     g_cos, g_sin = g[:, :half], g[:, half:]
                     fb = features[i, rows]  # s cos | s sin (pair sums when paired)
                     # dproj = s cos(proj) g_sin - s sin(proj) g_cos
-                    d_sum = fb[:, :half] * g_sin
-                    d_sum.sub_(fb[:, half:] * g_cos)
-                    if paired:  # s cos p1 = (sum + diff) / 2, s cos p2 = (sum - diff) / 2 (same for sin)
+                    d_sum = (fb[:, :half] * g_sin).addcmul_(fb[:, half:], g_cos, value=-1.0)
+                    if paired:
                         db = diffs[i, rows]
-                        d_diff = db[:, :half] * g_sin
-                        d_diff.sub_(db[:, half:] * g_cos)
-                        d_proj = torch.cat([d_sum + d_diff, d_sum - d_diff], dim=-1).mul_(0.5)  # [R, P]
+                        d_diff = (db[:, :half] * g_sin).addcmul_(db[:, half:], g_cos, value=-1.0)
+                        d_proj = d_proj_buf[: xb.shape[0]]  # [R, P]
+                        torch.add(d_sum, d_diff, out=d_proj[:, :half])
+                        torch.sub(d_sum, d_diff, out=d_proj[:, half:])
                     else:
                         d_proj = d_sum
                     if dx is not None:
