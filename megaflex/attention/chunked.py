@@ -200,14 +200,18 @@ class _ChunkedLinearAttention(torch.autograd.Function):
         dv, nc = dva - 1, numer.shape[-1]
         groups = _groups(n, c, feat)
 
-        # d_states[:, j] = dL/dS_j, seeded by the returned state's gradient
-        d_states = q.new_empty(states.shape)
-        d_states[:, -1] = d_final
+        # dL/dS_j is only needed for the current group: a per-head buffer of g+1 chunk-state
+        # gradients (not a fresh [BH, L+1, F, Dv+1] tensor, whose first touch alone costs as much
+        # as a matmul pass at long N); ``carry`` [BH, F, Dv+1] hands dL/dS at a group's start to
+        # the group before it, seeded by the returned state's gradient and ending as dL/dS_0
+        carry = d_final.clone()
+        most = max(g for _, g, _, _ in groups)
         dq, dk, d_lam = torch.empty_like(q), torch.empty_like(k), torch.empty_like(lam)
         d_v = q.new_empty(bh, n, dv)  # the ones column of v_aug needs no gradient
 
         def backward_head(h: int) -> None:
-            ds_h, s_h = d_states[h], states[h]
+            s_h = states[h]
+            ds_buf = q.new_empty(most + 1, feat, dva)  # ds_buf[j] = dL/dS_{c0 + j}
             for sl, g, cl, c0 in reversed(groups):
                 qg, kg = q[h, sl].view(g, cl, feat), k[h, sl].view(g, cl, feat)
                 vg, lg, mg = v_aug[h, sl].view(g, cl, dva), lam[h, sl].view(g, cl), m[h, sl].view(g, cl)
@@ -216,15 +220,17 @@ class _ChunkedLinearAttention(torch.autograd.Function):
                 dng = _normalize_backward(numer[h, sl].view(g, cl, nc), d_out[h, sl].view(g, cl, dv), normalization, eps)
                 # inter-chunk: n_t += exp(M_{c-1} - m_t) q_t S_{c-1}
                 dn_inter = dng * torch.exp(m_prev - mg).unsqueeze(-1)  # [g, cl, nc]
-                ds_g = ds_h[c0 : c0 + g]
+                ds_g = ds_buf[:g]
+                ds_buf[g] = carry[h]
                 if nc == dva:
                     torch.bmm(qg.transpose(1, 2), dn_inter, out=ds_g)
                 else:  # "rms": the output does not depend on the k_sum column
                     ds_g[..., :nc] = torch.bmm(qg.transpose(1, 2), dn_inter)
                     ds_g[..., nc:] = 0.0
-                for j in range(c0 + g - 1, c0 - 1, -1):  # reverse scan: dS_j += d_j dS_{j+1}
-                    ds_h[j].add_(ds_h[j + 1], alpha=decay[h][j])
-                d_u = ds_h[c0 + 1 : c0 + 1 + g]  # dL/dS_c = dL/dU_c for this group's chunks
+                for j in range(g - 1, -1, -1):  # reverse scan: dS_j += d_j dS_{j+1}
+                    ds_buf[j].add_(ds_buf[j + 1], alpha=decay[h][c0 + j])
+                carry[h] = ds_buf[0]
+                d_u = ds_buf[1 : g + 1]  # dL/dS_c = dL/dU_c for this group's chunks
                 dqg, dkg, dvg = dq[h, sl].view(g, cl, feat), dk[h, sl].view(g, cl, feat), d_v[h, sl].view(g, cl, dv)
                 torch.bmm(dn_inter, s_h[c0 : c0 + g, :, :nc].transpose(1, 2), out=dqg)
                 key_scale = torch.exp(lg - m_end).unsqueeze(-1)  # [g, cl, 1]
@@ -250,7 +256,7 @@ class _ChunkedLinearAttention(torch.autograd.Function):
                 torch.sum(kg * dkg, dim=-1, out=d_lam[h, sl].view(g, cl))
 
         for_each_head(backward_head, bh, q.device)
-        d_s0 = d_states[:, 0] if ctx.needs_input_grad[4] else None
+        d_s0 = carry if ctx.needs_input_grad[4] else None
         # m0 (the carried log_max) is part of the detached stabiliser: no gradient, like m
         return dq, dk, d_lam, d_v, d_s0, None, None, None, None, None
 
