@@ -149,3 +149,17 @@ def test_bad_shapes_raise():
         trig_feature_map(x, torch.randn(3, 4, 3), torch.ones(2), paired=False)
     with pytest.raises(ValueError, match="inv_temperature"):
         trig_feature_map(x, torch.randn(2, 4, 3), torch.ones(3), paired=False)
+
+
+@pytest.mark.parametrize("paired", [True, False])
+def test_decode_path_without_grad_equals_fused(paired):
+    """Few-token inference calls take the plain path; it must agree with the fused function."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 1, 8)
+    omega = torch.randn(3, 6 if paired else 3, 8)
+    inv_t = torch.rand(3)
+    with torch.no_grad():
+        small = _trig.trig_feature_map(x, omega, inv_t, paired=paired)
+    fused = _trig._TrigFeatureMap.apply(x, omega, inv_t, paired)
+    for a, b in zip(small, fused):
+        torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6)

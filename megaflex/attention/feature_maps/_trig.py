@@ -36,6 +36,8 @@ from ._common import fp32_region
 
 # elements of one block temporary ([rows, P] fp32): 512 KiB, so a block's few temporaries fit in L2
 _BLOCK_ELEMENTS = 1 << 17
+# batch x tokens at or below which inference calls take the plain path (one decode step per sequence)
+_DECODE_ROWS = 16
 
 
 def _row_blocks(n: int, width: int) -> list[slice]:
@@ -187,6 +189,10 @@ def trig_feature_map(
         raise ValueError(f"omega: expected shape [{x.shape[1]}, P, {x.shape[3]}] (heads, rows, head_dim of x), got {tuple(omega.shape)}")
     if inv_temperature.shape != (x.shape[1],):
         raise ValueError(f"inv_temperature: expected shape ({x.shape[1]},) (one per head), got {tuple(inv_temperature.shape)}")
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, omega, inv_temperature))
+    if not needs_grad and x.shape[0] * x.shape[2] <= _DECODE_ROWS:
+        # Decoding (a few tokens, no autograd): the blocked, threaded path is pure overhead here.
+        return trig_feature_map_reference(x, omega, inv_temperature, paired=paired)
     return _TrigFeatureMap.apply(x, omega, inv_temperature, paired)
 
 
