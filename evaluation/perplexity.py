@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 import time
 from typing import Any, Sequence
 
@@ -126,8 +127,14 @@ def plot_results(results: dict[str, Any], path: str) -> None:
               logx=True)
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Entry point of ``megaflex-eval``; returns the results dict (also printed / written)."""
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``megaflex-eval``: exit status 0 (the results are printed / written)."""
+    run_cli(argv)
+    return 0
+
+
+def run_cli(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """``megaflex-eval`` with its arguments; returns the results dict (also printed / written)."""
     from evaluation.loading import load_for_eval
     from evaluation.plotting import write_json
 
@@ -170,4 +177,4 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

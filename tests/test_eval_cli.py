@@ -46,7 +46,7 @@ def _train_rank(rank: int, world_size: int, args: list[str]) -> int:
 
 
 def _eval_rank(rank: int, world_size: int, args: list[str]) -> dict:
-    from evaluation.perplexity import main
+    from evaluation.perplexity import run_cli as main
 
     return main(args)
 
@@ -94,7 +94,7 @@ def test_zero_and_tp_checkpoints_load_as_the_same_model(runs: dict[str, Path], o
 
 @pytest.mark.slow
 def test_megaflex_eval_json_contract_and_exact_counts(runs: dict[str, Path], tmp_path: Path) -> None:
-    from evaluation.perplexity import main
+    from evaluation.perplexity import run_cli as main
     from megaflex.data.tokenizer import Tokenizer
 
     text_path = runs["data"] / "test.raw"
@@ -120,7 +120,7 @@ def test_megaflex_eval_json_contract_and_exact_counts(runs: dict[str, Path], tmp
 
 @pytest.mark.slow
 def test_indexed_data_and_context_sweep_plot(runs: dict[str, Path], tmp_path: Path) -> None:
-    from evaluation.perplexity import main
+    from evaluation.perplexity import run_cli as main
     from megaflex.data.indexed import IndexedDataset
 
     prefix = runs["data"] / "test"
@@ -137,7 +137,7 @@ def test_indexed_data_and_context_sweep_plot(runs: dict[str, Path], tmp_path: Pa
 
 @pytest.mark.slow
 def test_distributed_eval_with_tp_and_dp_matches_one_process(runs: dict[str, Path]) -> None:
-    from evaluation.perplexity import main
+    from evaluation.perplexity import run_cli as main
 
     # one document per line, so data-parallel ranks really split the documents
     args = ["--checkpoint", str(runs["z3tp2"]), "--data", str(runs["data"] / "test.raw"), "--mode", "stateful",
@@ -163,7 +163,7 @@ def test_megaflex_generate_streams_a_continuation(runs: dict[str, Path], capsys:
 @pytest.mark.slow
 def test_hf_dataset_source_tokenized_on_the_fly_matches_the_raw_file(runs: dict[str, Path],
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    from evaluation.perplexity import main
+    from evaluation.perplexity import run_cli as main
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     text_path = runs["data"] / "test.raw"
@@ -173,3 +173,11 @@ def test_hf_dataset_source_tokenized_on_the_fly_matches_the_raw_file(runs: dict[
     hf = main(common + ["--data", f"hf:text:data_files={text_path}", "--doc-mode", "stream"])
     assert hf["tokens"] == raw["tokens"] and hf["bytes"] == raw["bytes"] and hf["words"] == raw["words"]
     assert hf["ppl"] == pytest.approx(raw["ppl"], rel=1e-9)
+
+
+def test_console_entry_point_exits_zero(monkeypatch):
+    """``megaflex-eval`` is ``sys.exit(main())``: main must return an exit status, not the results."""
+    import evaluation.perplexity as perplexity
+
+    monkeypatch.setattr(perplexity, "run_cli", lambda argv=None: {"ppl": 1.0})
+    assert perplexity.main([]) == 0
