@@ -25,8 +25,8 @@ from typing import Any, Sequence
 
 import torch
 
+from evaluation.bench_common import add_model_arguments, model_config
 from megaflex.attention.softmax import KVCache
-from megaflex.model.config import ModelConfig
 from megaflex.model.gpt import GPT, GPTState
 
 DEFAULT_CONTEXTS = "1024,2048,4096,8192,16384,32768,65536"
@@ -34,11 +34,7 @@ DEFAULT_CONTEXTS = "1024,2048,4096,8192,16384,32768,65536"
 
 def build_model(kind: str, args: argparse.Namespace) -> GPT:
     torch.manual_seed(0)
-    config = ModelConfig(
-        vocab_size=args.vocab_size, num_layers=args.num_layers, hidden_size=args.hidden_size,
-        num_heads=args.num_heads, attention=kind, feature_dim=args.feature_dim,
-        max_seq_len=max(args.contexts) + args.steps + 1,
-    )
+    config = model_config(args, kind, max_seq_len=max(args.contexts) + args.steps + 1)
     return GPT(config).to(args.device).eval()
 
 
@@ -126,12 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--prefill", type=int, default=64, help="real tokens before the synthetic jump to the context")
     p.add_argument("--real-prefill", action="store_true", help="prefill all context tokens for real (slow)")
-    p.add_argument("--vocab-size", type=int, default=8000)
-    p.add_argument("--num-layers", type=int, default=4)
-    p.add_argument("--hidden-size", type=int, default=256)
-    p.add_argument("--num-heads", type=int, default=4)
-    p.add_argument("--feature-dim", type=int, default=64)
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    add_model_arguments(p)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default="evaluation/results")
     return p

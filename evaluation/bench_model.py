@@ -25,6 +25,8 @@ from typing import Any, Sequence
 
 import torch
 
+from evaluation.bench_common import add_model_arguments, model_config
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_SEQ_LENS = "1024,2048,4096,8192,16384,32768"
 
@@ -35,16 +37,12 @@ def _rss_mb() -> float:
 
 def worker(args: argparse.Namespace) -> dict[str, Any]:
     """One (kind, seq_len) measurement in this process."""
-    from megaflex.model.config import ModelConfig
     from megaflex.model.gpt import GPT
 
     torch.manual_seed(0)
     if args.threads:
         torch.set_num_threads(args.threads)
-    config = ModelConfig(
-        vocab_size=args.vocab_size, num_layers=args.num_layers, hidden_size=args.hidden_size,
-        num_heads=args.num_heads, attention=args.kind, feature_dim=args.feature_dim, max_seq_len=args.seq_len,
-    )
+    config = model_config(args, args.kind, max_seq_len=args.seq_len)
     model = GPT(config).to(args.device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(0, config.vocab_size, (1, args.seq_len + 1), device=args.device)
@@ -95,12 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kinds", default="flexformer_n,softmax")
     p.add_argument("--seq-lens", default=DEFAULT_SEQ_LENS)
     p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--vocab-size", type=int, default=8000)
-    p.add_argument("--num-layers", type=int, default=4)
-    p.add_argument("--hidden-size", type=int, default=256)
-    p.add_argument("--num-heads", type=int, default=4)
-    p.add_argument("--feature-dim", type=int, default=64)
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    add_model_arguments(p)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per (kind, seq_len) run")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default="evaluation/results")

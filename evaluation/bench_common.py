@@ -1,0 +1,25 @@
+"""What the model-level benchmarks share: the benchmarked GPT's shape flags and its config."""
+
+from __future__ import annotations
+
+import argparse
+
+from megaflex.model.config import ModelConfig
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags for the benchmarked GPT's shape (small defaults that run on a 2-core CPU)."""
+    parser.add_argument("--vocab-size", type=int, default=8000)
+    parser.add_argument("--num-layers", type=int, default=4)
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--num-heads", type=int, default=4)
+    parser.add_argument("--feature-dim", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+
+
+def model_config(args: argparse.Namespace, kind: str, max_seq_len: int) -> ModelConfig:
+    """The GPT of ``add_model_arguments``'s flags with attention ``kind``."""
+    return ModelConfig(
+        vocab_size=args.vocab_size, num_layers=args.num_layers, hidden_size=args.hidden_size,
+        num_heads=args.num_heads, attention=kind, feature_dim=args.feature_dim, max_seq_len=max_seq_len,
+    )
