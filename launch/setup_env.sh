@@ -37,9 +37,3 @@ export PATH="$venv/bin:$PATH"
 # step times (measured in evaluation/bench_attention.py); harmless on GPU runs.
 export MALLOC_MMAP_MAX_="${MALLOC_MMAP_MAX_:-0}"
 export MALLOC_TRIM_THRESHOLD_="${MALLOC_TRIM_THRESHOLD_:-17179869184}"
-# Transparent huge pages for malloc'd memory (glibc >= 2.35; older versions ignore it): large
-# fresh tensors fault in far fewer pages (~8% at 64k tokens in bench_attention).
-case ":${GLIBC_TUNABLES:-}:" in
-  *glibc.malloc.hugetlb*) ;;
-  *) export GLIBC_TUNABLES="${GLIBC_TUNABLES:+$GLIBC_TUNABLES:}glibc.malloc.hugetlb=1" ;;
-esac
