@@ -23,9 +23,10 @@ def test_deepspeed_launcher_two_cpu_ranks(tmp_path: Path) -> None:
     env = base_env()
     env["LOCAL_SIZE"] = "2"  # DeepSpeed's CPU accelerator reports this many local "slots"
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env["PATH"]
-    run = tmp_path / "run"
+    env["TORCH_EXTENSIONS_DIR"] = str(tmp_path / "torch_extensions")  # nothing prebuilt
+    run, port = tmp_path / "run", free_port()
     out = subprocess.run(
-        [launcher, "--num_gpus", "2", "--master_port", str(free_port()), "--module", "megaflex.train",
+        [launcher, "--num_gpus", "2", "--master_port", str(port), "--module", "megaflex.train",
          "--config", str(cfg), f"logging.run_dir={run}", "train.train_iters=4", "checkpoint.save_interval=0"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
     )
@@ -34,6 +35,10 @@ def test_deepspeed_launcher_two_cpu_ranks(tmp_path: Path) -> None:
     records = read_metrics(run / "metrics.jsonl")
     assert sorted(records) == [1, 2, 3, 4] and all(r["tokens_per_s"] > 0 for r in records.values())
     assert (run / "checkpoints" / "step_00000004" / "megaflex.json").is_file()  # saved at the end
+    # DeepSpeed's CPU shm all-reduce op is neither compiled nor mapped: it leaked a /dev/shm
+    # buffer per rank per run and hung ranks where /dev/shm is small.
+    assert not (tmp_path / "torch_extensions" / "deepspeed_shm_comm").exists()
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
 
 
 def test_bad_hostfile_is_rejected_with_the_line(tmp_path: Path) -> None:

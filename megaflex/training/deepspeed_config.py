@@ -65,3 +65,22 @@ def deepspeed_config(cfg: Config, dp_size: int) -> dict[str, Any]:
         # Skip (do not apply) steps whose gradients are inf/NaN, as fp16 does.
         config["bf16"]["check_grad_overflow"] = True
     return config
+
+
+def disable_shm_allreduce_op() -> None:
+    """Keep DeepSpeed from JIT-building and initialising its CPU shared-memory all-reduce op.
+
+    On a CPU accelerator ``deepspeed.init_distributed`` compiles ``deepspeed_shm_comm`` (about
+    30 s of C++ on first use) and maps a ~66 MiB ``/dev/shm`` buffer per rank that it never
+    unlinks, so every run leaks RAM-backed files and a small ``/dev/shm`` (containers default
+    to 64 MiB) makes ranks fault or hang. The op only serves ``inference_all_reduce``, which
+    megaflex never calls; training collectives go through torch.distributed either way.
+    Set ``MEGAFLEX_DS_SHM_COMM=1`` to keep DeepSpeed's default. Call before init_distributed.
+    """
+    import os
+
+    if os.environ.get("MEGAFLEX_DS_SHM_COMM") == "1":
+        return
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # cached dict; see deepspeed.ops

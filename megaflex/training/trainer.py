@@ -39,7 +39,9 @@ from megaflex.training.checkpoint import (
 )
 from megaflex.training.config import Config, global_batch_size, resolve_device, validate_runtime
 from megaflex.training.data import build_datasets, micro_batches
-from megaflex.training.deepspeed_config import deepspeed_config, gradient_accumulation_steps
+from megaflex.training.deepspeed_config import (
+    deepspeed_config, disable_shm_allreduce_op, gradient_accumulation_steps,
+)
 from megaflex.training.metrics import MetricsLogger, device_peak_tflops, flops_per_token, peak_memory_mb
 from megaflex.training.optim import build_optimizer, lr_at, no_decay_names, set_lr
 
@@ -60,6 +62,7 @@ def init_distributed(cfg: Config) -> str:
         os.environ.setdefault("MASTER_PORT", str(_free_port()))  # 29500 may be taken by another job
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    disable_shm_allreduce_op()
     deepspeed.init_distributed(dist_backend=backend)
     validate_runtime(cfg, dist.get_world_size(), has_cuda)
     return device
