@@ -150,6 +150,45 @@ def test_attention_core_softmax_matches_full_sdpa_when_decoding_with_kv_cache():
     assert torch.allclose(torch.cat(pieces, dim=2), full, atol=1e-6)
 
 
+def test_kv_cache_appends_in_place_grows_geometrically_and_forks_safely():
+    core = AttentionCore("softmax", 2, 8)
+    q, k, v = make_qkv(1, 2, 700, 8, seed=3)
+    full = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    out, cache = core(q[:, :, :4], k[:, :, :4], v[:, :, :4], return_state=True)
+    prefix, outs, capacities = cache, [out], set()
+    with torch.no_grad():
+        for t in range(4, 700):
+            out, cache = core(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], state=cache, return_state=True)
+            outs.append(out)
+            capacities.add(cache.capacity)
+    assert torch.allclose(torch.cat(outs, dim=2), full, atol=1e-6)
+    assert sorted(capacities) == [256, 514, 1030]  # doubled when full: 3 reallocations for 696 appends
+    assert torch.equal(cache.k, k) and torch.equal(cache.v, v) and cache.offset == 700
+    # Two continuations of one 4-token prefix: the second must not see the first's token.
+    other_q, other_k, other_v = make_qkv(1, 2, 1, 8, seed=4)
+    with torch.no_grad():
+        forked, forked_cache = core(other_q, other_k, other_v, state=prefix, return_state=True)
+    expected = F.scaled_dot_product_attention(
+        other_q, torch.cat([k[:, :, :4], other_k], 2), torch.cat([v[:, :, :4], other_v], 2)
+    )
+    assert torch.allclose(forked, expected, atol=1e-6) and forked_cache.offset == 5
+    assert torch.equal(cache.k, k)  # the first continuation is untouched by the fork
+
+
+def test_kv_cache_under_autograd_matches_full_attention_gradients():
+    core = AttentionCore("softmax", 2, 8)
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, 6, 8, seed=5))
+    out, cache = core(q[:, :, :3], k[:, :, :3], v[:, :, :3], return_state=True)
+    pieces = [out]
+    for t in range(3, 6):
+        out, cache = core(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], state=cache, return_state=True)
+        pieces.append(out)
+    grads = torch.autograd.grad(torch.cat(pieces, 2).square().sum(), (q, k, v))
+    full = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    expected = torch.autograd.grad(full.square().sum(), (q, k, v))
+    assert all(torch.allclose(g, e, atol=1e-5) for g, e in zip(grads, expected))
+
+
 @pytest.mark.parametrize("kind", LINEAR_KINDS)
 def test_attention_core_state_across_calls_equals_one_call(kind):
     torch.manual_seed(0)

@@ -2,28 +2,77 @@
 
 Uses ``F.scaled_dot_product_attention`` (flash / memory-efficient kernels where available) with
 its default 1/sqrt(d) scale, i.e. the kernel exp(q.k / sqrt d) the random-feature maps estimate.
-The cache is a pair of [B, H, T, d] tensors grown by concatenation: simple, and the model-side
-generation loop is short; ``offset`` = T is the position of the next token (used for RoPE).
+
+The cache appends into preallocated buffers whose capacity doubles when full, so a decode step
+copies only the new token's keys and values (amortised O(1)) instead of the whole cache; without
+that the softmax baseline would pay an extra O(T) copy per token. Caches stay values: appending
+to a cache that is not the newest of its buffers (a fork: two continuations of one prefix)
+copies the prefix first, so no cache ever sees another's tokens. Under autograd the cache falls
+back to concatenation, because in-place writes would invalidate tensors saved for backward.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
+_MIN_CAPACITY = 256  # tokens; the first append after a prefill reserves at least this many
 
-@dataclass
+
+class _Buffers:
+    """Storage shared by a cache and the caches appended from it; ``length`` = slots written."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, length: int) -> None:
+        self.k, self.v, self.length = k, v, length
+
+
 class KVCache:
-    """Keys/values of all tokens seen so far: k [B, H, T, d], v [B, H, T, Dv], offset = T."""
+    """Keys/values of all tokens seen so far: k [B, H, T, d], v [B, H, T, Dv]; ``offset`` = T is the
+    position of the next token (used for RoPE)."""
 
-    k: torch.Tensor
-    v: torch.Tensor
-    offset: int = 0
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, offset: int | None = None) -> None:
+        self._buffers = _Buffers(k, v, k.shape[2])  # no copy here: the first append reallocates
+        self._length = k.shape[2]
+        self.offset = self._length if offset is None else offset
+
+    @property
+    def k(self) -> torch.Tensor:
+        return self._buffers.k[:, :, : self._length]
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self._buffers.v[:, :, : self._length]
+
+    @property
+    def capacity(self) -> int:
+        """Tokens the current buffers hold before the next reallocation."""
+        return self._buffers.k.shape[2]
 
     def detach(self) -> "KVCache":
         return KVCache(self.k.detach(), self.v.detach(), self.offset)
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> "KVCache":
+        """A new cache holding this one's tokens followed by k [B, H, N, d], v [B, H, N, Dv]."""
+        n, length = k.shape[2], self._length
+        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad or self.k.requires_grad):
+            return KVCache(torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2), self.offset + n)
+        buffers = self._buffers
+        if buffers.length != length or length + n > self.capacity:  # forked, or full: reallocate
+            capacity = max(2 * (length + n), _MIN_CAPACITY)
+            new_k = k.new_empty(k.shape[0], k.shape[1], capacity, k.shape[3])
+            new_v = v.new_empty(v.shape[0], v.shape[1], capacity, v.shape[3])
+            new_k[:, :, :length] = self.k
+            new_v[:, :, :length] = self.v
+            buffers = _Buffers(new_k, new_v, length)
+        buffers.k[:, :, length : length + n] = k
+        buffers.v[:, :, length : length + n] = v
+        buffers.length = length + n
+        cache = KVCache.__new__(KVCache)
+        cache._buffers, cache._length, cache.offset = buffers, length + n, self.offset + n
+        return cache
+
+    def __repr__(self) -> str:
+        return f"KVCache(tokens={self._length}, capacity={self.capacity}, offset={self.offset})"
 
 
 def softmax_attention(
@@ -34,14 +83,15 @@ def softmax_attention(
     if cache is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return out, KVCache(k, v, n)
-    keys = torch.cat([cache.k, k], dim=2)  # [B, H, T + N, d]
-    values = torch.cat([cache.v, v], dim=2)
+    offset = cache.offset
+    cache = cache.append(k, v)
+    keys, values = cache.k, cache.v  # [B, H, T + N, *]
     if n == 1:  # the new token sees everything: no mask needed
         out = F.scaled_dot_product_attention(q, keys, values)
     else:
         # query i sits at absolute position offset + i and sees keys 0..offset + i (SDPA's
         # is_causal would align the mask top-left instead, ignoring the cache)
-        rows = torch.arange(n, device=q.device).unsqueeze(1) + cache.offset
+        rows = torch.arange(n, device=q.device).unsqueeze(1) + offset
         mask = rows >= torch.arange(keys.shape[2], device=q.device).unsqueeze(0)  # [N, T + N]
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-    return out, KVCache(keys, values, cache.offset + n)
+    return out, cache
