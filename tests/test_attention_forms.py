@@ -205,3 +205,57 @@ def test_attention_core_state_across_calls_equals_one_call(kind):
     assert state.offset == 50
     assert rel_err(torch.cat(pieces, dim=2), full) < 1e-5
     assert rel_err(state.kv, full_state.kv) < 1e-5
+
+
+@pytest.mark.parametrize("kind", LINEAR_KINDS)
+@pytest.mark.parametrize("normalization", NORMALIZATIONS)
+def test_inference_decoding_fast_path_equals_the_autograd_path(kind, normalization):
+    """Under no_grad a continuing call takes AttentionCore._decode (q and k mapped as one batch,
+    recurrent_step for single tokens); with grad it takes the plain recurrent form."""
+    core = AttentionCore(kind, 3, 8, feature_dim=24, max_seq_len=64, normalization=normalization, chunk_size=8)
+    q, k, v = make_qkv(2, 3, 30, 8, seed=11)
+    _, prefix = core(q[:, :, :9], k[:, :, :9], v[:, :, :9], return_state=True)
+    for fast in (True, False):
+        state, pieces = prefix, []
+        with torch.set_grad_enabled(not fast):
+            for start, stop in ((9, 10), (10, 11), (11, 14), (14, 15), (15, 30)):
+                out, state = core(q[:, :, start:stop], k[:, :, start:stop], v[:, :, start:stop], state=state, return_state=True)
+                pieces.append(out.detach())
+        if fast:
+            fast_out, fast_state = torch.cat(pieces, dim=2), state
+    slow_out = torch.cat(pieces, dim=2)
+    assert rel_err(fast_out, slow_out) < 1e-5
+    for field in ("kv", "k_sum", "log_max"):
+        assert rel_err(getattr(fast_state, field), getattr(state, field).detach()) < 1e-5, field
+    assert fast_state.offset == state.offset == 30
+
+
+@pytest.mark.parametrize("batch,heads,feat,value_dim", [(1, 1, 7, 5), (3, 5, 64, 33), (2, 2, 16, 1)])
+@pytest.mark.parametrize("normalization", NORMALIZATIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_recurrent_step_matches_the_recurrent_loop(batch, heads, feat, value_dim, normalization, dtype):
+    from megaflex.attention.recurrent import recurrent_linear_attention, recurrent_step
+
+    g = torch.Generator().manual_seed(feat)
+    qf = torch.randn(batch, heads, 6, feat, generator=g).to(dtype)
+    kf = torch.randn(batch, heads, 6, feat, generator=g).to(dtype)
+    v = torch.randn(batch, heads, 6, value_dim, generator=g).to(dtype)
+    if normalization == "denominator":  # signed features make d_t ill-conditioned: compare where it is not
+        qf, kf = qf.abs(), kf.abs()
+    # key log-scales spanning +-1e4: a later key 1e4 above the running max rescales the whole state
+    kls = (torch.tensor([0.0, 3.0, -1e4, 1e4, 2.0, 1e4 + 5.0]) + torch.randn(batch, heads, 6, generator=g)).double()
+    kls = kls.to(torch.float64 if dtype == torch.float64 else torch.float32)
+    for log_scale in (kls, None):
+        expected, expected_state = recurrent_linear_attention(qf, kf, log_scale, v, normalization=normalization)
+        state = LinearAttentionState.empty(batch, heads, feat, value_dim, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+        outs = []
+        for t in range(6):
+            ls_t = None if log_scale is None else log_scale[..., t : t + 1]
+            out, state = recurrent_step(qf[:, :, t : t + 1], kf[:, :, t : t + 1], ls_t, v[:, :, t : t + 1], state,
+                                        normalization=normalization)
+            assert out.dtype == dtype and out.shape == (batch, heads, 1, value_dim)
+            outs.append(out)
+        tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+        assert rel_err(torch.cat(outs, dim=2).double(), expected.double()) < tol
+        assert rel_err(state.kv, expected_state.kv) < 1e-5 and torch.equal(state.log_max, expected_state.log_max)
+        assert torch.isfinite(state.kv).all() and state.offset == 6

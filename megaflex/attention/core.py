@@ -36,7 +36,7 @@ from torch import nn
 from .base import NORMALIZATIONS, LinearAttentionState
 from .feature_maps import FEATURE_MAP_KINDS, build_feature_map
 from .quadratic import quadratic_linear_attention
-from .recurrent import recurrent_linear_attention
+from .recurrent import recurrent_linear_attention, recurrent_step
 from .softmax import KVCache, softmax_attention
 
 FORMS = ("chunked", "recurrent", "quadratic")
@@ -240,11 +240,12 @@ class AttentionCore(nn.Module):
         if state is not None and not isinstance(state, LinearAttentionState):
             raise ValueError(f"state: expected a LinearAttentionState for kind {self.kind!r}, got {type(state).__name__}")
         offset = state.offset if state is not None else 0
+        decoding = state is not None and q.shape[2] <= self.recurrent_max_tokens
+        if decoding and not torch.is_grad_enabled():
+            return self._decode(q, k, v, state, return_state)
         q_map = self.feature_map(q, offset)
         k_map = self.feature_map(k, offset)
-        form = self.form
-        if state is not None and q.shape[2] <= self.recurrent_max_tokens:
-            form = "recurrent"
+        form = "recurrent" if decoding else self.form
         out, new_state = causal_linear_attention(
             q_map.features,
             k_map.features,
@@ -256,6 +257,27 @@ class AttentionCore(nn.Module):
             initial_state=state,
             eps=self.eps,
         )
+        return out, (new_state if return_state else None)
+
+    def _decode(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: LinearAttentionState, return_state: bool
+    ) -> tuple[torch.Tensor, LinearAttentionState | None]:
+        """Inference continuing from ``state`` with a few tokens: the same maths as ``forward``'s
+        recurrent form in fewer ops (decoding is bound by per-op overhead, not FLOPs): q and k go
+        through the feature map as one batch, and a single token takes ``recurrent_step``."""
+        batch = q.shape[0]
+        both = self.feature_map(torch.cat([q, k]), state.offset)  # [2B, H, N, F]: queries then keys
+        qf, kf = both.features[:batch], both.features[batch:]
+        kls = None if both.log_scale is None else both.log_scale[batch:]
+        validate_linear_attention_inputs(
+            qf, kf, kls, v, form="recurrent", normalization=self.normalization, initial_state=state, eps=self.eps
+        )
+        if q.shape[2] == 1:
+            out, new_state = recurrent_step(qf, kf, kls, v, state, normalization=self.normalization, eps=self.eps)
+        else:
+            out, new_state = recurrent_linear_attention(
+                qf, kf, kls, v, normalization=self.normalization, initial_state=state, eps=self.eps
+            )
         return out, (new_state if return_state else None)
 
     def extra_repr(self) -> str:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import LinearAttentionState, fp32_inputs, normalize_output
+from .base import LinearAttentionState, accumulation_dtype, fp32_inputs, normalize_output
 
 
 def recurrent_linear_attention(
@@ -45,4 +45,43 @@ def recurrent_linear_attention(
     denominator = torch.stack(denominators, dim=2)  # [B, H, N]
     out = normalize_output(numerator, denominator, normalization, eps)
     new_state = LinearAttentionState(kv=kv, k_sum=k_sum, log_max=log_max, offset=state.offset + q.shape[2])
+    return out.to(v.dtype), new_state
+
+
+def recurrent_step(
+    qf: torch.Tensor,
+    kf: torch.Tensor,
+    kls: torch.Tensor | None,
+    v: torch.Tensor,
+    state: LinearAttentionState,
+    *,
+    normalization: str = "rms",
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, LinearAttentionState]:
+    """One decoding token: ``recurrent_linear_attention`` for N = 1 without autograd, in the fewest ops.
+
+    qf, kf [B, H, 1, F], kls [B, H, 1] | None, v [B, H, 1, Dv], state (required) ->
+    (out [B, H, 1, Dv] in v.dtype, state). Same maths as the loop above (which is its test
+    reference); per token it is weight- and op-count-bound, so the state update is two batched
+    matmul-adds on [B*H] heads instead of a dozen broadcasts.
+    """
+    batch, heads, _, feat = qf.shape
+    value_dim = v.shape[-1]
+    acc = accumulation_dtype(v.dtype)
+    log_max = state.log_max.to(acc)
+    q = qf.to(acc).reshape(batch * heads, 1, feat)
+    k = kf.to(acc).reshape(batch * heads, feat, 1)
+    ls = torch.zeros(batch, heads, device=qf.device, dtype=acc) if kls is None else kls.to(acc).reshape(batch, heads)
+    m = torch.maximum(log_max, ls)  # [B, H]
+    decay = torch.exp(log_max - m).reshape(batch * heads, 1, 1)  # 0 for the empty state
+    weight = torch.exp(ls - m).reshape(batch * heads, 1, 1)
+    # [S | z] decayed plus weight * k [v | 1]^T: the key sum rides along as one more value column
+    sums = torch.cat([state.kv.to(acc), state.k_sum.to(acc).unsqueeze(-1)], dim=-1).reshape(batch * heads, feat, value_dim + 1)
+    v_one = torch.cat([v.to(acc).reshape(batch * heads, 1, value_dim), weight], dim=-1)  # [BH, 1, Dv + 1]
+    v_one[..., :value_dim] *= weight
+    sums = torch.baddbmm(sums * decay, k, v_one)  # [BH, F, Dv + 1]
+    read = torch.bmm(q, sums).reshape(batch, heads, 1, value_dim + 1)  # [n | d]
+    out = normalize_output(read[..., :value_dim], read[..., value_dim], normalization, eps)
+    sums = sums.reshape(batch, heads, feat, value_dim + 1)
+    new_state = LinearAttentionState(kv=sums[..., :value_dim], k_sum=sums[..., value_dim], log_max=m, offset=state.offset + 1)
     return out.to(v.dtype), new_state
