@@ -71,7 +71,7 @@ def state_at(model: GPT, context: int, prefill: int, real: bool, device: str, ba
             reps = -(-context // prefill)
             k = layer.k.repeat(1, 1, reps, 1)[:, :, :context].contiguous()
             v = layer.v.repeat(1, 1, reps, 1)[:, :, :context].contiguous()
-            layers.append(KVCache(k, v, context))
+            layers.append(KVCache(k, v))
         else:
             layers.append(dataclasses.replace(layer, offset=context))
     return GPTState(layers=layers, offset=context)

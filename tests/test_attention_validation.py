@@ -155,7 +155,7 @@ def test_attention_core_input_validation(kind):
 def test_attention_core_state_type_and_options():
     with _expect("state: expected a LinearAttentionState for kind 'flexformer_s', got KVCache"):
         q = torch.randn(1, 2, 3, 8)
-        AttentionCore("flexformer_s", 2, 8, feature_dim=16)(q, q, q, state=KVCache(q, q, 3))
+        AttentionCore("flexformer_s", 2, 8, feature_dim=16)(q, q, q, state=KVCache(q, q))
     with _expect("state: expected a KVCache for kind 'softmax', got LinearAttentionState"):
         AttentionCore("softmax", 2, 8)(q, q, q, state=LinearAttentionState.empty(1, 2, 16, 8))
     with _expect("normalization: expected one of ('rms', 'denominator'), got 'none'"):

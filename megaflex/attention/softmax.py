@@ -30,18 +30,23 @@ class KVCache:
     """Keys/values of all tokens seen so far: k [B, H, T, d], v [B, H, T, Dv]; ``offset`` = T is the
     position of the next token (used for RoPE)."""
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, offset: int | None = None) -> None:
+    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
         self._buffers = _Buffers(k, v, k.shape[2])  # no copy here: the first append reallocates
-        self._length = k.shape[2]
-        self.offset = self._length if offset is None else offset
+        self.offset = k.shape[2]  # tokens held; this cache's view of the shared buffers
+
+    @classmethod
+    def _view(cls, buffers: _Buffers, length: int) -> "KVCache":
+        cache = cls.__new__(cls)
+        cache._buffers, cache.offset = buffers, length
+        return cache
 
     @property
     def k(self) -> torch.Tensor:
-        return self._buffers.k[:, :, : self._length]
+        return self._buffers.k[:, :, : self.offset]
 
     @property
     def v(self) -> torch.Tensor:
-        return self._buffers.v[:, :, : self._length]
+        return self._buffers.v[:, :, : self.offset]
 
     @property
     def capacity(self) -> int:
@@ -49,13 +54,13 @@ class KVCache:
         return self._buffers.k.shape[2]
 
     def detach(self) -> "KVCache":
-        return KVCache(self.k.detach(), self.v.detach(), self.offset)
+        return KVCache(self.k.detach(), self.v.detach())
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> "KVCache":
         """A new cache holding this one's tokens followed by k [B, H, N, d], v [B, H, N, Dv]."""
-        n, length = k.shape[2], self._length
+        n, length = k.shape[2], self.offset
         if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad or self.k.requires_grad):
-            return KVCache(torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2), self.offset + n)
+            return KVCache(torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2))
         buffers = self._buffers
         if buffers.length != length or length + n > self.capacity:  # forked, or full: reallocate
             capacity = max(2 * (length + n), _MIN_CAPACITY)
@@ -67,12 +72,10 @@ class KVCache:
         buffers.k[:, :, length : length + n] = k
         buffers.v[:, :, length : length + n] = v
         buffers.length = length + n
-        cache = KVCache.__new__(KVCache)
-        cache._buffers, cache._length, cache.offset = buffers, length + n, self.offset + n
-        return cache
+        return KVCache._view(buffers, length + n)
 
     def __repr__(self) -> str:
-        return f"KVCache(tokens={self._length}, capacity={self.capacity}, offset={self.offset})"
+        return f"KVCache(tokens={self.offset}, capacity={self.capacity})"
 
 
 def softmax_attention(
@@ -82,7 +85,7 @@ def softmax_attention(
     n = q.shape[2]
     if cache is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return out, KVCache(k, v, n)
+        return out, KVCache(k, v)
     offset = cache.offset
     cache = cache.append(k, v)
     keys, values = cache.k, cache.v  # [B, H, T + N, *]
