@@ -62,26 +62,32 @@ def recurrent_step(
 
     qf, kf [B, H, 1, F], kls [B, H, 1] | None, v [B, H, 1, Dv], state (required) ->
     (out [B, H, 1, Dv] in v.dtype, state). Same maths as the loop above (which is its test
-    reference); per token it is weight- and op-count-bound, so the state update is two batched
-    matmul-adds on [B*H] heads instead of a dozen broadcasts.
+    reference); per token it is op-count-bound, so S is updated by one batched matmul-add on
+    [B*H] heads, and the denominator is only formed for normalization="denominator".
     """
     batch, heads, _, feat = qf.shape
-    value_dim = v.shape[-1]
+    bh, value_dim = batch * heads, v.shape[-1]
     acc = accumulation_dtype(v.dtype)
     log_max = state.log_max.to(acc)
-    q = qf.to(acc).reshape(batch * heads, 1, feat)
-    k = kf.to(acc).reshape(batch * heads, feat, 1)
-    ls = torch.zeros(batch, heads, device=qf.device, dtype=acc) if kls is None else kls.to(acc).reshape(batch, heads)
+    k = kf.to(acc).reshape(batch, heads, feat)
+    ls = torch.zeros_like(log_max) if kls is None else kls.to(acc).reshape(batch, heads)
     m = torch.maximum(log_max, ls)  # [B, H]
-    decay = torch.exp(log_max - m).reshape(batch * heads, 1, 1)  # 0 for the empty state
-    weight = torch.exp(ls - m).reshape(batch * heads, 1, 1)
-    # [S | z] decayed plus weight * k [v | 1]^T: the key sum rides along as one more value column
-    sums = torch.cat([state.kv.to(acc), state.k_sum.to(acc).unsqueeze(-1)], dim=-1).reshape(batch * heads, feat, value_dim + 1)
-    v_one = torch.cat([v.to(acc).reshape(batch * heads, 1, value_dim), weight], dim=-1)  # [BH, 1, Dv + 1]
-    v_one[..., :value_dim] *= weight
-    sums = torch.baddbmm(sums * decay, k, v_one)  # [BH, F, Dv + 1]
-    read = torch.bmm(q, sums).reshape(batch, heads, 1, value_dim + 1)  # [n | d]
-    out = normalize_output(read[..., :value_dim], read[..., value_dim], normalization, eps)
-    sums = sums.reshape(batch, heads, feat, value_dim + 1)
-    new_state = LinearAttentionState(kv=sums[..., :value_dim], k_sum=sums[..., value_dim], log_max=m, offset=state.offset + 1)
+    decay = torch.exp(log_max - m).unsqueeze(-1)  # [B, H, 1]; 0 for the empty state
+    weight = torch.exp(ls - m).unsqueeze(-1)
+    # S = decay S + k (weight v)^T ;  z = decay z + weight k
+    kv = torch.baddbmm(
+        (state.kv.to(acc) * decay.unsqueeze(-1)).reshape(bh, feat, value_dim),
+        k.reshape(bh, feat, 1),
+        (v.to(acc).reshape(batch, heads, value_dim) * weight).reshape(bh, 1, value_dim),
+    )
+    k_sum = torch.addcmul(state.k_sum.to(acc) * decay, weight, k)  # [B, H, F]
+    q = qf.to(acc).reshape(bh, 1, feat)
+    numerator = torch.bmm(q, kv).reshape(batch, heads, 1, value_dim)
+    denominator = None
+    if normalization == "denominator":
+        denominator = (q.reshape(batch, heads, 1, feat) * k_sum.unsqueeze(2)).sum(dim=-1)  # [B, H, 1]
+    out = normalize_output(numerator, denominator, normalization, eps)
+    new_state = LinearAttentionState(
+        kv=kv.reshape(batch, heads, feat, value_dim), k_sum=k_sum, log_max=m, offset=state.offset + 1
+    )
     return out.to(v.dtype), new_state
