@@ -32,10 +32,9 @@ def _ds_worker(rank: int, world: int, ref_state: dict, zero_stage: int) -> dict:
     from megaflex.parallel import DeepSpeedMPU, ParallelState, TensorParallelLayers, mark_head_sharded_params
     from megaflex.parallel.reshard import gpt_layout, load_state_dict_checked, split_state_dict
 
-    from megaflex.training.deepspeed_config import disable_shm_allreduce_op
+    from megaflex.training.deepspeed_config import init_deepspeed_distributed
 
-    disable_shm_allreduce_op()
-    deepspeed.init_distributed(dist_backend="gloo")  # adopts the existing process group
+    init_deepspeed_distributed("gloo")  # adopts the existing process group
     state = ParallelState.create(tensor_parallel_size=2)
     config = ModelConfig(**CONFIG)
     model = GPT(config, TensorParallelLayers(state, seed=0))

@@ -67,20 +67,21 @@ def deepspeed_config(cfg: Config, dp_size: int) -> dict[str, Any]:
     return config
 
 
-def disable_shm_allreduce_op() -> None:
-    """Keep DeepSpeed from JIT-building and initialising its CPU shared-memory all-reduce op.
+def init_deepspeed_distributed(backend: str) -> None:
+    """``deepspeed.init_distributed`` without DeepSpeed's CPU shared-memory all-reduce op.
 
-    On a CPU accelerator ``deepspeed.init_distributed`` compiles ``deepspeed_shm_comm`` (about
-    30 s of C++ on first use) and maps a ~66 MiB ``/dev/shm`` buffer per rank that it never
-    unlinks, so every run leaks RAM-backed files and a small ``/dev/shm`` (containers default
-    to 64 MiB) makes ranks fault or hang. The op only serves ``inference_all_reduce``, which
-    megaflex never calls; training collectives go through torch.distributed either way.
-    Set ``MEGAFLEX_DS_SHM_COMM=1`` to keep DeepSpeed's default. Call before init_distributed.
+    On a CPU accelerator DeepSpeed compiles ``deepspeed_shm_comm`` (about 30 s of C++ on first
+    use) and maps a ~66 MiB ``/dev/shm`` buffer per rank that it never unlinks, so every run
+    leaks RAM-backed files and a small ``/dev/shm`` (containers default to 64 MiB) makes ranks
+    fault or hang. The op only serves ``inference_all_reduce``, which megaflex never calls;
+    training collectives go through torch.distributed either way. ``MEGAFLEX_DS_SHM_COMM=1``
+    keeps DeepSpeed's default. Adopts an existing process group like DeepSpeed does.
     """
     import os
 
-    if os.environ.get("MEGAFLEX_DS_SHM_COMM") == "1":
-        return
+    import deepspeed
     import deepspeed.ops
 
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # cached dict; see deepspeed.ops
+    if os.environ.get("MEGAFLEX_DS_SHM_COMM") != "1":
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # cached dict; see deepspeed.ops
+    deepspeed.init_distributed(dist_backend=backend)

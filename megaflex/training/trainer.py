@@ -40,7 +40,7 @@ from megaflex.training.checkpoint import (
 from megaflex.training.config import Config, global_batch_size, resolve_device, validate_runtime
 from megaflex.training.data import build_datasets, micro_batches
 from megaflex.training.deepspeed_config import (
-    deepspeed_config, disable_shm_allreduce_op, gradient_accumulation_steps,
+    deepspeed_config, gradient_accumulation_steps, init_deepspeed_distributed,
 )
 from megaflex.training.metrics import MetricsLogger, device_peak_tflops, flops_per_token, peak_memory_mb
 from megaflex.training.optim import build_optimizer, lr_at, no_decay_names, set_lr
@@ -52,8 +52,6 @@ class NonFiniteAbort(RuntimeError):
 
 def init_distributed(cfg: Config) -> str:
     """Initialise torch.distributed through DeepSpeed; returns the device ("cpu"/"cuda")."""
-    import deepspeed
-
     has_cuda = torch.cuda.is_available() and cfg.train.device != "cpu"
     device = resolve_device(cfg, has_cuda)
     backend = cfg.parallel.backend if cfg.parallel.backend != "auto" else ("nccl" if device == "cuda" else "gloo")
@@ -62,8 +60,7 @@ def init_distributed(cfg: Config) -> str:
         os.environ.setdefault("MASTER_PORT", str(_free_port()))  # 29500 may be taken by another job
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    disable_shm_allreduce_op()
-    deepspeed.init_distributed(dist_backend=backend)
+    init_deepspeed_distributed(backend)
     validate_runtime(cfg, dist.get_world_size(), has_cuda)
     return device
 
