@@ -53,6 +53,7 @@ class FlexformerConfig(PreTrainedConfig):
     init_std: float = 0.02
     # The megaflex run config the weights were trained with (model card, round trip), or None.
     megaflex_run_config: dict | None = None
+    megaflex_iteration: int | None = None  # training iterations of those weights
     # megaflex's tied output matrix is the embedding itself (no second parameter), so
     # transformers' own weight tying stays off.
     tie_word_embeddings: bool = False
