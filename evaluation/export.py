@@ -68,7 +68,7 @@ def export_checkpoint(
     model = FlexformerForCausalLM(config)
     model.model.load_state_dict(loaded.model.state_dict(), strict=True)
     model.to(DTYPES[dtype])
-    model.generation_config = GenerationConfig(max_length=model_config.max_seq_len, **special)
+    model.generation_config = GenerationConfig(**special)
     model.save_pretrained(out)
     write_remote_code(out)
     evals = [json.loads(Path(p).read_text()) for p in eval_json]
