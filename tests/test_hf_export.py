@@ -43,7 +43,11 @@ def exported(tmp_path_factory: pytest.TempPathFactory, shared_data: Path) -> dic
         shutil.copyfile(data / split.replace("test", "train"), data / split)
     run = root / "z3tp2"
     assert run_distributed(_train_rank, 2, args=(_train_args(data, run, 3, 2),), init_process_group=False) == [0, 0]
-    hf = export_checkpoint(run, root / "hf")
+    from evaluation.perplexity import run_cli
+
+    run_cli(["--checkpoint", str(run), "--data", str(data / "train.raw"), "--max-tokens", "400", "--context", "64",
+             "--device", "cpu", "--json", str(root / "ppl.json")])
+    hf = export_checkpoint(run, root / "hf", eval_json=[root / "ppl.json"])
     return {"root": root, "data": data, "run": run, "hf": hf}
 
 
@@ -58,6 +62,8 @@ def test_tp2_zero3_export_loads_with_auto_classes_and_matches_megaflex(exported:
         assert (hf / name).is_file(), name
     card = (hf / "README.md").read_text()
     assert "tensor parallel 2, ZeRO stage 3" in card and "zero_stage: 3" in card
+    ppl = json.loads((exported["root"] / "ppl.json").read_text())["ppl"]
+    assert f"| {ppl:.3f} |" in card  # the eval numbers given with --eval-json
     reference = load_for_eval(exported["run"])
     model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(hf)
@@ -98,6 +104,24 @@ def test_round_trip_megaflex_hf_megaflex_is_bit_identical(exported: dict[str, Pa
     for name in a:
         assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
     assert back.tokenizer is not None and back.tokenizer.encode(PROMPT) == original.tokenizer.encode(PROMPT)
+
+
+@pytest.mark.slow
+def test_bf16_export(exported: dict[str, Path], tmp_path: Path) -> None:
+    import megaflex.hf  # noqa: F401
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    export_main(["--checkpoint", str(exported["run"]), "--hf-out", str(tmp_path / "bf16"), "--dtype", "bf16"])
+    weights = load_file(tmp_path / "bf16" / "model.safetensors")
+    assert {t.dtype for t in weights.values()} == {torch.bfloat16}
+    fp32 = load_file(exported["hf"] / "model.safetensors")
+    assert all(torch.equal(weights[k], fp32[k].to(torch.bfloat16)) for k in fp32)  # rounded once, nothing else
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16").eval()
+    assert model.dtype == torch.bfloat16
+    import_hf(tmp_path / "bf16", tmp_path / "back")  # back as fp32 holding the bf16 values exactly
+    back = load_for_eval(tmp_path / "back").model.state_dict()
+    assert all(torch.equal(back[k[len("model."):]], fp32[k].to(torch.bfloat16).float()) for k in fp32)
 
 
 @pytest.mark.slow
