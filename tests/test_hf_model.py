@@ -53,10 +53,20 @@ def test_cache_continues_the_sequence(kind: str) -> None:
         first = model(ids[:, :17], use_cache=True)
         assert isinstance(first.cache, FlexformerCache) and first.cache.get_seq_length() == 17
         steps = [first.logits]
+        state_size = _state_numel(first.cache)
         for t in range(17, 23):  # token by token: the recurrent O(1) path (KV cache for softmax)
             steps.append(model(ids[:, t:t + 1], cache=first.cache).logits)
     assert first.cache.get_seq_length() == 23
+    if kind == "softmax":  # the KV cache grows with the context ...
+        assert _state_numel(first.cache) > state_size
+    else:  # ... the recurrent state of linear attention does not: O(1) memory per token
+        assert _state_numel(first.cache) == state_size
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-4, rtol=1e-4)
+
+
+def _state_numel(cache: FlexformerCache) -> int:
+    layers = cache.state.layers
+    return sum(t.numel() for s in layers for t in ((s.k, s.v) if hasattr(s, "k") else (s.kv, s.k_sum, s.log_max)))
 
 
 @pytest.mark.parametrize("kind", ["flexformer_n", "softmax", "performer"])

@@ -83,7 +83,6 @@ class FlexformerForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = FlexformerConfig
     base_model_prefix = "model"
     main_input_name = "input_ids"
-    _supports_cache_class = True
 
     def __init__(self, config: FlexformerConfig) -> None:
         super().__init__(config)
