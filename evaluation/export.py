@@ -1,0 +1,180 @@
+"""``megaflex-export``: a megaflex checkpoint as a Hugging Face model directory, and back.
+
+    megaflex-export --checkpoint runs/tiny --hf-out hf/tiny [--dtype fp32|bf16] [--eval-json ppl.json]
+    megaflex-export --from-hf hf/tiny --megaflex-out runs/tiny-from-hf
+
+Export: ``load_for_eval`` merges the checkpoint's TP shards and ZeRO partitions (any stage, any
+TP size) into one fp32 model, which is written as ``FlexformerForCausalLM``: config.json (with
+``auto_map``), model.safetensors, generation_config.json, the tokenizer (``tokenizer.json`` +
+the original sentencepiece ``tokenizer.model``), the ``trust_remote_code`` files (megaflex's
+own source, bundled) and a README.md model card (training config, eval numbers from
+``--eval-json`` files written by ``megaflex-eval --json``).
+
+Import: the weights of an HF directory become a single-rank checkpoint folder
+``<megaflex-out>/step_<iteration>`` (+ ``latest``) that ``megaflex-eval``/``megaflex-generate``
+read; megaflex -> HF (fp32) -> megaflex gives bit-identical tensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import yaml
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def export_checkpoint(
+    checkpoint: str | os.PathLike,
+    hf_out: str | os.PathLike,
+    *,
+    dtype: str = "fp32",
+    tag: str | None = None,
+    tokenizer: str | None = None,
+    eval_json: Sequence[str | os.PathLike] = (),
+) -> Path:
+    """Write the HF directory of ``checkpoint`` (folder, checkpoint.dir or run dir) to ``hf_out``."""
+    from transformers import GenerationConfig
+
+    from evaluation.loading import load_for_eval
+    from megaflex.hf import FlexformerConfig, FlexformerForCausalLM
+    from megaflex.hf.remote_code import AUTO_MAP, write_remote_code
+    from megaflex.hf.tokenizer import save_tokenizer
+
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype: expected one of {sorted(DTYPES)}, got {dtype!r}")
+    loaded = load_for_eval(checkpoint, tag=tag, tokenizer=None)  # the tokenizer is checked below
+    tok_path = tokenizer or (loaded.config.get("data") or {}).get("tokenizer")
+    if not tok_path:
+        raise ValueError("--tokenizer: the checkpoint config names no tokenizer (data.tokenizer); pass --tokenizer PATH")
+    if not Path(tok_path).is_file():
+        raise ValueError(f"--tokenizer: sentencepiece model {tok_path!r} not found (from "
+                         f"{'--tokenizer' if tokenizer else 'the checkpoint config data.tokenizer'}); pass --tokenizer PATH")
+    out = Path(hf_out)
+    out.mkdir(parents=True, exist_ok=True)
+    model_config = loaded.model.config
+    hf_tok = save_tokenizer(tok_path, out, model_max_length=model_config.max_seq_len)
+    special = dict(bos_token_id=hf_tok.bos_token_id, eos_token_id=hf_tok.eos_token_id, pad_token_id=hf_tok.pad_token_id)
+    config = FlexformerConfig.from_model_config(model_config, megaflex_run_config=loaded.config,
+                                               megaflex_iteration=loaded.meta.get("iteration"), **special)
+    config.auto_map = dict(AUTO_MAP)
+    model = FlexformerForCausalLM(config)
+    model.model.load_state_dict(loaded.model.state_dict(), strict=True)
+    model.to(DTYPES[dtype])
+    model.generation_config = GenerationConfig(**special)
+    model.save_pretrained(out)
+    write_remote_code(out)
+    evals = [json.loads(Path(p).read_text()) for p in eval_json]
+    (out / "README.md").write_text(model_card(loaded.config, loaded.meta, loaded.path, dtype, evals), encoding="utf-8")
+    return out
+
+
+def import_hf(hf_dir: str | os.PathLike, megaflex_out: str | os.PathLike) -> Path:
+    """Write the model of HF directory ``hf_dir`` as a megaflex checkpoint under ``megaflex_out``."""
+    from megaflex.hf import FlexformerConfig, FlexformerForCausalLM
+    from megaflex.hf.tokenizer import SP_CARD_FILE, SP_MODEL_FILE
+    from megaflex.training.checkpoint import META_FILE, parameter_shapes, tag_for
+
+    src = Path(hf_dir)
+    if not (src / "config.json").is_file():
+        raise ValueError(f"--from-hf: expected a Hugging Face model directory with config.json, got {os.fspath(hf_dir)!r}")
+    config = FlexformerConfig.from_pretrained(src)  # ValueError naming a bad field of config.json
+    model = FlexformerForCausalLM.from_pretrained(src, config=config, dtype=torch.float32)
+    run_config = dict(config.megaflex_run_config or {})
+    run_config["model"] = config.to_model_config().to_dict()
+    iteration = int(config.megaflex_iteration or 0)
+    tag_dir = Path(megaflex_out) / tag_for(iteration)
+    tag_dir.mkdir(parents=True, exist_ok=True)
+    data = dict(run_config.get("data") or {})
+    if (src / SP_MODEL_FILE).is_file():  # the tokenizer travels with the checkpoint
+        shutil.copyfile(src / SP_MODEL_FILE, tag_dir / SP_MODEL_FILE)
+        if (src / SP_CARD_FILE).is_file():
+            shutil.copyfile(src / SP_CARD_FILE, tag_dir / "tokenizer.card.json")
+        data["tokenizer"] = str((tag_dir / SP_MODEL_FILE).resolve())
+    run_config["data"] = data
+    gpt = model.model
+    # ZeRO-0 / TP-1 layout of a megaflex-train checkpoint: what evaluation.loading reads.
+    torch.save({"module": gpt.state_dict()}, tag_dir / "mp_rank_00_model_states.pt")
+    meta = {
+        "iteration": iteration, "tensor_parallel_size": 1, "world_size": 1, "data_parallel_size": 1,
+        "zero_stage": 0, "parameter_shapes": parameter_shapes(gpt), "num_parameters": gpt.num_parameters(),
+        "config": run_config, "source": f"megaflex-export --from-hf {os.fspath(hf_dir)}",
+    }
+    (tag_dir / META_FILE).write_text(json.dumps(meta, indent=1))
+    (Path(megaflex_out) / "latest").write_text(tag_dir.name + "\n")
+    return tag_dir
+
+
+def model_card(run_config: dict[str, Any], meta: dict[str, Any], path: Path, dtype: str,
+               evals: Sequence[dict[str, Any]]) -> str:
+    """README.md of an export: what the model is, how it was trained, how to load and evaluate it."""
+    m = run_config["model"]
+    lines = [
+        "---", "library_name: transformers", "tags: [megaflex, flexformer, linear-attention]", "---", "",
+        f"# Flexformer ({m['attention']}) exported by megaflex", "",
+        f"A {m['num_layers']}-layer, {m['hidden_size']}-wide decoder-only LM with `{m['attention']}` attention, "
+        f"trained with megaflex for {meta.get('iteration', '?')} iterations "
+        f"(tensor parallel {meta.get('tensor_parallel_size', 1)}, ZeRO stage {meta.get('zero_stage', '?')}); "
+        f"weights in {dtype}. Source checkpoint: `{path}`.", "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "model = AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)  # or `import megaflex.hf` first",
+        "tok = AutoTokenizer.from_pretrained(DIR)",
+        "```", "",
+        "Decoding carries megaflex's recurrent state as the cache (constant memory per token for linear kinds).",
+        "Left padding is not supported; pad on the right.", "",
+        "## Evaluation", "",
+    ]
+    if evals:
+        lines += ["| data | mode | context | ppl | bits/byte | word ppl | tokens |", "|---|---|---:|---:|---:|---:|---:|"]
+        for r in evals:
+            bpb, wppl = r.get("bits_per_byte"), r.get("word_ppl")
+            lines.append(f"| {r.get('data', '?')} | {r.get('mode')} | {r.get('context')} | {r['ppl']:.3f} | "
+                         f"{'-' if bpb is None else f'{bpb:.4f}'} | {'-' if wppl is None else f'{wppl:.3f}'} | {r.get('tokens')} |")
+        lines.append("")
+        lines.append("Numbers from `megaflex-eval --json` on the source checkpoint.")
+    else:
+        lines.append("No evaluation results were given to the export (`--eval-json`).")
+    lines += ["", "## Training config", "", "```yaml", yaml.safe_dump(run_config, sort_keys=False).rstrip(), "```", ""]
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megaflex-export", description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", help="checkpoint folder, checkpoint.dir or run dir (export to HF)")
+    p.add_argument("--hf-out", help="output Hugging Face model directory")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    p.add_argument("--tag", default=None, help="checkpoint tag (default latest)")
+    p.add_argument("--tokenizer", default=None, help="sentencepiece .model (default: data.tokenizer of the run)")
+    p.add_argument("--eval-json", nargs="*", default=[], help="megaflex-eval --json results for the model card")
+    p.add_argument("--from-hf", default=None, help="Hugging Face model directory to convert back (import)")
+    p.add_argument("--megaflex-out", default=None, help="checkpoint.dir to write the imported model into")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``megaflex-export``."""
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.from_hf:
+        if not args.megaflex_out or args.checkpoint or args.hf_out:
+            p.error("--from-hf DIR needs --megaflex-out OUT (and no --checkpoint/--hf-out)")
+        print(f"wrote {import_hf(args.from_hf, args.megaflex_out)}")
+    else:
+        if not args.checkpoint or not args.hf_out:
+            p.error("export needs --checkpoint RUN_OR_CKPT and --hf-out DIR (or --from-hf DIR --megaflex-out OUT)")
+        out = export_checkpoint(args.checkpoint, args.hf_out, dtype=args.dtype, tag=args.tag,
+                                tokenizer=args.tokenizer, eval_json=args.eval_json)
+        print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""megaflex-export on a real TP=2 / ZeRO-3 checkpoint: HF model, remote code, round trip, lm-eval.
+
+One tiny run (2 steps, 2 gloo ranks, tensor parallel 2, ZeRO stage 3) with the training
+arguments of test_eval_cli, exported once; every test reads that export.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from distributed import run_distributed
+from evaluation.export import export_checkpoint, import_hf
+from evaluation.export import main as export_main
+from evaluation.loading import load_for_eval
+from test_eval_cli import _train_args, _train_rank
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPT = "The history of the"
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory: pytest.TempPathFactory, shared_data: Path) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hf_export")
+    data = root / "data"
+    data.mkdir()
+    raw = (shared_data / "wikitext-2-raw" / "wiki.valid.raw").read_text(encoding="utf-8")
+    (data / "train.raw").write_text(raw[:150_000], encoding="utf-8")
+    py = sys.executable
+    subprocess.run([py, "-m", "data_prep.train_tokenizer", "--input", str(data / "train.raw"), "--vocab-size", "512",
+                    "--output-prefix", str(data / "tok")], check=True, cwd=REPO, capture_output=True)
+    subprocess.run([py, "-m", "data_prep.preprocess", "--input", str(data / "train.raw"), "--tokenizer",
+                    str(data / "tok.model"), "--output-prefix", str(data / "train"), "--no-progress"],
+                   check=True, cwd=REPO, capture_output=True)
+    for split in ("test.bin", "test.idx"):  # the run's valid_path: eval is off, the files only need to exist
+        shutil.copyfile(data / split.replace("test", "train"), data / split)
+    run = root / "z3tp2"
+    assert run_distributed(_train_rank, 2, args=(_train_args(data, run, 3, 2),), init_process_group=False) == [0, 0]
+    from evaluation.perplexity import run_cli
+
+    run_cli(["--checkpoint", str(run), "--data", str(data / "train.raw"), "--max-tokens", "400", "--context", "64",
+             "--device", "cpu", "--json", str(root / "ppl.json")])
+    hf = export_checkpoint(run, root / "hf", eval_json=[root / "ppl.json"])
+    return {"root": root, "data": data, "run": run, "hf": hf}
+
+
+@pytest.mark.slow
+def test_tp2_zero3_export_loads_with_auto_classes_and_matches_megaflex(exported: dict[str, Path]) -> None:
+    import megaflex.hf  # noqa: F401
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf = exported["hf"]
+    for name in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer.model",
+                 "README.md", "modeling_flexformer.py", "configuration_flexformer.py", "megaflex_bundle.py"):
+        assert (hf / name).is_file(), name
+    card = (hf / "README.md").read_text()
+    assert "tensor parallel 2, ZeRO stage 3" in card and "zero_stage: 3" in card
+    ppl = json.loads((exported["root"] / "ppl.json").read_text())["ppl"]
+    assert f"| {ppl:.3f} |" in card  # the eval numbers given with --eval-json
+    reference = load_for_eval(exported["run"])
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(hf)
+    text = (exported["data"] / "train.raw").read_text()[:3000]
+    ids = torch.tensor([reference.tokenizer.encode(text)[:200]])
+    assert tok(text, add_special_tokens=False).input_ids == reference.tokenizer.encode(text)  # same tokenizer
+    with torch.no_grad():
+        expected = reference.model.gather_logits(reference.model(ids).logits)
+        got = model(ids).logits
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_greedy_generate_equals_megaflex_generate_cli(exported: dict[str, Path], capsys: pytest.CaptureFixture) -> None:
+    import megaflex.hf  # noqa: F401
+    from evaluation.generate import main as generate_main
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    generate_main(["--checkpoint", str(exported["run"]), "--prompt", PROMPT, "--max-new-tokens", "20",
+                   "--temperature", "0"])
+    megaflex_text = capsys.readouterr().out.rstrip("\n")
+    model = AutoModelForCausalLM.from_pretrained(exported["hf"]).eval()
+    tok = AutoTokenizer.from_pretrained(exported["hf"])
+    prompt = tok(PROMPT, return_tensors="pt", add_special_tokens=False).input_ids
+    out = model.generate(prompt, max_new_tokens=20, do_sample=False, eos_token_id=None)
+    assert out.shape[1] == prompt.shape[1] + 20
+    assert tok.decode(out[0]) == megaflex_text
+
+
+@pytest.mark.slow
+def test_round_trip_megaflex_hf_megaflex_is_bit_identical(exported: dict[str, Path], tmp_path: Path) -> None:
+    assert export_main(["--from-hf", str(exported["hf"]), "--megaflex-out", str(tmp_path / "back")]) == 0
+    original, back = load_for_eval(exported["run"]), load_for_eval(tmp_path / "back")
+    assert back.model.config == original.model.config
+    assert back.meta["iteration"] == original.meta["iteration"]
+    a, b = original.model.state_dict(), back.model.state_dict()
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
+    assert back.tokenizer is not None and back.tokenizer.encode(PROMPT) == original.tokenizer.encode(PROMPT)
+
+
+@pytest.mark.slow
+def test_bf16_export(exported: dict[str, Path], tmp_path: Path) -> None:
+    import megaflex.hf  # noqa: F401
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    export_main(["--checkpoint", str(exported["run"]), "--hf-out", str(tmp_path / "bf16"), "--dtype", "bf16"])
+    weights = load_file(tmp_path / "bf16" / "model.safetensors")
+    assert {t.dtype for t in weights.values()} == {torch.bfloat16}
+    fp32 = load_file(exported["hf"] / "model.safetensors")
+    assert all(torch.equal(weights[k], fp32[k].to(torch.bfloat16)) for k in fp32)  # rounded once, nothing else
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16").eval()
+    assert model.dtype == torch.bfloat16
+    import_hf(tmp_path / "bf16", tmp_path / "back")  # back as fp32 holding the bf16 values exactly
+    back = load_for_eval(tmp_path / "back").model.state_dict()
+    assert all(torch.equal(back[k[len("model."):]], fp32[k].to(torch.bfloat16).float()) for k in fp32)
+
+
+@pytest.mark.slow
+def test_trust_remote_code_without_megaflex(exported: dict[str, Path], tmp_path: Path) -> None:
+    script = tmp_path / "remote.py"
+    script.write_text(
+        "import sys\n"
+        "sys.modules['megaflex'] = None  # an installed megaflex must not be used\n"
+        "import torch\n"
+        "from transformers import AutoModelForCausalLM\n"
+        "model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()\n"
+        "ids = torch.load(sys.argv[2])\n"
+        "with torch.no_grad():\n"
+        "    logits = model(ids).logits\n"
+        "out = model.generate(ids[:, :8], max_new_tokens=6, do_sample=False, eos_token_id=None)\n"
+        "assert not [m for m in sys.modules if m.startswith('megaflex.') or m == 'megaflex' and sys.modules[m]]\n"
+        "torch.save({'logits': logits, 'generated': out, 'module': type(model).__module__}, sys.argv[3])\n"
+    )
+    ids = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(0))
+    torch.save(ids, tmp_path / "ids.pt")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, str(script), str(exported["hf"]), str(tmp_path / "ids.pt"),
+                           str(tmp_path / "out.pt")], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = torch.load(tmp_path / "out.pt")
+    assert result["module"].startswith("_megaflex_bundle_")
+    reference = load_for_eval(exported["run"]).model
+    with torch.no_grad():
+        expected = reference.gather_logits(reference(ids).logits)
+    torch.testing.assert_close(result["logits"], expected, atol=1e-5, rtol=0)
+    from evaluation.generate import SamplingConfig, generate
+
+    assert torch.equal(result["generated"][:, 8:], generate(reference, ids[:, :8], 6, SamplingConfig(temperature=0)))
+
+
+@pytest.mark.slow
+def test_lm_eval_local_task_perplexity_matches_megaflex_eval(exported: dict[str, Path], tmp_path: Path,
+                                                             shared_data: Path) -> None:
+    from evaluation.lm_eval_tasks import main as tasks_main
+    from evaluation.perplexity import run_cli
+
+    tasks = tmp_path / "tasks"
+    assert tasks_main(["--out", str(tasks), "--hf-model", str(exported["hf"]), "--max-docs", "2",
+                       "--data", str(shared_data / "wikitext-2-raw" / "wiki.test.raw")]) == 0
+    jsonl = tasks / "megaflex_wikitext2.jsonl"
+    records = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert len(records) > 2 and max(r["num_tokens"] for r in records) <= 256  # cut to the model's max_seq_len
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # lm-eval runs the exported remote code
+    env.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               HF_DATASETS_CACHE=str(tmp_path / "datasets"), HF_MODULES_CACHE=str(tmp_path / "modules"))
+    cmd = [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
+           f"pretrained={exported['hf']},trust_remote_code=True,dtype=float32", "--include_path", str(tasks),
+           "--tasks", "megaflex_wikitext2", "--batch_size", "4", "--device", "cpu", "--output_path", str(tmp_path / "out")]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result_file = next((tmp_path / "out").rglob("results_*.json"))
+    lm = json.loads(result_file.read_text())["results"]["megaflex_wikitext2"]
+    ours = run_cli(["--checkpoint", str(exported["run"]), "--data", str(jsonl), "--mode", "windows",
+                    "--context", "256", "--device", "cpu"])
+    assert ours["tokens"] == sum(r["num_tokens"] for r in records)  # both score exactly these targets
+    assert lm["token_perplexity,none"] == pytest.approx(ours["ppl"], rel=1e-3)
+    assert lm["word_perplexity,none"] == pytest.approx(ours["word_ppl"], rel=1e-3)
+    assert lm["bits_per_byte,none"] == pytest.approx(ours["bits_per_byte"], rel=1e-3)
+
+
+@pytest.mark.slow
+def test_clear_errors(exported: dict[str, Path], tmp_path: Path) -> None:
+    empty = tmp_path / "no_model"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="checkpoint: expected a checkpoint folder"):
+        export_main(["--checkpoint", str(empty), "--hf-out", str(tmp_path / "x")])
+    with pytest.raises(ValueError, match="--tokenizer: sentencepiece model .*missing.model.* not found"):
+        export_main(["--checkpoint", str(exported["run"]), "--hf-out", str(tmp_path / "y"),
+                     "--tokenizer", str(tmp_path / "missing.model")])
+    with pytest.raises(ValueError, match="--from-hf: expected a Hugging Face model directory"):
+        import_hf(empty, tmp_path / "z")
+    bad = tmp_path / "bad_hf"
+    shutil.copytree(exported["hf"], bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["attention"] = "mystery"
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="attention must be one of .*'mystery'"):
+        import_hf(bad, tmp_path / "z")

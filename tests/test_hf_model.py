@@ -1,0 +1,134 @@
+"""megaflex.hf on single-rank models of every attention kind: transformers round trip, cache, generate().
+
+Cheap (no training): a randomly initialised GPT per kind is wrapped, saved with save_pretrained
+and loaded back through AutoModelForCausalLM; logits must equal megaflex's own forward.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+import megaflex.hf  # noqa: F401  (registers the Auto classes)
+from evaluation.generate import SamplingConfig, generate
+from megaflex.attention import ATTENTION_KINDS
+from megaflex.hf import FlexformerCache, FlexformerConfig, FlexformerForCausalLM
+from megaflex.model.config import ModelConfig
+from transformers import AutoConfig, AutoModelForCausalLM
+
+VOCAB = 203  # odd, and not a multiple of the 128 padding
+
+
+def _model(kind: str, seed: int = 0) -> FlexformerForCausalLM:
+    torch.manual_seed(seed)
+    mc = ModelConfig(vocab_size=VOCAB, num_layers=2, hidden_size=48, num_heads=3, attention=kind, feature_dim=16,
+                     chunk_size=8, max_seq_len=64, position="learned" if kind == "cosformer" else "rope")
+    model = FlexformerForCausalLM(FlexformerConfig.from_model_config(mc, bos_token_id=2, eos_token_id=2))
+    return model.eval()
+
+
+@pytest.mark.parametrize("kind", ATTENTION_KINDS)
+def test_auto_model_logits_equal_megaflex_for_every_kind(kind: str, tmp_path: Path) -> None:
+    model = _model(kind)
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert type(loaded) is FlexformerForCausalLM and loaded.config.attention == kind
+    ids = torch.randint(0, VOCAB, (2, 21), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        reference = model.model.gather_logits(model.model(ids).logits)  # megaflex's own GPT
+        logits = loaded(ids).logits
+    assert logits.shape == (2, 21, VOCAB)
+    torch.testing.assert_close(logits, reference, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["flexformer_n", "softmax", "cosformer"])
+def test_cache_continues_the_sequence(kind: str) -> None:
+    model = _model(kind)
+    ids = torch.randint(0, VOCAB, (2, 23), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        first = model(ids[:, :17], use_cache=True)
+        assert isinstance(first.cache, FlexformerCache) and first.cache.get_seq_length() == 17
+        steps = [first.logits]
+        state_size = _state_numel(first.cache)
+        for t in range(17, 23):  # token by token: the recurrent O(1) path (KV cache for softmax)
+            steps.append(model(ids[:, t:t + 1], cache=first.cache).logits)
+    assert first.cache.get_seq_length() == 23
+    if kind == "softmax":  # the KV cache grows with the context ...
+        assert _state_numel(first.cache) > state_size
+    else:  # ... the recurrent state of linear attention does not: O(1) memory per token
+        assert _state_numel(first.cache) == state_size
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-4, rtol=1e-4)
+
+
+def _state_numel(cache: FlexformerCache) -> int:
+    layers = cache.state.layers
+    return sum(t.numel() for s in layers for t in ((s.k, s.v) if hasattr(s, "k") else (s.kv, s.k_sum, s.log_max)))
+
+
+@pytest.mark.parametrize("kind", ["flexformer_n", "softmax", "performer"])
+def test_greedy_generate_equals_megaflex_generate(kind: str) -> None:
+    model = _model(kind)
+    prompt = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(3))
+    out = model.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    reference = generate(model.model, prompt, 12, SamplingConfig(temperature=0))
+    assert torch.equal(out[:, 7:], reference)
+
+
+def test_cache_reuse_and_sampling() -> None:
+    model = _model("flexformer_n")
+    ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(4))
+    plain = model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None)
+    with torch.no_grad():
+        prefix_cache = model(ids[:, :6], use_cache=True).cache  # pre-filled cache of the first 6 tokens
+    reused = model.generate(ids, cache=copy.deepcopy(prefix_cache), max_new_tokens=8, do_sample=False, eos_token_id=None)
+    assert torch.equal(reused, plain)
+    # sampling with top_k=1 can only pick the argmax; free sampling is seeded and stays in the vocabulary
+    top1 = model.generate(ids, max_new_tokens=8, do_sample=True, top_k=1, eos_token_id=None)
+    assert torch.equal(top1, plain)
+    torch.manual_seed(0)
+    a = model.generate(ids, max_new_tokens=8, do_sample=True, temperature=1.5, eos_token_id=None)
+    torch.manual_seed(0)
+    b = model.generate(ids, max_new_tokens=8, do_sample=True, temperature=1.5, eos_token_id=None)
+    assert torch.equal(a, b) and int(a.max()) < VOCAB and a.shape == (1, 17)
+    with pytest.raises(ValueError, match="already holds"):
+        model.generate(ids[:, :6], cache=copy.deepcopy(prefix_cache), max_new_tokens=2)
+
+
+def test_beam_search_reorders_the_state() -> None:
+    model = _model("flexformer_n")
+    ids = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(5))
+    out = model.generate(ids, max_new_tokens=6, num_beams=3, num_return_sequences=3, do_sample=False,
+                         eos_token_id=None, length_penalty=0.0, return_dict_in_generate=True, output_scores=True)
+    # each beam's score (sum of its token log-probs, computed through reordered caches) must equal
+    # a fresh forward over that sequence: a wrongly reordered state would score another prefix
+    with torch.no_grad():
+        logp = model(out.sequences, use_cache=False).logits.log_softmax(-1)
+    fresh = logp[:, 4:-1].gather(-1, out.sequences[:, 5:, None]).squeeze(-1).sum(-1)
+    torch.testing.assert_close(out.sequences_scores, fresh, atol=1e-4, rtol=1e-4)
+    assert len({tuple(s) for s in out.sequences.tolist()}) == 3
+
+
+def test_labels_loss_and_padding_errors() -> None:
+    model = _model("softmax")
+    ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(6))
+    out = model(ids, labels=ids, use_cache=False)
+    per_token = model.model(ids[:, :-1], labels=ids[:, 1:]).loss
+    torch.testing.assert_close(out.loss, per_token, atol=1e-6, rtol=1e-6)
+    right_padded = torch.ones_like(ids)
+    right_padded[0, -3:] = 0
+    model(ids, attention_mask=right_padded)  # accepted: pads come after every real token
+    left_padded = right_padded.flip(-1)
+    with pytest.raises(ValueError, match="left padding"):
+        model(ids, attention_mask=left_padded)
+
+
+def test_unknown_attention_kind_in_config_json(tmp_path: Path) -> None:
+    _model("elu").config.save_pretrained(tmp_path)
+    text = (tmp_path / "config.json").read_text().replace('"elu"', '"flash_kernel_9000"')
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ValueError, match=r"config.json.*attention must be one of .*flash_kernel_9000"):
+        AutoConfig.from_pretrained(tmp_path)
