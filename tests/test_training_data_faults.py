@@ -91,9 +91,16 @@ def test_zero0_fp32_logs_the_gradient_norm_that_zero1_logs(setup: dict[str, Path
     result = train(setup, "zero1", "parallel.zero_stage=1", "train.precision=fp32")
     assert result.returncodes == [0], result.output
     zero1 = read_metrics(setup["root"] / "zero1" / "metrics.jsonl")
+    tp2 = launch(setup["config"], [f"logging.run_dir={setup['root'] / 'zero0tp2'}", f"data.train_path=[{setup['d1']}]",
+                                   f"data.tokenizer={setup['t1']}", "parallel.zero_stage=0", "train.precision=fp32",
+                                   "parallel.tensor_parallel_size=2"], world_size=2)
+    assert tp2.returncodes == [0, 0], tp2.output
+    zero0_tp2 = read_metrics(setup["root"] / "zero0tp2" / "metrics.jsonl")
     assert zero0[1]["grad_norm"] is not None and zero0[1]["grad_norm"] > 0
-    # same seed, data and weights at step 1: the unclipped norm both stages see must agree
+    # same seed, data and weights at step 1: the unclipped norm every layout sees must agree
+    # (TP 2: sharded parameters counted on both ranks, replicated ones once)
     assert zero0[1]["grad_norm"] == pytest.approx(zero1[1]["grad_norm"], rel=1e-4)
+    assert zero0_tp2[1]["grad_norm"] == pytest.approx(zero1[1]["grad_norm"], rel=1e-4)
 
 
 def test_checkpoint_records_the_tokenizer_and_resume_refuses_another(setup: dict[str, Path], good_run: Path) -> None:
