@@ -7,8 +7,6 @@ the same faults through real training, evaluation and generation runs.
 from __future__ import annotations
 
 import copy
-import json
-import struct
 import subprocess
 import sys
 from pathlib import Path
