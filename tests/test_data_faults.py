@@ -300,9 +300,13 @@ def test_eval_has_the_encoding_errors_flag_its_message_suggests(tmp_path: Path) 
     assert "".join(map(chr, docs[0][1:].tolist())) == "ok\n\ufffd text\n"
 
 
-def test_invalid_json_message_says_at_once(tmp_path: Path) -> None:
+@pytest.mark.parametrize("line,problem", [('{"text": ', "Expecting value"),
+                                          ('{"text": "a\x01b"}', "Invalid control character")])
+def test_invalid_json_message_says_at_once(tmp_path: Path, line: str, problem: str) -> None:
+    """Fails on the old code: json's 'Invalid control character at' + our 'at column' read 'at at column'."""
     bad = tmp_path / "b.jsonl"
-    bad.write_text('{"text": "a"}\n{"text": \n')
+    bad.write_text('{"text": "a"}\n' + line + "\n")
     with pytest.raises(SourceError) as e:
         list(iter_documents(str(bad)))
-    assert "b.jsonl:2: invalid JSON at column" in str(e.value) and "at at" not in str(e.value)
+    assert "b.jsonl:2: invalid JSON at column" in str(e.value) and str(e.value).endswith(problem)
+    assert "at at" not in str(e.value)
