@@ -4,7 +4,8 @@
     python -m data_prep.merge --input data/wt_*.bin --output-prefix data/wt   # shell globs work too
 
 Inputs are prefixes (a trailing ``.bin``/``.idx`` is stripped, duplicates dropped, order kept);
-all must share one dtype. Data is copied in 16 MiB chunks, so memory stays bounded.
+all must share one dtype. Data is copied in 16 MiB chunks, so memory stays bounded. When the
+inputs have data cards, they must name the same tokenizer, and the output gets a card too.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megaflex.data.card import check_same_tokenizer, data_tokenizer, write_data_card
 from megaflex.data.indexed import merge_datasets
 
 
@@ -36,7 +38,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: output-prefix {a.output_prefix} is also an input", file=sys.stderr)
         return 2
     try:
+        tokenizers = [data_tokenizer(p) for p in prefixes]
+        for p, t in zip(prefixes[1:], tokenizers[1:]):
+            check_same_tokenizer(tokenizers[0], t, f"the data {prefixes[0]}", f"the data {p}")
         ds = merge_datasets(prefixes, a.output_prefix)
+        if all(tokenizers):
+            write_data_card(a.output_prefix, tokenizers[0], inputs=prefixes, dtype=str(ds.dtype), documents=ds.num_documents)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -9,13 +9,16 @@ Documents stream from the inputs (see ``data_prep.sources``) in batches of about
 stays bounded however large the corpus. Output order equals input order for any ``num_proc``
 (the files are byte-identical). Each document ends with the EOD (= EOS) token.
 ``--docs-per-shard N`` writes ``PREFIX_00000``, ``PREFIX_00001``, ... instead; concatenate them
-with ``python -m data_prep.merge``.
+with ``python -m data_prep.merge``. Every output prefix gets a data card ``PREFIX.card.json``
+recording the tokenizer (sha256, vocab size, path), which training and evaluation check.
+Existing outputs are not replaced unless ``--overwrite`` is given.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import glob
 import itertools
 import multiprocessing as mp
 import os
@@ -27,7 +30,8 @@ from typing import Iterator
 import numpy as np
 
 from data_prep.sources import DOC_MODES, check_inputs, input_size_bytes, iter_corpus
-from megaflex.data.indexed import IndexedDatasetBuilder, check_vocab_fits, optimal_dtype
+from megaflex.data.card import data_card_path, write_data_card
+from megaflex.data.indexed import IndexedDatasetBuilder, check_vocab_fits, data_file_path, index_file_path, optimal_dtype
 from megaflex.data.tokenizer import Tokenizer
 
 
@@ -46,6 +50,7 @@ class PreprocessConfig:
     doc_mode: str = "auto"
     encoding_errors: str = "strict"
     progress: bool = True
+    overwrite: bool = False  # replace existing outputs (refused otherwise)
 
     def __post_init__(self) -> None:
         if self.num_proc < 1:
@@ -111,6 +116,20 @@ def _encoded_batches(cfg: PreprocessConfig) -> Iterator[tuple[np.ndarray, np.nda
             yield pending.popleft().get()
 
 
+def existing_outputs(output_prefix: str, sharded: bool) -> list[str]:
+    """Files a run with this output prefix would replace (``.bin``, ``.idx``, card; shards too)."""
+    prefixes = sorted({p[: -len(".idx")] for p in glob.glob(glob.escape(output_prefix) + "_[0-9]*.idx")}) if sharded else []
+    paths = [f(p) for p in [output_prefix, *prefixes] for f in (data_file_path, index_file_path, data_card_path)]
+    return [str(p) for p in paths if os.path.exists(p)]
+
+
+def refuse_overwrite(paths: list[str]) -> None:
+    """Raise FileExistsError naming the outputs that exist (callers pass ``--overwrite`` to replace)."""
+    if paths:
+        shown = ", ".join(paths[:4]) + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
+        raise FileExistsError(f"output-prefix: {shown} already exist; pass --overwrite to replace them")
+
+
 def _cpu_seconds() -> float:
     t = os.times()
     return t.user + t.system + t.children_user + t.children_system
@@ -119,6 +138,8 @@ def _cpu_seconds() -> float:
 def preprocess(cfg: PreprocessConfig) -> dict:
     """Run the pipeline; returns stats (prefixes, documents, tokens, bytes, seconds)."""
     check_inputs(cfg.inputs)
+    if not cfg.overwrite:
+        refuse_overwrite(existing_outputs(cfg.output_prefix, bool(cfg.docs_per_shard)))
     tok = Tokenizer(cfg.tokenizer)
     dtype = optimal_dtype(tok.vocab_size) if cfg.dtype == "auto" else np.dtype(cfg.dtype)
     check_vocab_fits(tok.vocab_size, dtype)
@@ -133,6 +154,11 @@ def preprocess(cfg: PreprocessConfig) -> dict:
     builder: IndexedDatasetBuilder | None = None
     n_docs = n_tokens = n_bytes = 0
 
+    def finalize(b: IndexedDatasetBuilder) -> None:
+        b.finalize()
+        write_data_card(b.prefix, tok.record, inputs=list(cfg.inputs), dtype=str(dtype), documents=b.num_documents,
+                        append_eod=cfg.append_eod, prepend_bos=cfg.prepend_bos, eod_id=tok.eod_id)
+
     def new_builder() -> IndexedDatasetBuilder:
         prefix = f"{cfg.output_prefix}_{len(prefixes):05d}" if cfg.docs_per_shard else cfg.output_prefix
         prefixes.append(prefix)
@@ -146,7 +172,7 @@ def preprocess(cfg: PreprocessConfig) -> dict:
                     builder = new_builder()
                 builder.add_document(flat[starts[i] : starts[i + 1]])
                 if cfg.docs_per_shard and builder.num_documents >= cfg.docs_per_shard:
-                    builder.finalize()
+                    finalize(builder)
                     builder = None
             n_docs += len(lengths)
             n_tokens += int(starts[-1])
@@ -154,7 +180,8 @@ def preprocess(cfg: PreprocessConfig) -> dict:
             if bar is not None:
                 bar.update(nbytes)
         if builder is not None:
-            builder.finalize()
+            finalize(builder)
+            builder = None
     except BaseException:
         if builder is not None:
             builder.__exit__(RuntimeError, None, None)  # removes the partial *.tmp files
@@ -194,16 +221,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--encoding-errors", choices=["strict", "replace"], default="strict",
                     help="strict: stop at invalid UTF-8 naming file and line; replace: use U+FFFD")
     ap.add_argument("--no-progress", dest="progress", action="store_false")
+    ap.add_argument("--overwrite", action="store_true", help="replace existing PREFIX.bin/.idx/.card.json")
     a = ap.parse_args(argv)
     try:
         cfg = PreprocessConfig(
             inputs=a.input, tokenizer=a.tokenizer, output_prefix=a.output_prefix, num_proc=a.num_proc,
             dtype=a.dtype, append_eod=a.append_eod, prepend_bos=a.prepend_bos, docs_per_shard=a.docs_per_shard,
             batch_chars=a.batch_chars, text_key=a.json_key, doc_mode=a.doc_mode,
-            encoding_errors=a.encoding_errors, progress=a.progress,
+            encoding_errors=a.encoding_errors, progress=a.progress, overwrite=a.overwrite,
         )
         preprocess(cfg)
-    except (ValueError, FileNotFoundError) as e:  # SourceError, IndexedDatasetError included
+    except (ValueError, FileNotFoundError, FileExistsError) as e:  # SourceError, IndexedDatasetError included
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

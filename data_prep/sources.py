@@ -177,7 +177,9 @@ def _jsonl_docs(path: str, text_key: str, errors: str) -> Iterator[str]:
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise SourceError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+                # json's own messages may end in "at" ("Invalid control character at"): drop it
+                problem = e.msg.removesuffix(" at")
+                raise SourceError(f"{path}:{lineno}: invalid JSON at column {e.colno}: {problem}") from None
             if not isinstance(obj, dict) or text_key not in obj:
                 raise SourceError(f"{path}:{lineno}: no {text_key!r} key in the JSON object (set --json-key)")
             text = obj[text_key]

@@ -7,6 +7,8 @@ sha256). Losslessness (``decode(encode(t)) == t``) comes from identity normalisa
 prefix, kept whitespace, byte fallback and ``\\n`` as a user-defined piece (sentencepiece trains
 on lines, so newlines would otherwise only be reachable through byte fallback).
 
+Existing outputs are not replaced unless ``--overwrite`` is given.
+
 Large corpora: ``--max-sentences`` caps the training lines by seeded reservoir sampling over the
 whole stream (memory O(cap)); the same seed and inputs give the same model bytes.
 """
@@ -43,6 +45,7 @@ class TokenizerTrainConfig:
     text_key: str = "text"
     doc_mode: str = "auto"
     encoding_errors: str = "strict"
+    overwrite: bool = False  # replace an existing PREFIX.model / PREFIX.card.json
 
     def __post_init__(self) -> None:
         if self.model_type not in ("bpe", "unigram"):
@@ -82,6 +85,10 @@ def train_tokenizer(cfg: TokenizerTrainConfig) -> Path:
     """Train, write ``PREFIX.model`` and ``PREFIX.card.json``; returns the model path."""
     import sentencepiece as spm
 
+    out = Path(cfg.output_prefix + ".model")
+    existing = [str(p) for p in (out, card_path(out)) if p.exists()]
+    if existing and not cfg.overwrite:
+        raise FileExistsError(f"output-prefix: {', '.join(existing)} already exist; pass --overwrite to replace them")
     docs = iter_corpus(cfg.inputs, cfg.text_key, cfg.doc_mode, cfg.encoding_errors)
     # sentencepiece counts max_sentence_length in bytes; cutting at len/4 characters keeps lines under it
     lines, total = reservoir_sample(training_lines(docs, cfg.max_sentence_length // 4), cfg.max_sentences, cfg.seed)
@@ -116,7 +123,6 @@ def train_tokenizer(cfg: TokenizerTrainConfig) -> Path:
         )
     except RuntimeError as e:
         raise ValueError(f"vocab_size: sentencepiece could not train {cfg.vocab_size} pieces on {len(lines)} lines: {e}") from None
-    out = Path(cfg.output_prefix + ".model")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(model.getvalue())
     card = TokenizerCard(
@@ -151,16 +157,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json-key", default="text")
     ap.add_argument("--doc-mode", choices=DOC_MODES, default="auto")
     ap.add_argument("--encoding-errors", choices=["strict", "replace"], default="strict")
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing PREFIX.model and PREFIX.card.json")
     a = ap.parse_args(argv)
-    cfg = TokenizerTrainConfig(
-        inputs=a.input, vocab_size=a.vocab_size, output_prefix=a.output_prefix, model_type=a.model_type,
-        byte_fallback=a.byte_fallback, bos=a.bos, pad=a.pad, user_defined_symbols=a.user_defined_symbols,
-        max_sentences=a.max_sentences, character_coverage=a.character_coverage, seed=a.seed,
-        num_threads=a.num_threads, text_key=a.json_key, doc_mode=a.doc_mode, encoding_errors=a.encoding_errors,
-    )
     try:
+        cfg = TokenizerTrainConfig(
+            inputs=a.input, vocab_size=a.vocab_size, output_prefix=a.output_prefix, model_type=a.model_type,
+            byte_fallback=a.byte_fallback, bos=a.bos, pad=a.pad, user_defined_symbols=a.user_defined_symbols,
+            max_sentences=a.max_sentences, character_coverage=a.character_coverage, seed=a.seed,
+            num_threads=a.num_threads, text_key=a.json_key, doc_mode=a.doc_mode, encoding_errors=a.encoding_errors,
+            overwrite=a.overwrite,
+        )
         train_tokenizer(cfg)
-    except ValueError as e:  # SourceError included
+    except (ValueError, FileExistsError) as e:  # SourceError included
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -8,6 +8,9 @@
    tokens in 10 million documents: wall time and peak RSS of a fresh process. Only the ``.idx`` is
    real; the 2 GB ``.bin`` is a sparse file, since index building never reads tokens.
 3. Random-sample read latency (p50/p99, µs) of ``GPTDataset[i]`` at seq_len 2048 on english-docs.
+4. Opening that 1-billion-token index as training does (``IndexedDataset(verify=True)`` + the
+   bounded token-id sample ``check_token_sample``), against a plain open, in a fresh process.
+   ``--only-open-checks`` runs just this part and updates its entry in an existing JSON.
 """
 
 from __future__ import annotations
@@ -99,6 +102,40 @@ def bench_index_build(work: Path, n_docs: int, n_tokens: int, seq_len: int) -> d
     return out
 
 
+_OPEN_CHILD = r"""
+import json, sys, time
+from megaflex.data import IndexedDataset
+t = time.perf_counter()
+ds = IndexedDataset(sys.argv[1])
+plain = time.perf_counter() - t
+t = time.perf_counter()
+ds.verify()
+verify = time.perf_counter() - t
+t = time.perf_counter()
+ds.check_token_sample(int(sys.argv[2]))
+sample = time.perf_counter() - t
+hwm = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM"))
+print(json.dumps({"plain_open_seconds": plain, "verify_seconds": verify, "token_sample_seconds": sample,
+                  "checked_open_seconds": plain + verify + sample, "peak_rss_mib": hwm / 1024}))
+"""
+
+
+def bench_open_checks(work: Path, n_docs: int, n_tokens: int, vocab_size: int, repeats: int = 3) -> dict:
+    """Seconds to open a ``n_tokens`` index with the training-time checks (best of ``repeats`` fresh processes)."""
+    prefix = work / "synthetic_open"
+    write_synthetic_idx(prefix, n_docs, n_tokens)
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    runs = []
+    for _ in range(repeats):
+        r = subprocess.run([sys.executable, "-c", _OPEN_CHILD, str(prefix), str(vocab_size)],
+                           capture_output=True, text=True, env=env, check=True)
+        runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    best = min(runs, key=lambda x: x["checked_open_seconds"])
+    return {"documents": n_docs, "tokens": n_tokens, "idx_bytes": (prefix.with_suffix(".idx")).stat().st_size,
+            "repeats": repeats, **{k: round(v, 3) for k, v in best.items()},
+            "load_average_1m": round(os.getloadavg()[0], 1)}
+
+
 def bench_reads(prefix: str, seq_len: int, n: int = 2000) -> dict:
     from megaflex.data import GPTDataset
 
@@ -122,7 +159,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=1_000_000_000)
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--quick", action="store_true", help="english-docs valid only, 1M-document synthetic case")
+    ap.add_argument("--only-open-checks", action="store_true",
+                    help="run only part 4 and update its entry in --out (other entries are kept)")
     a = ap.parse_args(argv)
+    if a.only_open_checks:
+        results = json.loads(Path(a.out).read_text()) if Path(a.out).is_file() else {}
+        with tempfile.TemporaryDirectory(prefix="bench_data_") as tmp:
+            results["open_checks"] = bench_open_checks(Path(tmp), a.docs, a.tokens, a.vocab_size)
+        print(json.dumps(results["open_checks"], indent=1), flush=True)
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(results, indent=2) + "\n")
+        print(f"wrote {a.out}")
+        return 0
     en = data_root() / "english-docs"
     files = [str(en / "valid.jsonl")] if a.quick else [str(en / f"{f}.jsonl") for f in ("train-00", "train-01", "valid")]
     if a.quick:
@@ -136,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(results["index_build"], indent=1), flush=True)
         results["random_read"] = bench_reads(str(work / "en1"), a.seq_len)
         print(json.dumps(results["random_read"], indent=1), flush=True)
+        results["open_checks"] = bench_open_checks(work, a.docs, a.tokens, a.vocab_size)
+        print(json.dumps(results["open_checks"], indent=1), flush=True)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {a.out}")

@@ -146,15 +146,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """Entry point of ``megaflex-generate``: stream the continuation of ``--prompt`` to stdout."""
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``megaflex-generate``: exit status 0 after streaming the continuation of
+    ``--prompt`` to stdout, 2 on bad input (message on stderr)."""
+    args = build_parser().parse_args(argv)
+    try:
+        _generate_cli(args)
+    except (ValueError, FileNotFoundError) as e:  # DataError / TokenizerMismatchError included
+        print(f"megaflex-generate: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _generate_cli(args: argparse.Namespace) -> None:
+    from evaluation.eval_data import check_eval_tokenizer
     from evaluation.loading import load_for_eval  # late import: keeps the library part light
 
-    args = build_parser().parse_args(argv)
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
     loaded = load_for_eval(args.checkpoint, tag=args.tag, tokenizer=args.tokenizer, device=args.device)
     if loaded.tokenizer is None:
         raise ValueError("--tokenizer: the checkpoint config names no tokenizer; pass --tokenizer PATH")
+    check_eval_tokenizer(loaded.meta.get("tokenizer"), loaded.tokenizer, None, str(loaded.path))
     prompt_text = sys.stdin.read() if args.prompt == "-" else args.prompt
     prompt = torch.tensor([loaded.tokenizer.encode(prompt_text)], dtype=torch.long)
     if prompt.shape[1] == 0:
@@ -171,4 +183,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

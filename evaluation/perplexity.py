@@ -31,7 +31,7 @@ from typing import Any, Sequence
 
 import torch
 
-from evaluation.eval_data import EVAL_DOC_MODES, load_eval_set
+from evaluation.eval_data import EVAL_DOC_MODES, check_eval_tokenizer, load_eval_set
 from evaluation.scoring import MODES, evaluate
 
 COUNTING = (
@@ -41,21 +41,35 @@ COUNTING = (
 )
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (0 is an error, not "use the default")."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megaflex-eval", description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True, help="checkpoint folder, checkpoint.dir, or run dir")
     p.add_argument("--data", required=True, help=".bin/.idx prefix, text file, .jsonl, or hf:NAME[:CONFIG[:SPLIT]]")
     p.add_argument("--mode", choices=MODES, default="windows")
-    p.add_argument("--context", type=int, default=None, help="window length / stateful chunk (default: model max_seq_len)")
-    p.add_argument("--stride", type=int, default=None, help="sliding mode: window advance (default context/2)")
+    p.add_argument("--context", type=positive_int, default=None,
+                   help="window length / stateful chunk (default: model max_seq_len)")
+    p.add_argument("--stride", type=positive_int, default=None, help="sliding mode: window advance (default context/2)")
     p.add_argument("--contexts", default=None, help="comma-separated context lengths to sweep, e.g. 512,1024,2048")
     p.add_argument("--json", default=None, help="write the results here (rank 0)")
     p.add_argument("--plot", default=None, help="PNG of perplexity vs context length (rank 0)")
     p.add_argument("--tokenizer", default=None, help="override the checkpoint's tokenizer model")
     p.add_argument("--doc-mode", choices=EVAL_DOC_MODES, default=None, help="how text is cut into documents")
     p.add_argument("--text-key", default="text", help="JSON/HF field holding the text")
+    p.add_argument("--encoding-errors", choices=["strict", "replace"], default="strict",
+                   help="strict: stop at invalid UTF-8 naming file and line; replace: read it as U+FFFD")
     p.add_argument("--no-prepend-eod", action="store_true", help="do not prepend EOD (first token not scored)")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=positive_int, default=8)
     p.add_argument("--max-docs", type=int, default=None)
     p.add_argument("--max-tokens", type=int, default=None, help="truncate the eval set (quick runs)")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
@@ -128,8 +142,12 @@ def plot_results(results: dict[str, Any], path: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``megaflex-eval``: exit status 0 (the results are printed / written)."""
-    run_cli(argv)
+    """Entry point of ``megaflex-eval``: exit status 0 (results printed / written), 2 on bad input."""
+    try:
+        run_cli(argv)
+    except (ValueError, FileNotFoundError) as e:  # DataError / TokenizerMismatchError / SourceError included
+        print(f"megaflex-eval: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -141,11 +159,13 @@ def run_cli(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
     state, layers = _distributed(args.tensor_parallel_size)
     loaded = load_for_eval(args.checkpoint, tag=args.tag, tokenizer=args.tokenizer, device=args.device, layers=layers)
-    context = args.context or loaded.model.config.max_seq_len
-    contexts = [int(c) for c in args.contexts.split(",")] if args.contexts else []
+    check_eval_tokenizer(loaded.meta.get("tokenizer"), loaded.tokenizer, args.data, str(loaded.path))
+    context = args.context if args.context is not None else loaded.model.config.max_seq_len
+    contexts = _parse_contexts(args.contexts)
     eval_set = load_eval_set(
         args.data, loaded.tokenizer, doc_mode=args.doc_mode, text_key=args.text_key,
         prepend_eod=not args.no_prepend_eod, max_docs=args.max_docs, max_tokens=args.max_tokens,
+        encoding_errors=args.encoding_errors, vocab_size=loaded.vocab_size,
     )
     token_bytes = None
     if loaded.tokenizer is not None:
@@ -174,6 +194,15 @@ def run_cli(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if args.plot:
             plot_results(results, args.plot)
     return results
+
+
+def _parse_contexts(text: str | None) -> list[int]:
+    if not text:
+        return []
+    try:
+        return [positive_int(c) for c in text.split(",")]
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(f"--contexts: {e} in {text!r}") from None
 
 
 if __name__ == "__main__":

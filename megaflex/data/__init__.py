@@ -21,11 +21,15 @@ Public API:
 * :class:`BlendedDataset`, :func:`build_datasets` — weighted blends, train/valid/test splits.
 * :class:`PretrainingSampler` — exact resume from ``consumed_samples``, DP-size independent order.
 * :class:`Tokenizer` — sentencepiece model + card written by ``data_prep.train_tokenizer``.
+* :func:`read_data_card`, :func:`check_same_tokenizer` — the tokenizer identity recorded with the
+  data (``PREFIX.card.json``) and with checkpoints; :class:`DataError` is the base of every data fault.
 """
 
 from megaflex.data.blended import BlendedDataset, blend_indices, build_datasets
 from megaflex.data.gpt_dataset import GPTDataset, build_indices, parse_split, split_ranges
+from megaflex.data.card import TokenizerMismatchError, check_same_tokenizer, data_tokenizer, read_data_card
 from megaflex.data.indexed import (
+    DataError,
     IndexedDataset,
     IndexedDatasetBuilder,
     IndexedDatasetError,
@@ -37,6 +41,7 @@ from megaflex.data.tokenizer import Tokenizer, TokenizerCard
 
 __all__ = [
     "BlendedDataset",
+    "DataError",
     "GPTDataset",
     "IndexedDataset",
     "IndexedDatasetBuilder",
@@ -44,11 +49,15 @@ __all__ = [
     "PretrainingSampler",
     "Tokenizer",
     "TokenizerCard",
+    "TokenizerMismatchError",
     "blend_indices",
     "build_datasets",
     "build_indices",
+    "check_same_tokenizer",
+    "data_tokenizer",
     "merge_datasets",
     "optimal_dtype",
     "parse_split",
+    "read_data_card",
     "split_ranges",
 ]

@@ -96,12 +96,17 @@ def build_datasets(
     cache_dir: str | os.PathLike | None = None,
     is_builder: bool = True,
     barrier: Callable[[], None] | None = None,
+    vocab_size: int | None = None,
 ) -> dict[str, GPTDataset | BlendedDataset | None]:
     """``{"train": ..., "valid": ..., "test": ...}`` for one prefix or a weighted blend.
 
     A split is None when its weight in ``split`` is 0 or its requested sample count is 0.
     ``num_samples_per_split`` entries of None mean one epoch (single prefix only: a blend needs
     explicit counts so every dataset's share is defined).
+
+    Every prefix is opened with the structural checks (:meth:`IndexedDataset.verify`) and, given
+    ``vocab_size``, a bounded sample of its token ids is checked against it: a corrupt index or
+    data from a larger vocabulary fails here, naming the file, instead of training on garbage.
     """
     prefixes = [prefixes] if isinstance(prefixes, (str, os.PathLike)) else list(prefixes)
     if not prefixes:
@@ -111,7 +116,10 @@ def build_datasets(
     if len(num_samples_per_split) != 3:
         raise ValueError(f"num_samples_per_split: expected 3 entries (train, valid, test), got {len(num_samples_per_split)}")
     split_w = parse_split(split)
-    indexed = [IndexedDataset(p) for p in prefixes]
+    indexed = [IndexedDataset(p, verify=True) for p in prefixes]
+    if vocab_size is not None:
+        for ds in indexed:
+            ds.check_token_sample(vocab_size)
     out: dict[str, GPTDataset | BlendedDataset | None] = {}
     for s, name in enumerate(SPLIT_NAMES):
         n = num_samples_per_split[s]

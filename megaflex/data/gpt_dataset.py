@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -144,7 +145,8 @@ class GPTDataset:
         num_samples: samples to serve (more than one epoch repeats documents); None = one epoch.
         seed: seeds the document and sample shuffles.
         split: document-range weights, Megatron style ("949,50,1").
-        cache_dir: where indices are cached; None builds them in memory (no caching).
+        cache_dir: where indices are cached; None builds them in memory (no caching). A cache entry
+            that is truncated or unreadable is rebuilt by the builder (with a warning).
         is_builder: whether this process builds missing cached indices (e.g. global rank 0).
         barrier: called after building, before loading (e.g. ``torch.distributed.barrier``).
     """
@@ -211,6 +213,13 @@ class GPTDataset:
                 barrier()
             return self._build(num_samples)
         paths = self.cache_paths(cache_dir)
+        if is_builder and paths["description"].is_file() and self._load_cached(paths) is None:
+            warnings.warn(
+                f"cache_dir: cached sample indices {paths['description'].parent}/{paths['description'].stem}* "
+                f"for {self.indexed.prefix} [{self.split_name}] are unreadable or truncated; rebuilding them",
+                stacklevel=2,
+            )
+            paths["description"].unlink()
         if is_builder and not paths["description"].is_file():
             indices = self._build(num_samples)
             Path(cache_dir).mkdir(parents=True, exist_ok=True)
@@ -229,7 +238,23 @@ class GPTDataset:
                 f"cache_dir: no cached indices {paths['description']} for {self.indexed.prefix} [{self.split_name}]; "
                 f"the is_builder process must build them before the barrier"
             )
-        return GPTIndices(*(np.load(paths[k], mmap_mode="r") for k in ("doc_idx", "sample_idx", "shuffle_idx")))
+        indices = self._load_cached(paths)
+        if indices is None:
+            raise ValueError(
+                f"cache_dir: cached sample indices next to {paths['description']} are unreadable or truncated; "
+                f"delete them (the builder rank rebuilds them)"
+            )
+        return indices
+
+    @staticmethod
+    def _load_cached(paths: dict[str, Path]) -> GPTIndices | None:
+        """Memory-map a cache entry; None when a file is missing, truncated or inconsistent."""
+        try:
+            indices = GPTIndices(*(np.load(paths[k], mmap_mode="r") for k in ("doc_idx", "sample_idx", "shuffle_idx")))
+        except (OSError, ValueError, EOFError):  # e.g. "mmap length is greater than file size"
+            return None
+        consistent = indices.sample_idx.ndim == 2 and len(indices.sample_idx) == len(indices.shuffle_idx)
+        return indices if consistent else None
 
     def __getstate__(self) -> dict:
         # DataLoader workers started with spawn: re-map cached indices instead of pickling copies.

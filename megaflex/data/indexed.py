@@ -47,7 +47,12 @@ DTYPE_CODES: dict[int, type[np.number]] = {
 _CODE_OF = {np.dtype(t): c for c, t in DTYPE_CODES.items()}
 
 
-class IndexedDatasetError(ValueError):
+class DataError(ValueError):
+    """Data that cannot be trained or evaluated on (corrupt files, ids outside the vocabulary,
+    a tokenizer other than the one the data or checkpoint was made with)."""
+
+
+class IndexedDatasetError(DataError):
     """A ``.bin``/``.idx`` pair is missing, corrupt or inconsistent."""
 
 
@@ -91,9 +96,13 @@ class IndexedDataset:
     """Zero-copy reader: ``ds[i]`` / ``ds.get(i, offset, length)`` return read-only numpy views
     into the memory-mapped ``.bin`` (nothing is read until the view is used).
 
-    Opening checks everything that is O(1) or one vectorised pass over the index (header, counts
-    vs. file sizes, total tokens vs. ``.bin`` size, document indices bounds); :meth:`verify` adds the
-    full per-sequence check (pointers contiguous, lengths non-negative, document indices monotonic).
+    Opening checks everything that is O(1) (header, counts vs. file sizes, total tokens vs. ``.bin``
+    size, document indices bounds); :meth:`verify` adds the structural checks, one vectorised pass
+    over the index (lengths non-negative, pointers monotone and equal to the running sum of the
+    sizes, last pointer + size = ``.bin`` length, document indices monotone), and
+    :meth:`check_token_sample` reads a bounded random sample of token ids. Training runs both
+    (about a second for a 1B-token index, see ``evaluation/bench_data.py``);
+    ``data_prep.inspect --verify`` adds a scan of every token id.
     """
 
     def __init__(self, prefix: str | os.PathLike, verify: bool = False) -> None:
@@ -172,12 +181,13 @@ class IndexedDataset:
         self._bin = np.memmap(bin_path, mode="r", dtype=np.uint8) if bin_size else np.zeros(0, np.uint8)
 
     def verify(self) -> None:
-        """Full consistency check (one vectorised pass); raises :class:`IndexedDatasetError`."""
-        idx_path = index_file_path(self.prefix)
+        """Structural check (one vectorised pass over the index); raises :class:`IndexedDatasetError`."""
+        idx_path, bin_path = index_file_path(self.prefix), data_file_path(self.prefix)
         lengths = self.sequence_lengths.astype(np.int64)
         if len(lengths) and lengths.min() < 0:
             i = int(np.argmin(lengths))
             raise IndexedDatasetError(f"{idx_path}: sequence {i} has negative length {lengths[i]}")
+        # Pointers equal to the running sum of the sizes are monotone and leave no gap or overlap.
         expected = np.zeros(len(lengths), np.int64)
         if len(lengths) > 1:
             np.cumsum(lengths[:-1] * self.dtype.itemsize, out=expected[1:])
@@ -185,13 +195,47 @@ class IndexedDataset:
         if len(bad):
             i = int(bad[0])
             raise IndexedDatasetError(
-                f"{idx_path}: {len(bad)} sequence pointers disagree with the lengths; first is sequence {i}: "
+                f"{idx_path}: {len(bad)} sequence pointers disagree with the sequence sizes; first is sequence {i}: "
                 f"pointer {int(self.sequence_pointers[i])}, expected {int(expected[i])} "
-                f"({data_file_path(self.prefix)} has {self._bin_size} bytes)"
+                f"({bin_path} has {self._bin_size} bytes); the index is corrupt, re-run data_prep.preprocess"
             )
-        if len(self.document_indices) > 1 and np.any(np.diff(self.document_indices) < 0):
-            i = int(np.flatnonzero(np.diff(self.document_indices) < 0)[0]) + 1
+        if len(lengths):
+            end = int(self.sequence_pointers[-1]) + int(lengths[-1]) * self.dtype.itemsize
+            if end != self._bin_size:
+                raise IndexedDatasetError(
+                    f"{idx_path}: last sequence pointer + size = {end} bytes, but {bin_path} has {self._bin_size} bytes"
+                )
+        steps = np.diff(self.document_indices)
+        if len(steps) and steps.min() < 0:
+            i = int(np.flatnonzero(steps < 0)[0]) + 1
             raise IndexedDatasetError(f"{idx_path}: document indices decrease at entry {i}")
+
+    def check_token_sample(self, vocab_size: int, num_sequences: int = 256, tokens_per_sequence: int = 256,
+                           seed: int = 0) -> None:
+        """Raise if any token id in a bounded, seeded sample is >= ``vocab_size``.
+
+        Reads at most ``num_sequences`` random sequences (plus the first and the last), up to
+        ``tokens_per_sequence`` tokens from a random offset in each: a corrupt ``.bin`` or data made
+        with a larger vocabulary shows up at open time, for the cost of a few hundred small reads."""
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size: expected a positive integer, got {vocab_size}")
+        n = len(self)
+        if n == 0:
+            return
+        rng = np.random.default_rng(seed)
+        picks = np.unique(np.concatenate([[0, n - 1], rng.integers(0, n, min(num_sequences, n))]))
+        for i in picks:
+            size = int(self.sequence_lengths[i])
+            take = min(size, tokens_per_sequence)
+            offset = int(rng.integers(0, size - take + 1))
+            ids = self.get(int(i), offset, take)
+            if take and (int(ids.max()) >= vocab_size or int(ids.min()) < 0):
+                bad = int(ids.max()) if int(ids.max()) >= vocab_size else int(ids.min())
+                raise IndexedDatasetError(
+                    f"{data_file_path(self.prefix)}: sequence {int(i)} holds token id {bad}, outside the "
+                    f"vocabulary [0, {vocab_size}) (model.vocab_size); the data was tokenized with a larger "
+                    f"vocabulary or the file is corrupt"
+                )
 
     # ------------------------------------------------------------------ reading
     def __len__(self) -> int:

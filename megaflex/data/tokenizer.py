@@ -59,10 +59,17 @@ class Tokenizer:
         self.model_path = os.fspath(model_path)
         if not os.path.isfile(self.model_path):
             raise FileNotFoundError(f"model_path: tokenizer model {self.model_path} not found")
-        self._sp = spm.SentencePieceProcessor(model_file=self.model_path)
+        try:
+            self._sp = spm.SentencePieceProcessor(model_file=self.model_path)
+        except (RuntimeError, OSError) as e:  # "could not parse ModelProto" names no file
+            raise ValueError(
+                f"model_path: {self.model_path} is not a sentencepiece model ({str(e).strip()}); "
+                f"pass the P.model written by data_prep.train_tokenizer"
+            ) from None
         cp = card_path(self.model_path)
         self.card: TokenizerCard | None = TokenizerCard.load(cp) if cp.is_file() else None
         self._piece_bytes: np.ndarray | None = None
+        self._record: dict | None = None
 
     # ------------------------------------------------------------------ ids
     @property
@@ -87,6 +94,15 @@ class Tokenizer:
     @property
     def unk_id(self) -> int:
         return int(self._sp.unk_id())
+
+    @property
+    def record(self) -> dict:
+        """Identity recorded with data and checkpoints: sha256 of the model file, vocab size, path."""
+        if self._record is None:
+            from megaflex.data.card import tokenizer_record
+
+            self._record = tokenizer_record(self.model_path, self.vocab_size)
+        return self._record
 
     # ------------------------------------------------------------------ text
     def encode(self, text: str) -> list[int]:

@@ -51,9 +51,15 @@ class DataConfig:
     train_weights: list[float] | None = opt(None, "blend weights of `train_path` (default: proportional to size)")
     valid_path: list[str] = opt([], "prefixes of the validation .bin/.idx pairs (empty: cut from train_path by `split`)")
     split: str = opt("969,30,1", "train,valid,test weights of the document split of train_path when valid_path is empty")
-    tokenizer: str | None = opt(None, "sentencepiece model of the data (recorded with checkpoints, used by evaluation)")
+    tokenizer: str | None = opt(
+        None, "sentencepiece model of the data: must exist, match the data cards and fit model.vocab_size; "
+        "its sha256 and vocab size are recorded with checkpoints and checked by evaluation"
+    )
     seq_len: int = opt(1024, "tokens per training sample (<= model.max_seq_len)")
-    cache_dir: str | None = opt(None, "where sample-index caches go (default: next to the data)")
+    cache_dir: str | None = opt(
+        None, "where sample-index caches go (default: `index_cache/` next to the first train_path prefix; "
+        "`<logging.run_dir>/index_cache` when that folder is not writable)"
+    )
 
 
 @dataclass

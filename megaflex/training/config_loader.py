@@ -34,8 +34,16 @@ def read_yaml(path: str | Path) -> Source:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
-    with open(path) as f:
-        data = yaml.safe_load(f) or {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not a YAML text file (invalid UTF-8 byte {e.object[e.start]:#04x} at byte {e.start})") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{path}: malformed YAML{where}: {problem}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of sections at the top level, got {type(data).__name__}")
     return Source(data, str(path))

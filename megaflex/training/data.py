@@ -8,15 +8,27 @@ The stream is a pure function of ``consumed_samples``: optimizer step ``i`` read
 ``global_batch`` consecutive sample indices starting at ``consumed_samples`` and data-parallel
 rank ``r`` takes its micro-batches out of them (``megaflex.data.PretrainingSampler``). Resuming from a checkpoint
 with the same or a different data-parallel size therefore continues exactly where it stopped.
+
+Start-up checks (``check_data_tokenizer`` before the model is built, ``build_datasets`` after):
+``data.tokenizer`` exists and fits ``model.vocab_size``; every prefix's data card names the same
+tokenizer; every index passes the structural checks and a sample of its ids is below the
+vocabulary; every sample served is checked again, so an id >= ``model.vocab_size`` is a
+:class:`DataError` naming the sample, never an ``IndexError`` in the embedding.
 """
 
 from __future__ import annotations
 
+import os
+import tempfile
+import warnings
+from pathlib import Path
 from typing import Any, Iterator, Protocol
 
 import numpy as np
 import torch
 
+from megaflex.data.card import check_same_tokenizer, data_tokenizer
+from megaflex.data.indexed import DataError
 from megaflex.data.sampler import PretrainingSampler
 from megaflex.training.config import Config
 
@@ -41,12 +53,82 @@ class SyntheticDataset:
         return rng.integers(0, self.vocab_size, size=self.seq_len + 1, dtype=np.int64)
 
 
+class VocabCheckedDataset:
+    """Serves ``dataset``'s samples, raising :class:`DataError` on an id outside ``[0, vocab_size)``."""
+
+    def __init__(self, dataset: TokenDataset, vocab_size: int, name: str) -> None:
+        self.dataset, self.vocab_size, self.name = dataset, vocab_size, name
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, idx: int) -> np.ndarray:
+        sample = np.asarray(self.dataset[idx])
+        if sample.size and (int(sample.max()) >= self.vocab_size or int(sample.min()) < 0):
+            bad = int(sample.max()) if int(sample.max()) >= self.vocab_size else int(sample.min())
+            raise DataError(
+                f"{self.name} sample {idx} holds token id {bad}, outside model.vocab_size {self.vocab_size}; "
+                f"the data was tokenized with a larger vocabulary or is corrupt (check it with data_prep.inspect --verify)"
+            )
+        return sample
+
+
+def check_data_tokenizer(cfg: Config) -> dict | None:
+    """Check ``data.tokenizer`` and the data cards against each other and ``model.vocab_size``.
+
+    Returns the tokenizer record to store with checkpoints (from ``data.tokenizer``, else from
+    the data cards; None when neither exists, e.g. synthetic data). Raises :class:`DataError`."""
+    d, vocab = cfg.data, cfg.model.vocab_size
+    record, record_from = None, None
+    if d.tokenizer:
+        if not os.path.isfile(d.tokenizer):
+            raise DataError(f"data.tokenizer (from {cfg.where('data.tokenizer')}): tokenizer model {d.tokenizer} not found")
+        from megaflex.data.tokenizer import Tokenizer
+
+        record, record_from = Tokenizer(d.tokenizer).record, f"data.tokenizer ({d.tokenizer})"
+    if d.source == "indexed":
+        for prefix in [*d.train_path, *d.valid_path]:
+            card = data_tokenizer(prefix)
+            check_same_tokenizer(card, record, f"the data {prefix}", record_from or "")
+            if card and record is None:
+                record, record_from = card, f"the data {prefix}"
+    if record is not None and record["vocab_size"] > vocab:
+        raise DataError(
+            f"model.vocab_size (from {cfg.where('model.vocab_size')}): {vocab} is smaller than the vocabulary of "
+            f"{record_from} ({record['vocab_size']} tokens); set model.vocab_size >= {record['vocab_size']}"
+        )
+    return record
+
+
+def index_cache_dir(cfg: Config) -> str:
+    """``data.cache_dir``, else ``index_cache/`` next to the first training prefix, else (that
+    folder not writable, e.g. read-only shared data) ``<logging.run_dir>/index_cache``."""
+    if cfg.data.cache_dir:
+        return cfg.data.cache_dir
+    beside = Path(os.path.abspath(cfg.data.train_path[0])).parent / "index_cache"
+    if _writable_dir(beside):
+        return str(beside)
+    fallback = Path(cfg.logging.run_dir) / "index_cache"
+    warnings.warn(f"data.cache_dir: {beside} is not writable; caching sample indices in {fallback}", stacklevel=2)
+    return str(fallback)
+
+
+def _writable_dir(path: Path) -> bool:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path):
+            return True
+    except OSError:
+        return False
+
+
 def build_datasets(cfg: Config, train_samples: int, valid_samples: int, rank: int = 0) -> tuple[TokenDataset, TokenDataset | None]:
     """(train, valid or None) holding at least the requested number of samples.
 
     Indexed data: with ``data.valid_path`` the two sets come from their own files, otherwise
     ``data.split`` cuts train/valid out of ``data.train_path`` (Megatron's document split).
-    Rank 0 builds the cached sample indices, the others wait at a barrier and load them."""
+    Rank 0 builds the cached sample indices (in ``index_cache_dir``), the others wait at a
+    barrier and load them. Indexed data is checked on open and per sample (module docstring)."""
     d = cfg.data
     if d.source == "synthetic":
         train = SyntheticDataset(train_samples, d.seq_len, cfg.model.vocab_size, cfg.train.seed)
@@ -56,9 +138,10 @@ def build_datasets(cfg: Config, train_samples: int, valid_samples: int, rank: in
 
     from megaflex.data import build_datasets as build_indexed  # noqa: PLC0415 - only for indexed data
 
+    vocab = cfg.model.vocab_size
     common = dict(
-        seq_len=d.seq_len, seed=cfg.train.seed, cache_dir=d.cache_dir, is_builder=(rank == 0),
-        barrier=dist.barrier if dist.is_initialized() else None,
+        seq_len=d.seq_len, seed=cfg.train.seed, cache_dir=index_cache_dir(cfg),
+        is_builder=(rank == 0), barrier=dist.barrier if dist.is_initialized() else None, vocab_size=vocab,
     )
     if d.valid_path:
         train = build_indexed(d.train_path, d.train_weights, split="1,0,0",
@@ -69,6 +152,9 @@ def build_datasets(cfg: Config, train_samples: int, valid_samples: int, rank: in
         sets = build_indexed(d.train_path, d.train_weights, split=d.split,
                              num_samples_per_split=(train_samples, valid_samples, 0), **common)
         train, valid = sets["train"], sets["valid"]
+    train = VocabCheckedDataset(train, vocab, f"training data {', '.join(d.train_path)}")
+    if valid is not None:
+        valid = VocabCheckedDataset(valid, vocab, f"validation data {', '.join(d.valid_path or d.train_path)}")
     return train, valid
 
 

@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"megaflex-train: config error: {e}", file=sys.stderr)
         return 2
+    from megaflex.data.indexed import DataError
     from megaflex.training.checkpoint import CheckpointError
     from megaflex.training.trainer import NonFiniteAbort, run, shutdown
 
@@ -51,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except CheckpointError as e:
         print(f"megaflex-train: checkpoint error: {e}", file=sys.stderr)
+        return 2
+    except DataError as e:  # corrupt index, ids >= vocab, tokenizer mismatch or missing
+        print(f"megaflex-train: data error: {e}", file=sys.stderr)
         return 2
     except NonFiniteAbort as e:
         print(f"megaflex-train: {e}", file=sys.stderr)

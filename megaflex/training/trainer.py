@@ -38,7 +38,8 @@ from megaflex.training.checkpoint import (
     read_meta,
 )
 from megaflex.training.config import Config, global_batch_size, resolve_device, validate_runtime
-from megaflex.training.data import build_datasets, micro_batches
+from megaflex.data.card import check_same_tokenizer
+from megaflex.training.data import build_datasets, check_data_tokenizer, micro_batches
 from megaflex.training.deepspeed_config import (
     deepspeed_config, gradient_accumulation_steps, init_deepspeed_distributed,
 )
@@ -75,6 +76,7 @@ def run(cfg: Config) -> dict[str, Any]:
     )
 
     device = init_distributed(cfg)
+    tokenizer = check_data_tokenizer(cfg)  # recorded with checkpoints; raises DataError at start
     state = ParallelState.create(cfg.parallel.tensor_parallel_size)
     rank, dp_size = dist.get_rank(), state.dp_size
     is_main = rank == 0
@@ -137,6 +139,7 @@ def run(cfg: Config) -> dict[str, Any]:
     if resume_path is not None:
         meta = read_meta(resume_path)
         check_compatible(meta, cfg.to_dict()["model"], shapes, state.tp_size)
+        check_same_tokenizer(meta.get("tokenizer"), tokenizer, f"checkpoint {resume_path}", "this run's tokenizer/data")
         same_world = meta["world_size"] == state.world_size
         manager.load(engine, resume_path, tracker, load_rng=same_world)
         iteration, consumed = meta["iteration"], meta["consumed_samples"]
@@ -154,6 +157,7 @@ def run(cfg: Config) -> dict[str, Any]:
             "zero_stage": cfg.parallel.zero_stage, "precision": cfg.train.precision,
             "parameter_shapes": shapes, "num_parameters": num_params, "config": cfg.to_dict(),
             "deepspeed_config": ds_config, "sampler": {"consumed_samples": consumed, "global_batch_size": gbs},
+            "tokenizer": tokenizer,
         }
         path = manager.save(engine, step, meta, tracker)
         logger.print(f"saved checkpoint {path}")
@@ -165,6 +169,9 @@ def run(cfg: Config) -> dict[str, Any]:
     tokens_per_step = gbs * cfg.data.seq_len
     in_a_row, last_saved = 0, iteration
     dp_group = state.dp_group
+    # ZeRO 0 in fp32 has no DeepSpeed optimizer wrapper that records the gradient norm.
+    plain_fp32 = cfg.parallel.zero_stage == 0 and cfg.train.precision == "fp32"
+    own_grad_norm = None
     stop_reason = "done"
     t_last = time.time()
     while iteration < cfg.train.train_iters:
@@ -190,11 +197,13 @@ def run(cfg: Config) -> dict[str, Any]:
                 skipped_loss = bool(_all_reduce(bad.clone(), dist.ReduceOp.MAX, None) > 0)
                 if hasattr(optimizer, "skip"):
                     optimizer.skip = skipped_loss
+                if plain_fp32:  # DeepSpeed clips here without keeping the norm: measure it before the step
+                    own_grad_norm = _unclipped_grad_norm(engine)
             engine.step()
         if hasattr(optimizer, "skip"):
             optimizer.skip = False
-        grad_norm = engine.get_global_grad_norm()
-        grad_norm = float(grad_norm) if grad_norm is not None else None  # None: clipping off under ZeRO 0
+        grad_norm = own_grad_norm if plain_fp32 else engine.get_global_grad_norm()
+        grad_norm = float(grad_norm) if grad_norm is not None else None
         skipped = (
             skipped_loss
             or (grad_norm is not None and not math.isfinite(grad_norm))
@@ -282,6 +291,23 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _unclipped_grad_norm(engine: Any) -> float:
+    """Global L2 norm of the (data-parallel averaged) gradients before clipping, counted as
+    DeepSpeed's ``clip_grad_norm_`` counts it: TP-sharded parameters on every TP rank,
+    replicated ones on TP rank 0 only. Collective over the model-parallel group."""
+    from deepspeed.runtime.utils import is_model_parallel_parameter
+
+    mpu = engine.mpu
+    first_tp_rank = mpu is None or mpu.get_model_parallel_rank() == 0
+    squares = torch.zeros((), dtype=torch.float64)
+    for p in engine.module.parameters():
+        if p.grad is not None and (first_tp_rank or is_model_parallel_parameter(p)):
+            squares += p.grad.detach().double().pow(2).sum().cpu()
+    if mpu is not None:
+        dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=mpu.get_model_parallel_group())
+    return float(squares.sqrt())
 
 
 def _sigkill() -> None:
