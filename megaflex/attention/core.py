@@ -44,24 +44,42 @@ ATTENTION_KINDS = FEATURE_MAP_KINDS + ("softmax",)
 
 LinearAttentionFn = Callable[..., "tuple[torch.Tensor, LinearAttentionState]"]
 
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
 # ---------------------------------------------------------------------------------------------
-# GPU HOOK: a fused CUDA backend (e.g. flash-linear-attention's chunk kernels adapted to the
-# log-space stabiliser) can be installed with ``register_fused_backend(fn)``; ``fn`` takes the
-# arguments of ``chunked_linear_attention`` and is used for form="chunked" on CUDA tensors only.
-# Nothing is registered by default; CPU never uses it.
+# Optional override of the chunked form on CUDA (e.g. ``chunked_cuda.install()``: fla's
+# ``chunk_simple_gla``); when one is registered it takes precedence over the Triton kernels for
+# backend "auto". Nothing is registered by default; CPU never uses it.
 # ---------------------------------------------------------------------------------------------
 _FUSED_CUDA_BACKEND: LinearAttentionFn | None = None
 
 
 def register_fused_backend(fn: LinearAttentionFn | None) -> None:
-    """Install (or with None remove) the fused CUDA implementation of the chunked form."""
+    """Install (or with None remove) a fused CUDA implementation of the chunked form."""
     global _FUSED_CUDA_BACKEND
     _FUSED_CUDA_BACKEND = fn
 
 
-def _chunked_impl(on_cuda: bool) -> LinearAttentionFn:
-    if on_cuda and _FUSED_CUDA_BACKEND is not None:
+def check_backend(backend: str) -> None:
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend: expected one of {ATTENTION_BACKENDS}, got {backend!r}")
+
+
+def uses_triton(backend: str, x: torch.Tensor) -> bool:
+    """Whether the chunked form of ``x`` runs in the Triton kernels: "triton" always (CPU tensors
+    then need TRITON_INTERPRET=1), "auto" on CUDA tensors unless a fused backend was registered,
+    "torch" never."""
+    check_backend(backend)
+    return backend == "triton" or (backend == "auto" and x.is_cuda and _FUSED_CUDA_BACKEND is None)
+
+
+def _chunked_impl(qf: torch.Tensor, backend: str) -> LinearAttentionFn:
+    if backend == "auto" and qf.is_cuda and _FUSED_CUDA_BACKEND is not None:
         return _FUSED_CUDA_BACKEND
+    if uses_triton(backend, qf):
+        from .triton import triton_linear_attention
+
+        return triton_linear_attention
     try:
         from .chunked import chunked_linear_attention
     except ModuleNotFoundError as err:  # only "chunked.py missing", not errors inside it
@@ -84,11 +102,13 @@ def causal_linear_attention(
     chunk_size: int = 64,
     initial_state: LinearAttentionState | None = None,
     eps: float = 1e-6,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, LinearAttentionState]:
     """Causal linear attention: qf, kf [B, H, N, F], kls [B, H, N] | None, v [B, H, N, Dv]
     -> (out [B, H, N, Dv] in v.dtype, fp32 state after the last token).
 
-    ``form`` selects the algorithm (identical maths); ``chunk_size`` only affects "chunked".
+    ``form`` selects the algorithm (identical maths); ``chunk_size`` only affects "chunked", and
+    ``backend`` (auto | torch | triton, see ``uses_triton``) which implementation runs it.
     """
     validate_linear_attention_inputs(
         qf, kf, kls, v, form=form, normalization=normalization, chunk_size=chunk_size, initial_state=initial_state, eps=eps
@@ -97,7 +117,7 @@ def causal_linear_attention(
         return quadratic_linear_attention(qf, kf, kls, v, normalization=normalization, initial_state=initial_state, eps=eps)
     if form == "recurrent":
         return recurrent_linear_attention(qf, kf, kls, v, normalization=normalization, initial_state=initial_state, eps=eps)
-    chunked = _chunked_impl(qf.is_cuda)
+    chunked = _chunked_impl(qf, backend)
     return chunked(qf, kf, kls, v, normalization=normalization, chunk_size=chunk_size, initial_state=initial_state, eps=eps)
 
 
@@ -112,6 +132,11 @@ class AttentionCore(nn.Module):
     uses the recurrent form; everything else uses ``form`` (default "chunked") with the state as
     initial state. Position-dependent maps (cosformer) get ``state.offset`` as their offset.
     ``feature_kwargs`` go to ``build_feature_map`` (``max_seq_len`` is passed to cosformer only).
+
+    ``backend`` (auto | torch | triton) picks the chunked form's implementation for training,
+    evaluation and prefill alike (decoding keeps the recurrent form): with Triton, trig maps
+    (``feature_map.trig_spec()``) go through ``trig_linear_attention``, which keeps no features
+    alive for backward; other maps compute their features in torch, then run the same kernels.
     """
 
     def __init__(
@@ -127,9 +152,11 @@ class AttentionCore(nn.Module):
         form: str = "chunked",
         recurrent_max_tokens: int = 16,
         eps: float = 1e-6,
+        backend: str = "auto",
         **feature_kwargs: object,
     ) -> None:
         super().__init__()
+        check_backend(backend)
         if kind not in ATTENTION_KINDS:
             raise ValueError(f"kind: expected one of {ATTENTION_KINDS}, got {kind!r}")
         if normalization not in NORMALIZATIONS:
@@ -139,6 +166,7 @@ class AttentionCore(nn.Module):
         self.kind, self.num_heads, self.head_dim = kind, num_heads, head_dim
         self.normalization, self.chunk_size, self.form, self.eps = normalization, chunk_size, form, eps
         self.recurrent_max_tokens = recurrent_max_tokens
+        self.backend = backend
         self.max_seq_len = max_seq_len
         self.feature_map = None
         if kind != "softmax":
@@ -177,9 +205,12 @@ class AttentionCore(nn.Module):
         decoding = state is not None and q.shape[2] <= self.recurrent_max_tokens
         if decoding and not torch.is_grad_enabled():
             return self._decode(q, k, v, state, return_state)
+        form = "recurrent" if decoding else self.form
+        if form == "chunked" and uses_triton(self.backend, q):
+            out, new_state = self._triton_chunked(q, k, v, state, offset)
+            return out, (new_state if return_state else None)
         q_map = self.feature_map(q, offset)
         k_map = self.feature_map(k, offset)
-        form = "recurrent" if decoding else self.form
         out, new_state = causal_linear_attention(
             q_map.features,
             k_map.features,
@@ -190,8 +221,24 @@ class AttentionCore(nn.Module):
             chunk_size=self.chunk_size,
             initial_state=state,
             eps=self.eps,
+            backend=self.backend,
         )
         return out, (new_state if return_state else None)
+
+    def _triton_chunked(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: LinearAttentionState | None, offset: int
+    ) -> tuple[torch.Tensor, LinearAttentionState]:
+        """The chunked form in the Triton kernels; trig maps fused with the attention (see class doc)."""
+        from .triton import trig_linear_attention, triton_linear_attention
+
+        options = dict(normalization=self.normalization, chunk_size=self.chunk_size, initial_state=state, eps=self.eps)
+        trig_spec = getattr(self.feature_map, "trig_spec", None)
+        spec = trig_spec() if trig_spec is not None else None
+        if spec is not None:
+            omega, inv_temperature, paired = spec
+            return trig_linear_attention(q, k, v, omega, inv_temperature, paired=paired, **options)
+        q_map, k_map = self.feature_map(q, offset), self.feature_map(k, offset)
+        return triton_linear_attention(q_map.features, k_map.features, k_map.log_scale, v, **options)
 
     def _decode(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: LinearAttentionState, return_state: bool
@@ -215,4 +262,7 @@ class AttentionCore(nn.Module):
         return out, (new_state if return_state else None)
 
     def extra_repr(self) -> str:
-        return f"kind={self.kind}, num_heads={self.num_heads}, head_dim={self.head_dim}, normalization={self.normalization}"
+        return (
+            f"kind={self.kind}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
+            f"normalization={self.normalization}, backend={self.backend}"
+        )
