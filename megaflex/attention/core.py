@@ -65,18 +65,18 @@ def check_backend(backend: str) -> None:
         raise ValueError(f"attention_backend: expected one of {ATTENTION_BACKENDS}, got {backend!r}")
 
 
-def uses_triton(backend: str, x: torch.Tensor) -> bool:
-    """Whether the chunked form of ``x`` runs in the Triton kernels: "triton" always (CPU tensors
+def uses_triton(backend: str, on_cuda: bool) -> bool:
+    """Whether the chunked form of CUDA (``on_cuda``) or CPU tensors runs in the Triton kernels: "triton" always (CPU tensors
     then need TRITON_INTERPRET=1), "auto" on CUDA tensors unless a fused backend was registered,
     "torch" never."""
     check_backend(backend)
-    return backend == "triton" or (backend == "auto" and x.is_cuda and _FUSED_CUDA_BACKEND is None)
+    return backend == "triton" or (backend == "auto" and on_cuda and _FUSED_CUDA_BACKEND is None)
 
 
-def _chunked_impl(qf: torch.Tensor, backend: str) -> LinearAttentionFn:
-    if backend == "auto" and qf.is_cuda and _FUSED_CUDA_BACKEND is not None:
+def _chunked_impl(on_cuda: bool, backend: str = "auto") -> LinearAttentionFn:
+    if backend == "auto" and on_cuda and _FUSED_CUDA_BACKEND is not None:
         return _FUSED_CUDA_BACKEND
-    if uses_triton(backend, qf):
+    if uses_triton(backend, on_cuda):
         from .triton import triton_linear_attention
 
         return triton_linear_attention
@@ -117,7 +117,7 @@ def causal_linear_attention(
         return quadratic_linear_attention(qf, kf, kls, v, normalization=normalization, initial_state=initial_state, eps=eps)
     if form == "recurrent":
         return recurrent_linear_attention(qf, kf, kls, v, normalization=normalization, initial_state=initial_state, eps=eps)
-    chunked = _chunked_impl(qf, backend)
+    chunked = _chunked_impl(qf.is_cuda, backend)
     return chunked(qf, kf, kls, v, normalization=normalization, chunk_size=chunk_size, initial_state=initial_state, eps=eps)
 
 
@@ -206,7 +206,7 @@ class AttentionCore(nn.Module):
         if decoding and not torch.is_grad_enabled():
             return self._decode(q, k, v, state, return_state)
         form = "recurrent" if decoding else self.form
-        if form == "chunked" and uses_triton(self.backend, q):
+        if form == "chunked" and uses_triton(self.backend, q.is_cuda):
             out, new_state = self._triton_chunked(q, k, v, state, offset)
             return out, (new_state if return_state else None)
         q_map = self.feature_map(q, offset)
