@@ -6,6 +6,8 @@ computed in torch before the same kernels; plus the backend's dispatch rules and
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are first imported (CPU tensors need it)
 
@@ -75,3 +77,15 @@ def test_decoding_keeps_the_recurrent_step_with_the_triton_backend():
             out, _ = core(q[:, :, 20:], k[:, :, 20:], v[:, :, 20:], state=state, return_state=True)
             cores[backend] = out
     torch.testing.assert_close(cores["triton"], cores["torch"], rtol=1e-5, atol=1e-5)
+
+
+def test_triton_backend_on_cpu_without_the_interpreter_is_a_clear_error():
+    code = (
+        "import torch\n"
+        "from megaflex.attention.triton import triton_linear_attention\n"
+        "x = torch.rand(1, 1, 4, 16)\n"
+        "triton_linear_attention(x, x, None, x)\n"
+    )
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "set TRITON_INTERPRET=1" in proc.stderr
