@@ -10,7 +10,10 @@ with one of three forms that agree to fp rounding:
 
 * ``quadratic``: materialised N x N weights; ground truth for tests.
 * ``recurrent``: token-by-token scan; O(1) per token, the decoding path.
-* ``chunked``:   parallel chunk form with a hand-written backward (``chunked.py``); training path.
+* ``chunked``:   parallel chunk form with a hand-written backward; training path. Two
+  implementations, picked by ``backend`` (auto | torch | triton): ``chunked.py`` (torch,
+  CPU-tuned) and ``triton/`` (Triton kernels; auto on CUDA tensors, or on CPU under
+  TRITON_INTERPRET=1 when forced).
 
 Stabiliser: the key log-scale (e.g. ||k||^2 / e^tau, unbounded) only ever enters as
 exp(kls_s - m_t) <= 1 with m_t the running max, so nothing overflows for any key norm; the
@@ -113,6 +116,7 @@ def causal_linear_attention(
     validate_linear_attention_inputs(
         qf, kf, kls, v, form=form, normalization=normalization, chunk_size=chunk_size, initial_state=initial_state, eps=eps
     )
+    check_backend(backend)
     if form == "quadratic":
         return quadratic_linear_attention(qf, kf, kls, v, normalization=normalization, initial_state=initial_state, eps=eps)
     if form == "recurrent":
