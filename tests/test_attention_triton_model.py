@@ -89,3 +89,30 @@ def test_triton_backend_on_cpu_without_the_interpreter_is_a_clear_error():
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "set TRITON_INTERPRET=1" in proc.stderr
+
+
+def _largest_saved_numel(core: AttentionCore, q, k, v) -> int:
+    """Elements of the largest tensor autograd keeps for backward across ``core``'s forward."""
+    sizes = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        sizes.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        core(q, k, v)
+    return max(sizes)
+
+
+def test_trig_path_keeps_no_features_alive_for_backward():
+    """With backend=triton the flexformer_n layer saves nothing of size [B, H, N, F] (F = 4 d here),
+    only inputs-sized tensors; the torch backend's fused map does save features (the check can fail)."""
+    batch, heads, n, d, feat = 2, 2, 40, 8, 32
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(batch, heads, n, d, generator=g).requires_grad_() for _ in range(3))
+    features_numel = batch * heads * n * feat
+    torch.manual_seed(0)
+    triton_core = AttentionCore("flexformer_n", heads, d, feature_dim=feat, chunk_size=16, backend="triton")
+    torch_core = AttentionCore("flexformer_n", heads, d, feature_dim=feat, chunk_size=16, backend="torch")
+    assert _largest_saved_numel(torch_core, q, k, v) >= features_numel
+    assert _largest_saved_numel(triton_core, q, k, v) == batch * heads * n * d  # q, k, v themselves
