@@ -139,7 +139,7 @@ def attention_forward(q, k, ls, v, kv0, z0, plan: _Plan, normalization: str, eps
 
 
 def attention_backward(q, k, ls, v, kv0, z0, plan: _Plan, normalization: str, eps: float, d_out, d_kv, d_k_sum):
-    """Gradients (fp32, [BH, ...]) of q, k, ls, v and of the incoming kv, k_sum."""
+    """Gradients ([BH, ...]; q, k, v in their own dtype, the rest fp32) of q, k, ls, v and of the incoming kv, k_sum."""
     kern = kernels_for(q.device)
     f32 = dict(device=q.device, dtype=torch.float32)
     states, sums, _, _ = _chunk_states(kern, k, v, ls, plan, kv0, z0)
@@ -160,8 +160,9 @@ def attention_backward(q, k, ls, v, kv0, z0, plan: _Plan, normalization: str, ep
         q, plan.running_max, plan.chunk_max, d_num, d_den, d_kv, d_k_sum, d_states, d_sums, d_kv0, d_z0,
         plan.n, plan.feat, plan.dv, plan.chunks, BV=block, **plan.meta(),
     )  # fmt: skip
-    dq, dk = torch.empty(plan.bh, plan.n, plan.feat, **f32), torch.empty(plan.bh, plan.n, plan.feat, **f32)
-    dv, dls = torch.empty(plan.bh, plan.n, plan.dv, **f32), torch.empty(plan.bh, plan.n, **f32)
+    # gradients leave in the inputs' dtypes (the kernel casts on store): no fp32 copies of them
+    dq, dk = torch.empty_like(q), torch.empty_like(k)
+    dv, dls = torch.empty_like(v), torch.empty(plan.bh, plan.n, **f32)
     kern.chunk_grads[(plan.chunks, plan.bh)](
         q, k, v, ls, plan.running_max, plan.chunk_max, states, sums, d_num, d_den, d_states, d_sums, dq, dk, dv, dls,
         plan.n, plan.feat, plan.dv, plan.chunks, BV=_block(plan.dv), **plan.meta(),
@@ -218,7 +219,7 @@ class _TritonLinearAttention(torch.autograd.Function):
         dq, dk, dls, dv, d_kv0, d_z0 = attention_backward(
             q, k, ls, v, kv0, z0, ctx.plan, ctx.normalization, ctx.eps, d_out, d_kv, d_k_sum
         )
-        return dq.to(q.dtype), dk.to(k.dtype), dls, dv.to(v.dtype), d_kv0, d_z0, None, None, None
+        return dq, dk, dls, dv, d_kv0, d_z0, None, None, None
 
 
 def final_state(kv, k_sum, plan: _Plan, shape: tuple[int, int], offset: int) -> LinearAttentionState:
