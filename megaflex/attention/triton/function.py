@@ -75,7 +75,7 @@ def _block(size: int) -> int:
 
 
 @dataclass
-class _Plan:
+class ChunkPlan:
     """Shapes, block sizes and stabilisers of one call (the same in forward and backward)."""
 
     bh: int
@@ -92,7 +92,7 @@ class _Plan:
         return dict(CHUNK=self.chunk, BF=_block(self.feat), PREC=self.precision)
 
 
-def _plan(ls: torch.Tensor, log_max0: torch.Tensor, feat: int, dv: int, chunk_size: int, dtype: torch.dtype) -> _Plan:
+def _plan(ls: torch.Tensor, log_max0: torch.Tensor, feat: int, dv: int, chunk_size: int, dtype: torch.dtype) -> ChunkPlan:
     """ls [BH, N] fp32 key log-scales, log_max0 [BH] -> the stabilisers (constants for autograd)."""
     bh, n = ls.shape
     chunk = kernel_chunk(chunk_size)
@@ -102,16 +102,16 @@ def _plan(ls: torch.Tensor, log_max0: torch.Tensor, feat: int, dv: int, chunk_si
     chunk_max = torch.cat([log_max0.detach().unsqueeze(-1), running_max[:, ends.clamp(max=n - 1)]], dim=-1).contiguous()
     # fp32 inputs get exact fp32 products; half inputs (10 or 7 mantissa bits) tf32 tensor cores
     precision = "ieee" if dtype == torch.float32 else "tf32"
-    return _Plan(bh, n, feat, dv, chunk, chunks, running_max, chunk_max, precision)
+    return ChunkPlan(bh, n, feat, dv, chunk, chunks, running_max, chunk_max, precision)
 
 
-def _state_blocks(plan: _Plan) -> tuple[int, int]:
+def _state_blocks(plan: ChunkPlan) -> tuple[int, int]:
     """Dv block of the sequential scans (their columns are independent) and the number of blocks."""
     block = min(_block(plan.dv), 64)
     return block, -(-plan.dv // block)
 
 
-def _chunk_states(kern, k, v, ls, plan: _Plan, kv0, z0):
+def _chunk_states(kern, k, v, ls, plan: ChunkPlan, kv0, z0):
     """States entering each chunk [BH, NC, F, Dv], [BH, NC, F] and the final kv, k_sum."""
     f32 = dict(device=k.device, dtype=torch.float32)
     states = torch.empty(plan.bh, plan.chunks, plan.feat, plan.dv, **f32)
@@ -125,7 +125,7 @@ def _chunk_states(kern, k, v, ls, plan: _Plan, kv0, z0):
     return states, sums, kv, k_sum
 
 
-def attention_forward(q, k, ls, v, kv0, z0, plan: _Plan, normalization: str, eps: float, out_dtype: torch.dtype):
+def attention_forward(q, k, ls, v, kv0, z0, plan: ChunkPlan, normalization: str, eps: float, out_dtype: torch.dtype):
     """[BH, N, *] contiguous inputs -> (out [BH, N, Dv] in out_dtype, final kv [BH, F, Dv], k_sum [BH, F])."""
     kern = kernels_for(q.device)
     states, sums, kv, k_sum = _chunk_states(kern, k, v, ls, plan, kv0, z0)
@@ -138,7 +138,7 @@ def attention_forward(q, k, ls, v, kv0, z0, plan: _Plan, normalization: str, eps
     return out, kv, k_sum
 
 
-def attention_backward(q, k, ls, v, kv0, z0, plan: _Plan, normalization: str, eps: float, d_out, d_kv, d_k_sum):
+def attention_backward(q, k, ls, v, kv0, z0, plan: ChunkPlan, normalization: str, eps: float, d_out, d_kv, d_k_sum):
     """Gradients ([BH, ...]; q, k, v in their own dtype, the rest fp32) of q, k, ls, v and of the incoming kv, k_sum."""
     kern = kernels_for(q.device)
     f32 = dict(device=q.device, dtype=torch.float32)
@@ -222,7 +222,7 @@ class _TritonLinearAttention(torch.autograd.Function):
         return dq, dk, dls, dv, d_kv0, d_z0, None, None, None
 
 
-def final_state(kv, k_sum, plan: _Plan, shape: tuple[int, int], offset: int) -> LinearAttentionState:
+def final_state(kv, k_sum, plan: ChunkPlan, shape: tuple[int, int], offset: int) -> LinearAttentionState:
     """[BH, ...] final sums -> the LinearAttentionState [B, H, ...] after the last token."""
     batch, heads = shape
     return LinearAttentionState(

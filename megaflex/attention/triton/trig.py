@@ -14,7 +14,7 @@ import torch
 
 from ..base import LinearAttentionState
 from ..feature_maps._trig import trig_feature_map_reference
-from .function import _Plan, attention_backward, attention_forward, check_options, check_triton_dtype, flat_inputs
+from .function import ChunkPlan, attention_backward, attention_forward, check_options, check_triton_dtype, flat_inputs
 
 
 def _features(q, k, omega, inv_temperature, paired):
@@ -25,6 +25,9 @@ def _features(q, k, omega, inv_temperature, paired):
 
 
 class _TrigLinearAttention(torch.autograd.Function):
+    """(q, k, v, omega, inv_temperature, kv0, k_sum0, log_max0 | None, paired, normalization,
+    chunk_size, eps) -> (out [B, H, N, Dv], kv [BH, F, Dv], k_sum [BH, F], log_max [BH])."""
+
     @staticmethod
     def forward(ctx, q, k, v, omega, inv_temperature, kv0, z0, log_max0, paired, normalization, chunk_size, eps):  # type: ignore[override]
         batch, heads, n, _ = q.shape
@@ -36,13 +39,15 @@ class _TrigLinearAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, omega, inv_temperature, kv0_flat, z0_flat)
         ctx.plan, ctx.meta = plan, (paired, normalization, eps, kv0 is not None)
         ctx.set_materialize_grads(False)
-        return out.view(batch, heads, n, plan.dv), kv, k_sum, plan.chunk_max[:, -1]
+        log_max = plan.chunk_max[:, -1]
+        ctx.mark_non_differentiable(log_max)  # a stabiliser: a constant for autograd
+        return out.view(batch, heads, n, plan.dv), kv, k_sum, log_max
 
     @staticmethod
     def backward(ctx, d_out, d_kv, d_k_sum, _d_log_max):  # type: ignore[override]
         q, k, v, omega, inv_temperature, kv0, z0 = ctx.saved_tensors
         paired, normalization, eps, has_state = ctx.meta
-        plan: _Plan = ctx.plan
+        plan: ChunkPlan = ctx.plan
         bh, n = plan.bh, plan.n
         needs = ctx.needs_input_grad
         leaves = [t.detach().requires_grad_(needs[i]) for t, i in zip((q, k, omega, inv_temperature), (0, 1, 3, 4))]
