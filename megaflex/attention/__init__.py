@@ -16,6 +16,7 @@ from torch import nn
 
 from .base import NORMALIZATIONS, FeatureMap, FeatureMapOutput, LinearAttentionState
 from .core import (
+    ATTENTION_BACKENDS,
     ATTENTION_KINDS,
     FORMS,
     AttentionCore,
@@ -40,6 +41,7 @@ def redraw_random_features(module: nn.Module, step: int) -> int:
 
 
 __all__ = [
+    "ATTENTION_BACKENDS",
     "ATTENTION_KINDS",
     "FEATURE_MAP_KINDS",
     "FORMS",

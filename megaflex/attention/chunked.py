@@ -57,7 +57,7 @@ import torch
 
 from ._heads import for_each_head
 from .base import LinearAttentionState, fp32_inputs, guard_denominator, normalize_output
-from .core import validate_linear_attention_inputs
+from .validation import validate_linear_attention_inputs
 
 # target number of elements of a group's C x C weight block (x 4 bytes = 1 MiB)
 _GROUP_ELEMENTS = 1 << 18

@@ -1,10 +1,13 @@
-"""OPTIONAL fused-GPU backend of the chunked form: flash-linear-attention's ``chunk_simple_gla``.
+"""OPTIONAL alternative GPU backend of the chunked form: flash-linear-attention's ``chunk_simple_gla``.
 
-NOT a dependency and never used on CPU. ``install()`` registers it with
-``core.register_fused_backend`` (used for form="chunked" on CUDA tensors) only when CUDA and the
-``fla`` package (``pip install megaflex[gpu]``) are importable. The kernel itself has not been
-run in this repository's CI (no GPU there); the mapping below is tested on CPU against the
-quadratic reference with a plain scan standing in for the kernel (tests/test_attention_chunked.py).
+The default GPU path is megaflex's own Triton kernels (``attention/triton/``, chosen by
+``attention_backend="auto"`` on CUDA tensors). This module is kept as an alternative and as the
+comparison in ``evaluation/gpu_check.py``'s layer benchmark. NOT a dependency and never used on
+CPU: ``install()`` registers it with ``core.register_fused_backend`` (then preferred by "auto" on
+CUDA) only when CUDA and ``fla`` (``pip install megaflex[gpu]``) are importable. The kernel
+itself has not been run in this repository's CI (no GPU there); the mapping below is tested on
+CPU against the quadratic reference with a plain scan standing in for the kernel
+(tests/test_attention_chunked.py).
 
 Mapping of the log-space stabiliser onto scalar-gated linear attention (GLA): with the running
 max m_t (m_0 = state.log_max),
@@ -24,7 +27,8 @@ from typing import Callable
 import torch
 
 from .base import LinearAttentionState, fp32_inputs, normalize_output
-from .core import register_fused_backend, validate_linear_attention_inputs
+from .core import register_fused_backend
+from .validation import validate_linear_attention_inputs
 
 # (q, k, v [B, T, H, *], g [B, T, H], scale, initial_state [B, H, K, V] | None, output_final_state)
 #   -> (o [B, T, H, V], final_state [B, H, K, V]); the signature of fla.ops.simple_gla.chunk_simple_gla

@@ -10,7 +10,10 @@ with one of three forms that agree to fp rounding:
 
 * ``quadratic``: materialised N x N weights; ground truth for tests.
 * ``recurrent``: token-by-token scan; O(1) per token, the decoding path.
-* ``chunked``:   parallel chunk form with a hand-written backward (``chunked.py``); training path.
+* ``chunked``:   parallel chunk form with a hand-written backward; training path. Two
+  implementations, picked by ``backend`` (auto | torch | triton): ``chunked.py`` (torch,
+  CPU-tuned) and ``triton/`` (Triton kernels; auto on CUDA tensors, or on CPU under
+  TRITON_INTERPRET=1 when forced).
 
 Stabiliser: the key log-scale (e.g. ||k||^2 / e^tau, unbounded) only ever enters as
 exp(kls_s - m_t) <= 1 with m_t the running max, so nothing overflows for any key norm; the
@@ -38,30 +41,48 @@ from .feature_maps import FEATURE_MAP_KINDS, build_feature_map
 from .quadratic import quadratic_linear_attention
 from .recurrent import recurrent_linear_attention, recurrent_step
 from .softmax import KVCache, softmax_attention
+from .validation import FORMS, _check_floating, _shape, validate_linear_attention_inputs
 
-FORMS = ("chunked", "recurrent", "quadratic")
 ATTENTION_KINDS = FEATURE_MAP_KINDS + ("softmax",)
 
 LinearAttentionFn = Callable[..., "tuple[torch.Tensor, LinearAttentionState]"]
 
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
 # ---------------------------------------------------------------------------------------------
-# GPU HOOK: a fused CUDA backend (e.g. flash-linear-attention's chunk kernels adapted to the
-# log-space stabiliser) can be installed with ``register_fused_backend(fn)``; ``fn`` takes the
-# arguments of ``chunked_linear_attention`` and is used for form="chunked" on CUDA tensors only.
-# Nothing is registered by default; CPU never uses it.
+# Optional override of the chunked form on CUDA (e.g. ``chunked_cuda.install()``: fla's
+# ``chunk_simple_gla``); when one is registered it takes precedence over the Triton kernels for
+# backend "auto". Nothing is registered by default; CPU never uses it.
 # ---------------------------------------------------------------------------------------------
 _FUSED_CUDA_BACKEND: LinearAttentionFn | None = None
 
 
 def register_fused_backend(fn: LinearAttentionFn | None) -> None:
-    """Install (or with None remove) the fused CUDA implementation of the chunked form."""
+    """Install (or with None remove) a fused CUDA implementation of the chunked form."""
     global _FUSED_CUDA_BACKEND
     _FUSED_CUDA_BACKEND = fn
 
 
-def _chunked_impl(on_cuda: bool) -> LinearAttentionFn:
-    if on_cuda and _FUSED_CUDA_BACKEND is not None:
+def check_backend(backend: str) -> None:
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend: expected one of {ATTENTION_BACKENDS}, got {backend!r}")
+
+
+def uses_triton(backend: str, on_cuda: bool) -> bool:
+    """Whether the chunked form of CUDA (``on_cuda``) or CPU tensors runs in the Triton kernels: "triton" always (CPU tensors
+    then need TRITON_INTERPRET=1), "auto" on CUDA tensors unless a fused backend was registered,
+    "torch" never."""
+    check_backend(backend)
+    return backend == "triton" or (backend == "auto" and on_cuda and _FUSED_CUDA_BACKEND is None)
+
+
+def _chunked_impl(on_cuda: bool, backend: str = "auto") -> LinearAttentionFn:
+    if backend == "auto" and on_cuda and _FUSED_CUDA_BACKEND is not None:
         return _FUSED_CUDA_BACKEND
+    if uses_triton(backend, on_cuda):
+        from .triton import triton_linear_attention
+
+        return triton_linear_attention
     try:
         from .chunked import chunked_linear_attention
     except ModuleNotFoundError as err:  # only "chunked.py missing", not errors inside it
@@ -71,72 +92,6 @@ def _chunked_impl(on_cuda: bool) -> LinearAttentionFn:
             "form='chunked': megaflex/attention/chunked.py is not available; use form='recurrent' or 'quadratic'"
         ) from None
     return chunked_linear_attention
-
-
-def _shape(t: torch.Tensor) -> tuple[int, ...]:
-    return tuple(t.shape)
-
-
-def _check_floating(name: str, t: torch.Tensor, rank: int) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if not torch.is_floating_point(t):
-        raise ValueError(f"{name}: expected a floating-point tensor, got dtype {t.dtype}")
-    if t.dim() != rank:
-        raise ValueError(f"{name}: expected a rank-{rank} tensor, got shape {_shape(t)} (rank {t.dim()})")
-
-
-def validate_linear_attention_inputs(
-    qf: torch.Tensor,
-    kf: torch.Tensor,
-    kls: torch.Tensor | None,
-    v: torch.Tensor,
-    *,
-    form: str = "chunked",
-    normalization: str = "rms",
-    chunk_size: int = 64,
-    initial_state: LinearAttentionState | None = None,
-    eps: float = 1e-6,
-) -> None:
-    """ValueError naming the argument, expected vs got, for any malformed input of the forms."""
-    _check_floating("qf", qf, 4)
-    _check_floating("kf", kf, 4)
-    _check_floating("v", v, 4)
-    batch, heads, n, feat = qf.shape
-    if kf.shape != qf.shape:
-        raise ValueError(f"kf: expected shape {_shape(qf)} (same as qf [B, H, N, F]), got {_shape(kf)}")
-    if v.shape[:3] != qf.shape[:3]:
-        raise ValueError(f"v: expected shape [{batch}, {heads}, {n}, Dv] (B, H, N of qf), got {_shape(v)}")
-    if n < 1:
-        raise ValueError(f"qf: expected at least one token (N >= 1), got shape {_shape(qf)}")
-    if kls is not None:
-        _check_floating("kls", kls, 3)
-        if kls.shape != qf.shape[:3]:
-            raise ValueError(f"kls: expected shape [{batch}, {heads}, {n}] (B, H, N of qf) or None, got {_shape(kls)}")
-    if form not in FORMS:
-        raise ValueError(f"form: expected one of {FORMS}, got {form!r}")
-    if normalization not in NORMALIZATIONS:
-        raise ValueError(f"normalization: expected one of {NORMALIZATIONS}, got {normalization!r}")
-    if not isinstance(chunk_size, int) or chunk_size <= 0:
-        raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
-    if not eps > 0:
-        raise ValueError(f"eps: expected a positive float, got {eps!r}")
-    if initial_state is not None:
-        if not isinstance(initial_state, LinearAttentionState):
-            raise ValueError(f"initial_state: expected a LinearAttentionState or None, got {type(initial_state).__name__}")
-        dv = v.shape[-1]
-        expected = {
-            "kv": (batch, heads, feat, dv),
-            "k_sum": (batch, heads, feat),
-            "log_max": (batch, heads),
-        }
-        for field, shape in expected.items():
-            t = getattr(initial_state, field)
-            if not isinstance(t, torch.Tensor) or not torch.is_floating_point(t) or _shape(t) != shape:
-                got = f"{_shape(t)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"initial_state.{field}: expected a floating tensor of shape {shape}, got {got}")
-        if initial_state.offset < 0:
-            raise ValueError(f"initial_state.offset: expected >= 0, got {initial_state.offset}")
 
 
 def causal_linear_attention(
@@ -150,20 +105,23 @@ def causal_linear_attention(
     chunk_size: int = 64,
     initial_state: LinearAttentionState | None = None,
     eps: float = 1e-6,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, LinearAttentionState]:
     """Causal linear attention: qf, kf [B, H, N, F], kls [B, H, N] | None, v [B, H, N, Dv]
     -> (out [B, H, N, Dv] in v.dtype, fp32 state after the last token).
 
-    ``form`` selects the algorithm (identical maths); ``chunk_size`` only affects "chunked".
+    ``form`` selects the algorithm (identical maths); ``chunk_size`` only affects "chunked", and
+    ``backend`` (auto | torch | triton, see ``uses_triton``) which implementation runs it.
     """
     validate_linear_attention_inputs(
         qf, kf, kls, v, form=form, normalization=normalization, chunk_size=chunk_size, initial_state=initial_state, eps=eps
     )
+    check_backend(backend)
     if form == "quadratic":
         return quadratic_linear_attention(qf, kf, kls, v, normalization=normalization, initial_state=initial_state, eps=eps)
     if form == "recurrent":
         return recurrent_linear_attention(qf, kf, kls, v, normalization=normalization, initial_state=initial_state, eps=eps)
-    chunked = _chunked_impl(qf.is_cuda)
+    chunked = _chunked_impl(qf.is_cuda, backend)
     return chunked(qf, kf, kls, v, normalization=normalization, chunk_size=chunk_size, initial_state=initial_state, eps=eps)
 
 
@@ -178,6 +136,11 @@ class AttentionCore(nn.Module):
     uses the recurrent form; everything else uses ``form`` (default "chunked") with the state as
     initial state. Position-dependent maps (cosformer) get ``state.offset`` as their offset.
     ``feature_kwargs`` go to ``build_feature_map`` (``max_seq_len`` is passed to cosformer only).
+
+    ``backend`` (auto | torch | triton) picks the chunked form's implementation for training,
+    evaluation and prefill alike (decoding keeps the recurrent form): with Triton, trig maps
+    (``feature_map.trig_spec()``) go through ``trig_linear_attention``, which keeps no features
+    alive for backward; other maps compute their features in torch, then run the same kernels.
     """
 
     def __init__(
@@ -193,9 +156,11 @@ class AttentionCore(nn.Module):
         form: str = "chunked",
         recurrent_max_tokens: int = 16,
         eps: float = 1e-6,
+        backend: str = "auto",
         **feature_kwargs: object,
     ) -> None:
         super().__init__()
+        check_backend(backend)
         if kind not in ATTENTION_KINDS:
             raise ValueError(f"kind: expected one of {ATTENTION_KINDS}, got {kind!r}")
         if normalization not in NORMALIZATIONS:
@@ -205,6 +170,7 @@ class AttentionCore(nn.Module):
         self.kind, self.num_heads, self.head_dim = kind, num_heads, head_dim
         self.normalization, self.chunk_size, self.form, self.eps = normalization, chunk_size, form, eps
         self.recurrent_max_tokens = recurrent_max_tokens
+        self.backend = backend
         self.max_seq_len = max_seq_len
         self.feature_map = None
         if kind != "softmax":
@@ -243,9 +209,12 @@ class AttentionCore(nn.Module):
         decoding = state is not None and q.shape[2] <= self.recurrent_max_tokens
         if decoding and not torch.is_grad_enabled():
             return self._decode(q, k, v, state, return_state)
+        form = "recurrent" if decoding else self.form
+        if form == "chunked" and uses_triton(self.backend, q.is_cuda):
+            out, new_state = self._triton_chunked(q, k, v, state, offset)
+            return out, (new_state if return_state else None)
         q_map = self.feature_map(q, offset)
         k_map = self.feature_map(k, offset)
-        form = "recurrent" if decoding else self.form
         out, new_state = causal_linear_attention(
             q_map.features,
             k_map.features,
@@ -256,8 +225,24 @@ class AttentionCore(nn.Module):
             chunk_size=self.chunk_size,
             initial_state=state,
             eps=self.eps,
+            backend=self.backend,
         )
         return out, (new_state if return_state else None)
+
+    def _triton_chunked(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: LinearAttentionState | None, offset: int
+    ) -> tuple[torch.Tensor, LinearAttentionState]:
+        """The chunked form in the Triton kernels; trig maps fused with the attention (see class doc)."""
+        from .triton import trig_linear_attention, triton_linear_attention
+
+        options = dict(normalization=self.normalization, chunk_size=self.chunk_size, initial_state=state, eps=self.eps)
+        trig_spec = getattr(self.feature_map, "trig_spec", None)
+        spec = trig_spec() if trig_spec is not None else None
+        if spec is not None:
+            omega, inv_temperature, paired = spec
+            return trig_linear_attention(q, k, v, omega, inv_temperature, paired=paired, **options)
+        q_map, k_map = self.feature_map(q, offset), self.feature_map(k, offset)
+        return triton_linear_attention(q_map.features, k_map.features, k_map.log_scale, v, **options)
 
     def _decode(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: LinearAttentionState, return_state: bool
@@ -281,4 +266,7 @@ class AttentionCore(nn.Module):
         return out, (new_state if return_state else None)
 
     def extra_repr(self) -> str:
-        return f"kind={self.kind}, num_heads={self.num_heads}, head_dim={self.head_dim}, normalization={self.normalization}"
+        return (
+            f"kind={self.kind}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
+            f"normalization={self.normalization}, backend={self.backend}"
+        )

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from megaflex.attention import ATTENTION_KINDS, NORMALIZATIONS
+from megaflex.attention import ATTENTION_BACKENDS, ATTENTION_KINDS, NORMALIZATIONS
 
 MLP_KINDS = ("gelu", "swiglu")
 NORM_KINDS = ("rmsnorm", "layernorm")
@@ -34,6 +34,9 @@ class ModelConfig:
     feature_dim: int = 128  # F: size of the feature axis (2 x number of frequencies for trig maps)
     normalization: str = "rms"  # linear attention only: "rms" (default, stable) or "denominator"
     chunk_size: int = 64  # chunk length of the parallel (training) linear-attention form
+    # chunked form's implementation: "auto" (Triton kernels on CUDA, torch on CPU), "torch", or
+    # "triton" (also on CPU tensors under TRITON_INTERPRET=1: slow, for tests)
+    attention_backend: str = "auto"
     feature_kwargs: dict[str, Any] = field(default_factory=dict)  # extra kwargs of the feature map
     mlp: str = "gelu"
     norm: str = "rmsnorm"
@@ -66,6 +69,7 @@ class ModelConfig:
             raise ValueError(f"ffn_hidden_size must be a positive int, got {self.ffn_hidden_size!r}")
         _check_choice("attention", self.attention, ATTENTION_KINDS)
         _check_choice("normalization", self.normalization, NORMALIZATIONS)
+        _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("mlp", self.mlp, MLP_KINDS)
         _check_choice("norm", self.norm, NORM_KINDS)
         _check_choice("position", self.position, POSITION_KINDS)

@@ -329,6 +329,7 @@ def _build_attention_core(config: ModelConfig, layers: LayerFactory, local_heads
             normalization=config.normalization,
             chunk_size=config.chunk_size,
             max_seq_len=config.max_seq_len,
+            backend=config.attention_backend,
             **config.feature_kwargs,
         )
 

@@ -353,6 +353,7 @@ _MODEL_DOCS = {
     "feature_dim": "feature axis F of linear attention",
     "normalization": "linear attention output normalisation (rms or denominator)",
     "chunk_size": "chunk length of the chunked linear-attention training form",
+    "attention_backend": "chunked linear attention implementation: auto (Triton on CUDA, torch on CPU), torch, or triton (on CPU tensors it needs TRITON_INTERPRET=1)",
     "feature_kwargs": "extra keyword arguments of the feature map",
     "mlp": "gelu or swiglu",
     "norm": "rmsnorm or layernorm",

@@ -72,10 +72,15 @@ class FlexformerNFeatureMap(FeatureMap):
         # select tau itself above floor + 2 so the effective value is bit-exact there
         return torch.where(tau > floor + _THRESHOLD / _BETA, tau, soft)
 
+    def trig_spec(self) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """(omega [H, 2D, d] = [O1 ; O2], inv_temperature [H], paired=True), differentiable in the
+        parameters: the map is ``trig_feature_map(x, *spec)`` (the Triton path fuses it)."""
+        with fp32_region(self.omega1):
+            return torch.cat([self.omega1, self.omega2], dim=1), torch.exp(-self.log_temperature()), True
+
     def forward(self, x: torch.Tensor, offset: int = 0) -> FeatureMapOutput:
         self.check_input(x)
+        omega, inv_temperature, paired = self.trig_spec()
         with fp32_region(x):
-            inv_temperature = torch.exp(-self.log_temperature())  # [H]
-            omega = torch.cat([self.omega1, self.omega2], dim=1)  # [H, 2D, d]: one projection for both sets
-            features, log_scale = trig_feature_map(x, omega, inv_temperature, paired=True)
+            features, log_scale = trig_feature_map(x, omega, inv_temperature, paired=paired)
         return FeatureMapOutput(features, log_scale)  # [B, H, N, 2D] in x.dtype, [B, H, N] fp32

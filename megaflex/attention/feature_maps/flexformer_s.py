@@ -32,9 +32,15 @@ class FlexformerSFeatureMap(FeatureMap):
     def reset_parameters(self) -> None:
         nn.init.normal_(self.omega, std=quarter_root(self.head_dim))
 
+    def trig_spec(self) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """(omega [H, D, d], inv_temperature [H] = 1 / (2 sqrt d), paired=False): the map is
+        ``trig_feature_map(x, *spec)`` (the Triton path fuses it)."""
+        inv_temperature = self.omega.new_full((self.num_heads,), 1.0 / (2.0 * self.head_dim**0.5), dtype=torch.float32)
+        return self.omega, inv_temperature, False
+
     def forward(self, x: torch.Tensor, offset: int = 0) -> FeatureMapOutput:
         self.check_input(x)
-        inv_temperature = x.new_full((self.num_heads,), 1.0 / (2.0 * self.head_dim**0.5), dtype=torch.float32)
+        omega, inv_temperature, paired = self.trig_spec()
         with fp32_region(x):
-            features, log_scale = trig_feature_map(x, self.omega, inv_temperature, paired=False)
+            features, log_scale = trig_feature_map(x, omega, inv_temperature, paired=paired)
         return FeatureMapOutput(features, log_scale)  # [B, H, N, 2D] in x.dtype, [B, H, N] fp32

@@ -89,12 +89,21 @@ class PerformerFeatureMap(FeatureMap):
         self.redraw(draw)
         return True
 
+    def trig_spec(self) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
+        """``trig``: (omega [H, D, d], inv_temperature [H] = 1 / (2 sqrt d), paired=False), the
+        arguments of ``trig_feature_map`` (the Triton path fuses it); None for ``positive``."""
+        if self.variant != "trig":
+            return None
+        inv_temperature = self.omega.new_full((self.num_heads,), 1.0 / (2.0 * self.head_dim**0.5), dtype=torch.float32)
+        return self.omega, inv_temperature, False
+
     def forward(self, x: torch.Tensor, offset: int = 0) -> FeatureMapOutput:
         self.check_input(x)
+        spec = self.trig_spec()
         with fp32_region(x):
-            if self.variant == "trig":  # Flexformer-S with frozen frequencies: the same fused map
-                inv_temperature = x.new_full((self.num_heads,), 1.0 / (2.0 * self.head_dim**0.5), dtype=torch.float32)
-                return FeatureMapOutput(*trig_feature_map(x, self.omega, inv_temperature, paired=False))
+            if spec is not None:  # Flexformer-S with frozen frequencies: the same fused map
+                omega, inv_temperature, paired = spec
+                return FeatureMapOutput(*trig_feature_map(x, omega, inv_temperature, paired=paired))
             proj = project(x, self.omega)  # [B, H, N, D]
             half_sq_norm = sq_norm(x) / (2.0 * self.head_dim**0.5)  # [B, H, N]
             peak = proj.amax(dim=-1, keepdim=True).detach()  # [B, H, N, 1] stabiliser

@@ -1,0 +1,14 @@
+"""Triton backend of causal linear attention (the GPU training path; runs on CPU under TRITON_INTERPRET=1).
+
+* ``triton_linear_attention``: the chunked form's contract (``chunked_linear_attention``'s signature).
+* ``trig_linear_attention``: trig feature map + attention as one autograd function that keeps no
+  [B, H, N, F] features alive between forward and backward.
+
+``triton`` itself is imported only when a kernel first runs (``function.kernels_for``), so this
+package imports without it.
+"""
+
+from .function import interpreter_enabled, kernel_chunk, triton_available, triton_linear_attention
+from .trig import trig_linear_attention
+
+__all__ = ["interpreter_enabled", "kernel_chunk", "trig_linear_attention", "triton_available", "triton_linear_attention"]

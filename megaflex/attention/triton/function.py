@@ -1,0 +1,259 @@
+"""Torch glue of the Triton kernels: launches, the autograd.Function, ``triton_linear_attention``.
+
+Forward: the running max m_t (one ``cummax``) and the chunk stabilisers in torch, then
+``chunk_states`` (state entering every chunk + final state) and ``chunk_outputs``. Saved for
+backward: the inputs and the [B, H, N] running max only. Backward recomputes the chunk states
+(one more O(N F Dv) scan, cheaper than keeping N / C states of F x Dv fp32 alive between forward
+and backward: at F = 128, C = 64 those weigh 4x a bf16 copy of the features), turns the output
+gradient into numerator/denominator gradients, scans the state gradients in reverse, and
+computes dq, dk, dv, dkls per chunk: the C x C blocks are recomputed, never stored.
+
+On CPU tensors the kernels run under Triton's interpreter (``TRITON_INTERPRET=1`` set before
+the first use); ``kernels_for`` raises a clear error otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from ..base import NORMALIZATIONS, LinearAttentionState
+from ..validation import validate_linear_attention_inputs
+
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MAX_CHUNK = 128
+_MIN_BLOCK = 16  # tl.dot needs every dimension >= 16
+
+
+def triton_available() -> bool:
+    """True when the ``triton`` package can be imported."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+_KERNELS: ModuleType | None = None
+_KERNELS_INTERPRETED = False
+
+
+def kernels_for(device: torch.device) -> ModuleType:
+    """The kernels module, imported on first use; RuntimeError if it cannot run on ``device``."""
+    global _KERNELS, _KERNELS_INTERPRETED
+    if not triton_available():
+        raise RuntimeError("attention_backend='triton' needs the triton package: pip install 'megaflex[gpu]'")
+    if _KERNELS is None:
+        from . import kernels
+
+        _KERNELS, _KERNELS_INTERPRETED = kernels, interpreter_enabled()
+    if device.type == "cpu" and not _KERNELS_INTERPRETED:
+        raise RuntimeError(
+            "attention_backend='triton' on CPU tensors runs only under Triton's interpreter: set TRITON_INTERPRET=1 "
+            "before megaflex's Triton kernels are first used (or use attention_backend='torch'/'auto' on CPU)"
+        )
+    if device.type != "cpu" and _KERNELS_INTERPRETED:
+        raise RuntimeError("TRITON_INTERPRET=1 was set when the Triton kernels were loaded: they cannot run on the GPU")
+    return _KERNELS
+
+
+def kernel_chunk(chunk_size: int) -> int:
+    """The chunk length the kernels use: ``chunk_size`` rounded up to a power of two in [16, 128]
+    (tl.arange and tl.dot need it; the chunk length changes nothing but rounding)."""
+    return min(_MAX_CHUNK, max(_MIN_BLOCK, 1 << (chunk_size - 1).bit_length()))
+
+
+def _block(size: int) -> int:
+    return max(_MIN_BLOCK, 1 << (size - 1).bit_length())
+
+
+@dataclass
+class ChunkPlan:
+    """Shapes, block sizes and stabilisers of one call (the same in forward and backward)."""
+
+    bh: int
+    n: int
+    feat: int
+    dv: int
+    chunk: int
+    chunks: int
+    running_max: torch.Tensor  # [BH, N] m_t
+    chunk_max: torch.Tensor  # [BH, NC + 1]: log_max of the incoming state, then m at each chunk end
+    precision: str
+
+    def meta(self) -> dict:
+        return dict(CHUNK=self.chunk, BF=_block(self.feat), PREC=self.precision)
+
+
+def _plan(ls: torch.Tensor, log_max0: torch.Tensor, feat: int, dv: int, chunk_size: int, dtype: torch.dtype) -> ChunkPlan:
+    """ls [BH, N] fp32 key log-scales, log_max0 [BH] -> the stabilisers (constants for autograd)."""
+    bh, n = ls.shape
+    chunk = kernel_chunk(chunk_size)
+    chunks = -(-n // chunk)
+    running_max = torch.maximum(ls.detach().cummax(dim=-1).values, log_max0.detach().unsqueeze(-1)).contiguous()
+    ends = torch.arange(1, chunks + 1, device=ls.device) * chunk - 1
+    chunk_max = torch.cat([log_max0.detach().unsqueeze(-1), running_max[:, ends.clamp(max=n - 1)]], dim=-1).contiguous()
+    # fp32 inputs get exact fp32 products; half inputs (10 or 7 mantissa bits) tf32 tensor cores
+    precision = "ieee" if dtype == torch.float32 else "tf32"
+    return ChunkPlan(bh, n, feat, dv, chunk, chunks, running_max, chunk_max, precision)
+
+
+def _state_blocks(plan: ChunkPlan) -> tuple[int, int]:
+    """Dv block of the sequential scans (their columns are independent) and the number of blocks."""
+    block = min(_block(plan.dv), 64)
+    return block, -(-plan.dv // block)
+
+
+def _chunk_states(kern, k, v, ls, plan: ChunkPlan, kv0, z0):
+    """States entering each chunk [BH, NC, F, Dv], [BH, NC, F] and the final kv, k_sum."""
+    f32 = dict(device=k.device, dtype=torch.float32)
+    states = torch.empty(plan.bh, plan.chunks, plan.feat, plan.dv, **f32)
+    sums = torch.empty(plan.bh, plan.chunks, plan.feat, **f32)
+    kv, k_sum = torch.empty(plan.bh, plan.feat, plan.dv, **f32), torch.empty(plan.bh, plan.feat, **f32)
+    block, blocks = _state_blocks(plan)
+    kern.chunk_states[(plan.bh, blocks)](
+        k, v, ls, plan.chunk_max, kv0, z0, states, sums, kv, k_sum,
+        plan.n, plan.feat, plan.dv, plan.chunks, BV=block, **plan.meta(),
+    )  # fmt: skip
+    return states, sums, kv, k_sum
+
+
+def attention_forward(q, k, ls, v, kv0, z0, plan: ChunkPlan, normalization: str, eps: float, out_dtype: torch.dtype):
+    """[BH, N, *] contiguous inputs -> (out [BH, N, Dv] in out_dtype, final kv [BH, F, Dv], k_sum [BH, F])."""
+    kern = kernels_for(q.device)
+    states, sums, kv, k_sum = _chunk_states(kern, k, v, ls, plan, kv0, z0)
+    out = torch.empty(plan.bh, plan.n, plan.dv, device=q.device, dtype=out_dtype)
+    kern.chunk_outputs[(plan.chunks, plan.bh)](
+        q, k, v, ls, plan.running_max, plan.chunk_max, states, sums, out, out, out, out,
+        plan.n, plan.feat, plan.dv, plan.chunks, eps,
+        BV=_block(plan.dv), RMS=normalization == "rms", BACKWARD=False, **plan.meta(),
+    )  # fmt: skip
+    return out, kv, k_sum
+
+
+def attention_backward(q, k, ls, v, kv0, z0, plan: ChunkPlan, normalization: str, eps: float, d_out, d_kv, d_k_sum):
+    """Gradients ([BH, ...]; q, k, v in their own dtype, the rest fp32) of q, k, ls, v and of the incoming kv, k_sum."""
+    kern = kernels_for(q.device)
+    f32 = dict(device=q.device, dtype=torch.float32)
+    states, sums, _, _ = _chunk_states(kern, k, v, ls, plan, kv0, z0)
+    d_out = torch.zeros(plan.bh, plan.n, plan.dv, **f32) if d_out is None else d_out.contiguous()
+    d_num = torch.empty(plan.bh, plan.n, plan.dv, **f32)
+    d_den = torch.empty(plan.bh, plan.n, **f32)
+    kern.chunk_outputs[(plan.chunks, plan.bh)](
+        q, k, v, ls, plan.running_max, plan.chunk_max, states, sums, d_out, d_out, d_num, d_den,
+        plan.n, plan.feat, plan.dv, plan.chunks, eps,
+        BV=_block(plan.dv), RMS=normalization == "rms", BACKWARD=True, **plan.meta(),
+    )  # fmt: skip
+    d_kv = torch.zeros(plan.bh, plan.feat, plan.dv, **f32) if d_kv is None else d_kv.contiguous()
+    d_k_sum = torch.zeros(plan.bh, plan.feat, **f32) if d_k_sum is None else d_k_sum.contiguous()
+    d_states, d_sums = torch.empty_like(states), torch.empty_like(sums)
+    d_kv0, d_z0 = torch.empty(plan.bh, plan.feat, plan.dv, **f32), torch.empty(plan.bh, plan.feat, **f32)
+    block, blocks = _state_blocks(plan)
+    kern.chunk_state_grads[(plan.bh, blocks)](
+        q, plan.running_max, plan.chunk_max, d_num, d_den, d_kv, d_k_sum, d_states, d_sums, d_kv0, d_z0,
+        plan.n, plan.feat, plan.dv, plan.chunks, BV=block, **plan.meta(),
+    )  # fmt: skip
+    # gradients leave in the inputs' dtypes (the kernel casts on store): no fp32 copies of them
+    dq, dk = torch.empty_like(q), torch.empty_like(k)
+    dv, dls = torch.empty_like(v), torch.empty(plan.bh, plan.n, **f32)
+    kern.chunk_grads[(plan.chunks, plan.bh)](
+        q, k, v, ls, plan.running_max, plan.chunk_max, states, sums, d_num, d_den, d_states, d_sums, dq, dk, dv, dls,
+        plan.n, plan.feat, plan.dv, plan.chunks, BV=_block(plan.dv), **plan.meta(),
+    )  # fmt: skip
+    return dq, dk, dls, dv, d_kv0, d_z0
+
+
+def flat_inputs(qf, kf, kls, v, initial_state: LinearAttentionState | None, chunk_size: int):
+    """Contiguous [BH, N, *] views, fp32 log-scales, the fp32 incoming state and the plan."""
+    batch, heads, n, feat = qf.shape
+    bh, dv = batch * heads, v.shape[-1]
+    f32 = dict(device=qf.device, dtype=torch.float32)
+    ls = torch.zeros(bh, n, **f32) if kls is None else kls.reshape(bh, n).float().contiguous()
+    if initial_state is None:
+        kv0, z0 = torch.zeros(bh, feat, dv, **f32), torch.zeros(bh, feat, **f32)
+        log_max0 = torch.full((bh,), float("-inf"), **f32)
+    else:
+        kv0 = initial_state.kv.reshape(bh, feat, dv).float().contiguous()
+        z0 = initial_state.k_sum.reshape(bh, feat).float().contiguous()
+        log_max0 = initial_state.log_max.reshape(bh).float()
+    plan = _plan(ls, log_max0, feat, dv, chunk_size, v.dtype)
+    flat = (qf.reshape(bh, n, feat).contiguous(), kf.reshape(bh, n, feat).contiguous(), ls, v.reshape(bh, n, dv).contiguous())
+    return flat, kv0, z0, plan
+
+
+def check_triton_dtype(t: torch.Tensor, name: str) -> None:
+    if t.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"{name}: the triton backend takes fp16, bf16 or fp32, got {t.dtype} (use attention_backend='torch')")
+
+
+def check_options(normalization: str, chunk_size: int, eps: float) -> None:
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(f"normalization: expected one of {NORMALIZATIONS}, got {normalization!r}")
+    if not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
+    if not eps > 0:
+        raise ValueError(f"eps: expected a positive float, got {eps!r}")
+
+
+class _TritonLinearAttention(torch.autograd.Function):
+    """(qf, kf, ls, v, kv0, k_sum0, plan, normalization, eps) -> (out, kv, k_sum), all [BH, ...]."""
+
+    @staticmethod
+    def forward(ctx, q, k, ls, v, kv0, z0, plan, normalization, eps):  # type: ignore[override]
+        out, kv, k_sum = attention_forward(q, k, ls, v, kv0, z0, plan, normalization, eps, v.dtype)
+        ctx.save_for_backward(q, k, ls, v, kv0, z0)
+        ctx.plan, ctx.normalization, ctx.eps = plan, normalization, eps
+        ctx.set_materialize_grads(False)
+        return out, kv, k_sum
+
+    @staticmethod
+    def backward(ctx, d_out, d_kv, d_k_sum):  # type: ignore[override]
+        q, k, ls, v, kv0, z0 = ctx.saved_tensors
+        dq, dk, dls, dv, d_kv0, d_z0 = attention_backward(
+            q, k, ls, v, kv0, z0, ctx.plan, ctx.normalization, ctx.eps, d_out, d_kv, d_k_sum
+        )
+        return dq, dk, dls, dv, d_kv0, d_z0, None, None, None
+
+
+def final_state(kv, k_sum, plan: ChunkPlan, shape: tuple[int, int], offset: int) -> LinearAttentionState:
+    """[BH, ...] final sums -> the LinearAttentionState [B, H, ...] after the last token."""
+    batch, heads = shape
+    return LinearAttentionState(
+        kv=kv.view(batch, heads, plan.feat, plan.dv),
+        k_sum=k_sum.view(batch, heads, plan.feat),
+        log_max=plan.chunk_max[:, -1].view(batch, heads),
+        offset=offset,
+    )
+
+
+def triton_linear_attention(
+    qf: torch.Tensor,
+    kf: torch.Tensor,
+    kls: torch.Tensor | None,
+    v: torch.Tensor,
+    *,
+    normalization: str = "rms",
+    chunk_size: int = 64,
+    initial_state: LinearAttentionState | None = None,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, LinearAttentionState]:
+    """The chunked form (``chunked_linear_attention``'s signature and contract) in Triton kernels:
+    qf, kf [B, H, N, F], kls [B, H, N] | None, v [B, H, N, Dv] -> (out in v.dtype, fp32 state).
+    Differentiable w.r.t. qf, kf, kls, v and the initial state's kv, k_sum."""
+    validate_linear_attention_inputs(
+        qf, kf, kls, v, normalization=normalization, chunk_size=chunk_size, initial_state=initial_state, eps=eps
+    )
+    for name, t in (("qf", qf), ("kf", kf), ("v", v)):
+        check_triton_dtype(t, name)
+    batch, heads, n, _ = qf.shape
+    (q, k, ls, vv), kv0, z0, plan = flat_inputs(qf, kf, kls, v, initial_state, chunk_size)
+    out, kv, k_sum = _TritonLinearAttention.apply(q, k, ls, vv, kv0, z0, plan, normalization, eps)
+    offset = (0 if initial_state is None else initial_state.offset) + n
+    return out.view(batch, heads, n, plan.dv), final_state(kv, k_sum, plan, (batch, heads), offset)

@@ -1,0 +1,221 @@
+"""Triton kernels of the chunked form and the fused trig path, against the quadratic reference,
+run on CPU tensors under Triton's interpreter (the GPU compiles the same kernels; see
+evaluation/gpu_check.py for the compiled run in fp32/bf16/fp16).
+
+Every case compares the output, the final state and the gradients of q/k features, key
+log-scales, v and the incoming state (trig path: q, k, v, omega, inv_temperature, state).
+Full grid for the core kernel in fp32; reduced grids for fp16 and for the trig path.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are first imported (CPU tensors need it)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton", reason="triton is not installed (pip install 'megaflex[dev]' installs it)")
+
+from megaflex.attention import LinearAttentionState, NORMALIZATIONS  # noqa: E402
+from megaflex.attention.feature_maps._trig import trig_feature_map_reference  # noqa: E402
+from megaflex.attention.quadratic import quadratic_linear_attention  # noqa: E402
+from megaflex.attention.triton import kernel_chunk, trig_linear_attention, triton_linear_attention  # noqa: E402
+
+LENGTHS = (1, 31, 64, 65, 200)
+CHUNKS = (16, 64)
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3}
+
+
+def _close(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
+    """Normwise: max|got - want| <= tol * max(max|want|, 1) (gradients that are exactly 0 in
+    exact arithmetic, e.g. dq at N = 1 under rms, are compared on the scale of 1)."""
+    assert got.shape == want.shape and got.dtype == want.dtype, (name, got.shape, want.shape, got.dtype, want.dtype)
+    assert torch.isfinite(got).all(), f"{name}: non-finite values"
+    err = (got.double() - want.double()).abs().max().item()
+    scale = max(want.double().abs().max().item(), 1.0)
+    assert err <= tol * scale, f"{name}: max error {err:.3e} > {tol:.1e} x {scale:.3e}"
+
+
+def _inputs(n, feat, dv, *, normalization, with_state, key_scale, dtype, values=None, seed=0):
+    """q/k features (positive for the denominator, so it stays away from 0; signed for rms),
+    key log-scales ~ N(0, key_scale^2), v, an incoming state; all leaves requiring grad. ``values``:
+    round q/k features and v through this dtype first (so an fp64 reference sees fp16 inputs)."""
+    g = torch.Generator().manual_seed(seed)
+    batch, heads = 1, 2
+    if normalization == "denominator":
+        qf = torch.exp(0.5 * torch.randn(batch, heads, n, feat, generator=g)) / feat
+        kf = torch.exp(0.5 * torch.randn(batch, heads, n, feat, generator=g))
+    else:
+        qf = torch.randn(batch, heads, n, feat, generator=g)
+        kf = torch.randn(batch, heads, n, feat, generator=g)
+    kls = key_scale * torch.randn(batch, heads, n, generator=g)
+    v = torch.randn(batch, heads, n, dv, generator=g)
+    leaves = {"qf": qf, "kf": kf, "kls": kls, "v": v}
+    state = None
+    if with_state:
+        leaves["kv0"] = torch.randn(batch, heads, feat, dv, generator=g).abs()
+        leaves["k_sum0"] = torch.rand(batch, heads, feat, generator=g) * n
+        log_max = key_scale * torch.randn(batch, heads, generator=g)
+    side = torch.float64 if dtype == torch.float64 else torch.float32  # log-scales and state
+    values = values or dtype
+    leaves = {
+        name: (t.to(values).to(dtype) if name in ("qf", "kf", "v") else t.to(side)).requires_grad_() for name, t in leaves.items()
+    }
+    if with_state:
+        state = LinearAttentionState(leaves["kv0"], leaves["k_sum0"], log_max.to(side), offset=3)
+    return leaves, state
+
+
+def _loss_and_grads(out, state, leaves, seed=1):
+    """Random linear functional of (out, final kv, final k_sum) and its gradients."""
+    g = torch.Generator().manual_seed(seed)
+    loss = (out.double() * torch.randn(out.shape, generator=g, dtype=torch.float64)).sum()
+    loss = loss + (state.kv.double() * torch.randn(state.kv.shape, generator=g, dtype=torch.float64)).sum()
+    loss = loss + (state.k_sum.double() * torch.randn(state.k_sum.shape, generator=g, dtype=torch.float64)).sum()
+    return dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
+
+
+def _flatten(result):
+    out, state, grads = result
+    return {"out": out, "state.kv": state.kv, "state.k_sum": state.k_sum, **{f"d{k}": g for k, g in grads.items()}}
+
+
+def _compare(got, want, exact, tol):
+    """``got`` (Triton) vs ``want`` (the quadratic form at the same precision) and ``exact`` (the
+    quadratic form in fp64): Triton's error w.r.t. fp64 may exceed ``tol`` only as far as the
+    reference's own rounding error does (with key scales x100 rms outputs can be ill-conditioned)."""
+    torch.testing.assert_close(got[1].log_max.double(), exact[1].log_max, rtol=1e-6, atol=1e-6)
+    assert got[1].offset == exact[1].offset
+    got, want, exact = _flatten(got), _flatten(want), _flatten(exact)
+    for name, ref in exact.items():
+        assert got[name].dtype == want[name].dtype, (name, got[name].dtype, want[name].dtype)
+        scale = max(ref.abs().max().item(), 1.0)
+        reference_error = (want[name].double() - ref).abs().max().item() / scale
+        _close(name, got[name].double(), ref, tol + 10 * reference_error)
+
+
+def _run_core(fn, n, chunk, normalization, with_state, key_scale, dtype, values=None):
+    leaves, state = _inputs(
+        n, 16, 16, normalization=normalization, with_state=with_state, key_scale=key_scale, dtype=dtype, values=values
+    )
+    kwargs = dict(normalization=normalization, initial_state=state)
+    if fn is triton_linear_attention:
+        kwargs["chunk_size"] = chunk
+    out, new_state = fn(leaves["qf"], leaves["kf"], leaves["kls"], leaves["v"], **kwargs)
+    return out, new_state, _loss_and_grads(out, new_state, leaves)
+
+
+# key scales x100 run with a carried state (its log_max then matters too); 60 cases in all
+@pytest.mark.parametrize("with_state,key_scale", [(False, 1.0), (True, 1.0), (True, 100.0)])
+@pytest.mark.parametrize("normalization", NORMALIZATIONS)
+@pytest.mark.parametrize("chunk", CHUNKS)
+@pytest.mark.parametrize("n", LENGTHS)
+def test_core_kernels_match_quadratic_fp32(n, chunk, normalization, with_state, key_scale):
+    args = (n, chunk, normalization, with_state, key_scale)
+    _compare(
+        _run_core(triton_linear_attention, *args, torch.float32),
+        _run_core(quadratic_linear_attention, *args, torch.float32),
+        _run_core(quadratic_linear_attention, *args, torch.float64),
+        # exp arguments kls_s - m_t carry |kls| x 2^-24 absolute rounding, which rms can amplify
+        TOLERANCE[torch.float32] * (1 + key_scale / 5),
+    )
+
+
+@pytest.mark.parametrize("with_state", [False, True])
+@pytest.mark.parametrize("normalization", NORMALIZATIONS)
+@pytest.mark.parametrize("n,chunk", [(1, 16), (65, 16), (200, 64)])
+def test_core_kernels_match_quadratic_fp16(n, chunk, normalization, with_state):
+    args = (n, chunk, normalization, with_state, 100.0)
+    out, state, grads = _run_core(triton_linear_attention, *args, torch.float16)
+    assert out.dtype == torch.float16 and state.kv.dtype == torch.float32  # fp32 state whatever the input
+    exact = _run_core(quadratic_linear_attention, *args, torch.float64, values=torch.float16)
+    _compare((out, state, grads), _run_core(quadratic_linear_attention, *args, torch.float16), exact, TOLERANCE[torch.float16])
+
+
+def _run_trig(use_triton, n, chunk, paired, normalization, with_state, temperature_scale, dtype, values=None):
+    g = torch.Generator().manual_seed(2)
+    heads, d, rows = 2, 8, 16  # F = 16 paired, 32 unpaired
+    values = values or dtype
+    leaves, state = _inputs(
+        n, rows if paired else 2 * rows, 8, normalization="rms", with_state=with_state, key_scale=1.0, dtype=dtype, values=values
+    )
+    q = (0.5 * torch.randn(1, heads, n, d, generator=g)).to(values).to(dtype).requires_grad_()
+    k = (0.5 * torch.randn(1, heads, n, d, generator=g)).to(values).to(dtype).requires_grad_()
+    side = torch.float64 if dtype == torch.float64 else torch.float32
+    omega = torch.randn(heads, rows, d, generator=g).to(side).requires_grad_()
+    inv_t = (temperature_scale * (0.2 + torch.rand(heads, generator=g))).to(side).requires_grad_()
+    grads_of = {"q": q, "k": k, "v": leaves["v"], "omega": omega, "inv_temperature": inv_t}
+    grads_of.update({name: leaves[name] for name in ("kv0", "k_sum0") if name in leaves})
+    options = dict(normalization=normalization, initial_state=state)
+    if use_triton:
+        out, new_state = trig_linear_attention(q, k, leaves["v"], omega, inv_t, paired=paired, chunk_size=chunk, **options)
+    else:
+        qf, _ = trig_feature_map_reference(q, omega, inv_t, paired=paired)
+        kf, kls = trig_feature_map_reference(k, omega, inv_t, paired=paired)
+        out, new_state = quadratic_linear_attention(qf, kf, kls, leaves["v"], **options)
+    return out, new_state, _loss_and_grads(out, new_state, grads_of)
+
+
+@pytest.mark.parametrize("normalization", NORMALIZATIONS)
+@pytest.mark.parametrize("paired", [True, False])
+@pytest.mark.parametrize(
+    "n,chunk,with_state,temperature_scale", [(1, 16, False, 1.0), (31, 64, True, 1.0), (65, 16, False, 100.0), (200, 64, True, 100.0)]
+)
+def test_trig_path_matches_reference_fp32(n, chunk, with_state, temperature_scale, paired, normalization):
+    # temperature_scale 100: key log-scales ||k||^2 inv_t ~ 100 x larger (the stabiliser keeps every exp <= 1)
+    args = (n, chunk, paired, normalization, with_state, temperature_scale)
+    _compare(
+        _run_trig(True, *args, torch.float32),
+        _run_trig(False, *args, torch.float32),
+        _run_trig(False, *args, torch.float64),
+        TOLERANCE[torch.float32] * (1 + temperature_scale / 5),  # see the core test
+    )
+
+
+@pytest.mark.parametrize("paired", [True, False])
+@pytest.mark.parametrize("n,chunk", [(31, 16), (65, 64)])
+def test_trig_path_matches_reference_fp16(n, chunk, paired):
+    args = (n, chunk, paired, "rms", True, 100.0)
+    _compare(
+        _run_trig(True, *args, torch.float16),
+        _run_trig(False, *args, torch.float16),
+        _run_trig(False, *args, torch.float64, values=torch.float16),
+        TOLERANCE[torch.float16],
+    )
+
+
+def test_chunk_lengths_round_to_powers_of_two_within_dot_limits():
+    assert [kernel_chunk(c) for c in (1, 16, 17, 48, 64, 100, 1000)] == [16, 16, 32, 64, 64, 128, 128]
+
+
+def test_segments_with_carried_state_equal_one_shot():
+    leaves, _ = _inputs(70, 16, 16, normalization="rms", with_state=False, key_scale=30.0, dtype=torch.float32)
+    qf, kf, kls, v = (leaves[name].detach() for name in ("qf", "kf", "kls", "v"))
+    whole, whole_state = triton_linear_attention(qf, kf, kls, v, chunk_size=16)
+    first, state = triton_linear_attention(qf[:, :, :37], kf[:, :, :37], kls[:, :, :37], v[:, :, :37], chunk_size=16)
+    second, last_state = triton_linear_attention(
+        qf[:, :, 37:], kf[:, :, 37:], kls[:, :, 37:], v[:, :, 37:], chunk_size=16, initial_state=state
+    )
+    _close("segments", torch.cat([first, second], dim=2), whole, 1e-5)
+    _close("state.kv", last_state.kv, whole_state.kv, 1e-5)
+    assert last_state.offset == whole_state.offset == 70
+
+
+@pytest.mark.parametrize(
+    "change, error",
+    [
+        (dict(v=torch.zeros(2, 2, 5, 4, dtype=torch.float64)), "the triton backend takes fp16, bf16 or fp32"),
+        (dict(normalization="l2"), "normalization: expected one of"),
+        (dict(chunk_size=0), "chunk_size: expected a positive int"),
+    ],
+)
+def test_bad_input_raises_value_error(change, error):
+    args = dict(qf=torch.rand(2, 2, 5, 4), kf=torch.rand(2, 2, 5, 4), kls=None, v=torch.rand(2, 2, 5, 4))
+    options = {key: change.pop(key) for key in list(change) if key not in args}
+    args.update(change)
+    if "qf" in args and args["v"].dtype == torch.float64:
+        args = {key: (t.double() if isinstance(t, torch.Tensor) else t) for key, t in args.items()}
+    with pytest.raises(ValueError, match=error):
+        triton_linear_attention(args["qf"], args["kf"], args["kls"], args["v"], **options)
