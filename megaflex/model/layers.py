@@ -3,14 +3,17 @@
 The model never talks to process groups. It asks a ``LayerFactory`` for its linear layers,
 embedding, logits and loss; ``LocalLayers`` (here) builds plain single-device modules and
 ``megaflex.parallel.TensorParallelLayers`` builds Megatron-style tensor-parallel ones with the
-same contract. Shapes below use ``tp`` for the factory's tensor-parallel size.
+same contract. Shapes below use ``tp`` for the factory's tensor-parallel size. Under context
+parallelism (``TensorParallelLayers`` with a CP group) the model sees only this rank's slice of
+each sequence; the factory supplies the slice's global offset, the attention over the whole
+sequence and the sum of the loss over the slices.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from typing import Callable, ContextManager, Protocol
+from typing import Any, Callable, ContextManager, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -68,6 +71,19 @@ class LayerFactory(Protocol):
         """``context_fn`` for non-reentrant ``torch.utils.checkpoint``: (forward, recompute)
         contexts under which the recompute replays ``tp_region_rng``'s random stream."""
 
+    def check_model_fit(self, num_heads: int, ffn_hidden_size: int) -> None:
+        """ValueError unless heads and MLP width split evenly over the TP ranks."""
+
+    def sequence_offset(self, local_len: int) -> int:
+        """Global position of this rank's first token, its slices holding ``local_len`` tokens each."""
+
+    def sequence_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of ``x`` over the slices of the sequence (gradient: this slice's own term)."""
+
+    def attention(self, core: nn.Module) -> Callable[..., Any]:
+        """What runs the attention core over the whole (possibly split) sequence: ``core`` itself
+        or a stand-in with its call signature."""
+
 
 class LocalLayers:
     """Single-device implementation of ``LayerFactory`` (tp_size = 1)."""
@@ -112,6 +128,18 @@ class LocalLayers:
     def checkpoint_context(self) -> tuple[ContextManager[None], ContextManager[None]]:
         # No TP-region stream: torch's own RNG restore covers the default generator.
         return contextlib.nullcontext(), contextlib.nullcontext()
+
+    def check_model_fit(self, num_heads: int, ffn_hidden_size: int) -> None:
+        return None  # one rank holds everything
+
+    def sequence_offset(self, local_len: int) -> int:
+        return 0
+
+    def sequence_sum(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def attention(self, core: nn.Module) -> Callable[..., Any]:
+        return core
 
 
 def _linear(in_features: int, out_features: int, bias: bool, init_method: InitMethod) -> nn.Linear:
