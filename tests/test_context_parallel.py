@@ -96,7 +96,7 @@ def _attention_run(
     q, k, v, weight = (torch.randn(2, 2, n, 8, generator=gen).to(dtype) for _ in range(4))
     k = k * key_scale
     if state is not None:
-        q, k, v, weight = (sequence_slice(t, state, dim=2) for t in (q, k, v, weight))
+        q, k, v, weight = (sequence_slice(t, state.cp_rank, state.cp_size, dim=2) for t in (q, k, v, weight))
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     attend = core if state is None else ContextParallelAttention(core, state)
     out, _ = attend(q, k, v)
@@ -116,7 +116,7 @@ def _attention_worker(rank: int, world: int, n: int, chunk: int) -> list[str]:
         ref = _attention_run(kind, normalization, key_scale, n, chunk, None, dtype)
         got = _attention_run(kind, normalization, key_scale, n, chunk, state, dtype)
         for name in ("out", "q", "k", "v"):
-            want = sequence_slice(ref[name], state, dim=2)
+            want = sequence_slice(ref[name], state.cp_rank, state.cp_size, dim=2)
             torch.testing.assert_close(got[name], want, atol=ATOL, rtol=RTOL, msg=lambda m: f"{case} {name}: {m}")
         assert ref["params"].keys() == got["params"].keys()
         for name, want in ref["params"].items():
@@ -147,7 +147,8 @@ def _gpt_worker(rank: int, world: int, tp: int, cp: int, refs: list[dict]) -> li
         model = GPT(config, TensorParallelLayers(state, seed=3))
         mark_head_sharded_params(model)
         load_state_dict_checked(model, split_state_dict(ref["state_dict"], gpt_layout(config), tp)[state.tp_rank])
-        out = model(sequence_slice(ref["ids"], state), labels=sequence_slice(ref["labels"], state))
+        ids, labels = (sequence_slice(t, state.cp_rank, state.cp_size) for t in (ref["ids"], ref["labels"]))
+        out = model(ids, labels=labels)
         out.loss.backward()
         grads = {k: p.grad.clone() for k, p in model.named_parameters()}
         for g in grads.values():

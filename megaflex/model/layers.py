@@ -33,6 +33,19 @@ def pad_vocab_size(vocab_size: int, tp_size: int, multiple: int = 128) -> int:
     return int(math.ceil(vocab_size / step) * step)
 
 
+def check_tensor_parallel_fit(name: str, value: int, tp_size: int) -> None:
+    """ValueError unless ``value`` (a head count or feature width) splits evenly over ``tp_size`` ranks.
+    The one copy of this check: ``megaflex.parallel.ParallelDims`` and the TP layers call it too."""
+    if value % tp_size != 0:
+        raise ValueError(f"{name}: expected a multiple of the tensor-parallel size {tp_size}, got {value}")
+
+
+def check_model_fit(num_heads: int, ffn_hidden_size: int, tp_size: int) -> None:
+    """ValueError unless every TP rank gets whole heads and an equal MLP slice."""
+    check_tensor_parallel_fit("num_heads", num_heads, tp_size)
+    check_tensor_parallel_fit("ffn_hidden_size", ffn_hidden_size, tp_size)
+
+
 class LayerFactory(Protocol):
     """What the model needs from a (possibly tensor-parallel) layer provider."""
 
@@ -130,7 +143,7 @@ class LocalLayers:
         return contextlib.nullcontext(), contextlib.nullcontext()
 
     def check_model_fit(self, num_heads: int, ffn_hidden_size: int) -> None:
-        return None  # one rank holds everything
+        check_model_fit(num_heads, ffn_hidden_size, self.tp_size)
 
     def sequence_offset(self, local_len: int) -> int:
         return 0

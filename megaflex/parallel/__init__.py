@@ -34,14 +34,12 @@ from megaflex.parallel.state import (
     ParallelDims,
     ParallelLayout,
     ParallelState,
-    check_tensor_parallel_fit,
     initialize_parallel_state,
 )
 
 __all__ = [
     "ContextParallelAttention",
     "ParallelDims",
-    "check_tensor_parallel_fit",
     "context_parallel_linear_attention",
     "sequence_slice",
     "sequence_sum",

@@ -187,11 +187,9 @@ def sequence_sum(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
     return _SequenceSum.apply(x, state)
 
 
-def sequence_slice(x: torch.Tensor, state: ParallelState, dim: int = 1) -> torch.Tensor:
-    """This CP rank's contiguous slice of ``x`` along ``dim`` (the sequence axis)."""
+def sequence_slice(x: torch.Tensor, cp_rank: int, cp_size: int, dim: int = 1) -> torch.Tensor:
+    """CP rank ``cp_rank``'s contiguous slice (of ``cp_size`` equal ones) of ``x`` along ``dim`` (the sequence)."""
     n = x.shape[dim]
-    if n % state.cp_size != 0:
-        raise ValueError(
-            f"sequence length: expected a multiple of context_parallel_size {state.cp_size}, got {n} (shape {tuple(x.shape)})"
-        )
-    return x.narrow(dim, state.cp_rank * (n // state.cp_size), n // state.cp_size)
+    if n % cp_size != 0:
+        raise ValueError(f"sequence length: expected a multiple of context_parallel_size {cp_size}, got {n} (shape {tuple(x.shape)})")
+    return x.narrow(dim, cp_rank * (n // cp_size), n // cp_size)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megaflex.attention.base import FeatureMap
-from megaflex.model.layers import InitMethod, LocalLayers, pad_vocab_size
+from megaflex.model.layers import InitMethod, LocalLayers, check_tensor_parallel_fit, pad_vocab_size
 from megaflex.parallel.context_parallel import ContextParallelAttention, sequence_sum
 from megaflex.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megaflex.parallel.mappings import (
@@ -36,7 +36,7 @@ from megaflex.parallel.mappings import (
     scatter_to_tp_region,
 )
 from megaflex.parallel.random import TensorParallelRNGTracker, model_parallel_tracker
-from megaflex.parallel.state import ParallelState, check_tensor_parallel_fit
+from megaflex.parallel.state import ParallelState
 
 
 def set_tensor_parallel_attributes(param: torch.Tensor, partition_dim: int, stride: int = 1) -> None:

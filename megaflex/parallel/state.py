@@ -24,13 +24,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megaflex.model.layers import check_model_fit
+
 ProcessGroup = dist.ProcessGroup
-
-
-def check_tensor_parallel_fit(name: str, value: int, tp_size: int) -> None:
-    """ValueError unless ``value`` (a head count or feature width) splits evenly over ``tp_size`` ranks."""
-    if value % tp_size != 0:
-        raise ValueError(f"{name}: expected a multiple of the tensor-parallel size {tp_size}, got {value}")
 
 
 @dataclass(frozen=True)
@@ -65,8 +61,7 @@ class ParallelDims:
 
     def check_model_fit(self, num_heads: int, ffn_hidden_size: int) -> None:
         """ValueError unless every TP rank gets whole heads and an equal MLP slice."""
-        check_tensor_parallel_fit("num_heads", num_heads, self.tp_size)
-        check_tensor_parallel_fit("ffn_hidden_size", ffn_hidden_size, self.tp_size)
+        check_model_fit(num_heads, ffn_hidden_size, self.tp_size)
 
     @property
     def dp_size(self) -> int:
