@@ -56,13 +56,15 @@ def local_state(kf: torch.Tensor, kls: torch.Tensor | None, v: torch.Tensor) -> 
     acc = accumulation_dtype(v.dtype)
     kf, v = kf.to(acc), v.to(acc)
     if kls is None:
-        kw, log_max = kf, kf.new_zeros(kf.shape[:2])
+        weight, log_max = kf.new_ones(kf.shape[:3]), kf.new_zeros(kf.shape[:2])
     else:
         kls = kls.to(acc)
         log_max = kls.detach().amax(dim=-1)  # [B, H]
-        kw = kf * torch.exp(kls - log_max.unsqueeze(-1)).unsqueeze(-1)  # every weight <= 1
-    kv = kw.transpose(-1, -2) @ v  # [B, H, F, Dv]
-    return torch.cat([kv, kw.sum(dim=-2).unsqueeze(-1)], dim=-1), log_max
+        weight = torch.exp(kls - log_max.unsqueeze(-1))  # [B, H, N], every weight <= 1
+    # the weights go on v and into a [1, N] row, so autograd keeps no new [N, F] tensor (kf is kept anyway)
+    kv = kf.transpose(-1, -2) @ (v * weight.unsqueeze(-1))  # [B, H, F, Dv]
+    k_sum = weight.unsqueeze(-2) @ kf  # [B, H, 1, F]
+    return torch.cat([kv, k_sum.transpose(-1, -2)], dim=-1), log_max
 
 
 def _incoming_weights(log_maxes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -235,6 +235,8 @@ class TensorParallelLayers:
     def cross_entropy(
         self, logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, label_smoothing: float = 0.0
     ) -> torch.Tensor:
+        if self.state.tp_size == 1:  # whole vocabulary here (context parallelism alone): torch's leaner kernel
+            return LocalLayers().cross_entropy(logits, labels, vocab_size, label_smoothing)
         return vocab_parallel_cross_entropy(logits, labels, vocab_size, self.state, label_smoothing=label_smoothing)
 
     def gather_logits(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
