@@ -185,3 +185,18 @@ def test_gpt_under_cp_refuses_softmax() -> None:
     model = GPT(config, layers)
     with pytest.raises(ValueError, match="context_parallel_size: expected 1 for attention kind 'softmax'"):
         model(torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_config_errors_for_context_parallelism(tmp_path) -> None:
+    from megaflex.training.config import ConfigError, load_config, validate_runtime
+    from training_harness import write_config
+
+    tiny = write_config(tmp_path / "tiny.yaml")  # seq_len 64, 4 heads, flexformer_n
+    with pytest.raises(ConfigError, match=r"data.seq_len .*expected a multiple of parallel.context_parallel_size \(3\), got 64"):
+        load_config([tiny], ["parallel.context_parallel_size=3"])
+    with pytest.raises(ConfigError, match="parallel.context_parallel_size .*expected 1 for model.attention='softmax'"):
+        load_config([tiny], ["parallel.context_parallel_size=2", "model.attention=softmax"])
+    cfg = load_config([tiny], ["parallel.context_parallel_size=2", "parallel.tensor_parallel_size=2"])
+    with pytest.raises(ConfigError, match=r"divisor of the world size 6, got 2 x 2 x 1 = 4"):
+        validate_runtime(cfg, world_size=6, has_cuda=False)
+    validate_runtime(cfg, world_size=8, has_cuda=False)  # DP = 2
