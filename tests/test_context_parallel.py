@@ -200,3 +200,15 @@ def test_config_errors_for_context_parallelism(tmp_path) -> None:
     with pytest.raises(ConfigError, match=r"divisor of the world size 6, got 2 x 2 x 1 = 4"):
         validate_runtime(cfg, world_size=6, has_cuda=False)
     validate_runtime(cfg, world_size=8, has_cuda=False)  # DP = 2
+
+
+@pytest.mark.slow
+def test_benchmark_points_agree_and_cp_bytes_do_not_depend_on_n() -> None:
+    from evaluation.bench_context_parallel import bench_point
+
+    model = dict(vocab_size=64, num_layers=1, hidden_size=16, num_heads=2, attention="flexformer_n", feature_dim=8, chunk_size=16)
+    short, long = bench_point(model, 128, 2, 1), bench_point(model, 512, 2, 1)
+    assert short["cp_bytes_per_layer"] == long["cp_bytes_per_layer"] > 0
+    # forward state [kv | k_sum | log_max] + backward state gradient [kv | k_sum], fp32, B=1, H=2, F=d=8
+    assert short["cp_bytes_per_layer"] == 2 * (8 * 9 + 1) * 4 + 2 * 8 * 9 * 4
+    assert bench_point(model, 512, 1, 1)["loss"] == pytest.approx(long["loss"], abs=1e-5)
