@@ -56,7 +56,7 @@ def test_files_merge_in_order_then_overrides(tmp_path: Path, tiny: Path) -> None
         ("train.global_batch_size=9", "train.global_batch_size (from command line): expected a multiple of train.micro_batch_size (2), got 9"),
         ("data.seq_len=65", "data.seq_len (from command line): expected <= model.max_seq_len (64), got 65"),
         ("parallel.zero_offload_optimizer=true", "needs parallel.zero_stage >= 1"),
-        ("parallel.tensor_parallel_size=3", "expected a divisor of model.num_heads (4), got 3"),
+        ("parallel.tensor_parallel_size=3", "num_heads: expected a multiple of the tensor-parallel size 3, got 4"),
         ("schedule.warmup_iters=50", "schedule.warmup_iters (from"),
         ("schedule.min_lr=1.0", "expected <= train.lr"),
         ("train.micro_batch_size=0", "train.micro_batch_size (from command line): expected a positive integer, got 0"),
@@ -83,7 +83,7 @@ def test_errors_name_the_file(tmp_path: Path, tiny: Path) -> None:
 
 def test_runtime_combinations(tiny: Path) -> None:
     cfg = load_config([tiny], ["parallel.tensor_parallel_size=2"])
-    with pytest.raises(ConfigError, match=r"expected a divisor of the world size \(3 ranks\), got 2"):
+    with pytest.raises(ConfigError, match=r"parallel.tensor_parallel_size .*expected a divisor of the world size 3, got 2 x 1 x 1 = 2"):
         validate_runtime(cfg, world_size=3, has_cuda=False)
     cfg = load_config([tiny], ["train.global_batch_size=6"])  # 6 = 3 x micro 2, but DP 2 needs a multiple of 4
     with pytest.raises(ConfigError, match=r"micro_batch_size x data-parallel size \(2 x 2\), got 6"):

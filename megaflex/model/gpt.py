@@ -90,7 +90,8 @@ class Attention(nn.Module):
         q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each [B, Hl, N, d]
         if self.rope is not None:
             q, k = self.rope(q, k, offset)  # absolute positions offset .. offset + N - 1
-        out, new_state = self.core(q, k, v, state=state, return_state=return_state)  # [B, Hl, N, d]
+        attend = self.layer_factory.attention(self.core)  # the core, or its context-parallel stand-in
+        out, new_state = attend(q, k, v, state=state, return_state=return_state)  # [B, Hl, N, d]
         out = out.transpose(1, 2).reshape(B, N, self.local_heads * self.head_dim)  # [B, N, h / tp]
         if self.out_gain is not None:
             out = out * self.out_gain.to(out.dtype)
@@ -152,7 +153,7 @@ class GPT(nn.Module):
     def __init__(self, config: ModelConfig, layers: LayerFactory | None = None) -> None:
         super().__init__()
         layers = LocalLayers() if layers is None else layers
-        _check_tp_fit(config, layers.tp_size)
+        layers.check_model_fit(config.num_heads, config.ffn_hidden_size)
         self.config = config
         self.layer_factory = layers
         init = normal_init(config.init_std)
@@ -184,7 +185,8 @@ class GPT(nn.Module):
         """input_ids [B, N] (int) -> ModelOutput; ``state`` continues a previous call."""
         self._check_inputs(input_ids, labels, state)
         B, N = input_ids.shape
-        offset = 0 if state is None else state.offset
+        # global position of the first token (under context parallelism: of this rank's slice)
+        offset = (0 if state is None else state.offset) + self.layer_factory.sequence_offset(N)
 
         x = self.embed(input_ids)  # [B, N, h]
         if self.pos_embed is not None:
@@ -221,7 +223,9 @@ class GPT(nn.Module):
             # Ignored labels are mapped to a valid id before the (possibly vocab-parallel) loss.
             per_token = self.layer_factory.cross_entropy(logits, labels.masked_fill(~valid, 0), self.config.vocab_size)
             out.per_token_loss = per_token.float() * valid  # [B, N]
-            out.loss = out.per_token_loss.sum() / valid.sum().clamp(min=1)
+            # mean over every token of the sequences (summed over their slices under context parallelism)
+            layers = self.layer_factory
+            out.loss = layers.sequence_sum(out.per_token_loss.sum()) / layers.sequence_sum(valid.sum()).clamp(min=1)
         if return_state:
             out.state = GPTState(layers=new_states, offset=offset + N)
         return out
@@ -285,19 +289,12 @@ class GPT(nn.Module):
                 got = len(state.layers) if isinstance(state, GPTState) else type(state).__name__
                 raise ValueError(f"state must be a GPTState with {len(self.blocks)} layer states, got {got}")
         if self.pos_embed is not None:
-            end = (0 if state is None else state.offset) + input_ids.shape[1]
+            n = input_ids.shape[1]
+            end = (0 if state is None else state.offset) + self.layer_factory.sequence_offset(n) + n
             if end > self.config.max_seq_len:
                 raise ValueError(
                     f"position='learned' supports max_seq_len={self.config.max_seq_len} positions, got up to {end}"
                 )
-
-
-def _check_tp_fit(config: ModelConfig, tp_size: int) -> None:
-    """Errors for configs whose dims cannot be split over ``tp_size`` ranks."""
-    for name in ("num_heads", "ffn_hidden_size"):
-        value = getattr(config, name)
-        if value % tp_size != 0:
-            raise ValueError(f"{name} ({value}) must be divisible by the tensor-parallel size {tp_size}")
 
 
 def _scaled_std(config: ModelConfig) -> float:

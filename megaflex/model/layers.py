@@ -3,14 +3,17 @@
 The model never talks to process groups. It asks a ``LayerFactory`` for its linear layers,
 embedding, logits and loss; ``LocalLayers`` (here) builds plain single-device modules and
 ``megaflex.parallel.TensorParallelLayers`` builds Megatron-style tensor-parallel ones with the
-same contract. Shapes below use ``tp`` for the factory's tensor-parallel size.
+same contract. Shapes below use ``tp`` for the factory's tensor-parallel size. Under context
+parallelism (``TensorParallelLayers`` with a CP group) the model sees only this rank's slice of
+each sequence; the factory supplies the slice's global offset, the attention over the whole
+sequence and the sum of the loss over the slices.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from typing import Callable, ContextManager, Protocol
+from typing import Any, Callable, ContextManager, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +31,19 @@ def pad_vocab_size(vocab_size: int, tp_size: int, multiple: int = 128) -> int:
     """Vocabulary padded to a multiple of ``multiple * tp_size`` (Megatron's rule)."""
     step = multiple * tp_size
     return int(math.ceil(vocab_size / step) * step)
+
+
+def check_tensor_parallel_fit(name: str, value: int, tp_size: int) -> None:
+    """ValueError unless ``value`` (a head count or feature width) splits evenly over ``tp_size`` ranks.
+    The one copy of this check: ``megaflex.parallel.ParallelDims`` and the TP layers call it too."""
+    if value % tp_size != 0:
+        raise ValueError(f"{name}: expected a multiple of the tensor-parallel size {tp_size}, got {value}")
+
+
+def check_model_fit(num_heads: int, ffn_hidden_size: int, tp_size: int) -> None:
+    """ValueError unless every TP rank gets whole heads and an equal MLP slice."""
+    check_tensor_parallel_fit("num_heads", num_heads, tp_size)
+    check_tensor_parallel_fit("ffn_hidden_size", ffn_hidden_size, tp_size)
 
 
 class LayerFactory(Protocol):
@@ -67,6 +83,19 @@ class LayerFactory(Protocol):
     def checkpoint_context(self) -> tuple[ContextManager[None], ContextManager[None]]:
         """``context_fn`` for non-reentrant ``torch.utils.checkpoint``: (forward, recompute)
         contexts under which the recompute replays ``tp_region_rng``'s random stream."""
+
+    def check_model_fit(self, num_heads: int, ffn_hidden_size: int) -> None:
+        """ValueError unless heads and MLP width split evenly over the TP ranks."""
+
+    def sequence_offset(self, local_len: int) -> int:
+        """Global position of this rank's first token, its slices holding ``local_len`` tokens each."""
+
+    def sequence_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of ``x`` over the slices of the sequence (gradient: this slice's own term)."""
+
+    def attention(self, core: nn.Module) -> Callable[..., Any]:
+        """What runs the attention core over the whole (possibly split) sequence: ``core`` itself
+        or a stand-in with its call signature."""
 
 
 class LocalLayers:
@@ -112,6 +141,18 @@ class LocalLayers:
     def checkpoint_context(self) -> tuple[ContextManager[None], ContextManager[None]]:
         # No TP-region stream: torch's own RNG restore covers the default generator.
         return contextlib.nullcontext(), contextlib.nullcontext()
+
+    def check_model_fit(self, num_heads: int, ffn_hidden_size: int) -> None:
+        check_model_fit(num_heads, ffn_hidden_size, self.tp_size)
+
+    def sequence_offset(self, local_len: int) -> int:
+        return 0
+
+    def sequence_sum(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def attention(self, core: nn.Module) -> Callable[..., Any]:
+        return core
 
 
 def _linear(in_features: int, out_features: int, bias: bool, init_method: InitMethod) -> nn.Linear:

@@ -1,10 +1,17 @@
-"""Megatron-style tensor parallelism: process-group state, region mappings, sharded layers,
-vocab-parallel cross-entropy, a TP-aware RNG tracker and checkpoint resharding.
+"""Megatron-style tensor parallelism and LASP-2-style context parallelism: the parallel grid
+(``ParallelDims``) and process-group state, region mappings, sharded layers, vocab-parallel
+cross-entropy, context-parallel linear attention, a TP-aware RNG tracker and checkpoint resharding.
 
 Layering: this package may import ``megaflex.attention`` and ``megaflex.model`` (the
 ``LayerFactory`` protocol it implements); the model never imports it.
 """
 
+from megaflex.parallel.context_parallel import (
+    ContextParallelAttention,
+    context_parallel_linear_attention,
+    sequence_slice,
+    sequence_sum,
+)
 from megaflex.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megaflex.parallel.layers import (
     ColumnParallelLinear,
@@ -22,9 +29,20 @@ from megaflex.parallel.mappings import (
     scatter_to_tp_region,
 )
 from megaflex.parallel.random import TensorParallelRNGTracker, model_parallel_seed, model_parallel_tracker
-from megaflex.parallel.state import DeepSpeedMPU, ParallelLayout, ParallelState, initialize_parallel_state
+from megaflex.parallel.state import (
+    DeepSpeedMPU,
+    ParallelDims,
+    ParallelLayout,
+    ParallelState,
+    initialize_parallel_state,
+)
 
 __all__ = [
+    "ContextParallelAttention",
+    "ParallelDims",
+    "context_parallel_linear_attention",
+    "sequence_slice",
+    "sequence_sum",
     "ColumnParallelLinear",
     "DeepSpeedMPU",
     "ParallelLayout",

@@ -19,14 +19,15 @@ layers, initialise on the meta device and load a resharded checkpoint instead.
 
 from __future__ import annotations
 
-from typing import ContextManager
+from typing import Any, Callable, ContextManager
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from megaflex.attention.base import FeatureMap
-from megaflex.model.layers import InitMethod, LocalLayers, pad_vocab_size
+from megaflex.model.layers import InitMethod, LocalLayers, check_tensor_parallel_fit, pad_vocab_size
+from megaflex.parallel.context_parallel import ContextParallelAttention, sequence_sum
 from megaflex.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megaflex.parallel.mappings import (
     copy_to_tp_region,
@@ -66,11 +67,6 @@ def mark_head_sharded_params(model: nn.Module) -> int:
     return count
 
 
-def _check_divisible(name: str, value: int, tp_size: int) -> None:
-    if value % tp_size != 0:
-        raise ValueError(f"{name}: expected a multiple of the tensor-parallel size {tp_size}, got {value}")
-
-
 def _full_linear_weight(in_features: int, out_features: int, bias: bool, init_method: InitMethod) -> torch.Tensor:
     """The [out, in] weight ``LocalLayers`` would build: same RNG draws, so shards are its slices."""
     return LocalLayers().column_parallel_linear(in_features, out_features, bias=bias, init_method=init_method).weight.data
@@ -95,7 +91,7 @@ class ColumnParallelLinear(nn.Module):
         gather_output: bool = False,
     ) -> None:
         super().__init__()
-        _check_divisible("out_features", out_features, state.tp_size)
+        check_tensor_parallel_fit("out_features", out_features, state.tp_size)
         self.state = state
         self.in_features, self.out_features = in_features, out_features
         self.gather_output = gather_output
@@ -135,7 +131,7 @@ class RowParallelLinear(nn.Module):
         input_is_parallel: bool = True,
     ) -> None:
         super().__init__()
-        _check_divisible("in_features", in_features, state.tp_size)
+        check_tensor_parallel_fit("in_features", in_features, state.tp_size)
         self.state = state
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel = input_is_parallel
@@ -239,6 +235,8 @@ class TensorParallelLayers:
     def cross_entropy(
         self, logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, label_smoothing: float = 0.0
     ) -> torch.Tensor:
+        if self.state.tp_size == 1:  # whole vocabulary here (context parallelism alone): torch's leaner kernel
+            return LocalLayers().cross_entropy(logits, labels, vocab_size, label_smoothing)
         return vocab_parallel_cross_entropy(logits, labels, vocab_size, self.state, label_smoothing=label_smoothing)
 
     def gather_logits(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -252,3 +250,16 @@ class TensorParallelLayers:
         """``context_fn`` for non-reentrant activation checkpointing that also replays the
         TP-region RNG in the recompute (see ``TensorParallelRNGTracker.checkpoint_context``)."""
         return self.rng_tracker.checkpoint_context()
+
+    # context parallelism: the model holds this CP rank's slice of every sequence
+    def check_model_fit(self, num_heads: int, ffn_hidden_size: int) -> None:
+        self.state.dims.check_model_fit(num_heads, ffn_hidden_size)
+
+    def sequence_offset(self, local_len: int) -> int:
+        return self.state.cp_rank * local_len
+
+    def sequence_sum(self, x: torch.Tensor) -> torch.Tensor:
+        return sequence_sum(x, self.state)
+
+    def attention(self, core: nn.Module) -> Callable[..., Any]:
+        return core if self.state.cp_size == 1 else ContextParallelAttention(core, self.state)

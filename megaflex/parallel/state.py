@@ -1,15 +1,19 @@
-"""Process-group bookkeeping for tensor (and, later, pipeline) parallelism.
+"""Process-group bookkeeping for tensor, context (and, later, pipeline) parallelism.
 
 There are no module-level globals: a ``ParallelState`` object is built once per process and
 passed explicitly to whatever needs groups (layers, the RNG tracker, DeepSpeed's ``mpu``).
 
-Rank layout follows Megatron-LM: with tensor size ``tp``, data size ``dp`` and pipeline size
-``pp`` (world = tp * dp * pp) a global rank decomposes as
+``ParallelDims`` is the one place that knows the grid: built once from the configured sizes
+and the world size (TP x CP x DP x PP = world; DP is what is left), it validates them, and the
+model-fit check (heads / MLP width divisible by TP) lives here too. Rank layout follows
+Megatron-LM, with context parallelism between tensor and data parallelism:
 
-    rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+    rank = pp_rank * (dp * cp * tp) + dp_rank * (cp * tp) + cp_rank * tp + tp_rank
 
 so the ranks of one TP group are adjacent (they exchange activations every layer and should
-share a node), DP groups stride by ``tp`` and pipeline stages are the outermost blocks.
+share a node), the CP ranks of one replica come next (one small all-gather per layer), DP groups
+stride by ``cp * tp`` and pipeline stages are the outermost blocks. CP ranks hold the same
+parameters (different slices of one sequence), so ZeRO/DDP reduce over the combined DP x CP group.
 """
 
 from __future__ import annotations
@@ -20,65 +24,97 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megaflex.model.layers import check_model_fit
+
 ProcessGroup = dist.ProcessGroup
 
 
 @dataclass(frozen=True)
-class ParallelLayout:
-    """Pure rank arithmetic of a (pp, dp, tp) grid; creates no process groups."""
+class ParallelDims:
+    """Pure rank arithmetic of a (pp, dp, cp, tp) grid; creates no process groups."""
 
     world_size: int
     tp_size: int = 1
     pp_size: int = 1
+    cp_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "tp_size", "pp_size"):
+        for name in ("world_size", "tp_size", "pp_size", "cp_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
-        if self.world_size % (self.tp_size * self.pp_size) != 0:
+        model = self.tp_size * self.cp_size * self.pp_size
+        if self.world_size % model != 0:
             raise ValueError(
-                f"tensor_parallel_size * pipeline_parallel_size: expected a divisor of the world size "
-                f"{self.world_size}, got {self.tp_size} * {self.pp_size} = {self.tp_size * self.pp_size}"
+                f"tensor_parallel_size x context_parallel_size x pipeline_parallel_size: expected a divisor of "
+                f"the world size {self.world_size}, got {self.tp_size} x {self.cp_size} x {self.pp_size} = {model}"
             )
+
+    @classmethod
+    def for_model(
+        cls, world_size: int, tp_size: int, cp_size: int, *, num_heads: int, ffn_hidden_size: int
+    ) -> "ParallelDims":
+        """The grid of a run, validated once against the world and the model it will split."""
+        dims = cls(world_size, tp_size, cp_size=cp_size)
+        dims.check_model_fit(num_heads, ffn_hidden_size)
+        return dims
+
+    def check_model_fit(self, num_heads: int, ffn_hidden_size: int) -> None:
+        """ValueError unless every TP rank gets whole heads and an equal MLP slice."""
+        check_model_fit(num_heads, ffn_hidden_size, self.tp_size)
 
     @property
     def dp_size(self) -> int:
-        return self.world_size // (self.tp_size * self.pp_size)
+        return self.world_size // (self.tp_size * self.cp_size * self.pp_size)
 
-    def coords(self, rank: int) -> tuple[int, int, int]:
-        """Global rank -> (pp_rank, dp_rank, tp_rank)."""
+    def coords(self, rank: int) -> tuple[int, int, int, int]:
+        """Global rank -> (pp_rank, dp_rank, cp_rank, tp_rank)."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank: expected 0 <= rank < {self.world_size}, got {rank}")
-        pp_rank, rest = divmod(rank, self.dp_size * self.tp_size)
-        dp_rank, tp_rank = divmod(rest, self.tp_size)
-        return pp_rank, dp_rank, tp_rank
+        pp_rank, rest = divmod(rank, self.dp_size * self.cp_size * self.tp_size)
+        dp_rank, rest = divmod(rest, self.cp_size * self.tp_size)
+        cp_rank, tp_rank = divmod(rest, self.tp_size)
+        return pp_rank, dp_rank, cp_rank, tp_rank
 
-    def rank_of(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
-        return pp_rank * self.dp_size * self.tp_size + dp_rank * self.tp_size + tp_rank
+    def rank_of(self, pp_rank: int, dp_rank: int, cp_rank: int, tp_rank: int) -> int:
+        return ((pp_rank * self.dp_size + dp_rank) * self.cp_size + cp_rank) * self.tp_size + tp_rank
+
+    def _grid(self) -> list[tuple[int, int, int, int]]:
+        return [self.coords(r) for r in range(self.world_size)]
+
+    def _groups_varying(self, *axes: int) -> list[list[int]]:
+        """Ranks grouped by equal coordinates on every axis not in ``axes`` (0 pp, 1 dp, 2 cp, 3 tp)."""
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for rank, c in enumerate(self._grid()):
+            key = tuple(v for i, v in enumerate(c) if i not in axes)
+            groups.setdefault(key, []).append(rank)
+        return list(groups.values())
 
     def tp_groups(self) -> list[list[int]]:
         """Ranks sharing a model replica's tensor shards (adjacent ranks)."""
-        return [list(range(s, s + self.tp_size)) for s in range(0, self.world_size, self.tp_size)]
+        return self._groups_varying(3)
+
+    def cp_groups(self) -> list[list[int]]:
+        """Ranks holding consecutive slices of the same sequences (same shards, same samples)."""
+        return self._groups_varying(2)
 
     def dp_groups(self) -> list[list[int]]:
-        """Ranks holding the same shard of different replicas (gradients are averaged here)."""
-        return [
-            [self.rank_of(p, d, t) for d in range(self.dp_size)]
-            for p in range(self.pp_size)
-            for t in range(self.tp_size)
-        ]
+        """Ranks holding the same shard and sequence slice of different replicas."""
+        return self._groups_varying(1)
+
+    def dp_cp_groups(self) -> list[list[int]]:
+        """Ranks holding the same parameter shard: gradients are averaged (ZeRO partitions) here."""
+        return self._groups_varying(1, 2)
 
     def pp_groups(self) -> list[list[int]]:
-        block = self.dp_size * self.tp_size
-        return [[p * block + j for p in range(self.pp_size)] for j in range(block)]
+        return self._groups_varying(0)
 
     def mp_groups(self) -> list[list[int]]:
         """Model-parallel groups (tp x pp): all ranks that together hold one model replica."""
-        return [
-            sorted(self.rank_of(p, d, t) for p in range(self.pp_size) for t in range(self.tp_size))
-            for d in range(self.dp_size)
-        ]
+        return self._groups_varying(0, 3)
+
+
+ParallelLayout = ParallelDims  # the name before context parallelism
 
 
 class ParallelState:
@@ -91,44 +127,38 @@ class ParallelState:
     building a TP-sharded module skeleton (e.g. on the meta device) without any groups.
     """
 
-    def __init__(
-        self,
-        layout: ParallelLayout,
-        rank: int,
-        *,
-        tp_group: ProcessGroup | None = None,
-        dp_group: ProcessGroup | None = None,
-        pp_group: ProcessGroup | None = None,
-        mp_group: ProcessGroup | None = None,
-        tp_ranks: list[int] | None = None,
-        dp_ranks: list[int] | None = None,
-    ) -> None:
-        self.layout = layout
+    def __init__(self, dims: ParallelDims, rank: int, groups: dict[str, tuple[ProcessGroup, list[int]]] | None = None) -> None:
+        self.dims = dims
         self.rank = rank
-        self.pp_rank, self.dp_rank, self.tp_rank = layout.coords(rank)
-        self.tp_group = tp_group
-        self.dp_group = dp_group
-        self.pp_group = pp_group
-        self.mp_group = mp_group
-        self.tp_ranks = tp_ranks if tp_ranks is not None else layout.tp_groups()[rank // layout.tp_size]
-        self.dp_ranks = dp_ranks if dp_ranks is not None else [rank]
+        self.pp_rank, self.dp_rank, self.cp_rank, self.tp_rank = dims.coords(rank)
+        groups = groups or {}
+        self.tp_group, self.tp_ranks = groups.get("tp", (None, dims.tp_groups()[rank // dims.tp_size]))
+        self.cp_group, self.cp_ranks = groups.get("cp", (None, [rank]))
+        self.dp_group, self.dp_ranks = groups.get("dp", (None, [rank]))
+        self.dp_cp_group, self.dp_cp_ranks = groups.get("dp_cp", (None, [rank]))
+        self.pp_group, _ = groups.get("pp", (None, [rank]))
+        self.mp_group, _ = groups.get("mp", (None, [rank]))
 
     # --- sizes -------------------------------------------------------------------------
     @property
     def world_size(self) -> int:
-        return self.layout.world_size
+        return self.dims.world_size
 
     @property
     def tp_size(self) -> int:
-        return self.layout.tp_size
+        return self.dims.tp_size
+
+    @property
+    def cp_size(self) -> int:
+        return self.dims.cp_size
 
     @property
     def dp_size(self) -> int:
-        return self.layout.dp_size
+        return self.dims.dp_size
 
     @property
     def pp_size(self) -> int:
-        return self.layout.pp_size
+        return self.dims.pp_size
 
     @property
     def has_groups(self) -> bool:
@@ -138,47 +168,47 @@ class ParallelState:
     def __repr__(self) -> str:
         return (
             f"ParallelState(rank={self.rank}/{self.world_size}, tp={self.tp_rank}/{self.tp_size}, "
-            f"dp={self.dp_rank}/{self.dp_size}, pp={self.pp_rank}/{self.pp_size})"
+            f"cp={self.cp_rank}/{self.cp_size}, dp={self.dp_rank}/{self.dp_size}, pp={self.pp_rank}/{self.pp_size})"
         )
 
     # --- constructors ------------------------------------------------------------------
     @classmethod
-    def create(cls, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> "ParallelState":
-        """Create all groups of the grid. Collective over the default process group."""
+    def create(
+        cls, tensor_parallel_size: int | ParallelDims = 1, pipeline_parallel_size: int = 1, context_parallel_size: int = 1
+    ) -> "ParallelState":
+        """Create all groups of the grid (``ParallelDims`` or its sizes). Collective over the world."""
         if not dist.is_initialized():
             raise RuntimeError("ParallelState.create needs torch.distributed initialised (see initialize_parallel_state)")
-        if pipeline_parallel_size != 1:
+        if isinstance(tensor_parallel_size, ParallelDims):
+            dims = tensor_parallel_size
+            if dims.world_size != dist.get_world_size():
+                raise ValueError(f"dims.world_size: expected the world size {dist.get_world_size()}, got {dims.world_size}")
+        else:
+            dims = ParallelDims(dist.get_world_size(), tensor_parallel_size, pipeline_parallel_size, context_parallel_size)
+        if dims.pp_size != 1:
             # The grid arithmetic supports it; the model has no pipeline schedule yet.
             raise NotImplementedError("pipeline_parallel_size > 1 is not implemented yet")
-        layout = ParallelLayout(dist.get_world_size(), tensor_parallel_size, pipeline_parallel_size)
         rank = dist.get_rank()
         mine: dict[str, tuple[ProcessGroup, list[int]]] = {}
         # new_group is collective over the whole world: every rank creates every group.
         for kind, groups in (
-            ("tp", layout.tp_groups()),
-            ("dp", layout.dp_groups()),
-            ("pp", layout.pp_groups()),
-            ("mp", layout.mp_groups()),
+            ("tp", dims.tp_groups()),
+            ("cp", dims.cp_groups()),
+            ("dp", dims.dp_groups()),
+            ("dp_cp", dims.dp_cp_groups()),
+            ("pp", dims.pp_groups()),
+            ("mp", dims.mp_groups()),
         ):
             for ranks in groups:
                 group = dist.new_group(ranks)
                 if rank in ranks:
                     mine[kind] = (group, ranks)
-        return cls(
-            layout,
-            rank,
-            tp_group=mine["tp"][0],
-            dp_group=mine["dp"][0],
-            pp_group=mine["pp"][0],
-            mp_group=mine["mp"][0],
-            tp_ranks=mine["tp"][1],
-            dp_ranks=mine["dp"][1],
-        )
+        return cls(dims, rank, mine)
 
     @classmethod
     def single(cls) -> "ParallelState":
         """World of one process; all communication is a no-op."""
-        return cls(ParallelLayout(1), 0)
+        return cls(ParallelDims(1), 0)
 
     @classmethod
     def detached(cls, tp_size: int, tp_rank: int = 0) -> "ParallelState":
@@ -187,12 +217,11 @@ class ParallelState:
         Only for building shard-shaped module skeletons (shapes, partition tags); running a
         forward pass with it raises.
         """
-        layout = ParallelLayout(tp_size, tp_size)
-        return cls(layout, tp_rank)
+        return cls(ParallelDims(tp_size, tp_size), tp_rank)
 
 
 def initialize_parallel_state(
-    tensor_parallel_size: int = 1, backend: str | None = None, pipeline_parallel_size: int = 1
+    tensor_parallel_size: int = 1, backend: str | None = None, pipeline_parallel_size: int = 1, context_parallel_size: int = 1
 ) -> ParallelState:
     """Initialise ``torch.distributed`` from torchrun env vars if needed, then the grid.
 
@@ -209,13 +238,8 @@ def initialize_parallel_state(
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend=backend)
-    world = dist.get_world_size()
-    if tensor_parallel_size < 1 or world % tensor_parallel_size != 0:
-        raise ValueError(
-            f"tensor_parallel_size: expected a positive divisor of the world size {world}, "
-            f"got {tensor_parallel_size}"
-        )
-    return ParallelState.create(tensor_parallel_size, pipeline_parallel_size)
+    dims = ParallelDims(dist.get_world_size(), tensor_parallel_size, pipeline_parallel_size, context_parallel_size)
+    return ParallelState.create(dims)
 
 
 class DeepSpeedMPU:
@@ -223,7 +247,8 @@ class DeepSpeedMPU:
 
     ``deepspeed.initialize(mpu=DeepSpeedMPU(state))`` uses it for data-parallel gradient
     reduction, grad-norm reduction over model-parallel ranks and checkpoint naming. The
-    "model parallel" group is Megatron's tp x pp group.
+    "model parallel" group is Megatron's tp x pp group; DeepSpeed's "data parallel" group is
+    DP x CP (CP ranks hold identical parameters, so ZeRO partitions and reduces over both).
     """
 
     def __init__(self, state: ParallelState) -> None:
@@ -253,18 +278,18 @@ class DeepSpeedMPU:
     def get_model_parallel_group(self) -> ProcessGroup | None:
         return self.state.mp_group
 
-    # data parallel
+    # data parallel (DP x CP: every rank holding the same parameter shard)
     def get_data_parallel_rank(self) -> int:
-        return self.state.dp_rank
+        return self.state.dp_cp_ranks.index(self.state.rank)
 
     def get_data_parallel_world_size(self) -> int:
-        return self.state.dp_size
+        return self.state.dp_size * self.state.cp_size
 
     def get_data_parallel_group(self) -> ProcessGroup | None:
-        return self.state.dp_group
+        return self.state.dp_cp_group
 
     def get_data_parallel_group_ranks(self) -> list[int]:
-        return list(self.state.dp_ranks)
+        return list(self.state.dp_cp_ranks)
 
     # pipeline parallel
     def get_pipeline_model_parallel_rank(self) -> int:

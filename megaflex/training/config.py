@@ -21,6 +21,7 @@ from typing import Any, Literal, get_type_hints
 import yaml
 
 from megaflex.model.config import ModelConfig
+from megaflex.parallel.state import ParallelDims
 from megaflex.training.config_loader import (
     ConfigError,
     Source,
@@ -66,7 +67,11 @@ class DataConfig:
 class ParallelConfig:
     """How the world is split: tensor parallel inside a replica, ZeRO across replicas."""
 
-    tensor_parallel_size: int = opt(1, "ranks sharing one model replica (Megatron TP); data parallel = world / this")
+    tensor_parallel_size: int = opt(1, "ranks sharing one model replica (Megatron TP); data parallel = world / (TP x CP)")
+    context_parallel_size: int = opt(
+        1, "ranks splitting each sequence along its length (LASP-2 style, linear-attention kinds only; "
+        "data.seq_len must be a multiple); they hold replicated parameters, so ZeRO reduces over DP x CP",
+    )
     zero_stage: int = opt(1, "DeepSpeed ZeRO stage 0-3 (0: plain DDP, 1: optimizer states, 2: +grads, 3: +params)")
     zero_offload_optimizer: bool = opt(False, "keep ZeRO optimizer states in CPU memory (stage >= 1)")
     zero_overlap_comm: bool = opt(False, "overlap ZeRO reductions with backward (GPU; costs memory)")
@@ -237,6 +242,7 @@ def validate(cfg: Config) -> None:
         "train.train_iters": t.train_iters, "train.micro_batch_size": t.micro_batch_size,
         "train.eval_iters": t.eval_iters, "train.max_nonfinite_in_a_row": t.max_nonfinite_in_a_row,
         "data.seq_len": d.seq_len, "parallel.tensor_parallel_size": p.tensor_parallel_size,
+        "parallel.context_parallel_size": p.context_parallel_size,
         "checkpoint.keep_last": c.keep_last, "logging.log_interval": lg.log_interval,
     }
     for key, value in positive.items():
@@ -269,11 +275,19 @@ def validate(cfg: Config) -> None:
         raise _bad(cfg, "schedule.warmup_iters", f"expected <= decay iterations ({decay_iters}), got {s.warmup_iters}")
     if s.min_lr > t.lr:
         raise _bad(cfg, "schedule.min_lr", f"expected <= train.lr ({t.lr}), got {s.min_lr}")
-    if cfg.model.num_heads % p.tensor_parallel_size != 0:
-        raise _bad(
-            cfg, "parallel.tensor_parallel_size",
-            f"expected a divisor of model.num_heads ({cfg.model.num_heads}), got {p.tensor_parallel_size}",
-        )
+    parallel_dims(cfg, p.tensor_parallel_size * p.context_parallel_size)  # the model fits the grid
+    if p.context_parallel_size > 1:
+        if d.seq_len % p.context_parallel_size != 0:
+            raise _bad(
+                cfg, "data.seq_len",
+                f"expected a multiple of parallel.context_parallel_size ({p.context_parallel_size}), got {d.seq_len}",
+            )
+        if not cfg.model.is_linear_attention:
+            raise _bad(
+                cfg, "parallel.context_parallel_size",
+                f"expected 1 for model.attention={cfg.model.attention!r} (context parallelism passes the fixed-size "
+                f"state of linear attention; softmax has none), got {p.context_parallel_size}",
+            )
     if d.source == "indexed" and not d.train_path:
         raise _bad(cfg, "data.train_path", "data.source is 'indexed' but no training data prefixes are given")
     if d.train_weights is not None and len(d.train_weights) != len(d.train_path):
@@ -286,12 +300,7 @@ def validate(cfg: Config) -> None:
 def validate_runtime(cfg: Config, world_size: int, has_cuda: bool) -> None:
     """Reject combinations that depend on the launched world and the device."""
     p, t = cfg.parallel, cfg.train
-    if world_size % p.tensor_parallel_size != 0:
-        raise _bad(
-            cfg, "parallel.tensor_parallel_size",
-            f"expected a divisor of the world size ({world_size} ranks), got {p.tensor_parallel_size}",
-        )
-    dp = world_size // p.tensor_parallel_size
+    dp = parallel_dims(cfg, world_size).dp_size
     if t.global_batch_size is not None and t.global_batch_size % (t.micro_batch_size * dp) != 0:
         raise _bad(
             cfg, "train.global_batch_size",
@@ -305,6 +314,18 @@ def validate_runtime(cfg: Config, world_size: int, has_cuda: bool) -> None:
         raise _bad(cfg, "parallel.backend", "nccl needs CUDA; use gloo or auto on CPU")
     if t.device == "cuda" and not has_cuda:
         raise _bad(cfg, "train.device", "cuda requested but no CUDA device is available")
+
+
+def parallel_dims(cfg: Config, world_size: int) -> ParallelDims:
+    """The run's TP x CP x DP grid on ``world_size`` ranks, validated against the model (ConfigError)."""
+    p, m = cfg.parallel, cfg.model
+    try:
+        return ParallelDims.for_model(
+            world_size, p.tensor_parallel_size, p.context_parallel_size,
+            num_heads=m.num_heads, ffn_hidden_size=m.ffn_hidden_size,
+        )
+    except ValueError as err:
+        raise _bad(cfg, "parallel.tensor_parallel_size", str(err)) from None
 
 
 def resolve_device(cfg: Config, has_cuda: bool) -> str:

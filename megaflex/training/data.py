@@ -14,6 +14,9 @@ Start-up checks (``check_data_tokenizer`` before the model is built, ``build_dat
 tokenizer; every index passes the structural checks and a sample of its ids is below the
 vocabulary; every sample served is checked again, so an id >= ``model.vocab_size`` is a
 :class:`DataError` naming the sample, never an ``IndexError`` in the embedding.
+
+Under context parallelism every CP rank of a replica reads the same samples and keeps its
+contiguous slice of the sequence (so the CP size can change on resume too).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 from megaflex.data.card import check_same_tokenizer, data_tokenizer
 from megaflex.data.indexed import DataError
 from megaflex.data.sampler import PretrainingSampler
+from megaflex.parallel.context_parallel import sequence_slice
 from megaflex.training.config import Config
 
 
@@ -169,9 +173,14 @@ def get_batch(dataset: TokenDataset, indices: list[int], device: str) -> tuple[t
 
 
 def micro_batches(
-    dataset: TokenDataset, consumed_samples: int, micro: int, count: int, dp_rank: int, dp_size: int, device: str
+    dataset: TokenDataset, consumed_samples: int, micro: int, count: int, dp_rank: int, dp_size: int, device: str,
+    cp_rank: int = 0, cp_size: int = 1,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's next ``count`` micro-batches after ``consumed_samples`` (all ranks together)."""
+    """This rank's next ``count`` micro-batches after ``consumed_samples`` (all ranks together),
+    cut to CP rank ``cp_rank``'s slice of the sequence."""
     sampler = PretrainingSampler(len(dataset), consumed_samples, micro, dp_rank, dp_size)
     for _, indices in zip(range(count), sampler):
-        yield get_batch(dataset, indices, device)
+        ids, labels = get_batch(dataset, indices, device)
+        if cp_size > 1:
+            ids, labels = sequence_slice(ids, cp_rank, cp_size), sequence_slice(labels, cp_rank, cp_size)
+        yield ids, labels

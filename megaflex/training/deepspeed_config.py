@@ -18,8 +18,12 @@ def gradient_accumulation_steps(cfg: Config, dp_size: int) -> int:
     return global_batch_size(cfg, dp_size) // (cfg.train.micro_batch_size * dp_size)
 
 
-def deepspeed_config(cfg: Config, dp_size: int) -> dict[str, Any]:
-    """The ``config`` dict for ``deepspeed.initialize`` for a data-parallel size ``dp_size``."""
+def deepspeed_config(cfg: Config, dp_size: int, cp_size: int = 1) -> dict[str, Any]:
+    """The ``config`` dict for ``deepspeed.initialize`` for a data-parallel size ``dp_size``.
+
+    DeepSpeed's data-parallel group is DP x CP (``DeepSpeedMPU``) and it checks
+    train_batch_size = micro x accumulation x its group size, so it counts each sample once per
+    CP rank (the CP ranks of a replica hold slices of the same samples)."""
     t, p = cfg.train, cfg.parallel
     zero: dict[str, Any] = {"stage": p.zero_stage}
     if p.zero_stage >= 1:
@@ -40,7 +44,7 @@ def deepspeed_config(cfg: Config, dp_size: int) -> dict[str, Any]:
     if p.zero_offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
     config: dict[str, Any] = {
-        "train_batch_size": global_batch_size(cfg, dp_size),
+        "train_batch_size": global_batch_size(cfg, dp_size) * cp_size,
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": gradient_accumulation_steps(cfg, dp_size),
         "gradient_clipping": t.grad_clip,

@@ -2,7 +2,7 @@
 
     run(cfg)  # every rank; torch.distributed env vars set by deepspeed/torchrun/Slurm
 
-Order of set-up: distributed init (gloo on CPU, nccl on GPU) -> ``ParallelState`` (TP x DP)
+Order of set-up: distributed init (gloo on CPU, nccl on GPU) -> ``ParallelState`` (TP x CP x DP)
 -> seeds (same default RNG on every rank, per-TP-rank tracker stream) -> model through the
 layer factory -> AdamW with weight-decay groups -> ``deepspeed.initialize(..., mpu=...)`` with
 the generated config -> resume -> loop.
@@ -37,7 +37,7 @@ from megaflex.training.checkpoint import (
     parameter_shapes,
     read_meta,
 )
-from megaflex.training.config import Config, global_batch_size, resolve_device, validate_runtime
+from megaflex.training.config import Config, global_batch_size, parallel_dims, resolve_device, validate_runtime
 from megaflex.data.card import check_same_tokenizer
 from megaflex.training.data import build_datasets, check_data_tokenizer, micro_batches
 from megaflex.training.deepspeed_config import (
@@ -77,8 +77,8 @@ def run(cfg: Config) -> dict[str, Any]:
 
     device = init_distributed(cfg)
     tokenizer = check_data_tokenizer(cfg)  # recorded with checkpoints; raises DataError at start
-    state = ParallelState.create(cfg.parallel.tensor_parallel_size)
-    rank, dp_size = dist.get_rank(), state.dp_size
+    state = ParallelState.create(parallel_dims(cfg, dist.get_world_size()))
+    rank, dp_size, cp_size = dist.get_rank(), state.dp_size, state.cp_size
     is_main = rank == 0
     run_dir = Path(cfg.logging.run_dir)
     if cfg.train.precision == "bf16" and device == "cpu":
@@ -87,7 +87,7 @@ def run(cfg: Config) -> dict[str, Any]:
     # Same default-RNG seed on every rank: replicas start identical and TP shards are cut from
     # identically initialised full matrices; the tracker gives each TP rank its own stream.
     tracker = model_parallel_seed(cfg.train.seed, state.tp_rank, device=device)
-    layers = LocalLayers() if state.tp_size == 1 else TensorParallelLayers(state, tracker)
+    layers = LocalLayers() if state.tp_size == 1 and cp_size == 1 else TensorParallelLayers(state, tracker)
     model = GPT(cfg.model, layers=layers)
     if state.tp_size > 1:
         # Feature-map params (Omega, tau) are head-sharded: tag them so grad norms count every shard.
@@ -97,7 +97,7 @@ def run(cfg: Config) -> dict[str, Any]:
     optimizer = build_optimizer(cfg, model, device)
     if cfg.parallel.zero_stage == 0 and cfg.train.precision == "fp32" and hasattr(optimizer, "skip"):
         optimizer.check_finite = True  # no ZeRO/bf16 wrapper checks the gradients here
-    ds_config = deepspeed_config(cfg, dp_size)
+    ds_config = deepspeed_config(cfg, dp_size, cp_size)
     grad_accum = gradient_accumulation_steps(cfg, dp_size)
     gbs = global_batch_size(cfg, dp_size)
 
@@ -113,7 +113,7 @@ def run(cfg: Config) -> dict[str, Any]:
         (run_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=1))
         logger.print("resolved config:\n" + cfg.to_yaml())
         logger.print(
-            f"world {state.world_size} = TP {state.tp_size} x DP {dp_size} | device {device} | "
+            f"world {state.world_size} = TP {state.tp_size} x CP {cp_size} x DP {dp_size} | device {device} | "
             f"ZeRO {cfg.parallel.zero_stage} | {cfg.train.precision} | {num_params / 1e6:.2f}M parameters | "
             f"global batch {gbs} = micro {cfg.train.micro_batch_size} x DP {dp_size} x accum {grad_accum}"
         )
@@ -154,6 +154,7 @@ def run(cfg: Config) -> dict[str, Any]:
         meta = {
             "iteration": step, "consumed_samples": consumed, "nonfinite_total": nonfinite_total,
             "world_size": state.world_size, "tensor_parallel_size": state.tp_size, "data_parallel_size": dp_size,
+            "context_parallel_size": cp_size,
             "zero_stage": cfg.parallel.zero_stage, "precision": cfg.train.precision,
             "parameter_shapes": shapes, "num_parameters": num_params, "config": cfg.to_dict(),
             "deepspeed_config": ds_config, "sampler": {"consumed_samples": consumed, "global_batch_size": gbs},
@@ -182,7 +183,8 @@ def run(cfg: Config) -> dict[str, Any]:
         bad = torch.zeros((), dtype=torch.float64)
         inject_nan = (iteration + 1) in cfg.fault.nan_loss_at_steps and rank == 0
         for ids, labels in micro_batches(
-            train_data, consumed, cfg.train.micro_batch_size, grad_accum, state.dp_rank, dp_size, device
+            train_data, consumed, cfg.train.micro_batch_size, grad_accum, state.dp_rank, dp_size, device,
+            state.cp_rank, cp_size,
         ):
             loss = engine(ids, labels).loss
             if inject_nan:
@@ -190,8 +192,10 @@ def run(cfg: Config) -> dict[str, Any]:
             finite = torch.isfinite(loss.detach())
             bad += (~finite).double().cpu()
             loss_sum += torch.where(finite, loss.detach(), 0.0).double().cpu()
-            # Masked, not dropped: every rank must run the same backward/step sequence.
-            engine.backward(torch.where(finite, loss, torch.zeros_like(loss)))
+            # Masked, not dropped: every rank must run the same backward/step sequence. The loss is the
+            # whole sequence's but each CP rank differentiates its own slice's share; DeepSpeed averages
+            # gradients over DP x CP, so x CP turns that average into the sum over the slices.
+            engine.backward(torch.where(finite, loss, torch.zeros_like(loss)) * cp_size)
             if engine.is_gradient_accumulation_boundary():
                 # Decided on every rank alike before the update (the last micro-batch is the boundary).
                 skipped_loss = bool(_all_reduce(bad.clone(), dist.ReduceOp.MAX, None) > 0)
@@ -326,8 +330,9 @@ def _register_zero3_external_parameters(model: GPT) -> None:
 
     ZeRO 3 gathers a module's parameters around its forward/backward, hooking the *tensors* it
     returns. The feature maps return a ``FeatureMapOutput`` dataclass (not hooked), so their
-    Omega/tau are registered with the attention core that calls them; the tied embedding is
-    used again by the logits in the model's own forward.
+    Omega/tau are registered with the attention module that calls them (through the core, or
+    the context-parallel stand-in that bypasses the core's forward); the tied embedding is used
+    again by the logits in the model's own forward.
     """
     from deepspeed.runtime.zero.partition_parameters import register_external_parameter
 
@@ -335,7 +340,7 @@ def _register_zero3_external_parameters(model: GPT) -> None:
         core = block.attn.core
         if getattr(core, "feature_map", None) is not None:
             for p in core.feature_map.parameters():
-                register_external_parameter(core, p)
+                register_external_parameter(block.attn, p)
     register_external_parameter(model, model.output_weight)
 
 
@@ -356,7 +361,10 @@ def evaluate(cfg: Config, engine: Any, dataset: Any, state: Any, device: str) ->
     """Mean validation loss over ``train.eval_iters`` micro-batches per data-parallel rank."""
     engine.eval()
     total = torch.zeros((), dtype=torch.float64)
-    batches = micro_batches(dataset, 0, cfg.train.micro_batch_size, cfg.train.eval_iters, state.dp_rank, state.dp_size, device)
+    batches = micro_batches(
+        dataset, 0, cfg.train.micro_batch_size, cfg.train.eval_iters, state.dp_rank, state.dp_size, device,
+        state.cp_rank, state.cp_size,
+    )
     for ids, labels in batches:
         total += engine(ids, labels).loss.double().cpu()
     engine.train()

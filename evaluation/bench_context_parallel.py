@@ -1,0 +1,177 @@
+"""Context-parallel training step: per-rank peak memory, step time and bytes communicated.
+
+    python -m evaluation.bench_context_parallel            # N = 64k, 128k, 256k x CP 1, 2; then 1M on 2 ranks
+    python -m evaluation.bench_context_parallel --lengths 4096 --no-long   # quick check
+
+Each point is a fresh set of gloo CPU ranks (one spawned process per CP rank) running one
+warm-up and ``--steps`` timed steps (forward + backward of one sequence of N tokens; the
+optimizer update is O(parameters), independent of N, and left out) of the tiny GPT of
+``--num-layers``/``--hidden-size``/... (default: 2 layers, hidden 32, 2 heads, F 16, vocab 256).
+Reported per rank:
+
+* ``peak_rss_mib``: the process's peak resident memory (``ru_maxrss``: Python, torch, the model
+  and the step's activations); ``step_rss_mib`` is what the step added over the RSS before it.
+* ``step_s``: mean wall time of a timed step (the slowest rank's).
+* ``cp_bytes_per_layer``: bytes this rank contributed to the CP all-gathers per layer per step
+  (forward state + backward state gradient), counted at the collective; it must not depend on N.
+
+Then one step of a ``--long-length`` (1,048,576) token sequence on ``--long-cp`` ranks of a smaller
+model with activation checkpointing. Results go to evaluation/results/bench_context_parallel.json.
+CPU timings on a shared machine are noisy: compare CP=1 and CP=2 measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import resource
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results" / "bench_context_parallel.json"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _rank_main(rank: int, cp: int, port: int, model_kw: dict[str, Any], n: int, steps: int, out: "mp.Queue") -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(cp), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+    import torch.distributed as dist
+
+    import megaflex.parallel.context_parallel as cp_module
+    from megaflex.model.config import ModelConfig
+    from megaflex.model.gpt import GPT
+    from megaflex.model.layers import LocalLayers
+    from megaflex.parallel import ParallelState, TensorParallelLayers, sequence_slice
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=cp)
+    state = ParallelState.create(context_parallel_size=cp)
+    sent = [0]
+    gather = cp_module._all_gather
+
+    def counting_gather(x: torch.Tensor, st: ParallelState) -> torch.Tensor:
+        sent[0] += x.numel() * x.element_size()
+        return gather(x, st)
+
+    cp_module._all_gather = counting_gather  # count what this rank puts into each CP collective
+    config = ModelConfig(max_seq_len=n, **model_kw)
+    torch.manual_seed(0)
+    model = GPT(config, LocalLayers() if cp == 1 else TensorParallelLayers(state, seed=0))
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, config.vocab_size, (1, n + 1), generator=gen)
+    ids, labels = (sequence_slice(t, state.cp_rank, cp) for t in (tokens[:, :-1], tokens[:, 1:]))
+
+    def step() -> float:
+        model.zero_grad(set_to_none=True)
+        loss = model(ids, labels=labels).loss
+        (loss * cp).backward()
+        return float(loss.detach())
+
+    rss_before = _rss_mib()
+    loss = step()  # warm-up (allocator, lazily built buffers)
+    sent[0] = 0
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        loss = step()
+    dist.barrier()
+    elapsed = (time.perf_counter() - start) / steps
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    out.put({
+        "rank": rank, "loss": loss, "step_s": elapsed, "peak_rss_mib": round(peak, 1),
+        "step_rss_mib": round(peak - rss_before, 1),
+        "cp_bytes_per_layer": sent[0] // (steps * config.num_layers) if cp > 1 else 0,
+    })
+    dist.destroy_process_group()
+
+
+def bench_point(model_kw: dict[str, Any], n: int, cp: int, steps: int) -> dict[str, Any]:
+    """One (N, CP) point on fresh processes: per-rank numbers and the slowest rank's step time."""
+    ctx = mp.get_context("spawn")
+    queue: mp.Queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, cp, port, model_kw, n, steps, queue)) for r in range(cp)]
+    for p in procs:
+        p.start()
+    ranks = []
+    while len(ranks) < cp:
+        try:
+            ranks.append(queue.get(timeout=5))
+        except Exception:  # noqa: BLE001 - queue.Empty: check for dead ranks
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"N={n} CP={cp}: a rank died (exit codes {dead}); out of memory?") from None
+    for p in procs:
+        p.join()
+    ranks.sort(key=lambda r: r["rank"])
+    point = {
+        "seq_len": n, "cp": cp, "tokens_per_rank": n // cp, "loss": ranks[0]["loss"],
+        "step_s": round(max(r["step_s"] for r in ranks), 3),
+        "peak_rss_mib_per_rank": max(r["peak_rss_mib"] for r in ranks),
+        "step_rss_mib_per_rank": max(r["step_rss_mib"] for r in ranks),
+        "cp_bytes_per_layer": ranks[0]["cp_bytes_per_layer"], "ranks": ranks,
+    }
+    print(json.dumps({k: v for k, v in point.items() if k != "ranks"}), flush=True)
+    return point
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[65536, 131072, 262144])
+    parser.add_argument("--cp", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--vocab-size", type=int, default=256)
+    parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--hidden-size", type=int, default=32)
+    parser.add_argument("--num-heads", type=int, default=2)
+    parser.add_argument("--feature-dim", type=int, default=16)
+    parser.add_argument("--chunk-size", type=int, default=64)
+    parser.add_argument("--activation-checkpointing", action="store_true", help="recompute blocks in backward")
+    parser.add_argument("--no-long", action="store_true", help="skip the long-sequence step")
+    parser.add_argument("--long-length", type=int, default=1 << 20)
+    parser.add_argument("--long-cp", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+
+    model_kw = dict(
+        vocab_size=args.vocab_size, num_layers=args.num_layers, hidden_size=args.hidden_size, num_heads=args.num_heads,
+        attention="flexformer_n", feature_dim=args.feature_dim, chunk_size=args.chunk_size,
+        activation_checkpointing=args.activation_checkpointing,
+    )
+    points = [bench_point(model_kw, n, cp, args.steps) for n in args.lengths for cp in args.cp]
+    long_point = None
+    if not args.no_long:
+        # ~6 KiB of activations per token: 512k tokens per rank stay within ~3 GiB each
+        long_kw = dict(
+            model_kw, vocab_size=64, num_layers=1, hidden_size=16, num_heads=1, feature_dim=8, activation_checkpointing=True
+        )
+        long_point = dict(bench_point(long_kw, args.long_length, args.long_cp, 1), model=long_kw)
+    result = {
+        "command": "python -m evaluation.bench_context_parallel " + " ".join(sys.argv[1:]),
+        "model": model_kw, "steps": args.steps, "points": points, "long_sequence": long_point,
+        "note": "2-core CPU shared with other jobs (loaded): timings noisy; gloo ranks on one host",
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

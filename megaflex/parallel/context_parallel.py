@@ -1,0 +1,197 @@
+"""Context parallelism (LASP-2 style) for causal linear attention: one sequence split over CP ranks.
+
+CP rank r holds tokens [r N / CP, (r + 1) N / CP) of every sequence. What it needs from the
+ranks before it is a fixed-size state, whatever their number of tokens (notation of
+``megaflex.attention.core``; the augmented value v_aug = [v, 1] puts k_sum in the last column):
+
+    S_j = sum_{s on rank j} exp(kls_s - M_j) kf_s v_aug_s^T,   M_j = max_{s on rank j} kls_s
+
+1. Each rank computes its local S_j, M_j: one [F, N] x [N, Dv + 1] matmul, no chunk scan.
+2. One all-gather of the packed fp32 (S_j, M_j) over the CP group: B H (F (Dv + 1) + 1) floats
+   per rank, independent of N (LASP-2; LASP-1 passes the state around a serial ring instead).
+3. Rank r combines the states before it into its incoming state, rescaled to a common max as
+   the recurrent form does:  M_in = max_{j<r} M_j,  S_in = sum_{j<r} exp(M_j - M_in) S_j.
+4. Rank r runs the ordinary chunked attention over its slice from the initial state
+   (S_in, M_in). That form already combines the inter-rank term exp(M_in - m_t) q_t S_in with the
+   local numerator under the running max m_t = max(M_in, max_{s<=t} kls_s) and normalises after
+   combining ("rms" or "denominator"), so the outputs are those of the single-rank chunked form
+   up to fp rounding, whatever the key scales.
+
+Backward mirrors it: the chunked form returns dL/dS_in; one all-gather of those (same fixed
+size) lets rank j collect dL/dS_j = sum_{r>j} exp(M_j - M_in(r)) dL/dS_in(r), which flows into
+its kf, kls, v and from there into the feature-map parameters (Omega, tau). Those parameters
+are replicated over CP ranks, so their gradients are reduced over DP x CP like any other
+(``DeepSpeedMPU``). The stabilisers M are constants for autograd, as in every form.
+
+Rank 0 also takes the (empty) incoming state as its initial state, so every CP rank runs the
+backward all-gather of every layer in the same order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megaflex.attention import AttentionCore, LinearAttentionState, causal_linear_attention
+from megaflex.attention.base import accumulation_dtype
+from megaflex.parallel.state import ParallelState
+
+
+def _check_cp_groups(state: ParallelState) -> None:
+    if state.cp_size > 1 and state.cp_group is None:
+        raise RuntimeError(f"{state} has no process groups (built with single()/detached()); cannot communicate")
+
+
+def _all_gather(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
+    """[...] on every CP rank -> [CP, ...] in CP-rank order."""
+    _check_cp_groups(state)
+    out = x.new_empty(state.cp_size, *x.shape)
+    dist.all_gather(list(out.unbind(0)), x.contiguous(), group=state.cp_group)
+    return out
+
+
+def local_state(kf: torch.Tensor, kls: torch.Tensor | None, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """This slice's state relative to its own max: kf [B, H, N, F], kls [B, H, N] | None, v [B, H, N, Dv]
+    -> (S [B, H, F, Dv + 1] = [kv, k_sum] in fp32, log_max [B, H], detached)."""
+    acc = accumulation_dtype(v.dtype)
+    kf, v = kf.to(acc), v.to(acc)
+    if kls is None:
+        weight, log_max = kf.new_ones(kf.shape[:3]), kf.new_zeros(kf.shape[:2])
+    else:
+        kls = kls.to(acc)
+        log_max = kls.detach().amax(dim=-1)  # [B, H]
+        weight = torch.exp(kls - log_max.unsqueeze(-1))  # [B, H, N], every weight <= 1
+    # the weights go on v and into a [1, N] row, so autograd keeps no new [N, F] tensor (kf is kept anyway)
+    kv = kf.transpose(-1, -2) @ (v * weight.unsqueeze(-1))  # [B, H, F, Dv]
+    k_sum = weight.unsqueeze(-2) @ kf  # [B, H, 1, F]
+    return torch.cat([kv, k_sum.transpose(-1, -2)], dim=-1), log_max
+
+
+def _incoming_weights(log_maxes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """log_maxes [CP, B, H] -> (M_in [CP, B, H]: max over the ranks before each rank (-inf for rank 0),
+    W [CP(r), CP(j), B, H] = exp(M_j - M_in(r)) for j < r, else 0)."""
+    cp = log_maxes.shape[0]
+    before = torch.cat([torch.full_like(log_maxes[:1], float("-inf")), log_maxes[:-1]])
+    m_in = before.cummax(dim=0).values
+    earlier = torch.ones(cp, cp, dtype=torch.bool, device=log_maxes.device).tril(-1).view(cp, cp, 1, 1)
+    w = torch.exp(log_maxes.unsqueeze(0) - m_in.unsqueeze(1)).masked_fill(~earlier, 0.0)
+    return m_in, w.nan_to_num(0.0)  # nan only for an empty (-inf) rank state: it contributes nothing
+
+
+class _PrefixState(torch.autograd.Function):
+    """(S_local [B, H, L], M_local [B, H]) -> (S_in [B, H, L], M_in [B, H]) over the CP group.
+
+    Forward: one all-gather of [S, M]; backward: one all-gather of dL/dS_in (both N-independent)."""
+
+    @staticmethod
+    def forward(ctx, s_local, m_local, state):  # type: ignore[override]
+        gathered = _all_gather(torch.cat([s_local, m_local.unsqueeze(-1)], dim=-1), state)  # [CP, B, H, L + 1]
+        m_in, w = _incoming_weights(gathered[..., -1])
+        r = state.cp_rank
+        s_in = torch.einsum("jbh,jbhl->bhl", w[r], gathered[..., :-1])
+        ctx.state, ctx.w = state, w
+        ctx.mark_non_differentiable(m_in)
+        return s_in, m_in[r].clone()
+
+    @staticmethod
+    def backward(ctx, d_s_in, _d_m_in):  # type: ignore[override]
+        grads = _all_gather(d_s_in, ctx.state)  # [CP(r), B, H, L]
+        j = ctx.state.cp_rank
+        return torch.einsum("rbh,rbhl->bhl", ctx.w[:, j], grads), None, None
+
+
+def context_parallel_linear_attention(
+    qf: torch.Tensor,
+    kf: torch.Tensor,
+    kls: torch.Tensor | None,
+    v: torch.Tensor,
+    state: ParallelState,
+    *,
+    form: str = "chunked",
+    normalization: str = "rms",
+    chunk_size: int = 64,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Causal linear attention of a sequence split over ``state``'s CP group: this rank's slice
+    qf, kf [B, H, n, F], kls [B, H, n] | None, v [B, H, n, Dv] -> out [B, H, n, Dv] (v.dtype),
+    equal to the single-rank form over the whole sequence, restricted to this slice."""
+    batch, heads, _, feat = qf.shape
+    dv = v.shape[-1]
+    with torch.autocast(device_type=qf.device.type, enabled=False):
+        s_local, m_local = local_state(kf, kls, v)
+        s_in, m_in = _PrefixState.apply(s_local.flatten(2), m_local, state)
+        s_in = s_in.view(batch, heads, feat, dv + 1)
+        incoming = LinearAttentionState(kv=s_in[..., :dv], k_sum=s_in[..., dv], log_max=m_in)
+    out, _ = causal_linear_attention(
+        qf, kf, kls, v, form=form, normalization=normalization, chunk_size=chunk_size, initial_state=incoming, eps=eps
+    )
+    return out
+
+
+class ContextParallelAttention:
+    """Stands in for ``AttentionCore.forward`` when sequences are split over CP ranks.
+
+    Uses the core's feature map (so its Omega/tau are the model's parameters) at global
+    positions and its form/normalisation settings. Not a module: it owns no parameters and is
+    built per call by ``TensorParallelLayers.attention``. Whole sequences only: decoding from
+    a state (or returning one) is a single-rank job.
+    """
+
+    def __init__(self, core: AttentionCore, state: ParallelState) -> None:
+        if core.feature_map is None:
+            raise ValueError(
+                f"context_parallel_size: expected 1 for attention kind {core.kind!r} (exact softmax attention has "
+                f"no fixed-size state to pass between ranks), got {state.cp_size}"
+            )
+        self.core, self.state = core, state
+
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: object = None, return_state: bool = False
+    ) -> tuple[torch.Tensor, None]:
+        if state is not None or return_state:
+            raise ValueError(
+                "state/return_state: context parallelism runs whole sequences split over ranks; "
+                "decode (carry states) with context_parallel_size=1"
+            )
+        core = self.core
+        offset = self.state.cp_rank * q.shape[2]  # global position of this slice's first token
+        q_map, k_map = core.feature_map(q, offset), core.feature_map(k, offset)
+        out = context_parallel_linear_attention(
+            q_map.features, k_map.features, k_map.log_scale, v, self.state,
+            form=core.form, normalization=core.normalization, chunk_size=core.chunk_size, eps=core.eps,
+        )
+        return out, None
+
+
+class _SequenceSum(torch.autograd.Function):
+    """Forward: sum over the CP group. Backward: identity (each rank differentiates its own part)."""
+
+    @staticmethod
+    def forward(ctx, x, state):  # type: ignore[override]
+        _check_cp_groups(state)
+        total = x.detach().clone()
+        dist.all_reduce(total, group=state.cp_group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad, None
+
+
+def sequence_sum(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
+    """Sum of ``x`` over the CP ranks of this sequence (e.g. the loss of all its tokens).
+
+    The gradient reaching this rank is that of its own term only: the gradients of replicated
+    parameters are then this rank's share, summed over CP by the DP x CP reduction (the trainer
+    scales the loss by CP because that reduction averages)."""
+    if state.cp_size == 1:
+        return x
+    return _SequenceSum.apply(x, state)
+
+
+def sequence_slice(x: torch.Tensor, cp_rank: int, cp_size: int, dim: int = 1) -> torch.Tensor:
+    """CP rank ``cp_rank``'s contiguous slice (of ``cp_size`` equal ones) of ``x`` along ``dim`` (the sequence)."""
+    n = x.shape[dim]
+    if n % cp_size != 0:
+        raise ValueError(f"sequence length: expected a multiple of context_parallel_size {cp_size}, got {n} (shape {tuple(x.shape)})")
+    return x.narrow(dim, cp_rank * (n // cp_size), n // cp_size)
