@@ -29,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megaflex.attention import AttentionCore, KVCache, LinearAttentionState
 from megaflex.model.config import ModelConfig
+from megaflex.model.kernel_stats import kernel_statistics
 from megaflex.model.layers import LayerFactory, LocalLayers, normal_init
 from megaflex.model.rope import RotaryEmbedding
 
@@ -245,32 +246,11 @@ class GPT(nn.Module):
         """Parameters held by this module (this rank's shards under TP; tied weights once)."""
         return sum(p.numel() for p in self.parameters())
 
-    @torch.no_grad()
-    def kernel_statistics(self) -> dict[str, float]:
-        """Per-layer statistics of the learnable kernels, as flat scalars for logging.
-
-        ``layer{i}/tau_{mean,min,max}`` for bandwidth parameters (Flexformer-N's tau), and
-        ``layer{i}/{name}_norm_{mean,min,max}`` over the frequency vectors (rows along the last
-        dim) of every 3-D [H, D, d] feature-map parameter (the Omega matrices). Local heads only
-        under tensor parallelism. Empty for softmax and parameter-free feature maps.
-        """
-        stats: dict[str, float] = {}
-        for i, block in enumerate(self.blocks):
-            feature_map = block.attn.core.feature_map
-            if feature_map is None:
-                continue
-            for name, param in feature_map.named_parameters():
-                leaf = name.rsplit(".", 1)[-1]
-                if leaf == "tau":
-                    values, key = param.float(), f"layer{i:02d}/tau"
-                elif param.dim() == 3:
-                    values, key = param.float().norm(dim=-1), f"layer{i:02d}/{name}_norm"
-                else:
-                    continue
-                stats[f"{key}_mean"] = values.mean().item()
-                stats[f"{key}_min"] = values.min().item()
-                stats[f"{key}_max"] = values.max().item()
-        return stats
+    def kernel_statistics(
+        self, probe_ids: torch.Tensor | None = None, reference: dict[str, torch.Tensor] | None = None
+    ) -> dict[str, float]:
+        """Per-layer kernel statistics as flat scalars (``megaflex.model.kernel_stats``)."""
+        return kernel_statistics(self, probe_ids, reference)
 
     def _check_inputs(self, input_ids: torch.Tensor, labels: torch.Tensor | None, state: GPTState | None) -> None:
         if input_ids.dim() != 2 or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:

@@ -80,10 +80,18 @@ class OptimizerConfig:
     eps: float = opt(1e-8, "Adam epsilon")
     weight_decay: float = opt(0.1, "decoupled weight decay of matrices (see no_decay_patterns)")
     no_decay_patterns: list[str] = opt(
-        ["omega", "tau"],
+        [],
         "parameter-name substrings exempt from weight decay, besides every parameter with < 2 dims "
-        "(biases, norm gains, tau); default exempts the learned kernel: Omega and tau shape the kernel, "
-        "decay would pull the frequencies to 0 (a flat kernel), not regularise capacity",
+        "(biases, norm gains) and every learnable kernel parameter (Omega, tau, hedgehog's W: declared by "
+        "the feature maps, never decayed: decay would pull the kernel to a flat one, not regularise capacity)",
+    )
+    kernel_frequency_lr_multiplier: float = opt(
+        1.0,
+        "LR of the kernel frequencies (Omega; role 'frequencies') = this x the scheduled LR (0 freezes them). "
+        "Under Adam this equals learning Omega = s * Omega_hat with s = this multiplier",
+    )
+    kernel_temperature_lr_multiplier: float = opt(
+        1.0, "LR of the kernel temperature (Flexformer-N's tau; role 'temperature') = this x the scheduled LR"
     )
     fused: Literal["auto", "on", "off"] = opt("auto", "torch fused AdamW kernel (auto: on when the device supports it)")
     use_apex: bool = opt(False, "use apex FusedAdam instead (GPU; apex must be installed)")
@@ -241,6 +249,8 @@ def validate(cfg: Config) -> None:
         "schedule.warmup_iters": s.warmup_iters, "logging.kernel_stats_interval": lg.kernel_stats_interval,
         "train.grad_clip": t.grad_clip, "optimizer.weight_decay": cfg.optimizer.weight_decay,
         "schedule.min_lr": s.min_lr,
+        "optimizer.kernel_frequency_lr_multiplier": cfg.optimizer.kernel_frequency_lr_multiplier,
+        "optimizer.kernel_temperature_lr_multiplier": cfg.optimizer.kernel_temperature_lr_multiplier,
     }
     for key, value in non_negative.items():
         if value < 0:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..base import FeatureMap, FeatureMapOutput
+from ..base import FeatureMap, FeatureMapOutput, KernelParameter
 from ._common import check_even_feature_dim, fp32_region, quarter_root
 from ._trig import trig_feature_map
 
@@ -31,6 +31,9 @@ class FlexformerSFeatureMap(FeatureMap):
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.omega, std=quarter_root(self.head_dim))
+
+    def kernel_parameters(self) -> list[KernelParameter]:
+        return [KernelParameter("omega", self.omega, "frequencies")]
 
     def forward(self, x: torch.Tensor, offset: int = 0) -> FeatureMapOutput:
         self.check_input(x)
