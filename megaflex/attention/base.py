@@ -190,18 +190,21 @@ class FeatureMap(nn.Module):
 
 
 def named_kernel_parameters(module: nn.Module) -> Iterator[tuple[str, KernelParameter]]:
-    """(qualified parameter name in ``module``, KernelParameter) for every feature map inside it.
+    """(qualified parameter name in ``module``, KernelParameter) for every kernel parameter inside it.
 
-    The qualified name matches ``module.named_parameters()``; every learnable parameter of a
-    feature map must be declared (a map that forgets one is an error, not a silent default).
+    Declared by every submodule with a ``kernel_parameters()`` method (the feature maps, and
+    attention wrappers such as ``hybrid.LocalMixingCore``). The qualified name matches
+    ``module.named_parameters()``; each declaring module must declare exactly its own (non-recursive)
+    parameters (one it forgets is an error, not a silent default).
     """
     for prefix, sub in module.named_modules():
-        if not isinstance(sub, FeatureMap):
+        declare = getattr(sub, "kernel_parameters", None)
+        if not callable(declare) or isinstance(sub, nn.ModuleList):
             continue
-        declared = sub.kernel_parameters()
-        own = {id(p) for p in sub.parameters()}
-        if {id(kp.param) for kp in declared} != own or len(declared) != len(own):
-            names = sorted(n for n, _ in sub.named_parameters())
+        declared = declare()
+        own = [p for p in sub.parameters(recurse=False)]
+        if {id(kp.param) for kp in declared} != {id(p) for p in own} or len(declared) != len(own):
+            names = sorted(n for n, _ in sub.named_parameters(recurse=False))
             raise ValueError(
                 f"{type(sub).__name__}.kernel_parameters(): expected exactly its parameters {names}, "
                 f"got {sorted(kp.name for kp in declared)}"

@@ -28,13 +28,15 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megaflex.attention import AttentionCore, KVCache, LinearAttentionState
+from megaflex.attention.hybrid import HybridState, LocalMixingCore
 from megaflex.model.config import ModelConfig
 from megaflex.model.kernel_stats import kernel_statistics
 from megaflex.model.layers import LayerFactory, LocalLayers, normal_init
 from megaflex.model.rope import RotaryEmbedding
 
 IGNORE_INDEX = -100  # labels equal to this contribute no loss
-LayerState = LinearAttentionState | KVCache  # one layer's decoding state (linear kinds | softmax)
+# one layer's decoding state (linear kinds | softmax | linear with a softmax window or q/k/v convolution)
+LayerState = LinearAttentionState | KVCache | HybridState
 
 
 @dataclass
@@ -291,8 +293,9 @@ def _norm(config: ModelConfig) -> nn.Module:
     return nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
 
 
-def _build_attention_core(config: ModelConfig, layers: LayerFactory, local_heads: int) -> AttentionCore:
-    """AttentionCore over this rank's heads, initialised as the tp=1 core sliced by heads.
+def _build_attention_core(config: ModelConfig, layers: LayerFactory, local_heads: int) -> AttentionCore | LocalMixingCore:
+    """AttentionCore over this rank's heads, initialised as the tp=1 core sliced by heads, wrapped in
+    a ``LocalMixingCore`` when ``softmax_window`` or ``qkv_conv_size`` is set.
 
     Under TP the full core is drawn from the default RNG (identical on every rank, and consumed
     exactly as at tp=1) and this rank's heads of every feature-map tensor (heads on dim 0) are
@@ -300,8 +303,8 @@ def _build_attention_core(config: ModelConfig, layers: LayerFactory, local_heads
     tp, and different ranks never duplicate heads.
     """
 
-    def build(num_heads: int) -> AttentionCore:
-        return AttentionCore(
+    def build(num_heads: int) -> AttentionCore | LocalMixingCore:
+        core = AttentionCore(
             config.attention,
             num_heads,
             config.head_dim,
@@ -311,6 +314,9 @@ def _build_attention_core(config: ModelConfig, layers: LayerFactory, local_heads
             max_seq_len=config.max_seq_len,
             **config.feature_kwargs,
         )
+        if config.softmax_window or config.qkv_conv_size:  # deterministic init: no RNG drawn here
+            return LocalMixingCore(core, window=config.softmax_window, conv_size=config.qkv_conv_size)
+        return core
 
     if layers.tp_size == 1:
         return build(config.num_heads)

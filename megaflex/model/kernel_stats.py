@@ -60,9 +60,11 @@ def _summary(stats: dict[str, float], key: str, values: torch.Tensor) -> None:
 def _probe_statistics(model: nn.Module, probe_ids: torch.Tensor) -> dict[str, float]:
     """Run the probe batch once, catching each core's (q, k), and measure its causal weights."""
     captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    # the linear/softmax core itself (inside a LocalMixingCore: after the q/k/v convolution)
+    cores = [getattr(block.attn.core, "core", block.attn.core) for block in model.blocks]
     hooks = [
-        block.attn.core.register_forward_pre_hook(lambda _m, args, i=i: captured.__setitem__(i, (args[0], args[1])))
-        for i, block in enumerate(model.blocks)
+        core.register_forward_pre_hook(lambda _m, args, i=i: captured.__setitem__(i, (args[0], args[1])))
+        for i, core in enumerate(cores)
     ]
     was_training = model.training
     model.eval()
@@ -73,9 +75,9 @@ def _probe_statistics(model: nn.Module, probe_ids: torch.Tensor) -> dict[str, fl
         for hook in hooks:
             hook.remove()
     stats: dict[str, float] = {}
-    for i, block in enumerate(model.blocks):
+    for i, core in enumerate(cores):
         q, k = captured[i]
-        weights = causal_weights(q, k, block.attn.core.feature_map)
+        weights = causal_weights(q, k, core.feature_map)
         for key, value in weight_statistics(weights).items():
             stats[f"layer{i:02d}/{key}"] = value
     return stats
