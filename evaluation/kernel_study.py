@@ -53,8 +53,10 @@ ARMS: dict[str, tuple[list[str], str]] = {
         "one LR for every parameter (kernel LR multipliers 1)",
     ),
     "fn_omega_frozen": (["optimizer.kernel_frequency_lr_multiplier=0"], "Omega frozen at init (tau still learned)"),
+    "fn_hybrid": (["model.softmax_window=64"], "plus exact softmax over the last 64 tokens (attention/hybrid.py)"),
+    "fn_qkv_conv": (["model.qkv_conv_size=4"], "plus a 4-tap causal depthwise convolution of q, k, v"),
 }
-DEFAULT_ARMS = ("fn_paper_init", "fn_kernel_lr_off", "fn_omega_frozen")
+DEFAULT_ARMS = ("fn_paper_init", "fn_kernel_lr_off", "fn_omega_frozen", "fn_hybrid")
 # model/training shapes per preset (the rest of StudyConfig is shared)
 PRESETS: dict[str, dict[str, Any]] = {
     "cpu": {},
