@@ -143,3 +143,11 @@ def test_bad_arguments_raise():
         model_config(attention="softmax", qkv_conv_size=0)
     with pytest.raises(ValueError, match="HybridState"):
         make_core("quadratic", 4, 0)(*make_qkv(1, HEADS, 3, D), state=object())
+
+
+def test_reshard_layout_shards_conv_taps_and_kernel_by_heads():
+    from megaflex.parallel.reshard import gpt_layout
+
+    layout = gpt_layout(model_config())
+    assert layout["blocks.0.attn.core.conv_weight"].partition_dim == 0
+    assert layout["blocks.1.attn.core.core.feature_map.tau"].partition_dim == 0

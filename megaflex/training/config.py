@@ -357,7 +357,10 @@ _MODEL_DOCS = {
     "feature_dim": "feature axis F of linear attention",
     "normalization": "linear attention output normalisation (rms or denominator)",
     "chunk_size": "chunk length of the chunked linear-attention training form",
-    "feature_kwargs": "extra keyword arguments of the feature map",
+    "feature_kwargs": "extra keyword arguments of the feature map (flexformer_n: omega_init paper|tied, omega_noise, "
+    "min_log_temperature)",
+    "softmax_window": "W > 0: add exact softmax attention over the last W tokens to linear attention (0: off)",
+    "qkv_conv_size": "K > 0: K-tap causal depthwise convolution of q, k, v before linear attention (0: off)",
     "mlp": "gelu or swiglu",
     "norm": "rmsnorm or layernorm",
     "norm_eps": "epsilon of the norms",
