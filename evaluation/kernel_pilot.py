@@ -69,6 +69,24 @@ def main(argv: Sequence[str] | None = None) -> None:
         rows.append(evaluate_run(cfg, run, cfg.seed, run_dir))
         print(f"[kernel_pilot] {run.label}: valid ppl {rows[-1]['english_docs_valid_ppl']:.2f}", flush=True)
     write_report(cfg, rows, command.strip(), time.perf_counter() - start)
+    with open(f"{cfg.out}/results.md", "a") as f:
+        f.write(ranking(rows))
+
+
+def ranking(rows: list[dict]) -> str:
+    """The runs ranked by english-docs valid ppl, with the change relative to the first grid entry."""
+    base = rows[0]
+    lines = ["## Ranking (ONE seed: a pilot, not a result; seed noise on valid ppl was about +-2.7% in issue 11)\n",
+             "| run | english-docs valid ppl | vs " + base["label"] + " | WikiText-2 test ppl | Omega change |",
+             "|---|---:|---:|---:|---:|"]
+    for r in sorted(rows, key=lambda r: r["english_docs_valid_ppl"]):
+        change = r.get("omega_rel_change")
+        lines.append(
+            f"| {r['label']} | {r['english_docs_valid_ppl']:.1f} | "
+            f"{100 * (r['english_docs_valid_ppl'] / base['english_docs_valid_ppl'] - 1):+.1f}% | "
+            f"{r['wikitext2_test_ppl']:.1f} | {f'{100 * sum(change) / len(change):.0f}%' if change else ''} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

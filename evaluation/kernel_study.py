@@ -50,7 +50,7 @@ ARMS: dict[str, tuple[list[str], str]] = {
     "fn_tied_init": (["model.feature_kwargs={omega_init: tied}"], "Omega2 = Omega1 + noise (no uniform floor)"),
     "fn_kernel_lr_off": (
         ["optimizer.kernel_frequency_lr_multiplier=1", "optimizer.kernel_temperature_lr_multiplier=1"],
-        "one LR for every parameter (kernel LR multipliers 1)",
+        "one LR for every parameter (kernel LR multipliers 1 instead of 10)",
     ),
     "fn_omega_frozen": (["optimizer.kernel_frequency_lr_multiplier=0"], "Omega frozen at init (tau still learned)"),
     "fn_hybrid": (["model.softmax_window=64"], "plus exact softmax over the last 64 tokens (attention/hybrid.py)"),

@@ -78,6 +78,13 @@ def verdict(summary: list[dict[str, Any]]) -> str:
             ratio = fn[f"{metric}_mean"] / by["softmax"][f"{metric}_mean"]
             parts.append(f"{ratio:.2f}x softmax ({by['softmax'][f'{metric}_mean']:.1f})")
         lines.append(f"- {name}: " + "; ".join(parts) + ".")
+        if "softmax" in by:
+            ratios = [f"{s['label']} {s[f'{metric}_mean'] / by['softmax'][f'{metric}_mean']:.2f}x"
+                      for s in summary if s["label"] != "softmax"]
+            lines.append(f"  - {name} ppl / softmax: " + ", ".join(ratios) + ".")
+    if fn.get("omega_rel_change_mean") is not None:
+        lines.append(f"- Omega moved {100 * fn['omega_rel_change_mean']:.0f}% from its init (default recipe; "
+                     "||Omega - Omega_init|| / ||Omega_init||, mean over layers and seeds).")
     seeds = min(s["seeds"] for s in summary)
     rule = ("better/worse = gap of the means > 2 standard errors over seeds" if seeds > 1
             else "one seed: no comparison is separated from seed noise")

@@ -32,6 +32,7 @@ def test_kernel_records_and_resume_with_other_groups_is_a_clear_error(tmp_path: 
 
     data["train"]["train_iters"] = 12
     write_config(cfg, data)
-    plain = launch(cfg, ["parallel.zero_stage=0", f"logging.run_dir={run_dir}", "checkpoint.resume=auto"])
+    plain = launch(cfg, ["parallel.zero_stage=0", f"logging.run_dir={run_dir}", "checkpoint.resume=auto",
+                         "optimizer.kernel_frequency_lr_multiplier=1", "optimizer.kernel_temperature_lr_multiplier=1"])
     assert plain.returncodes != [0]
     assert "optimizer param groups" in plain.outputs[0] and "kernel_frequency" in plain.outputs[0], plain.output
