@@ -17,9 +17,14 @@ import shlex
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Sequence
 
 from evaluation.kernel_study import RunSpec, StudyConfig, evaluate_run, prepare_data, train_run
+
+
+TITLE = ("# Kernel pilot: kernel LR multiplier x Omega init (ONE seed, 120 steps: a pilot, not a result)\n\n"
+         "Runs are labelled INIT_lrM: `model.feature_kwargs={omega_init: INIT}` and both kernel LR multipliers M.")
 
 
 def parse_grid(spec: str) -> list[tuple[str, float]]:
@@ -69,8 +74,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         rows.append(evaluate_run(cfg, run, cfg.seed, run_dir))
         print(f"[kernel_pilot] {run.label}: valid ppl {rows[-1]['english_docs_valid_ppl']:.2f}", flush=True)
     write_report(cfg, rows, command.strip(), time.perf_counter() - start)
-    with open(f"{cfg.out}/results.md", "a") as f:
-        f.write(ranking(rows))
+    md = Path(cfg.out) / "results.md"
+    md.write_text(md.read_text().replace("# Kernel study results", TITLE, 1) + ranking(rows))
 
 
 def ranking(rows: list[dict]) -> str:

@@ -1,12 +1,12 @@
 """The kernel study: does a learnable kernel (Flexformer) beat fixed linear kernels, and how close
 does it come to softmax? Version 2: several seeds, mean +- std, and arms of the Flexformer-N recipe.
 
-    python -m evaluation.kernel_study                         # 7 kinds + 3 arms x 3 seeds (CPU preset)
+    python -m evaluation.kernel_study                         # 7 kinds + 4 arms x 3 seeds (CPU preset)
     python -m evaluation.kernel_study --device cuda --preset 41m   # the paper's 41M shape on a GPU
 
 trains one small GPT per run: every attention kind with the project's default recipe, plus the
-*arms*, Flexformer-N variants that change one thing of that recipe (``ARMS``: the paper's init,
-the kernel LR multipliers off, Omega frozen). Everything else is identical: data, token budget,
+*arms*, Flexformer-N variants that change one thing of that recipe (``ARMS``: the tied init,
+the kernel LR multipliers off, Omega frozen, the sliding softmax window). Everything else is identical: data, token budget,
 optimizer, schedule, and for one seed also the data order and the initialisation of every shared
 weight. Each run is evaluated on the english-docs valid split and on WikiText-2 test; results go
 to ``--out`` (default ``evaluation/results/kernel_study``):
@@ -56,7 +56,7 @@ ARMS: dict[str, tuple[list[str], str]] = {
     "fn_hybrid": (["model.softmax_window=64"], "plus exact softmax over the last 64 tokens (attention/hybrid.py)"),
     "fn_qkv_conv": (["model.qkv_conv_size=4"], "plus a 4-tap causal depthwise convolution of q, k, v"),
 }
-DEFAULT_ARMS = ("fn_paper_init", "fn_kernel_lr_off", "fn_omega_frozen", "fn_hybrid")
+DEFAULT_ARMS = ("fn_tied_init", "fn_kernel_lr_off", "fn_omega_frozen", "fn_hybrid")  # fn_paper_init = the default
 # model/training shapes per preset (the rest of StudyConfig is shared)
 PRESETS: dict[str, dict[str, Any]] = {
     "cpu": {},
