@@ -82,13 +82,12 @@ class LocalMixingCore(nn.Module):
         conv_tail = None
         if self.conv_weight is not None:
             q, k, v, conv_tail = self._convolve(q, k, v, None if state is None else state.conv_tail)
-        out, linear_state = self.core(q, k, v, state=None if state is None else state.linear, return_state=True)
+        out, linear_state = self.core(q, k, v, state=None if state is None else state.linear, return_state=return_state)
         window_k = window_v = None
         if self.window:
             local, window_k, window_v = self._window_attention(q, k, v, state)
             out = out + local
-        new_state = HybridState(linear_state, window_k, window_v, conv_tail)
-        return out, (new_state if return_state else None)
+        return out, (HybridState(linear_state, window_k, window_v, conv_tail) if return_state else None)
 
     def _convolve(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tail: torch.Tensor | None
