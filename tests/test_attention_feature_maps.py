@@ -56,14 +56,18 @@ def test_shapes_dtypes_and_heads_on_dim0(kind):
     assert rel_err(out_bf16.features, out.features) < 2e-2
 
 
-def test_flexformer_init():
-    fmap = make_map("flexformer_n", 4, D_HEAD, 512)
+@pytest.mark.parametrize("omega_init", ["paper", "tied"])
+def test_flexformer_init(omega_init):
+    fmap = make_map("flexformer_n", 4, D_HEAD, 512, omega_init=omega_init)
     expected_std = D_HEAD**-0.25
     for omega in (fmap.omega1, fmap.omega2):
         assert omega.shape == (4, 256, D_HEAD)
         assert abs(omega.std().item() / expected_std - 1) < 0.02 and abs(omega.mean().item()) < 0.01
-    # independent draws: equal frequencies would stay equal under training (symmetry)
-    assert abs(torch.corrcoef(torch.stack([fmap.omega1.flatten(), fmap.omega2.flatten()]))[0, 1].item()) < 0.02
+    # paper: independent draws; tied: O2 - O1 is independent noise of std 0.1 * d^-1/4. Either way
+    # O1 != O2 (equal frequencies would stay equal under training: symmetry)
+    other, noise_std = (fmap.omega2, 1.0) if omega_init == "paper" else (fmap.omega2 - fmap.omega1, 0.1)
+    assert abs(torch.corrcoef(torch.stack([fmap.omega1.flatten(), other.flatten()]))[0, 1].item()) < 0.02
+    assert abs(other.std().item() / (noise_std * expected_std) - 1) < 0.02
     assert torch.allclose(fmap.tau, torch.full((4,), math.log(2 * math.sqrt(D_HEAD))))
     assert torch.equal(fmap.log_temperature(), fmap.tau.detach())  # the floor is inactive at init
     s = make_map("flexformer_s", 4, D_HEAD, 512)
@@ -92,7 +96,8 @@ def test_flexformer_n_with_equal_frequencies_is_exactly_flexformer_s():
 # (kind, kwargs, kernel estimated as a function of s = q.k / sqrt(d)); many heads = many independent draws
 ESTIMATORS = [
     ("flexformer_s", {}, lambda s: math.exp(s)),
-    ("flexformer_n", {}, lambda s: 0.5 * (math.exp(s) + 1)),
+    ("flexformer_n", {"omega_init": "paper"}, lambda s: 0.5 * (math.exp(s) + 1)),  # the uniform floor
+    ("flexformer_n", {"omega_init": "tied"}, lambda s: math.exp(s)),  # no floor (noise bias < 0.5% here)
     ("performer", {"variant": "positive"}, lambda s: math.exp(s)),
     ("performer", {"variant": "trig"}, lambda s: math.exp(s)),
 ]
@@ -130,7 +135,7 @@ def _exact_attention(q, k, v, kernel):
     "kind, kwargs, kernel",
     [
         ("flexformer_s", {}, torch.exp),
-        ("flexformer_n", {}, lambda s: 0.5 * (torch.exp(s) + 1)),
+        ("flexformer_n", {"omega_init": "paper"}, lambda s: 0.5 * (torch.exp(s) + 1)),
         ("performer", {"variant": "positive"}, torch.exp),
     ],
     ids=["flexformer_s", "flexformer_n", "performer"],

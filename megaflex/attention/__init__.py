@@ -8,13 +8,23 @@ All tensors are [B, H, N, d]. See ``core.py`` for the maths shared by every form
 * ``AttentionCore(kind, num_heads, head_dim, ...)``: the module the model uses
 * ``softmax_attention`` / ``KVCache``: exact baseline
 * ``redraw_random_features(module, step)``: Performer redraws, call once per optimiser step
+* ``named_kernel_parameters(module)``: every learnable kernel parameter with its optimisation role
+  (declared by the feature maps' ``kernel_parameters()``); ``feature_dim_of(kind, d, F)``
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from .base import NORMALIZATIONS, FeatureMap, FeatureMapOutput, LinearAttentionState
+from .base import (
+    KERNEL_ROLES,
+    NORMALIZATIONS,
+    FeatureMap,
+    FeatureMapOutput,
+    KernelParameter,
+    LinearAttentionState,
+    named_kernel_parameters,
+)
 from .core import (
     ATTENTION_BACKENDS,
     ATTENTION_KINDS,
@@ -24,8 +34,7 @@ from .core import (
     register_fused_backend,
     validate_linear_attention_inputs,
 )
-from .feature_maps import FEATURE_MAP_KINDS, build_feature_map
-from .feature_maps.performer import PerformerFeatureMap
+from .feature_maps import FEATURE_MAP_KINDS, build_feature_map, feature_dim_of
 from .quadratic import quadratic_linear_attention
 from .recurrent import recurrent_linear_attention
 from .softmax import KVCache, softmax_attention
@@ -37,7 +46,7 @@ def redraw_random_features(module: nn.Module, step: int) -> int:
     Deterministic in ``step`` (identical on all ranks, reproducible on resume); returns how
     many maps redrew. A no-op for maps without ``redraw_interval``.
     """
-    return sum(int(m.maybe_redraw(step)) for m in module.modules() if isinstance(m, PerformerFeatureMap))
+    return sum(int(m.maybe_redraw(step)) for m in module.modules() if isinstance(m, FeatureMap))
 
 
 __all__ = [
@@ -45,14 +54,18 @@ __all__ = [
     "ATTENTION_KINDS",
     "FEATURE_MAP_KINDS",
     "FORMS",
+    "KERNEL_ROLES",
     "NORMALIZATIONS",
     "AttentionCore",
     "FeatureMap",
     "FeatureMapOutput",
     "KVCache",
+    "KernelParameter",
     "LinearAttentionState",
     "build_feature_map",
     "causal_linear_attention",
+    "feature_dim_of",
+    "named_kernel_parameters",
     "quadratic_linear_attention",
     "recurrent_linear_attention",
     "redraw_random_features",

@@ -23,6 +23,7 @@ Output normalisation (shared by every form, so they agree to rounding):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -120,8 +121,38 @@ def fp32_inputs(
     return qf.to(acc), kf.to(acc), ls, v.to(acc), state
 
 
+# Optimisation roles of learnable kernel parameters (``KernelParameter.role``):
+#   "frequencies": random-Fourier frequencies Omega [H, D, d] (own LR multiplier, no weight decay)
+#   "temperature": log-temperature tau [H] (own LR multiplier, no weight decay)
+#   "map_weight":  a learned projection inside the map (hedgehog's W [H, d, F/2]): main LR, no
+#                  weight decay (decaying it pulls the map towards a constant, i.e. uniform attention)
+KERNEL_ROLES = ("frequencies", "temperature", "map_weight")
+
+
+@dataclass(frozen=True)
+class KernelParameter:
+    """One learnable kernel parameter, declared by the feature map that owns it.
+
+    Heads are always dim 0 (tensor parallelism shards it there). ``name`` is the attribute name
+    inside the map; ``role`` one of ``KERNEL_ROLES``.
+    """
+
+    name: str
+    param: nn.Parameter
+    role: str
+
+    def __post_init__(self) -> None:
+        if self.role not in KERNEL_ROLES:
+            raise ValueError(f"role: expected one of {KERNEL_ROLES}, got {self.role!r}")
+
+
 class FeatureMap(nn.Module):
-    """Base class: per-head feature map [B, H, N, head_dim] -> FeatureMapOutput."""
+    """Base class: per-head feature map [B, H, N, head_dim] -> FeatureMapOutput.
+
+    Subclasses with learnable parameters list them in ``kernel_parameters()``: the single place
+    the optimizer (LR groups, weight decay), tensor parallelism (dim-0 tags), the trainer's kernel
+    statistics and ZeRO-3 registration learn about them (``named_kernel_parameters``).
+    """
 
     num_heads: int
     head_dim: int
@@ -141,5 +172,42 @@ class FeatureMap(nn.Module):
                 f"head_dim={self.head_dim} of the {type(self).__name__}), got {tuple(x.shape)}"
             )
 
+    def kernel_parameters(self) -> list[KernelParameter]:
+        """The map's learnable kernel parameters with their optimisation role (none by default)."""
+        return []
+
+    @staticmethod
+    def output_dim(head_dim: int, feature_dim: int) -> int:
+        """F of the map built with these arguments (maps whose F is fixed by head_dim override it)."""
+        return feature_dim
+
+    def maybe_redraw(self, step: int) -> bool:
+        """Resample random features for optimiser step ``step`` if the map does that (Performer)."""
+        return False
+
     def extra_repr(self) -> str:
         return f"num_heads={self.num_heads}, head_dim={self.head_dim}, feature_dim={self.feature_dim}"
+
+
+def named_kernel_parameters(module: nn.Module) -> Iterator[tuple[str, KernelParameter]]:
+    """(qualified parameter name in ``module``, KernelParameter) for every kernel parameter inside it.
+
+    Declared by every submodule with a ``kernel_parameters()`` method (the feature maps, and
+    attention wrappers such as ``hybrid.LocalMixingCore``). The qualified name matches
+    ``module.named_parameters()``; each declaring module must declare exactly its own (non-recursive)
+    parameters (one it forgets is an error, not a silent default).
+    """
+    for prefix, sub in module.named_modules():
+        declare = getattr(sub, "kernel_parameters", None)
+        if not callable(declare) or isinstance(sub, nn.ModuleList):
+            continue
+        declared = declare()
+        own = [p for p in sub.parameters(recurse=False)]
+        if {id(kp.param) for kp in declared} != {id(p) for p in own} or len(declared) != len(own):
+            names = sorted(n for n, _ in sub.named_parameters(recurse=False))
+            raise ValueError(
+                f"{type(sub).__name__}.kernel_parameters(): expected exactly its parameters {names}, "
+                f"got {sorted(kp.name for kp in declared)}"
+            )
+        for kp in declared:
+            yield (f"{prefix}.{kp.name}" if prefix else kp.name), kp

@@ -38,6 +38,9 @@ class ModelConfig:
     # "triton" (also on CPU tensors under TRITON_INTERPRET=1: slow, for tests)
     attention_backend: str = "auto"
     feature_kwargs: dict[str, Any] = field(default_factory=dict)  # extra kwargs of the feature map
+    # Optional quality closers of linear attention (megaflex.attention.hybrid; 0 = off):
+    softmax_window: int = 0  # W > 0: add exact softmax attention over the last W tokens
+    qkv_conv_size: int = 0  # K > 0: short causal depthwise convolution of q, k, v (K taps)
     mlp: str = "gelu"
     norm: str = "rmsnorm"
     norm_eps: float = 1e-5
@@ -85,6 +88,12 @@ class ModelConfig:
                 raise ValueError(f"{name} must be > 0, got {value!r}")
         if not isinstance(self.feature_kwargs, dict):
             raise ValueError(f"feature_kwargs must be a mapping, got {type(self.feature_kwargs).__name__}")
+        for name in ("softmax_window", "qkv_conv_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0 (0: off), got {value!r}")
+            if value and self.attention == "softmax":
+                raise ValueError(f"{name} must be 0 for attention='softmax' (it closes linear attention's gaps), got {value}")
         if self.attention == "softmax" and self.feature_kwargs:
             raise ValueError(f"feature_kwargs must be empty for attention='softmax', got {sorted(self.feature_kwargs)}")
 

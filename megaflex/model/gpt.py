@@ -28,12 +28,15 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megaflex.attention import AttentionCore, KVCache, LinearAttentionState
+from megaflex.attention.hybrid import HybridState, LocalMixingCore
 from megaflex.model.config import ModelConfig
+from megaflex.model.kernel_stats import kernel_statistics
 from megaflex.model.layers import LayerFactory, LocalLayers, normal_init
 from megaflex.model.rope import RotaryEmbedding
 
 IGNORE_INDEX = -100  # labels equal to this contribute no loss
-LayerState = LinearAttentionState | KVCache  # one layer's decoding state (linear kinds | softmax)
+# one layer's decoding state (linear kinds | softmax | linear with a softmax window or q/k/v convolution)
+LayerState = LinearAttentionState | KVCache | HybridState
 
 
 @dataclass
@@ -249,32 +252,11 @@ class GPT(nn.Module):
         """Parameters held by this module (this rank's shards under TP; tied weights once)."""
         return sum(p.numel() for p in self.parameters())
 
-    @torch.no_grad()
-    def kernel_statistics(self) -> dict[str, float]:
-        """Per-layer statistics of the learnable kernels, as flat scalars for logging.
-
-        ``layer{i}/tau_{mean,min,max}`` for bandwidth parameters (Flexformer-N's tau), and
-        ``layer{i}/{name}_norm_{mean,min,max}`` over the frequency vectors (rows along the last
-        dim) of every 3-D [H, D, d] feature-map parameter (the Omega matrices). Local heads only
-        under tensor parallelism. Empty for softmax and parameter-free feature maps.
-        """
-        stats: dict[str, float] = {}
-        for i, block in enumerate(self.blocks):
-            feature_map = block.attn.core.feature_map
-            if feature_map is None:
-                continue
-            for name, param in feature_map.named_parameters():
-                leaf = name.rsplit(".", 1)[-1]
-                if leaf == "tau":
-                    values, key = param.float(), f"layer{i:02d}/tau"
-                elif param.dim() == 3:
-                    values, key = param.float().norm(dim=-1), f"layer{i:02d}/{name}_norm"
-                else:
-                    continue
-                stats[f"{key}_mean"] = values.mean().item()
-                stats[f"{key}_min"] = values.min().item()
-                stats[f"{key}_max"] = values.max().item()
-        return stats
+    def kernel_statistics(
+        self, probe_ids: torch.Tensor | None = None, reference: dict[str, torch.Tensor] | None = None
+    ) -> dict[str, float]:
+        """Per-layer kernel statistics as flat scalars (``megaflex.model.kernel_stats``)."""
+        return kernel_statistics(self, probe_ids, reference)
 
     def _check_inputs(self, input_ids: torch.Tensor, labels: torch.Tensor | None, state: GPTState | None) -> None:
         if input_ids.dim() != 2 or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
@@ -308,8 +290,9 @@ def _norm(config: ModelConfig) -> nn.Module:
     return nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
 
 
-def _build_attention_core(config: ModelConfig, layers: LayerFactory, local_heads: int) -> AttentionCore:
-    """AttentionCore over this rank's heads, initialised as the tp=1 core sliced by heads.
+def _build_attention_core(config: ModelConfig, layers: LayerFactory, local_heads: int) -> AttentionCore | LocalMixingCore:
+    """AttentionCore over this rank's heads, initialised as the tp=1 core sliced by heads, wrapped in
+    a ``LocalMixingCore`` when ``softmax_window`` or ``qkv_conv_size`` is set.
 
     Under TP the full core is drawn from the default RNG (identical on every rank, and consumed
     exactly as at tp=1) and this rank's heads of every feature-map tensor (heads on dim 0) are
@@ -317,8 +300,8 @@ def _build_attention_core(config: ModelConfig, layers: LayerFactory, local_heads
     tp, and different ranks never duplicate heads.
     """
 
-    def build(num_heads: int) -> AttentionCore:
-        return AttentionCore(
+    def build(num_heads: int) -> AttentionCore | LocalMixingCore:
+        core = AttentionCore(
             config.attention,
             num_heads,
             config.head_dim,
@@ -329,6 +312,9 @@ def _build_attention_core(config: ModelConfig, layers: LayerFactory, local_heads
             backend=config.attention_backend,
             **config.feature_kwargs,
         )
+        if config.softmax_window or config.qkv_conv_size:  # deterministic init: no RNG drawn here
+            return LocalMixingCore(core, window=config.softmax_window, conv_size=config.qkv_conv_size)
+        return core
 
     if layers.tp_size == 1:
         return build(config.num_heads)

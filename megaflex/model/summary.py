@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import yaml
 
+from megaflex.attention import named_kernel_parameters
 from megaflex.model.config import ModelConfig
 from megaflex.model.gpt import GPT
 from megaflex.model.layers import pad_vocab_size
@@ -49,10 +50,11 @@ def build_meta_model(config: ModelConfig) -> GPT:
 
 
 def parameter_breakdown(model: GPT) -> dict[str, int]:
-    """Parameter count per component (embedding, attention, feature maps, mlp, norms, head)."""
+    """Parameter count per component (embedding, attention, kernel, mlp, norms, head)."""
     counts: dict[str, int] = defaultdict(int)
+    kernel = {name for name, _ in named_kernel_parameters(model)}
     for name, param in model.named_parameters():  # shared (tied) parameters appear once
-        if ".core.feature_map." in name:
+        if name in kernel:
             group = "attention feature maps"
         elif ".attn." in name:
             group = "attention (qkv, out, gain)"

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megaflex.attention.base import FeatureMap
+from megaflex.attention import named_kernel_parameters
 from megaflex.model.layers import InitMethod, LocalLayers, check_tensor_parallel_fit, pad_vocab_size
 from megaflex.parallel.context_parallel import ContextParallelAttention, sequence_sum
 from megaflex.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -51,19 +51,18 @@ def is_tensor_parallel(param: torch.Tensor) -> bool:
 
 
 def mark_head_sharded_params(model: nn.Module) -> int:
-    """Tag every parameter of every ``FeatureMap`` in ``model`` as split on dim 0 (heads).
+    """Tag every learnable kernel parameter in ``model`` (Omega, tau, ...) as split on dim 0 (heads).
 
-    Feature maps are built by the attention core with local heads and know nothing about TP,
-    so the tags are added afterwards. Call it once after building a TP model: DeepSpeed's grad
-    norm only counts untagged parameters on TP rank 0. Returns the number of tagged params.
+    Feature maps declare their parameters (``named_kernel_parameters``; heads are always dim 0)
+    and know nothing about TP, so the tags are added afterwards. Call it once after building a TP
+    model: DeepSpeed's grad norm only counts untagged parameters on TP rank 0. Returns the number
+    of tagged params.
     """
     count = 0
-    for module in model.modules():
-        if isinstance(module, FeatureMap):
-            for param in module.parameters():
-                if not is_tensor_parallel(param):
-                    set_tensor_parallel_attributes(param, 0)
-                    count += 1
+    for _, kp in named_kernel_parameters(model):
+        if not is_tensor_parallel(kp.param):
+            set_tensor_parallel_attributes(kp.param, 0)
+            count += 1
     return count
 
 

@@ -91,10 +91,20 @@ class OptimizerConfig:
     eps: float = opt(1e-8, "Adam epsilon")
     weight_decay: float = opt(0.1, "decoupled weight decay of matrices (see no_decay_patterns)")
     no_decay_patterns: list[str] = opt(
-        ["omega", "tau"],
+        [],
         "parameter-name substrings exempt from weight decay, besides every parameter with < 2 dims "
-        "(biases, norm gains, tau); default exempts the learned kernel: Omega and tau shape the kernel, "
-        "decay would pull the frequencies to 0 (a flat kernel), not regularise capacity",
+        "(biases, norm gains) and every learnable kernel parameter (Omega, tau, hedgehog's W: declared by "
+        "the feature maps, never decayed: decay would pull the kernel to a flat one, not regularise capacity)",
+    )
+    kernel_frequency_lr_multiplier: float = opt(
+        10.0,
+        "LR of the kernel frequencies (Omega; role 'frequencies') = this x the scheduled LR (0 freezes them). "
+        "Under Adam this equals learning Omega = s * Omega_hat with s = this multiplier",
+    )
+    kernel_temperature_lr_multiplier: float = opt(
+        10.0,
+        "LR of the kernel temperature (Flexformer-N's tau; role 'temperature') = this x the scheduled LR. "
+        "Default 10 for both (single-seed pilot, evaluation/results/kernel_pilot: 10 beat 1 on both eval sets with both inits; 30 was much worse)",
     )
     fused: Literal["auto", "on", "off"] = opt("auto", "torch fused AdamW kernel (auto: on when the device supports it)")
     use_apex: bool = opt(False, "use apex FusedAdam instead (GPU; apex must be installed)")
@@ -253,6 +263,8 @@ def validate(cfg: Config) -> None:
         "schedule.warmup_iters": s.warmup_iters, "logging.kernel_stats_interval": lg.kernel_stats_interval,
         "train.grad_clip": t.grad_clip, "optimizer.weight_decay": cfg.optimizer.weight_decay,
         "schedule.min_lr": s.min_lr,
+        "optimizer.kernel_frequency_lr_multiplier": cfg.optimizer.kernel_frequency_lr_multiplier,
+        "optimizer.kernel_temperature_lr_multiplier": cfg.optimizer.kernel_temperature_lr_multiplier,
     }
     for key, value in non_negative.items():
         if value < 0:
@@ -287,6 +299,13 @@ def validate(cfg: Config) -> None:
                 cfg, "parallel.context_parallel_size",
                 f"expected 1 for model.attention={cfg.model.attention!r} (context parallelism passes the fixed-size "
                 f"state of linear attention; softmax has none), got {p.context_parallel_size}",
+            )
+        if cfg.model.softmax_window or cfg.model.qkv_conv_size:
+            # both closers read the tokens just before each position, which may live on the previous CP rank
+            raise _bad(
+                cfg, "parallel.context_parallel_size",
+                f"expected 1 with model.softmax_window ({cfg.model.softmax_window}) or model.qkv_conv_size "
+                f"({cfg.model.qkv_conv_size}) set (they need the previous rank's tokens), got {p.context_parallel_size}",
             )
     if d.source == "indexed" and not d.train_path:
         raise _bad(cfg, "data.train_path", "data.source is 'indexed' but no training data prefixes are given")
@@ -375,7 +394,10 @@ _MODEL_DOCS = {
     "normalization": "linear attention output normalisation (rms or denominator)",
     "chunk_size": "chunk length of the chunked linear-attention training form",
     "attention_backend": "chunked linear attention implementation: auto (Triton on CUDA, torch on CPU), torch, or triton (on CPU tensors it needs TRITON_INTERPRET=1)",
-    "feature_kwargs": "extra keyword arguments of the feature map",
+    "feature_kwargs": "extra keyword arguments of the feature map (flexformer_n: omega_init paper|tied, omega_noise, "
+    "min_log_temperature)",
+    "softmax_window": "W > 0: add exact softmax attention over the last W tokens to linear attention (0: off)",
+    "qkv_conv_size": "K > 0: K-tap causal depthwise convolution of q, k, v before linear attention (0: off)",
     "mlp": "gelu or swiglu",
     "norm": "rmsnorm or layernorm",
     "norm_eps": "epsilon of the norms",

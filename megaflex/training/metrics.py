@@ -1,7 +1,8 @@
 """Rank-0 logging: metrics.jsonl, TensorBoard scalars, console progress, FLOP estimates.
 
-``metrics.jsonl`` gets one JSON object per logged step (``step``, ``loss``, ``lr``,
-``tokens_per_s``, ...). Floats are written with ``json``'s shortest round-trip repr, so a loss
+``metrics.jsonl`` gets one JSON object per logged step (``kind`` "train": ``step``, ``loss``,
+``lr``, ``tokens_per_s``, ...; "valid": ``loss``, ``ppl``; "kernel": the per-layer kernel
+statistics of ``megaflex.model.kernel_stats``, TensorBoard tags ``kernel/layerXX/...``). Floats are written with ``json``'s shortest round-trip repr, so a loss
 read back is bit-identical to the one logged; every line is flushed and fsynced so a run killed
 with ``kill -9`` leaves a readable log. Resumed runs append; readers take the last entry of a
 step (``read_metrics``).
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 
+from megaflex.attention import feature_dim_of
 from megaflex.model.config import ModelConfig
 
 # Dense bf16 peak TFLOP/s per device, for MFU when logging.peak_tflops is unset.
@@ -27,7 +29,7 @@ PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "A10G": 125.0, "L4":
 
 
 def read_metrics(path: str | Path, kind: str = "train") -> dict[int, dict[str, Any]]:
-    """step -> the last logged record of that step (``kind``: "train" or "valid")."""
+    """step -> the last logged record of that step (``kind``: "train", "valid" or "kernel")."""
     records: dict[int, dict[str, Any]] = {}
     with open(path) as f:
         for line in f:
@@ -49,13 +51,15 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, num_params: int) -> float:
     Matmuls: 6 per parameter (the tied embedding counts once, as the logits matmul).
     Attention per layer and token, forward: softmax 4*N*h (QK^T and AV over the full window,
     Megatron's convention); linear attention 4*h*F (feature projections of q and k) +
-    4*h*F (state update and readout per head dim) + 2*C*(F + d)*H (intra-chunk quadratic part).
+    4*h*F (state update and readout per head dim) + 2*C*(F + d)*H (intra-chunk quadratic part),
+    with F the map's real feature count (``feature_dim_of``: elu d, cosformer 2d, else feature_dim).
     """
     L, h, H = cfg.num_layers, cfg.hidden_size, cfg.num_heads
     if cfg.attention == "softmax":
         attn_fwd = 4.0 * seq_len * h
     else:
-        d, F, C = cfg.head_dim, cfg.feature_dim, min(cfg.chunk_size, seq_len)
+        d, C = cfg.head_dim, min(cfg.chunk_size, seq_len)
+        F = feature_dim_of(cfg.attention, d, cfg.feature_dim)
         attn_fwd = 4.0 * h * F + 4.0 * h * F + 2.0 * C * (F + d) * H
     return 6.0 * num_params + 3.0 * L * attn_fwd
 
@@ -117,9 +121,10 @@ class MetricsLogger:
             for key, value in {**_numeric(record), **(scalars or {})}.items():
                 if key != "step" and math.isfinite(value):
                     self._tb.add_scalar(key, value, step)
-        if record.get("kind", "train") == "train":
+        kind = record.get("kind", "train")
+        if kind == "train":
             self._console(record)
-        else:
+        elif kind == "valid":
             self.print(f"[valid] step {step}: loss {record['loss']:.4f} ppl {record['ppl']:.2f}")
 
     def _console(self, rec: dict[str, Any]) -> None:
@@ -158,7 +163,7 @@ class MetricsLogger:
 
 
 def _numeric(record: dict[str, Any]) -> dict[str, float]:
-    prefix = "valid/" if record.get("kind") == "valid" else "train/"
+    prefix = record.get("kind", "train") + "/"  # train/, valid/, kernel/
     return {
         prefix + k: float(v)
         for k, v in record.items()

@@ -1,48 +1,93 @@
-"""Optimizer pieces: weight-decay groups, a skippable torch AdamW and the LR schedule.
+"""Optimizer pieces: weight-decay and kernel LR groups, a skippable torch AdamW and the LR schedule.
 
-Weight decay (``param_groups``): matrices decay; every parameter with fewer than 2 dims
-(biases, norm gains, Flexformer's per-head tau) and every name matching
-``optimizer.no_decay_patterns`` (default: ``omega``, ``tau`` — the learned kernel's
-frequencies) does not. Decaying Omega shrinks the frequencies towards a flat kernel and
-decaying tau moves the bandwidth; neither is a capacity regulariser. Embeddings decay, as in
-Megatron-LM.
+Groups (``param_groups``):
+
+* ``decay``: matrices and embeddings (as in Megatron-LM);
+* ``no_decay``: parameters with fewer than 2 dims (biases, norm gains), names matching
+  ``optimizer.no_decay_patterns``, and every learnable kernel parameter whose LR multiplier is 1;
+* ``kernel_frequencies`` / ``kernel_temperature``: the feature maps' Omega and tau
+  (``megaflex.attention.named_kernel_parameters``: the maps declare them), no weight decay, LR =
+  scheduled LR x ``optimizer.kernel_{frequency,temperature}_lr_multiplier``; a group exists only
+  when its multiplier is not 1, so runs and checkpoints with multipliers 1 have the plain two groups.
+
+Kernel parameters never decay: decay pulls Omega to 0 (a flat kernel), tau towards a fixed
+temperature and hedgehog's W towards uniform features; none of that regularises capacity.
+
+Why the multipliers: Adam's step is ~lr per element whatever the parameter's scale. Omega's
+elements are ~d^-1/4 (0.42 at d = 32) and tau ~2.4, against ~0.02 for the matrices, so at one
+LR the kernel moves 15-80x slower relative to its size. Under Adam, learning Omega = s * Omega_hat
+with Omega_hat in unit scale is exactly an LR multiplier s on Omega (gradient scale cancels), so
+the multiplier *is* that reparametrisation, without renaming parameters (checkpoints keep loading).
 
 The LR schedule is a pure function of the iteration (``lr_at``): the trainer writes it into the
-optimizer's param groups before each step, so resuming needs no scheduler state.
+optimizer's param groups before each step (``set_lr`` applies each group's ``lr_multiplier``), so
+resuming needs no scheduler state.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from megaflex.attention import named_kernel_parameters
 from megaflex.training.config import Config
 
+KERNEL_GROUPS = {"frequencies": "kernel_frequencies", "temperature": "kernel_temperature"}
 
-def param_groups(model: nn.Module, weight_decay: float, no_decay_patterns: Iterable[str]) -> list[dict[str, Any]]:
-    """Two AdamW groups, ``decay`` and ``no_decay`` (empty groups are dropped)."""
+
+def param_groups(
+    model: nn.Module,
+    weight_decay: float,
+    no_decay_patterns: Iterable[str] = (),
+    lr_multipliers: Mapping[str, float] | None = None,
+) -> list[dict[str, Any]]:
+    """AdamW groups ``decay``, ``no_decay`` and the kernel groups (empty groups are dropped).
+
+    ``lr_multipliers`` maps a kernel role ("frequencies", "temperature") to its LR multiplier.
+    """
     patterns = [p.lower() for p in no_decay_patterns]
-    decay, no_decay = [], []
+    multipliers = {role: float((lr_multipliers or {}).get(role, 1.0)) for role in KERNEL_GROUPS}
+    kernel_role = {id(kp.param): kp.role for _, kp in named_kernel_parameters(model)}
+    buckets: dict[str, list[nn.Parameter]] = {"decay": [], "no_decay": [], **{g: [] for g in KERNEL_GROUPS.values()}}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        exempt = param.dim() < 2 or any(p in name.lower() for p in patterns)
-        (no_decay if exempt else decay).append(param)
+        role = kernel_role.get(id(param))
+        if role in KERNEL_GROUPS and multipliers[role] != 1.0:
+            buckets[KERNEL_GROUPS[role]].append(param)
+        elif role is not None or param.dim() < 2 or any(p in name.lower() for p in patterns):
+            buckets["no_decay"].append(param)
+        else:
+            buckets["decay"].append(param)
     groups = [
-        {"params": decay, "weight_decay": weight_decay, "name": "decay"},
-        {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
+        {"params": buckets["decay"], "weight_decay": weight_decay, "name": "decay", "lr_multiplier": 1.0},
+        {"params": buckets["no_decay"], "weight_decay": 0.0, "name": "no_decay", "lr_multiplier": 1.0},
     ]
+    for role, group in KERNEL_GROUPS.items():
+        groups.append({"params": buckets[group], "weight_decay": 0.0, "name": group, "lr_multiplier": multipliers[role]})
     return [g for g in groups if g["params"]]
 
 
-def no_decay_names(model: nn.Module, no_decay_patterns: Iterable[str]) -> list[str]:
-    """Names of the parameters ``param_groups`` exempts from decay (for the start-up log)."""
-    ids = {id(p) for g in param_groups(model, 1.0, no_decay_patterns) if g["name"] == "no_decay" for p in g["params"]}
-    return [n for n, p in model.named_parameters() if id(p) in ids]
+def kernel_lr_multipliers(cfg: Config) -> dict[str, float]:
+    """The config's LR multiplier per kernel role."""
+    o = cfg.optimizer
+    return {"frequencies": o.kernel_frequency_lr_multiplier, "temperature": o.kernel_temperature_lr_multiplier}
+
+
+def group_summary(model: nn.Module, cfg: Config) -> str:
+    """One line per param group for the start-up log: name, LR multiplier, decay, parameter names."""
+    o = cfg.optimizer
+    names = {id(p): n for n, p in model.named_parameters()}
+    lines = []
+    for g in param_groups(model, o.weight_decay, o.no_decay_patterns, kernel_lr_multipliers(cfg)):
+        shown = [names[id(p)] for p in g["params"]]
+        listed = ", ".join(shown) if g["name"] != "decay" else f"{len(shown)} matrices"
+        lines.append(f"  {g['name']}: lr x {g['lr_multiplier']:g}, weight decay {g['weight_decay']:g}: {listed}")
+    return "param groups:\n" + "\n".join(lines)
 
 
 class SkippableAdamW(torch.optim.AdamW):
@@ -78,7 +123,7 @@ class SkippableAdamW(torch.optim.AdamW):
 def build_optimizer(cfg: Config, model: nn.Module, device: str) -> torch.optim.Optimizer:
     """The AdamW the DeepSpeed engine wraps (apex FusedAdam when asked and available)."""
     o = cfg.optimizer
-    groups = param_groups(model, o.weight_decay, o.no_decay_patterns)
+    groups = param_groups(model, o.weight_decay, o.no_decay_patterns, kernel_lr_multipliers(cfg))
     kwargs = dict(lr=cfg.train.lr, betas=(o.beta1, o.beta2), eps=o.eps)
     if o.use_apex:
         try:
@@ -109,6 +154,7 @@ def lr_at(cfg: Config, iteration: int) -> float:
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    """Write ``lr`` into every param group (the DeepSpeed wrapper shares the base groups)."""
+    """Write ``lr`` x the group's ``lr_multiplier`` into every param group (the DeepSpeed wrapper
+    shares the base groups; a group without the key, e.g. from an old checkpoint, counts as 1)."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_multiplier", 1.0)

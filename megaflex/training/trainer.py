@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megaflex.model.gpt import GPT
+from megaflex.model.kernel_stats import kernel_snapshot
 from megaflex.model.layers import LocalLayers
 from megaflex.training.checkpoint import (
     CheckpointManager,
@@ -44,7 +45,7 @@ from megaflex.training.deepspeed_config import (
     deepspeed_config, gradient_accumulation_steps, init_deepspeed_distributed,
 )
 from megaflex.training.metrics import MetricsLogger, device_peak_tflops, flops_per_token, peak_memory_mb
-from megaflex.training.optim import build_optimizer, lr_at, no_decay_names, set_lr
+from megaflex.training.optim import build_optimizer, group_summary, lr_at, set_lr
 
 
 class NonFiniteAbort(RuntimeError):
@@ -117,8 +118,9 @@ def run(cfg: Config) -> dict[str, Any]:
             f"ZeRO {cfg.parallel.zero_stage} | {cfg.train.precision} | {num_params / 1e6:.2f}M parameters | "
             f"global batch {gbs} = micro {cfg.train.micro_batch_size} x DP {dp_size} x accum {grad_accum}"
         )
-        logger.print(f"no weight decay: {', '.join(no_decay_names(model, cfg.optimizer.no_decay_patterns)) or 'none'}")
+        logger.print(group_summary(model, cfg))
 
+    kernel_init = kernel_snapshot(model)  # before ZeRO 3 partitions anything; replaced on resume
     if cfg.parallel.zero_stage == 3:
         _register_zero3_external_parameters(model)
     engine, _, _, _ = deepspeed.initialize(
@@ -140,6 +142,7 @@ def run(cfg: Config) -> dict[str, Any]:
         meta = read_meta(resume_path)
         check_compatible(meta, cfg.to_dict()["model"], shapes, state.tp_size)
         check_same_tokenizer(meta.get("tokenizer"), tokenizer, f"checkpoint {resume_path}", "this run's tokenizer/data")
+        _check_optimizer_groups(meta, optimizer, resume_path)
         same_world = meta["world_size"] == state.world_size
         manager.load(engine, resume_path, tracker, load_rng=same_world)
         iteration, consumed = meta["iteration"], meta["consumed_samples"]
@@ -150,6 +153,11 @@ def run(cfg: Config) -> dict[str, Any]:
             + ")"
         )
 
+    kernel_probe = None
+    if cfg.logging.kernel_stats_interval:
+        kernel_init = _kernel_reference(kernel_init, run_dir, state, fresh=resume_path is None)
+        kernel_probe = next(micro_batches(valid_data or train_data, 0, min(2, cfg.train.micro_batch_size), 1, 0, 1, device))[0]
+
     def save(step: int) -> None:
         meta = {
             "iteration": step, "consumed_samples": consumed, "nonfinite_total": nonfinite_total,
@@ -157,7 +165,8 @@ def run(cfg: Config) -> dict[str, Any]:
             "context_parallel_size": cp_size,
             "zero_stage": cfg.parallel.zero_stage, "precision": cfg.train.precision,
             "parameter_shapes": shapes, "num_parameters": num_params, "config": cfg.to_dict(),
-            "deepspeed_config": ds_config, "sampler": {"consumed_samples": consumed, "global_batch_size": gbs},
+            "deepspeed_config": ds_config, "optimizer_groups": [g["name"] for g in optimizer.param_groups],
+            "sampler": {"consumed_samples": consumed, "global_batch_size": gbs},
             "tokenizer": tokenizer,
         }
         path = manager.save(engine, step, meta, tracker)
@@ -234,9 +243,9 @@ def run(cfg: Config) -> dict[str, Any]:
         else:
             in_a_row = 0
 
-        kernel = {}
         if cfg.logging.kernel_stats_interval and iteration % cfg.logging.kernel_stats_interval == 0:
-            kernel = _kernel_statistics(engine, cfg.parallel.zero_stage)
+            kernel = _kernel_statistics(engine, cfg.parallel.zero_stage, kernel_probe, kernel_init)
+            logger.log({"kind": "kernel", "step": iteration, **kernel})
         if iteration % cfg.logging.log_interval == 0 or skipped or iteration == cfg.train.train_iters:
             now = time.time()
             elapsed = max(now - t_last, 1e-9)
@@ -254,7 +263,7 @@ def run(cfg: Config) -> dict[str, Any]:
             }
             if peak_tflops:
                 record["mfu"] = tflops / peak_tflops
-            logger.log(record, scalars={f"kernel/{k}": v for k, v in kernel.items()})
+            logger.log(record)
 
         if cfg.train.eval_interval and iteration % cfg.train.eval_interval == 0 and valid_data is not None:
             _log_validation(cfg, engine, valid_data, state, device, iteration, logger)
@@ -330,30 +339,63 @@ def _register_zero3_external_parameters(model: GPT) -> None:
 
     ZeRO 3 gathers a module's parameters around its forward/backward, hooking the *tensors* it
     returns. The feature maps return a ``FeatureMapOutput`` dataclass (not hooked), so their
-    Omega/tau are registered with the attention module that calls them (through the core, or
-    the context-parallel stand-in that bypasses the core's forward); the tied embedding is used
-    again by the logits in the model's own forward.
+    kernel parameters are registered with the attention module that calls them (through the core,
+    or the context-parallel stand-in that bypasses the core's forward); the tied embedding is
+    used again by the logits in the model's own forward.
     """
     from deepspeed.runtime.zero.partition_parameters import register_external_parameter
 
+    from megaflex.attention import named_kernel_parameters
+
     for block in model.blocks:
-        core = block.attn.core
-        if getattr(core, "feature_map", None) is not None:
-            for p in core.feature_map.parameters():
-                register_external_parameter(block.attn, p)
+        for _, kp in named_kernel_parameters(block.attn.core):
+            register_external_parameter(block.attn, kp.param)
     register_external_parameter(model, model.output_weight)
 
 
-def _kernel_statistics(engine: Any, zero_stage: int) -> dict[str, float]:
-    """Per-layer tau / Omega statistics (collective under ZeRO 3: parameters are gathered)."""
+def _check_optimizer_groups(meta: dict[str, Any], optimizer: Any, path: Path) -> None:
+    """Clear error when the checkpoint's optimizer has other param groups than this run's.
+
+    Checkpoints from before the kernel LR groups (no ``optimizer_groups`` in meta) have the two
+    groups decay/no_decay; they resume with both kernel LR multipliers at 1."""
+    saved = meta.get("optimizer_groups", ["decay", "no_decay"])
+    current = [g["name"] for g in optimizer.param_groups]
+    if saved != current:
+        raise ValueError(
+            f"checkpoint {path}: optimizer param groups {saved} differ from this run's {current}; resume with "
+            "the optimizer.kernel_{frequency,temperature}_lr_multiplier values the checkpoint was trained with "
+            "(1 for checkpoints without kernel groups)"
+        )
+
+
+def _kernel_reference(
+    snapshot: dict[str, torch.Tensor], run_dir: Path, state: Any, fresh: bool
+) -> dict[str, torch.Tensor]:
+    """Kernel parameters at step 0, kept in ``run_dir/kernel_init_tp{rank}.pt`` so a resumed run
+    still reports the change since the real init (a resume without the file: since the resume)."""
+    path = run_dir / f"kernel_init_tp{state.tp_rank}.pt"
+    if not fresh and path.is_file():
+        return torch.load(path, map_location="cpu")
+    if state.dp_rank == 0 and snapshot:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        torch.save(snapshot, path)
+    return snapshot
+
+
+def _kernel_statistics(
+    engine: Any, zero_stage: int, probe: torch.Tensor | None, reference: dict[str, torch.Tensor]
+) -> dict[str, float]:
+    """Per-layer kernel statistics (collective under ZeRO 3: kernel parameters are gathered)."""
+    from megaflex.attention import named_kernel_parameters
+
     module = engine.module
     if zero_stage == 3:
         import deepspeed
 
-        params = [p for b in module.blocks for p in (b.attn.core.feature_map.parameters() if b.attn.core.feature_map else [])]
+        params = [kp.param for _, kp in named_kernel_parameters(module)]
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-            return module.kernel_statistics()
-    return module.kernel_statistics()
+            return module.kernel_statistics(probe, reference)
+    return module.kernel_statistics(probe, reference)
 
 
 @torch.no_grad()

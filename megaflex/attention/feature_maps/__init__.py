@@ -37,11 +37,18 @@ FEATURE_MAPS: dict[str, type[FeatureMap]] = {
 FEATURE_MAP_KINDS = tuple(FEATURE_MAPS)
 
 
+def feature_dim_of(kind: str, head_dim: int, feature_dim: int) -> int:
+    """F (features per head) of the map ``kind`` built with ``feature_dim``: elu d, cosformer 2d."""
+    if kind not in FEATURE_MAPS:
+        raise ValueError(f"kind: expected one of {FEATURE_MAP_KINDS}, got {kind!r}")
+    return FEATURE_MAPS[kind].output_dim(head_dim, feature_dim)
+
+
 def build_feature_map(kind: str, num_heads: int, head_dim: int, feature_dim: int, **kwargs: object) -> FeatureMap:
     """Construct the feature map ``kind`` for ``num_heads`` heads of size ``head_dim``.
 
     ``feature_dim`` (F) is ignored by maps whose F is fixed by ``head_dim`` (elu: d,
-    cosformer: 2d). ``kwargs`` are map-specific (flexformer_n: ``min_log_temperature``;
+    cosformer: 2d). ``kwargs`` are map-specific (flexformer_n: ``min_log_temperature``, ``omega_init``, ``omega_noise``;
     performer: ``variant``, ``redraw_interval``, ``seed``; cosformer: ``max_seq_len``).
     """
     if kind not in FEATURE_MAPS:
@@ -71,4 +78,5 @@ __all__ = [
     "HedgehogFeatureMap",
     "PerformerFeatureMap",
     "build_feature_map",
+    "feature_dim_of",
 ]

@@ -28,8 +28,13 @@ class CosformerFeatureMap(FeatureMap):
         super().__init__()
         if max_seq_len <= 0:
             raise ValueError(f"max_seq_len: expected a positive length, got {max_seq_len}")
-        self.num_heads, self.head_dim, self.feature_dim = num_heads, head_dim, 2 * head_dim
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.feature_dim = self.output_dim(head_dim, head_dim)
         self.max_seq_len = max_seq_len
+
+    @staticmethod
+    def output_dim(head_dim: int, feature_dim: int) -> int:
+        return 2 * head_dim
 
     def forward(self, x: torch.Tensor, offset: int = 0) -> FeatureMapOutput:
         self.check_input(x)

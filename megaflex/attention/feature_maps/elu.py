@@ -20,7 +20,12 @@ class EluFeatureMap(FeatureMap):
 
     def __init__(self, num_heads: int, head_dim: int) -> None:
         super().__init__()
-        self.num_heads, self.head_dim, self.feature_dim = num_heads, head_dim, head_dim
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.feature_dim = self.output_dim(head_dim, head_dim)
+
+    @staticmethod
+    def output_dim(head_dim: int, feature_dim: int) -> int:
+        return head_dim
 
     def forward(self, x: torch.Tensor, offset: int = 0) -> FeatureMapOutput:
         self.check_input(x)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..base import FeatureMap, FeatureMapOutput
+from ..base import FeatureMap, FeatureMapOutput, KernelParameter
 from ._common import check_even_feature_dim, fp32_region, quarter_root
 from ._trig import trig_feature_map
 
@@ -37,6 +37,9 @@ class FlexformerSFeatureMap(FeatureMap):
         ``trig_feature_map(x, *spec)`` (the Triton path fuses it)."""
         inv_temperature = self.omega.new_full((self.num_heads,), 1.0 / (2.0 * self.head_dim**0.5), dtype=torch.float32)
         return self.omega, inv_temperature, False
+
+    def kernel_parameters(self) -> list[KernelParameter]:
+        return [KernelParameter("omega", self.omega, "frequencies")]
 
     def forward(self, x: torch.Tensor, offset: int = 0) -> FeatureMapOutput:
         self.check_input(x)

@@ -6,6 +6,10 @@ The +-xW pair and the softmax make features positive and "spiky" like softmax at
 weights. Init: W is the (rectangular) identity eye(d, F/2), so at init phi is a softmax over
 [x ; -x] (the original paper's identity-like start); columns past d start at zero. No log-scale:
 features are bounded in [0, 1].
+
+Optimisation: W is declared as a ``"map_weight"`` kernel parameter: main learning rate and *no*
+weight decay. Decay would pull W towards 0, where phi is the uniform 1/F vector and attention
+becomes a plain running mean; that is a change of kernel, not a capacity regulariser.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..base import FeatureMap, FeatureMapOutput
+from ..base import FeatureMap, FeatureMapOutput, KernelParameter
 from ._common import check_even_feature_dim, fp32_region, upcast
 
 
@@ -32,6 +36,9 @@ class HedgehogFeatureMap(FeatureMap):
     def reset_parameters(self) -> None:
         with torch.no_grad():
             self.W.copy_(torch.eye(self.head_dim, self.W.shape[-1]).expand_as(self.W))
+
+    def kernel_parameters(self) -> list[KernelParameter]:
+        return [KernelParameter("W", self.W, "map_weight")]
 
     def forward(self, x: torch.Tensor, offset: int = 0) -> FeatureMapOutput:
         self.check_input(x)

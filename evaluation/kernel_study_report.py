@@ -1,0 +1,215 @@
+"""Report of the kernel study: mean +- std over seeds, a verdict the seeds support, and plots.
+
+``write_report(cfg, rows, command, seconds)`` writes ``results.json`` (every run and the
+aggregates), ``results.md``, ``loss_curves.png`` (mean over seeds, +-1 std band), ``spectrum.png``
+(learned ||omega|| vs init, first seed) and ``tau.png`` (tau over training, mean over seeds).
+
+Verdict rule: "A beats B" only when the gap of the means exceeds twice the standard error of
+that gap, sqrt(std_A^2 / n_A + std_B^2 / n_B); otherwise the pair is called "within seed noise".
+With one seed there is no std, so nothing is claimed beyond the single numbers.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from evaluation.kernel_study import LEARNED_SPECTRUM, StudyConfig
+
+METRICS = ("english_docs_valid_ppl", "wikitext2_test_ppl")
+EVAL_SETS = {"english_docs_valid_ppl": "english-docs valid", "wikitext2_test_ppl": "WikiText-2 test"}
+PER_LAYER = ("omega_rel_change", "negative_fraction", "effective_keys", "tau_per_layer")
+
+
+def mean_std(values: list[float]) -> tuple[float, float | None]:
+    """Mean and sample standard deviation (None for a single value)."""
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
+
+
+def aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per label (kind or arm), in first-seen order: mean/std of each metric over seeds,
+    and the per-layer kernel statistics averaged over layers and seeds."""
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    out = []
+    for label in labels:
+        runs = [r for r in rows if r["label"] == label]
+        agg: dict[str, Any] = {"label": label, "kind": runs[0]["kind"], "seeds": len(runs)}
+        for metric in METRICS + ("final_train_loss", "train_tokens_per_s"):
+            values = [r[metric] for r in runs if r.get(metric) is not None]
+            if values:
+                agg[f"{metric}_mean"], agg[f"{metric}_std"] = mean_std(values)
+        for key in PER_LAYER:
+            values = [statistics.fmean(r[key]) for r in runs if r.get(key)]
+            agg[f"{key}_mean"] = statistics.fmean(values) if values else None
+        out.append(agg)
+    return out
+
+
+def beats(a: dict[str, Any], b: dict[str, Any], metric: str) -> bool | None:
+    """True/False if the seeds separate a and b on ``metric`` (lower is better), None if they do not."""
+    sa, sb = a.get(f"{metric}_std"), b.get(f"{metric}_std")
+    if sa is None or sb is None:
+        return None
+    gap = b[f"{metric}_mean"] - a[f"{metric}_mean"]
+    if abs(gap) <= 2 * math.sqrt(sa**2 / a["seeds"] + sb**2 / b["seeds"]):
+        return None
+    return gap > 0
+
+
+def verdict(summary: list[dict[str, Any]]) -> str:
+    """The study's questions answered from the aggregates, claiming only what the seeds support."""
+    by = {s["label"]: s for s in summary}
+    if "flexformer_n" not in by:
+        return ""
+    fn = by["flexformer_n"]
+    lines = []
+    for metric, name in EVAL_SETS.items():
+        others = [s for s in summary if s["kind"] not in ("softmax",) and s["label"] != "flexformer_n"]
+        parts = [f"Flexformer-N (default recipe) {fn[f'{metric}_mean']:.1f}"]
+        for other in others:
+            result = beats(fn, other, metric)
+            word = {True: "better than", False: "worse than", None: "not separated from"}[result]
+            parts.append(f"{word} {other['label']} ({other[f'{metric}_mean']:.1f})")
+        if "softmax" in by:
+            ratio = fn[f"{metric}_mean"] / by["softmax"][f"{metric}_mean"]
+            parts.append(f"{ratio:.2f}x softmax ({by['softmax'][f'{metric}_mean']:.1f})")
+        lines.append(f"- {name}: " + "; ".join(parts) + ".")
+        if "softmax" in by:
+            ratios = [f"{s['label']} {s[f'{metric}_mean'] / by['softmax'][f'{metric}_mean']:.2f}x"
+                      for s in summary if s["label"] != "softmax"]
+            lines.append(f"  - {name} ppl / softmax: " + ", ".join(ratios) + ".")
+    if fn.get("omega_rel_change_mean") is not None:
+        lines.append(f"- Omega moved {100 * fn['omega_rel_change_mean']:.0f}% from its init (default recipe; "
+                     "||Omega - Omega_init|| / ||Omega_init||, mean over layers and seeds).")
+    seeds = min(s["seeds"] for s in summary)
+    rule = ("better/worse = gap of the means > 2 standard errors over seeds" if seeds > 1
+            else "one seed: no comparison is separated from seed noise")
+    return f"## Verdict (computed from the means; {rule})\n\n" + "\n".join(lines) + "\n"
+
+
+def write_report(cfg: StudyConfig, rows: list[dict[str, Any]], command: str, seconds: float) -> None:
+    from dataclasses import asdict
+
+    from evaluation.plotting import markdown_table, write_json
+
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = aggregate(rows)
+    plot_loss_bands(out / "loss_curves.png", rows, cfg)
+    spectra = [r for r in rows if r.get("spectrum") and r["seed"] == cfg.seed]
+    if spectra:
+        plot_spectrum(out / "spectrum.png", spectra, cfg)
+    if any(r.get("tau_curve") for r in rows):
+        plot_tau(out / "tau.png", rows)
+    runs = [{k: v for k, v in r.items() if k not in ("loss_curve", "spectrum", "tau_curve")} for r in rows]
+    write_json(out / "results.json", {
+        "command": command, "config": asdict(cfg), "seconds": seconds, "tokens_per_run": cfg.tokens_per_run,
+        "summary": summary, "runs": runs,
+        "loss_curves": {f"{r['label']}_s{r['seed']}": r["loss_curve"] for r in rows},
+        "tau_curves": {f"{r['label']}_s{r['seed']}": r["tau_curve"] for r in rows if r.get("tau_curve")},
+    })
+    table = []
+    for s in summary:
+        row = {"run": s["label"], "seeds": s["seeds"]}
+        for metric in METRICS:
+            std = s.get(f"{metric}_std")
+            row[metric] = f"{s[f'{metric}_mean']:.2f}" + (f" ± {std:.2f}" if std is not None else "")
+        for key in ("omega_rel_change", "negative_fraction", "effective_keys", "tau_per_layer"):
+            row[key] = s.get(f"{key}_mean")
+        table.append(row)
+    columns = ["run", "seeds", *METRICS, "omega_rel_change", "tau_per_layer", "negative_fraction", "effective_keys"]
+    from evaluation.kernel_study import ARMS
+
+    arms = "".join(f"- `{a}`: {ARMS[a][1]} ({', '.join(ARMS[a][0])})\n" for a in cfg.arms)
+    md = [
+        "# Kernel study results\n", f"Command: `{command}`\n",
+        f"{len(summary)} kinds/arms x seeds {cfg.seed_list}, {cfg.tokens_per_run:,} training tokens per run "
+        f"({cfg.steps} steps x {cfg.global_batch_size} x {cfg.seq_len}); {cfg.num_layers} layers, hidden "
+        f"{cfg.hidden_size}, {cfg.num_heads} heads, feature_dim {cfg.feature_dim}, vocab {cfg.vocab_size}; "
+        f"device {cfg.device}; wall time {seconds / 60:.1f} min.\n",
+        "Perplexity: mean ± sample std over seeds; windows of the training length, every target token once, "
+        f"{'whole sets' if not cfg.eval_tokens else f'first {cfg.eval_tokens:,} tokens of each set'}. Kernel "
+        "columns: last logged value, mean over layers and seeds: relative change of Omega since init, raw tau, "
+        "fraction of negative causal attention weights and effective keys per query on a fixed probe batch.\n",
+        "Arms (Flexformer-N, one change to the default recipe):\n\n" + (arms or "- none\n"),
+        markdown_table(table, columns), "\n", verdict(summary),
+    ]
+    (out / "results.md").write_text("\n".join(md) + "\n")
+
+
+def plot_loss_bands(path: Path, rows: list[dict[str, Any]], cfg: StudyConfig) -> None:
+    """Training loss per label: mean over seeds with a +-1 std band (steps shared by all seeds)."""
+    import evaluation.plotting  # noqa: F401  (headless backend first)
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for label in dict.fromkeys(r["label"] for r in rows):
+        curves = [dict(r["loss_curve"]) for r in rows if r["label"] == label]
+        steps = sorted(set.intersection(*(set(c) for c in curves)))
+        values = torch.tensor([[c[s] for s in steps] for c in curves], dtype=torch.float64)
+        mean = values.mean(0)
+        ax.plot(steps, mean.tolist(), label=label)
+        if len(curves) > 1:
+            std = values.std(0)
+            ax.fill_between(steps, (mean - std).tolist(), (mean + std).tolist(), alpha=0.2)
+    ax.set_title(f"Training loss, mean ± std over seeds ({cfg.tokens_per_run:,} tokens per run)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_ylim(top=min(ax.get_ylim()[1], 8.0))
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_tau(path: Path, rows: list[dict[str, Any]]) -> None:
+    """tau (mean over heads and layers) over training: mean over seeds per label."""
+    from evaluation.plotting import line_plot
+
+    series = {}
+    for label in dict.fromkeys(r["label"] for r in rows if r.get("tau_curve")):
+        curves = [dict(r["tau_curve"]) for r in rows if r["label"] == label and r.get("tau_curve")]
+        steps = sorted(set.intersection(*(set(c) for c in curves)))
+        series[label] = [(s, statistics.fmean(c[s] for c in curves)) for s in steps]
+    line_plot(path, series, title="Flexformer-N tau over training (mean over heads, layers, seeds)",
+              xlabel="step", ylabel="tau")
+
+
+def plot_spectrum(path: Path, rows: list[dict[str, Any]], cfg: StudyConfig) -> None:
+    import evaluation.plotting  # noqa: F401  (selects the headless Agg backend first)
+    import matplotlib.pyplot as plt
+
+    head_dim = cfg.hidden_size // cfg.num_heads
+    layers = len(rows[0]["spectrum"]["learned"])
+    fig, axes = plt.subplots(len(rows), layers, figsize=(3.2 * layers, 2.8 * len(rows)), squeeze=False)
+    scale = head_dim ** -0.25  # init rows are N(0, I_d) * d^-1/4: ||omega|| ~ d^-1/4 chi_d
+    for i, row in enumerate(rows):
+        for layer in range(layers):
+            ax = axes[i][layer]
+            learned, init = row["spectrum"]["learned"][layer], row["spectrum"]["init"][layer]
+            hi = max(max(learned), max(init)) * 1.05
+            bins = torch.linspace(0, hi, 40).tolist()
+            ax.hist(init, bins=bins, density=True, alpha=0.5, label="init")
+            ax.hist(learned, bins=bins, density=True, alpha=0.5, label="learned")
+            xs = torch.linspace(1e-3, hi, 200)
+            ax.plot(xs.tolist(), chi_density(xs / scale, head_dim).div(scale).tolist(), "k--", lw=1, label="Gaussian")
+            ax.set_title(f"{row['label']} layer {layer}", fontsize=9)
+            ax.set_xlabel("||omega||", fontsize=8)
+            if i == 0 and layer == 0:
+                ax.legend(fontsize=7)
+    fig.suptitle(f"Learned frequency norms vs the initialisation (seed {cfg.seed}; kinds {sorted(LEARNED_SPECTRUM)})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def chi_density(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Density of the chi distribution with ``k`` degrees of freedom (norm of N(0, I_k))."""
+    x = x.double()
+    log_pdf = (k - 1) * x.log() - x.pow(2) / 2 - (k / 2 - 1) * math.log(2) - math.lgamma(k / 2)
+    return log_pdf.exp()

@@ -1,0 +1,50 @@
+"""Attention-weight diagnostics: the explicit causal weights of a layer and how spread they are.
+
+For a linear kind the weight of key s for query t is ``w_ts = phi(q_t) . phi_tilde(k_s)`` (the
+key's log-scale included, stabilised by the row max, which cancels below); for softmax it is the
+softmax probability. Both are compared through
+
+* ``negative_fraction``: share of causal weights (s <= t) below zero (trig features are signed
+  Monte-Carlo estimates; a classic denominator sum_s w_ts can then cross zero);
+* ``effective_keys``: exp(entropy of |w_t.| / sum_s |w_ts|), averaged over queries t: the number
+  of keys a query effectively attends to (1 = one key, t + 1 = uniform over its prefix).
+
+O(N^2) memory: for a small probe batch at logging intervals, never for training.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import FeatureMap
+
+
+def causal_weights(q: torch.Tensor, k: torch.Tensor, feature_map: FeatureMap | None) -> torch.Tensor:
+    """q, k [B, H, N, d] -> causal weights [B, H, N(t), N(s)] in fp32, zero above the diagonal.
+
+    ``feature_map`` None means softmax attention (scale 1/sqrt d, as ``softmax_attention``).
+    """
+    n = q.shape[2]
+    causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    if feature_map is None:
+        scores = (q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
+        return torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+    qf = feature_map(q, 0).features.float()
+    k_map = feature_map(k, 0)
+    kf = k_map.features.float()
+    weights = qf @ kf.transpose(-1, -2)  # [B, H, N, N]
+    if k_map.log_scale is not None:  # exp(kls_s - max_{s<=t} kls): the per-query max cancels in both statistics
+        ls = k_map.log_scale.float().unsqueeze(-2).masked_fill(~causal, float("-inf"))  # [B, H, N, N]
+        weights = weights * torch.exp(ls - ls.amax(dim=-1, keepdim=True))
+    return weights.masked_fill(~causal, 0.0)
+
+
+def weight_statistics(weights: torch.Tensor) -> dict[str, float]:
+    """``negative_fraction`` and ``effective_keys`` (see the module docstring) of causal weights."""
+    n = weights.shape[-1]
+    causal = torch.ones(n, n, dtype=torch.bool, device=weights.device).tril()
+    negative = ((weights < 0) & causal).sum().item() / (causal.sum().item() * weights[..., 0, 0].numel())
+    mag = weights.abs()
+    p = mag / mag.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(mag.dtype).tiny)
+    entropy = -(p * torch.log(p.clamp_min(torch.finfo(p.dtype).tiny))).sum(dim=-1)  # [B, H, N]
+    return {"negative_fraction": float(negative), "effective_keys": entropy.exp().mean().item()}

@@ -1,0 +1,122 @@
+"""Optional quality closers around a linear ``AttentionCore`` (both off by default).
+
+``LocalMixingCore`` wraps a linear-attention core with one or both of
+
+* a short causal depthwise convolution (``conv_size`` K > 0) over the sequence on q, k and v,
+  per head and channel: ``x'_t = sum_{j<K} w[h, c, :, j] * x_{t-K+1+j}`` (zeros before the first
+  token). Init: identity (the last tap 1, the others 0), so it starts as a no-op. It runs on the
+  core's inputs, i.e. after RoPE (the core is what sees q, k, v; the taps are learned, so they can
+  adapt to the rotation of a K-token neighbourhood). Decoding keeps the last K - 1 raw q, k, v.
+* a sliding-window exact softmax branch (``window`` W > 0), as in Based / LoLCATs-style hybrids:
+  ``out = linear(q, k, v) + softmax attention of q_t over keys s in (t - W, t]``, so sharp local
+  attention does not need a sharp kernel. The linear branch still covers every token (its state is
+  unchanged); the model's per-head output gain scales the sum. Decoding keeps the last W - 1 keys
+  and values (a window KV cache).
+
+Both are position-local and causal, so the result is the same for any linear form (chunked,
+recurrent, quadratic) and for decoding token by token from a ``HybridState`` as for the full
+sequence. The window branch materialises an [N, W + N] band mask: fine at training lengths of a
+few thousand tokens (O(N^2) memory per head, like SDPA without a fused band kernel).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import KernelParameter, LinearAttentionState
+from .core import AttentionCore
+
+
+@dataclass
+class HybridState:
+    """Decoding state of ``LocalMixingCore``: the linear state plus the local caches."""
+
+    linear: LinearAttentionState
+    window_k: torch.Tensor | None  # [B, H, <= W - 1, d]: the latest keys (window branch)
+    window_v: torch.Tensor | None  # [B, H, <= W - 1, Dv]
+    conv_tail: torch.Tensor | None  # [B, H, 3, K - 1, d]: the latest raw q, k, v (convolution)
+
+    @property
+    def offset(self) -> int:
+        return self.linear.offset
+
+
+class LocalMixingCore(nn.Module):
+    """A linear ``AttentionCore`` plus a causal q/k/v convolution and/or a sliding softmax window."""
+
+    def __init__(self, core: AttentionCore, *, window: int = 0, conv_size: int = 0) -> None:
+        super().__init__()
+        if core.feature_map is None:
+            raise ValueError("core: expected a linear-attention AttentionCore, got kind 'softmax'")
+        for name, value in (("window", window), ("conv_size", conv_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}: expected an int >= 0 (0: off), got {value!r}")
+        if window == 0 and conv_size == 0:
+            raise ValueError("LocalMixingCore: expected window > 0 or conv_size > 0, got both 0")
+        self.core, self.window, self.conv_size = core, window, conv_size
+        self.num_heads, self.head_dim = core.num_heads, core.head_dim
+        self.conv_weight = None
+        if conv_size:
+            weight = torch.zeros(core.num_heads, 3, core.head_dim, conv_size)  # heads on dim 0 (TP)
+            weight[..., -1] = 1.0  # identity: a no-op at init
+            self.conv_weight = nn.Parameter(weight)
+
+    @property
+    def feature_map(self) -> nn.Module:
+        return self.core.feature_map
+
+    def kernel_parameters(self) -> list[KernelParameter]:
+        """The convolution taps: main LR, no weight decay (decay pulls them to 0: no q, k, v at all)."""
+        return [] if self.conv_weight is None else [KernelParameter("conv_weight", self.conv_weight, "map_weight")]
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: HybridState | None = None, return_state: bool = False
+    ) -> tuple[torch.Tensor, HybridState | None]:
+        """q, k, v [B, H, N, d] (+ the state of the previous call) -> (out [B, H, N, d], state | None)."""
+        if state is not None and not isinstance(state, HybridState):
+            raise ValueError(f"state: expected a HybridState, got {type(state).__name__}")
+        conv_tail = None
+        if self.conv_weight is not None:
+            q, k, v, conv_tail = self._convolve(q, k, v, None if state is None else state.conv_tail)
+        out, linear_state = self.core(q, k, v, state=None if state is None else state.linear, return_state=return_state)
+        window_k = window_v = None
+        if self.window:
+            local, window_k, window_v = self._window_attention(q, k, v, state)
+            out = out + local
+        return out, (HybridState(linear_state, window_k, window_v, conv_tail) if return_state else None)
+
+    def _convolve(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tail: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Causal depthwise convolution of q, k, v along the sequence; returns the new tail."""
+        x = torch.stack([q, k, v], dim=2)  # [B, H, 3, N, d]
+        if tail is None:
+            tail = x.new_zeros(*x.shape[:3], self.conv_size - 1, x.shape[-1])
+        padded = torch.cat([tail.to(x.dtype), x], dim=3)  # [B, H, 3, K - 1 + N, d]
+        windows = padded.unfold(3, self.conv_size, 1)  # [B, H, 3, N, d, K]
+        mixed = torch.einsum("bhcndk,hcdk->bhcnd", windows, self.conv_weight.to(x.dtype))
+        new_tail = padded[:, :, :, padded.shape[3] - (self.conv_size - 1) :]
+        return mixed[:, :, 0], mixed[:, :, 1], mixed[:, :, 2], new_tail
+
+    def _window_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: HybridState | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Softmax over the last ``window`` keys of each query (cached keys first); new cache."""
+        if state is not None and state.window_k is not None:
+            k_all, v_all = torch.cat([state.window_k.to(k.dtype), k], dim=2), torch.cat([state.window_v.to(v.dtype), v], dim=2)
+        else:
+            k_all, v_all = k, v
+        n, prefix = q.shape[2], k_all.shape[2] - q.shape[2]
+        query_pos = torch.arange(prefix, prefix + n, device=q.device).unsqueeze(1)  # [N, 1] indices into k_all
+        key_pos = torch.arange(k_all.shape[2], device=q.device).unsqueeze(0)  # [1, P + N]
+        band = (key_pos <= query_pos) & (key_pos > query_pos - self.window)  # [N, P + N]
+        out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=band)
+        keep = self.window - 1
+        return out, k_all[:, :, k_all.shape[2] - keep :], v_all[:, :, v_all.shape[2] - keep :]
+
+    def extra_repr(self) -> str:
+        return f"window={self.window}, conv_size={self.conv_size}"

@@ -1,0 +1,83 @@
+"""Per-layer statistics of the attention kernel, for training logs and the kernel study.
+
+Parameter statistics come from the feature maps' declared kernel parameters
+(``megaflex.attention.named_kernel_parameters``), never from parameter names or shapes:
+
+* ``layerXX/tau_{mean,min,max}`` for "temperature" parameters (over heads);
+* ``layerXX/{name}_norm_{mean,min,max}`` over the frequency rows of "frequencies" parameters;
+* ``layerXX/{name}_rel_change`` = ||P - P_init|| / ||P_init|| for every kernel parameter, given a
+  ``reference`` snapshot (``kernel_snapshot`` at step 0).
+
+Probe statistics (given ``probe_ids``: a fixed batch, so values are comparable over training)
+from the explicit causal weights of every layer (``megaflex.attention.diagnostics``), softmax
+layers included: ``layerXX/negative_fraction`` and ``layerXX/effective_keys``.
+Under tensor parallelism everything covers this rank's heads only.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megaflex.attention import named_kernel_parameters
+from megaflex.attention.diagnostics import causal_weights, weight_statistics
+
+
+def kernel_snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Copies of every kernel parameter (qualified name -> fp32 CPU tensor)."""
+    return {name: kp.param.detach().float().cpu().clone() for name, kp in named_kernel_parameters(model)}
+
+
+@torch.no_grad()
+def kernel_statistics(
+    model: nn.Module, probe_ids: torch.Tensor | None = None, reference: dict[str, torch.Tensor] | None = None
+) -> dict[str, float]:
+    """Flat scalar statistics per layer (see the module docstring); ``model`` is a ``GPT``."""
+    stats: dict[str, float] = {}
+    for i, block in enumerate(model.blocks):
+        prefix = f"layer{i:02d}"
+        for name, kp in named_kernel_parameters(block.attn.core):
+            values = kp.param.detach().float()
+            if kp.role == "temperature":
+                _summary(stats, f"{prefix}/{kp.name}", values)
+            elif kp.role == "frequencies":
+                _summary(stats, f"{prefix}/{kp.name}_norm", values.norm(dim=-1))
+            full = f"blocks.{i}.attn.core.{name}"
+            if reference is not None and full in reference:
+                init = reference[full].to(values.device)
+                stats[f"{prefix}/{kp.name}_rel_change"] = ((values - init).norm() / init.norm().clamp_min(1e-12)).item()
+    if probe_ids is not None:
+        stats.update(_probe_statistics(model, probe_ids))
+    return stats
+
+
+def _summary(stats: dict[str, float], key: str, values: torch.Tensor) -> None:
+    stats[f"{key}_mean"] = values.mean().item()
+    stats[f"{key}_min"] = values.min().item()
+    stats[f"{key}_max"] = values.max().item()
+
+
+def _probe_statistics(model: nn.Module, probe_ids: torch.Tensor) -> dict[str, float]:
+    """Run the probe batch once, catching each core's (q, k), and measure its causal weights."""
+    captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    # the linear/softmax core itself (inside a LocalMixingCore: after the q/k/v convolution)
+    cores = [getattr(block.attn.core, "core", block.attn.core) for block in model.blocks]
+    hooks = [
+        core.register_forward_pre_hook(lambda _m, args, i=i: captured.__setitem__(i, (args[0], args[1])))
+        for i, core in enumerate(cores)
+    ]
+    was_training = model.training
+    model.eval()
+    try:
+        model(probe_ids)
+    finally:
+        model.train(was_training)
+        for hook in hooks:
+            hook.remove()
+    stats: dict[str, float] = {}
+    for i, core in enumerate(cores):
+        q, k = captured[i]
+        weights = causal_weights(q, k, core.feature_map)
+        for key, value in weight_statistics(weights).items():
+            stats[f"layer{i:02d}/{key}"] = value
+    return stats
