@@ -33,9 +33,8 @@ from megaflex.training.checkpoint import (
     CheckpointManager,
     SignalFlag,
     check_compatible,
-    find_resume_path,
     parameter_shapes,
-    read_meta,
+    preflight,
 )
 from megaflex.training.config import Config, global_batch_size, resolve_device, validate_runtime
 from megaflex.training.data import build_datasets, micro_batches
@@ -92,6 +91,7 @@ def run(cfg: Config) -> dict[str, Any]:
         mark_head_sharded_params(model)
     shapes = parameter_shapes(model)
     num_params = _full_parameter_count(model, state.tp_size)
+    space_warning = preflight(Path(cfg.checkpoint_dir), num_params)  # every rank: its own mount
     optimizer = build_optimizer(cfg, model, device)
     if cfg.parallel.zero_stage == 0 and cfg.train.precision == "fp32" and hasattr(optimizer, "skip"):
         optimizer.check_finite = True  # no ZeRO/bf16 wrapper checks the gradients here
@@ -116,6 +116,8 @@ def run(cfg: Config) -> dict[str, Any]:
             f"global batch {gbs} = micro {cfg.train.micro_batch_size} x DP {dp_size} x accum {grad_accum}"
         )
         logger.print(f"no weight decay: {', '.join(no_decay_names(model, cfg.optimizer.no_decay_patterns)) or 'none'}")
+        if space_warning:
+            logger.print(space_warning)
 
     if cfg.parallel.zero_stage == 3:
         _register_zero3_external_parameters(model)
@@ -133,9 +135,8 @@ def run(cfg: Config) -> dict[str, Any]:
         kill_step = cfg.fault.sigkill_during_save_at_step
         manager.before_commit = lambda it: _sigkill() if it == kill_step else None
     iteration, consumed, nonfinite_total = 0, 0, 0
-    resume_path = find_resume_path(cfg.checkpoint_dir, cfg.checkpoint.resume)
+    resume_path, meta = manager.select_resume(cfg.checkpoint.resume, warn=logger.print)
     if resume_path is not None:
-        meta = read_meta(resume_path)
         check_compatible(meta, cfg.to_dict()["model"], shapes, state.tp_size)
         same_world = meta["world_size"] == state.world_size
         manager.load(engine, resume_path, tracker, load_rng=same_world)
