@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import pytest
 from megaflex.checkpoint_layout import complete_tags, directory_size, read_latest, verify_checkpoint
 from megaflex.training.metrics import read_metrics
 from megaflex.training.train import EXIT_CONFIG, EXIT_PREEMPTED
-from training_harness import REPO, base_env, free_port, launch, write_config
+from training_harness import REPO, deepspeed_launcher, launch, launcher_env, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -86,13 +85,6 @@ def test_disk_full_during_save_keeps_the_previous_checkpoint(tmp_path: Path) -> 
         subprocess.run(["umount", str(small)], check=False)
 
 
-def _ds_env(tmp_path: Path) -> dict[str, str]:
-    env = base_env()
-    env.update(PATH=str(Path(sys.executable).parent) + os.pathsep + env["PATH"], LOCAL_SIZE="2",
-               MEGAFLEX_SKIP_SETUP="1", NPROC="2", MASTER_PORT=str(free_port()))
-    return env
-
-
 def _wait_for_steps(metrics: Path, proc: subprocess.Popen, steps: int) -> None:
     deadline = time.time() + 600
     while time.time() < deadline and proc.poll() is None:
@@ -113,23 +105,22 @@ def _group_gone(pgid: int, timeout: float) -> bool:
     return False
 
 
-def _start(cmd: list[str], tmp_path: Path, run: Path) -> subprocess.Popen:
+def _start(cmd: list[str], env: dict[str, str], tmp_path: Path, run: Path) -> subprocess.Popen:
     cfg = write_config(tmp_path / "cfg.yaml")
     args = ["--config", str(cfg), f"logging.run_dir={run}", "train.train_iters=100000", "checkpoint.save_interval=0"]
     log = open(tmp_path / "out.log", "w")
-    return subprocess.Popen(cmd + args, cwd=REPO, env=_ds_env(tmp_path), stdout=log, stderr=subprocess.STDOUT,
+    return subprocess.Popen(cmd + args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)  # its own process group: nothing is left behind
 
 
 @pytest.mark.parametrize("target", ["train.sh", "deepspeed runner"])
 def test_sigterm_reaches_the_ranks_which_save_and_exit(tmp_path: Path, target: str) -> None:
-    run = tmp_path / "run"
+    run, env = tmp_path / "run", launcher_env(2)
     if target == "train.sh":
         cmd = ["bash", "launch/train.sh"]
     else:
-        cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port",
-               _ds_env(tmp_path)["MASTER_PORT"], "--module", "megaflex.train"]
-    proc = _start(cmd, tmp_path, run)
+        cmd = [deepspeed_launcher(), "--num_gpus", "2", "--master_port", env["MASTER_PORT"], "--module", "megaflex.train"]
+    proc = _start(cmd, env, tmp_path, run)
     try:
         _wait_for_steps(run / "metrics.jsonl", proc, 2)
         proc.send_signal(signal.SIGTERM)
