@@ -158,16 +158,19 @@ def read_meta(tag_dir: str | Path) -> dict[str, Any]:
     return meta
 
 
-def write_meta(tag_dir: str | Path, meta: dict[str, Any]) -> dict[str, Any]:
-    """Write ``meta`` plus the size and SHA-256 of every other file in ``tag_dir`` (call it
-    after all of them are written). Returns the dict as written."""
-    full = dict(meta, **{FILES_KEY: file_manifest(tag_dir)})
+def write_meta(tag_dir: str | Path, meta: dict[str, Any], files: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Write ``meta`` plus ``files`` (default: ``file_manifest(tag_dir)``; call it after every
+    other file is written). Returns the dict as written."""
+    full = dict(meta, **{FILES_KEY: file_manifest(tag_dir) if files is None else files})
     write_atomic(Path(tag_dir) / META_FILE, json.dumps(full, indent=1))
     return full
 
 
-def _data_files(tag_dir: Path) -> list[Path]:
-    return sorted(p for p in tag_dir.rglob("*") if p.is_file() and p.name != META_FILE and ".tmp" not in p.name)
+def data_file_names(tag_dir: str | Path) -> list[str]:
+    """Relative paths of the checkpoint's files other than the metadata, sorted."""
+    root = Path(tag_dir)
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*")
+                  if p.is_file() and p.name != META_FILE and ".tmp" not in p.name)
 
 
 def sha256_file(path: Path) -> str:
@@ -178,14 +181,14 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def file_manifest(tag_dir: str | Path) -> dict[str, dict[str, Any]]:
-    """{relative path: {"size", "sha256"}} of the checkpoint's files (hashed on a few threads:
-    hashlib releases the GIL, so shards hash in parallel)."""
+def file_manifest(tag_dir: str | Path, names: Iterable[str] | None = None) -> dict[str, dict[str, Any]]:
+    """{relative path: {"size", "sha256"}} of ``names`` (default: every data file), hashed on a
+    few threads (hashlib releases the GIL, so shards hash in parallel)."""
     root = Path(tag_dir)
-    files = _data_files(root)
-    with ThreadPoolExecutor(max_workers=min(8, len(files) or 1)) as pool:
-        sums = list(pool.map(sha256_file, files))
-    return {p.relative_to(root).as_posix(): {"size": p.stat().st_size, "sha256": s} for p, s in zip(files, sums)}
+    names = data_file_names(root) if names is None else list(names)
+    with ThreadPoolExecutor(max_workers=min(8, len(names) or 1)) as pool:
+        sums = list(pool.map(lambda n: sha256_file(root / n), names))
+    return {n: {"size": (root / n).stat().st_size, "sha256": s} for n, s in zip(names, sums)}
 
 
 def verify_files(tag_dir: str | Path, meta: dict[str, Any], names: Iterable[str] | None = None) -> list[str]:

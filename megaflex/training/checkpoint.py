@@ -3,8 +3,8 @@
 The file layout (tags, ``latest``, metadata, RNG files, checksums) belongs to
 ``megaflex.checkpoint_layout``; this module drives DeepSpeed through it.
 
-Commit protocol: every rank writes into ``.tmp-<tag>``; a barrier; rank 0 records the size and
-SHA-256 of every file in the metadata, renames the folder to ``<tag>`` and then replaces
+Commit protocol: every rank writes into ``.tmp-<tag>``; the ranks hash a share of the files each
+(size and SHA-256, gathered); rank 0 writes them into the metadata, renames the folder to ``<tag>`` and then replaces
 ``latest`` via write-to-temp + ``os.replace``; a barrier. A crash at any point leaves the
 previous tag and ``latest`` untouched; a failed write (e.g. a full disk) removes the temp
 folder and raises ``CheckpointError``. The directory must be on a file system all ranks share
@@ -38,7 +38,9 @@ from megaflex.checkpoint_layout import (  # noqa: F401  (re-exported for callers
     auto_candidates,
     check_writable,
     complete_tags,
+    data_file_names,
     directory_size,
+    file_manifest,
     find_resume_path,
     fsync_dir,
     fsync_tree,
@@ -130,7 +132,8 @@ class CheckpointManager:
         self._guarded(iteration, tmp, lambda: engine.save_checkpoint(str(self.ckpt_dir), tag=tmp.name, save_latest=False))
         # From here every rank is past DeepSpeed's barrier: failures are agreed on collectively.
         self._agreed(iteration, tmp, lambda: _save_rng(rng_file(tmp, self.rank), tp_tracker), every_rank=True)
-        self._agreed(iteration, tmp, lambda: (write_meta(tmp, meta), fsync_tree(tmp)), every_rank=False)
+        files = self._manifest(tmp)  # every rank hashes a share of the files
+        self._agreed(iteration, tmp, lambda: (write_meta(tmp, meta, files), fsync_tree(tmp)), every_rank=False)
         if self.before_commit is not None:
             self.before_commit(iteration)
         final = self.ckpt_dir / tag
@@ -158,6 +161,17 @@ class CheckpointManager:
                 error = e
         if _any_rank(error is not None):
             raise self._save_failed(iteration, tmp, error)
+
+    def _manifest(self, tmp: Path) -> dict[str, dict[str, Any]]:
+        """Collective. Sizes and SHA-256 sums of the written files; each rank hashes every
+        world-size-th file and the parts are gathered."""
+        world = dist.get_world_size() if _distributed() else 1
+        part = file_manifest(tmp, data_file_names(tmp)[self.rank::world])
+        if world == 1:
+            return part
+        parts: list[dict[str, dict[str, Any]]] = [{} for _ in range(world)]
+        dist.all_gather_object(parts, part)
+        return {name: entry for p in parts for name, entry in sorted(p.items())}
 
     def _save_failed(self, iteration: int, tmp: Path, error: BaseException | None) -> CheckpointError:
         """Remove the partial save; a CheckpointError that says why (disk full named as such)."""
