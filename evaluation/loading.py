@@ -2,7 +2,7 @@
 
 A checkpoint folder (``<checkpoint.dir>/step_XXXXXXXX``, or ``<checkpoint.dir>`` whose ``latest``
 names it) holds DeepSpeed engine files plus ``megaflex.json`` (resolved config, TP size,
-parameter shapes); see ``megaflex.training.checkpoint``. Weights are recovered per saved TP rank
+parameter shapes, per-file checksums); see ``megaflex.checkpoint_layout``. Weights are recovered per saved TP rank
 
 * ZeRO 0: ``mp_rank_XX_model_states.pt["module"]``;
 * ZeRO 1-3: the fp32 master weights consolidated over data-parallel ranks with DeepSpeed's
@@ -24,9 +24,11 @@ from typing import Any
 
 import torch
 
+from megaflex.checkpoint_layout import (
+    META_FILE, complete_tags, find_resume_path, model_states_file, tp_rank_files, verify_checkpoint, zero_optim_files,
+)
 from megaflex.model.config import ModelConfig
 from megaflex.model.gpt import GPT
-from megaflex.training.checkpoint import META_FILE, find_resume_path, read_meta
 
 
 @dataclass
@@ -49,15 +51,22 @@ class LoadedCheckpoint:
 
 
 def resolve_checkpoint(checkpoint: str | os.PathLike, tag: str | None = None) -> Path:
-    """A complete checkpoint folder from a folder, its parent ``checkpoint.dir`` or a run dir."""
+    """A complete checkpoint folder from a folder, its parent ``checkpoint.dir`` or a run dir
+    (whose ``checkpoints/`` holds the tags); ``tag`` picks one tag instead of the newest."""
     root = Path(checkpoint)
     if (root / META_FILE).is_file() and tag is None:
         return root
-    for candidate in (root, root / "checkpoints"):
-        if candidate.is_dir():
-            path = find_resume_path(candidate, tag or "auto")
+    searched = [d for d in (root, root / "checkpoints") if d.is_dir()]
+    for ckpt_dir in searched:
+        if tag is None:
+            path = find_resume_path(ckpt_dir, "auto")
             if path is not None:
                 return path
+        elif (ckpt_dir / tag / META_FILE).is_file():
+            return ckpt_dir / tag
+    if tag is not None:
+        have = {os.fspath(d): complete_tags(d) for d in searched}
+        raise ValueError(f"tag: {tag!r} is not a complete checkpoint under {os.fspath(checkpoint)!r}; complete tags: {have}")
     raise ValueError(f"checkpoint: expected a checkpoint folder (with {META_FILE}) or a directory holding "
                      f"complete checkpoints, got {os.fspath(checkpoint)!r}")
 
@@ -66,11 +75,10 @@ def load_tp_state_dicts(path: Path, tp_size: int) -> list[dict[str, torch.Tensor
     """One fp32 state dict per saved TP rank (each that rank's shards, consolidated over ZeRO)."""
     out = []
     for tp_rank in range(tp_size):
-        zero_files = sorted(path.glob(f"*zero_pp_rank_*_mp_rank_{tp_rank:02d}_optim_states.pt"))
-        if zero_files:
+        if zero_optim_files(path, tp_rank):
             state = _zero_consolidated(path, tp_rank)
         else:
-            model_file = path / f"mp_rank_{tp_rank:02d}_model_states.pt"
+            model_file = model_states_file(path, tp_rank)
             if not model_file.is_file():
                 raise ValueError(f"checkpoint: {model_file} not found (expected DeepSpeed files for TP rank {tp_rank})")
             state = torch.load(model_file, map_location="cpu", weights_only=False)["module"]
@@ -86,7 +94,7 @@ def _zero_consolidated(path: Path, tp_rank: int) -> dict[str, torch.Tensor]:
     with tempfile.TemporaryDirectory() as tmp:
         view = Path(tmp) / "view"
         view.mkdir()
-        for f in path.glob(f"*mp_rank_{tp_rank:02d}_*_states.pt"):
+        for f in tp_rank_files(path, tp_rank):
             os.symlink(f.resolve(), view / f.name)
         with contextlib.redirect_stdout(io.StringIO()):  # zero_to_fp32 prints progress
             return dict(get_fp32_state_dict_from_zero_checkpoint(tmp, tag="view"))
@@ -109,7 +117,7 @@ def load_for_eval(
     from megaflex.parallel.reshard import gpt_layout, load_state_dict_checked, reshard
 
     path = resolve_checkpoint(checkpoint, tag)
-    meta = read_meta(path)
+    meta = verify_checkpoint(path)  # a truncated/damaged file is named before torch reads it
     config = meta["config"]
     model_config = ModelConfig.from_dict(config["model"])
     model = GPT(model_config, layers)

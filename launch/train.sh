@@ -3,15 +3,23 @@
 #
 #   One machine, N GPUs:      NPROC=8 bash launch/train.sh --config configs/flexformer_n_41m.yaml
 #   One machine, CPU ranks:   NPROC=2 bash launch/train.sh --config configs/tiny.yaml   (gloo, no GPU)
-#   Several machines:         HOSTFILE=launch/hostfile bash launch/train.sh --config ...  (ssh to every node)
+#   Several machines (ssh):   HOSTFILE=launch/hostfile bash launch/train.sh --config ...  (ssh to every node)
+#   Several machines, no ssh: on every node, HOSTFILE=... NO_SSH=1 NODE_RANK=<i> MASTER_ADDR=<node 0>
+#                             bash launch/train.sh --config ...   (what launch/slurm.sbatch runs via srun)
 #
 # Everything after the script name goes to megaflex-train (configs and key=value overrides).
-# Environment: NPROC (ranks per node, default: GPUs, else 1), HOSTFILE, MASTER_ADDR (default:
-# first host of the hostfile / localhost), MASTER_PORT (default 29500), OMP_NUM_THREADS (default 1
-# per rank on CPU, 4 on GPU), NCCL_* are passed through (see docs/training.md).
+# Environment: NPROC (ranks per node, default: GPUs, else 1), HOSTFILE, NO_SSH, NODE_RANK (default
+# $SLURM_NODEID, else 0), MASTER_ADDR (default: first host of the hostfile / localhost), MASTER_PORT
+# (default 29500), OMP_NUM_THREADS (default 1 per rank on CPU, 4 on GPU), NCCL_* are passed through,
+# MEGAFLEX_SKIP_SETUP=1 uses the current environment instead of launch/setup_env.sh.
+#
+# Signals: SIGTERM/SIGINT/SIGUSR1 to this script are forwarded to the rank processes (the deepspeed
+# runner does not forward them), which save a checkpoint after the current step and exit. The exit
+# status is megaflex-train's: 0 finished, 75 stopped by a signal (checkpoint saved), 2 config or
+# checkpoint error, 3 non-finite abort, 1 other errors (docs/training.md, "Failure modes").
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-source "$repo/launch/setup_env.sh"
+[ -n "${MEGAFLEX_SKIP_SETUP:-}" ] || source "$repo/launch/setup_env.sh"
 cd "$repo"
 port="${MASTER_PORT:-29500}"
 if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
@@ -23,14 +31,42 @@ else
   export DS_ACCELERATOR=cpu
 fi
 nproc="${NPROC:-$(( gpus > 0 ? gpus : 1 ))}"
-if [ -n "${HOSTFILE:-}" ]; then
-  python launch/check_hostfile.py "$HOSTFILE" ${CHECK_SSH:+--ssh}
-  master="${MASTER_ADDR:-$(grep -v '^\s*#' "$HOSTFILE" | awk 'NF{print $1; exit}')}"
-  exec deepspeed --hostfile "$HOSTFILE" --master_addr "$master" --master_port "$port" \
-    --module megaflex.train "$@"
-fi
 if [ "$gpus" -eq 0 ]; then
   # CPU: the launcher counts "slots" from LOCAL_SIZE; ranks talk over gloo.
   export LOCAL_SIZE="$nproc"
 fi
-exec deepspeed --num_gpus "$nproc" --master_port "$port" --module megaflex.train "$@"
+if [ -n "${HOSTFILE:-}" ]; then
+  python launch/check_hostfile.py "$HOSTFILE" ${CHECK_SSH:+--ssh}
+  master="${MASTER_ADDR:-$(grep -v '^\s*#' "$HOSTFILE" | awk 'NF{print $1; exit}')}"
+  launcher=(deepspeed --hostfile "$HOSTFILE" --master_addr "$master" --master_port "$port")
+  if [ -n "${NO_SSH:-}" ]; then
+    # One launcher per node, each starting its own ranks (no pdsh/ssh).
+    launcher+=(--no_ssh --node_rank "${NODE_RANK:-${SLURM_NODEID:-0}}")
+  fi
+else
+  launcher=(deepspeed --num_gpus "$nproc" --master_port "$port")
+fi
+
+# Not `exec`: this shell stays to forward signals. The runner's children are the per-node
+# `deepspeed.launcher.launch` processes, whose children are the ranks.
+"${launcher[@]}" --module megaflex.train "$@" &
+runner=$!
+forward() {
+  local launch
+  for launch in $(pgrep -P "$runner" || true); do
+    pkill "-$1" -P "$launch" || true
+  done
+}
+trap 'forward TERM' TERM
+trap 'forward INT' INT
+trap 'forward USR1' USR1
+status=0
+while :; do
+  wait "$runner" && status=0 || status=$?
+  kill -0 "$runner" 2>/dev/null || break   # wait returned for a trapped signal: keep waiting
+done
+if [ "$status" -gt 128 ]; then   # interrupted by a trap just as the runner ended: its own status
+  final=0; wait "$runner" 2>/dev/null || final=$?
+  [ "$final" -eq 127 ] || status=$final
+fi
+exit "$status"

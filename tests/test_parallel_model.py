@@ -247,5 +247,13 @@ def test_safetensors_export_and_cli(tmp_path) -> None:
     assert ModelConfig.from_dict(config_dict) == config
     for key, value in original.items():
         assert torch.equal(exported[key], value) and torch.equal(merged[key], value), key
+    # The resharded tag records its own shards' checksums; a damaged shard is named, not unpickled.
+    from megaflex.checkpoint_layout import CorruptCheckpointError, verify_checkpoint
+
+    assert sorted(verify_checkpoint(tmp_path / "tp4")["files"]) == [f"mp_rank_{r:02d}_model_states.pt" for r in range(4)]
+    shard = tmp_path / "tp4" / "mp_rank_03_model_states.pt"
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(CorruptCheckpointError, match=f"corrupt checkpoint file {shard}: 100 bytes"):
+        reshard_main([str(tmp_path / "tp4"), str(tmp_path / "export2"), "--safetensors"])
     export_safetensors(original, config, tmp_path / "direct")  # tied weights / views are fine too
     assert torch.equal(load_safetensors(tmp_path / "direct")[0]["embed.weight"], original["embed.weight"])

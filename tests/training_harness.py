@@ -102,3 +102,18 @@ def launch(config: Path, overrides: list[str], world_size: int = 1, timeout: flo
         outputs.append(log.read())
         log.close()
     return Result([p.returncode for p in procs], outputs)
+
+
+def launcher_env(local_ranks: int) -> dict[str, str]:
+    """Environment for the real deepspeed launcher / launch scripts on ``local_ranks`` CPU ranks
+    (the venv's bin first on PATH, no launch/setup_env.sh, a free master port)."""
+    env = base_env()
+    env.update(
+        PATH=str(Path(PYTHON).parent) + os.pathsep + env["PATH"], LOCAL_SIZE=str(local_ranks), NPROC=str(local_ranks),
+        MEGAFLEX_SKIP_SETUP="1", MASTER_PORT=str(free_port()),
+    )
+    return env
+
+
+def deepspeed_launcher() -> str:
+    return str(Path(PYTHON).parent / "deepspeed")

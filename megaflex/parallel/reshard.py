@@ -29,6 +29,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
+from megaflex.checkpoint_layout import model_states_file, verify_checkpoint, write_meta
 from megaflex.model.config import ModelConfig
 from megaflex.model.gpt import GPT
 from megaflex.model.layers import LayerFactory, LocalLayers, pad_vocab_size
@@ -245,16 +246,12 @@ def load_safetensors(out_dir: str | Path) -> tuple[StateDict, dict[str, Any]]:
 
 
 # ------------------------------------------------------------------------------- CLI
-MODEL_STATES = "mp_rank_{:02d}_model_states.pt"
-META_FILE = "megaflex.json"  # written by megaflex.training.checkpoint
-
-
 def _read_checkpoint(tag_dir: Path) -> tuple[list[StateDict], dict[str, Any]]:
-    meta = json.loads((tag_dir / META_FILE).read_text())
+    meta = verify_checkpoint(tag_dir)  # names a truncated/damaged file before torch reads it
     tp = int(meta["tensor_parallel_size"])
     shards = []
     for rank in range(tp):
-        blob = torch.load(tag_dir / MODEL_STATES.format(rank), map_location="cpu", weights_only=False)
+        blob = torch.load(model_states_file(tag_dir, rank), map_location="cpu", weights_only=False)
         shards.append(blob["module"] if "module" in blob else blob)
     return shards, meta
 
@@ -278,11 +275,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     args.output.mkdir(parents=True, exist_ok=True)
     new_shards = reshard(shards, layout, args.tp)
     for rank, sd in enumerate(new_shards):
-        torch.save({"module": sd}, args.output / MODEL_STATES.format(rank))
+        torch.save({"module": sd}, model_states_file(args.output, rank))
     meta = dict(meta, tensor_parallel_size=args.tp, resharded_from=len(shards))
     if "parameter_shapes" in meta:  # per-rank shapes, as the trainer records and checks them
         meta["parameter_shapes"] = {k: list(new_shards[0][k].shape) for k in meta["parameter_shapes"]}
-    (args.output / META_FILE).write_text(json.dumps(meta, indent=1))
+    write_meta(args.output, meta)  # checksums of the new shards
     print(f"wrote {args.tp} model shards to {args.output} (TP={len(shards)} -> {args.tp}; weights only)")
 
 

@@ -1,28 +1,27 @@
 """Atomic DeepSpeed checkpoints with everything exact resume needs.
 
-Layout of ``checkpoint.dir``::
+The file layout (tags, ``latest``, metadata, RNG files, checksums) belongs to
+``megaflex.checkpoint_layout``; this module drives DeepSpeed through it.
 
-    latest                     text file naming the newest complete tag (replaced by rename)
-    step_00000010/             one complete checkpoint
-        mp_rank_00_model_states.pt, zero_pp_rank_*_optim_states.pt, ...   (DeepSpeed engine)
-        megaflex.json          iteration, consumed samples, sizes, parameter shapes, resolved config
-        rng/rank_00000.pt      per-rank RNG states (python, numpy, torch, CUDA, TP tracker)
-    .tmp-step_00000015/        a save in progress (or interrupted: ignored, removed by the next save)
+Commit protocol: every rank writes into ``.tmp-<tag>``; the ranks hash a share of the files each
+(size and SHA-256, gathered); rank 0 writes them into the metadata, renames the folder to ``<tag>`` and then replaces
+``latest`` via write-to-temp + ``os.replace``; a barrier. A crash at any point leaves the
+previous tag and ``latest`` untouched; a failed write (e.g. a full disk) removes the temp
+folder and raises ``CheckpointError``. The directory must be on a file system all ranks share
+(as DeepSpeed itself requires for multi-node checkpoints).
 
-Commit protocol: every rank writes into ``.tmp-<tag>``; a barrier; rank 0 renames the folder to
-``<tag>`` and then replaces ``latest`` via write-to-temp + ``os.replace``; a barrier. A crash at
-any point leaves the previous tag and ``latest`` untouched. The directory must be on a
-file system all ranks share (as DeepSpeed itself requires for multi-node checkpoints).
+Resume verifies the recorded checksums before DeepSpeed reads anything (the files are split
+over the ranks, so each reads only its share); ``resume=auto`` falls back to the newest
+checkpoint that verifies, an explicit tag fails naming the bad file.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import re
 import shutil
 import signal
+import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -31,56 +30,32 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-TAG_RE = re.compile(r"^step_(\d{8,})$")
-TMP_PREFIX = ".tmp-"
-META_FILE = "megaflex.json"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used with this run (missing, incomplete or mismatched)."""
-
-
-def tag_for(iteration: int) -> str:
-    return f"step_{iteration:08d}"
-
-
-def complete_tags(ckpt_dir: str | Path) -> list[str]:
-    """Committed tags (those with their metadata file), oldest first."""
-    root = Path(ckpt_dir)
-    if not root.is_dir():
-        return []
-    tags = [p.name for p in root.iterdir() if p.is_dir() and TAG_RE.match(p.name) and (p / META_FILE).is_file()]
-    return sorted(tags, key=lambda t: int(TAG_RE.match(t).group(1)))
-
-
-def find_resume_path(ckpt_dir: str | Path, resume: str) -> Path | None:
-    """Resolve ``checkpoint.resume``: ``none`` -> None; ``auto`` -> newest complete tag or None;
-    otherwise a checkpoint folder path or a tag inside ``ckpt_dir`` (must exist and be complete)."""
-    if resume == "none":
-        return None
-    root = Path(ckpt_dir)
-    if resume == "auto":
-        pointer = root / "latest"
-        if pointer.is_file():
-            tag = pointer.read_text().strip()
-            if (root / tag / META_FILE).is_file():
-                return root / tag
-        tags = complete_tags(root)  # pointer missing or stale: fall back to the newest complete
-        return root / tags[-1] if tags else None
-    path = Path(resume)
-    if not path.is_dir():
-        path = root / resume
-    if not (path / META_FILE).is_file():
-        raise CheckpointError(
-            f"checkpoint.resume: {resume!r} is not a complete checkpoint (no {META_FILE} in {path}); "
-            f"complete ones in {root}: {complete_tags(root) or 'none'}"
-        )
-    return path
-
-
-def read_meta(path: str | Path) -> dict[str, Any]:
-    with open(Path(path) / META_FILE) as f:
-        return json.load(f)
+from megaflex.checkpoint_layout import (  # noqa: F401  (re-exported for callers of this module)
+    FILES_KEY,
+    META_FILE,
+    CheckpointError,
+    CorruptCheckpointError,
+    auto_candidates,
+    check_writable,
+    complete_tags,
+    data_file_names,
+    directory_size,
+    file_manifest,
+    find_resume_path,
+    fsync_dir,
+    fsync_tree,
+    is_out_of_space,
+    read_latest,
+    read_meta,
+    resolve_tag,
+    rng_file,
+    stale_tmp_dirs,
+    tag_for,
+    tmp_dir,
+    verify_files,
+    write_latest,
+    write_meta,
+)
 
 
 # ------------------------------------------------------------------------------- RNG states
@@ -146,46 +121,134 @@ class CheckpointManager:
     def save(self, engine: Any, iteration: int, meta: dict[str, Any], tp_tracker: Any | None) -> Path:
         """Collective. Write the checkpoint of ``iteration`` and commit it atomically."""
         tag = tag_for(iteration)
-        tmp_tag = TMP_PREFIX + tag
-        tmp = self.ckpt_dir / tmp_tag
+        tmp = tmp_dir(self.ckpt_dir, tag)
         if self.rank == 0:
             self.ckpt_dir.mkdir(parents=True, exist_ok=True)
             if tmp.exists():
                 shutil.rmtree(tmp)  # leftovers of an interrupted save of the same step
         _barrier()
-        engine.save_checkpoint(str(self.ckpt_dir), tag=tmp_tag, save_latest=False)
-        (tmp / "rng").mkdir(parents=True, exist_ok=True)
-        torch.save(rng_state(tp_tracker), tmp / "rng" / f"rank_{self.rank:05d}.pt")
-        if self.rank == 0:
-            _write_atomic(tmp / META_FILE, json.dumps(meta, indent=1))
-        _barrier()
-        if self.rank == 0:
-            _fsync_tree(tmp)  # all shards reach the disk before the commit can
+        # DeepSpeed's own barriers stop the other ranks when one fails inside save_checkpoint
+        # (its exception ends the process; gloo/nccl then fail the peers' collectives).
+        self._guarded(iteration, tmp, lambda: engine.save_checkpoint(str(self.ckpt_dir), tag=tmp.name, save_latest=False))
+        # From here every rank is past DeepSpeed's barrier: failures are agreed on collectively.
+        self._agreed(iteration, tmp, lambda: _save_rng(rng_file(tmp, self.rank), tp_tracker), every_rank=True)
+        files = self._manifest(tmp)  # every rank hashes a share of the files
+        self._agreed(iteration, tmp, lambda: (write_meta(tmp, meta, files), fsync_tree(tmp)), every_rank=False)
         if self.before_commit is not None:
             self.before_commit(iteration)
         final = self.ckpt_dir / tag
         if self.rank == 0:
             if final.exists():  # re-saving the same step (e.g. signal right after a periodic save)
                 shutil.rmtree(final)
-            os.rename(tmp, final)
-            _write_atomic(self.ckpt_dir / "latest", tag + "\n")
-            _fsync_dir(self.ckpt_dir)
+            tmp.rename(final)
+            write_latest(self.ckpt_dir, tag)
             self._prune(keep=tag)
         _barrier()
         return final
+
+    def _guarded(self, iteration: int, tmp: Path, write: Callable[[], Any]) -> None:
+        try:
+            write()
+        except Exception as e:
+            raise self._save_failed(iteration, tmp, e) from e
+
+    def _agreed(self, iteration: int, tmp: Path, write: Callable[[], Any], every_rank: bool) -> None:
+        error = None
+        if every_rank or self.rank == 0:
+            try:
+                write()
+            except Exception as e:
+                error = e
+        if _any_rank(error is not None):
+            raise self._save_failed(iteration, tmp, error)
+
+    def _manifest(self, tmp: Path) -> dict[str, dict[str, Any]]:
+        """Collective. Sizes and SHA-256 sums of the written files; each rank hashes every
+        world-size-th file and the parts are gathered."""
+        world = dist.get_world_size() if _distributed() else 1
+        part = file_manifest(tmp, data_file_names(tmp)[self.rank::world])
+        if world == 1:
+            return part
+        parts: list[dict[str, dict[str, Any]]] = [{} for _ in range(world)]
+        dist.all_gather_object(parts, part)
+        return {name: entry for p in parts for name, entry in sorted(p.items())}
+
+    def _save_failed(self, iteration: int, tmp: Path, error: BaseException | None) -> CheckpointError:
+        """Remove the partial save; a CheckpointError that says why (disk full named as such)."""
+        full = error is not None and is_out_of_space(error, self.ckpt_dir)  # before freeing space
+        shutil.rmtree(tmp, ignore_errors=True)
+        kept = read_latest(self.ckpt_dir)
+        kept_text = f"the previous checkpoint {self.ckpt_dir / kept} is kept" if kept else "no earlier checkpoint exists"
+        if full:
+            reason = f"no space left on {self.ckpt_dir}"
+        elif error is None:
+            reason = f"another rank failed to write to {self.ckpt_dir}"
+        else:
+            reason = f"writing to {self.ckpt_dir} failed: {type(error).__name__}: {error}"
+        return CheckpointError(f"saving the checkpoint of step {iteration} failed: {reason}; removed the partial "
+                               f"{tmp.name}; {kept_text}. Free space (or set checkpoint.dir) and resume with --resume auto")
+
+    def select_resume(self, resume: str, warn: Callable[[str], None]) -> tuple[Path | None, dict[str, Any] | None]:
+        """Collective. The checkpoint to resume from (and its metadata), checksums verified.
+
+        ``auto``: the newest one that verifies, loudly warning about each corrupt newer one; if
+        checkpoints exist but none verifies, that is an error (never a silent fresh start)."""
+        if resume == "none":
+            return None, None
+        if resume != "auto":
+            path = resolve_tag(self.ckpt_dir, resume)
+            return path, self._verified(path)
+        corrupt: list[str] = []
+        for path in auto_candidates(self.ckpt_dir):
+            try:
+                meta = self._verified(path)
+            except CorruptCheckpointError as e:
+                corrupt.append(str(e))
+                warn(f"WARNING: {'!' * 60}\nWARNING: skipping checkpoint {path}: {e}\nWARNING: {'!' * 60}")
+                continue
+            if corrupt:
+                warn(f"WARNING: resuming from the OLDER checkpoint {path} because {len(corrupt)} newer one(s) are corrupt")
+            return path, meta
+        if corrupt:
+            raise CheckpointError(f"no checkpoint in {self.ckpt_dir} is intact: " + "; ".join(corrupt)
+                                  + ". Delete them (or set checkpoint.resume=none) to start over")
+        return None, None
+
+    def _verified(self, path: Path) -> dict[str, Any]:
+        """Collective. Metadata of ``path`` after every recorded file's size and SHA-256 are checked;
+        each rank hashes its share of the files and the problems are gathered on all ranks."""
+        meta = read_meta(path)
+        world = dist.get_world_size() if _distributed() else 1
+        names = sorted(meta.get(FILES_KEY) or {})
+        problems = verify_files(path, meta, names[self.rank::world])
+        if world > 1:
+            gathered: list[list[str]] = [[] for _ in range(world)]
+            dist.all_gather_object(gathered, problems)
+            problems = sorted(p for part in gathered for p in part)
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise CorruptCheckpointError(f"corrupt checkpoint file {problems[0]}{more}")
+        return meta
 
     def load(self, engine: Any, path: Path, tp_tracker: Any | None, load_rng: bool) -> dict[str, Any]:
         """Collective. Load engine + optimizer states from ``path``; returns its metadata.
 
         RNG states are restored when ``load_rng`` and this rank has a file (same world size)."""
-        load_path, _ = engine.load_checkpoint(
-            str(path.parent), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=False
-        )
+        try:
+            load_path, _ = engine.load_checkpoint(
+                str(path.parent), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=False
+            )
+        except Exception as e:
+            raise CheckpointError(f"DeepSpeed could not read the checkpoint {path}: {type(e).__name__}: {e}") from e
         if load_path is None:
             raise CheckpointError(f"DeepSpeed could not load the checkpoint at {path}")
-        rng_file = path / "rng" / f"rank_{self.rank:05d}.pt"
-        if load_rng and rng_file.is_file():
-            set_rng_state(torch.load(rng_file, weights_only=False), tp_tracker)
+        rng = rng_file(path, self.rank)
+        if load_rng and rng.is_file():
+            try:
+                state = torch.load(rng, weights_only=False)
+            except Exception as e:
+                raise CorruptCheckpointError(f"corrupt checkpoint file {rng}: {type(e).__name__}: {e}") from e
+            set_rng_state(state, tp_tracker)
         return read_meta(path)
 
     def _prune(self, keep: str) -> None:
@@ -193,50 +256,109 @@ class CheckpointManager:
         for tag in tags[: max(0, len(tags) - self.keep_last)]:
             if tag != keep:
                 shutil.rmtree(self.ckpt_dir / tag, ignore_errors=True)
-        for stale in self.ckpt_dir.glob(TMP_PREFIX + "*"):
+        for stale in stale_tmp_dirs(self.ckpt_dir):
             shutil.rmtree(stale, ignore_errors=True)
 
 
+def _save_rng(path: Path, tp_tracker: Any | None) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(rng_state(tp_tracker), path)
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
 def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
+    if _distributed():
         dist.barrier()
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def _any_rank(flag: bool) -> bool:
+    if not _distributed():
+        return flag
+    t = torch.tensor(float(flag))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t > 0)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def preflight(ckpt_dir: Path, num_params: int) -> str | None:
+    """Before the first step: fail now (``CheckpointError``) when ``ckpt_dir`` is not writable,
+    rather than at the first save; a warning when the free space looks too small for a save
+    (the newest checkpoint's size, else ~16 bytes per parameter: fp32 weights, Adam moments,
+    fp32 master copy)."""
+    free = check_writable(ckpt_dir)
+    tags = complete_tags(ckpt_dir)
+    need = directory_size(ckpt_dir / tags[-1]) if tags else 16 * num_params
+    if free < need:
+        return (f"WARNING: only {free / 2**20:.1f} MiB free on {ckpt_dir}, a checkpoint needs about "
+                f"{need / 2**20:.1f} MiB: saves will fail with 'no space left'")
+    return None
 
 
-def _fsync_tree(root: Path) -> None:
-    """Flush every file of a checkpoint so a power loss after the commit cannot lose them."""
-    for path in [*root.rglob("*"), root]:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
+# ------------------------------------------------------------------------------- stop requests
 class SignalFlag:
-    """Set on SIGTERM/SIGUSR1 (preemption): the trainer saves after the current step and exits."""
+    """Set on SIGTERM/SIGINT/SIGUSR1 (preemption, Ctrl-C) or when the deepspeed launcher that
+    started this rank dies: the trainer saves after the current step and exits.
 
-    def __init__(self, enabled: bool) -> None:
+    The launcher watch covers a killed ``deepspeed`` runner, which does not forward signals to
+    its ranks on one node: the ranks would be orphaned and train on unsaved."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+    def __init__(self, enabled: bool, watch_launcher: bool = True, poll_s: float = 1.0) -> None:
         self.signum: int | None = None
-        if enabled:
-            for sig in (signal.SIGTERM, signal.SIGUSR1):
-                signal.signal(sig, self._handle)
+        if not enabled:
+            return
+        for sig in self.SIGNALS:
+            signal.signal(sig, self._handle)
+        launchers = _launcher_processes() if watch_launcher else []
+        if launchers:
+            threading.Thread(target=self._watch, args=(launchers, poll_s), daemon=True, name="launcher-watch").start()
 
     def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum is None:
+            print(f"received {signal.Signals(signum).name}: saving a checkpoint after this step, then exiting",
+                  file=sys.stderr, flush=True)
         self.signum = signum
+
+    def _watch(self, launchers: list[Any], poll_s: float) -> None:
+        import time
+
+        while self.signum is None:
+            gone = [p for p in launchers if not _alive(p)]
+            if gone:
+                print(f"the deepspeed launcher (pid {gone[0].pid}) is gone: saving a checkpoint after this step, then "
+                      "exiting", file=sys.stderr, flush=True)
+                self.signum = int(signal.SIGTERM)
+                return
+            time.sleep(poll_s)
+
+
+def _alive(process: Any) -> bool:
+    import psutil
+
+    try:  # a killed runner whose parent has not reaped it yet is a zombie: gone all the same
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _launcher_processes() -> list[Any]:
+    """The deepspeed launcher processes above this rank (``deepspeed.launcher.launch`` and the
+    ``deepspeed`` runner above it), or [] when not started by them."""
+    try:
+        import psutil  # a DeepSpeed dependency
+    except ImportError:
+        return []
+    try:
+        parent = psutil.Process().parent()
+        if parent is None or "deepspeed.launcher.launch" not in " ".join(parent.cmdline()):
+            return []
+        chain = [parent]
+        runner = parent.parent()
+        if runner is not None and any("deepspeed" in part for part in runner.cmdline()[:2]):
+            chain.append(runner)
+        return chain
+    except (psutil.Error, OSError):
+        return []

@@ -151,7 +151,7 @@ class CheckpointConfig:
     save_interval: int = opt(0, "save every this many steps (0: only at the end and on SIGTERM/SIGUSR1)")
     keep_last: int = opt(3, "complete checkpoints kept; older ones are deleted after a successful save")
     resume: str = opt("auto", "`auto`: newest complete checkpoint in dir if any; `none`: start fresh; or a checkpoint path/tag")
-    save_on_signal: bool = opt(True, "on SIGTERM/SIGUSR1 (preemption) save after the current step, then exit")
+    save_on_signal: bool = opt(True, "on SIGTERM/SIGINT/SIGUSR1 (preemption) or a dead launcher: save after the current step, exit 75")
     save_at_end: bool = opt(True, "save after the last step")
 
 

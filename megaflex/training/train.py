@@ -2,7 +2,7 @@
 
     megaflex-train --config configs/tiny.yaml configs/zero/zero1.yaml train.lr=3e-4 [--resume auto]
 
-Under a launcher every rank runs this (``deepspeed --num_gpus N -m megaflex.train ...``);
+Under a launcher every rank runs this (``deepspeed --num_gpus N --module megaflex.train ...``);
 ``--local_rank`` (passed by older DeepSpeed launchers) is accepted and ignored.
 """
 
@@ -12,6 +12,13 @@ import argparse
 import sys
 
 from megaflex.training.config import ConfigError, load_config
+
+# Exit statuses of megaflex-train (the deepspeed launcher passes a rank's non-zero status on).
+EXIT_DONE = 0  # trained to train.train_iters
+EXIT_ERROR = 1  # an unexpected error (traceback)
+EXIT_CONFIG = 2  # bad config or checkpoint: missing, corrupt, incompatible, unwritable dir, disk full
+EXIT_NONFINITE = 3  # train.max_nonfinite_in_a_row non-finite steps in a row
+EXIT_PREEMPTED = 75  # stopped by SIGTERM/SIGINT/SIGUSR1 or a dead launcher, checkpoint saved (EX_TEMPFAIL)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -45,23 +52,23 @@ def main(argv: list[str] | None = None) -> int:
 
     clean = False
     try:
-        run(cfg)
+        summary = run(cfg)
         clean = True
     except ConfigError as e:
         print(f"megaflex-train: config error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     except CheckpointError as e:
         print(f"megaflex-train: checkpoint error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     except DataError as e:  # corrupt index, ids >= vocab, tokenizer mismatch or missing
         print(f"megaflex-train: data error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     except NonFiniteAbort as e:
         print(f"megaflex-train: {e}", file=sys.stderr)
-        return 3
+        return EXIT_NONFINITE
     finally:
         shutdown(clean)
-    return 0
+    return EXIT_DONE if summary["stop_reason"] == "done" else EXIT_PREEMPTED
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -34,9 +34,8 @@ from megaflex.training.checkpoint import (
     CheckpointManager,
     SignalFlag,
     check_compatible,
-    find_resume_path,
     parameter_shapes,
-    read_meta,
+    preflight,
 )
 from megaflex.training.config import Config, global_batch_size, parallel_dims, resolve_device, validate_runtime
 from megaflex.data.card import check_same_tokenizer
@@ -95,6 +94,7 @@ def run(cfg: Config) -> dict[str, Any]:
         mark_head_sharded_params(model)
     shapes = parameter_shapes(model)
     num_params = _full_parameter_count(model, state.tp_size)
+    space_warning = preflight(Path(cfg.checkpoint_dir), num_params)  # every rank: its own mount
     optimizer = build_optimizer(cfg, model, device)
     if cfg.parallel.zero_stage == 0 and cfg.train.precision == "fp32" and hasattr(optimizer, "skip"):
         optimizer.check_finite = True  # no ZeRO/bf16 wrapper checks the gradients here
@@ -119,6 +119,8 @@ def run(cfg: Config) -> dict[str, Any]:
             f"global batch {gbs} = micro {cfg.train.micro_batch_size} x DP {dp_size} x accum {grad_accum}"
         )
         logger.print(group_summary(model, cfg))
+        if space_warning:
+            logger.print(space_warning)
 
     kernel_init = kernel_snapshot(model)  # before ZeRO 3 partitions anything; replaced on resume
     if cfg.parallel.zero_stage == 3:
@@ -137,9 +139,8 @@ def run(cfg: Config) -> dict[str, Any]:
         kill_step = cfg.fault.sigkill_during_save_at_step
         manager.before_commit = lambda it: _sigkill() if it == kill_step else None
     iteration, consumed, nonfinite_total = 0, 0, 0
-    resume_path = find_resume_path(cfg.checkpoint_dir, cfg.checkpoint.resume)
+    resume_path, meta = manager.select_resume(cfg.checkpoint.resume, warn=logger.print)
     if resume_path is not None:
-        meta = read_meta(resume_path)
         check_compatible(meta, cfg.to_dict()["model"], shapes, state.tp_size)
         check_same_tokenizer(meta.get("tokenizer"), tokenizer, f"checkpoint {resume_path}", "this run's tokenizer/data")
         _check_optimizer_groups(meta, optimizer, resume_path)

@@ -1,0 +1,282 @@
+"""The on-disk layout of megaflex checkpoints: the only module that knows file names and formats.
+
+Training (``megaflex.training.checkpoint``), resharding (``megaflex.parallel.reshard``) and
+evaluation (``evaluation.loading``) all read and write checkpoints through these functions, so
+this module sits at the bottom of the package (it imports nothing from megaflex)::
+
+    <checkpoint.dir>/
+        latest                     text file naming the newest complete tag (replaced by rename)
+        step_00000010/             one complete checkpoint ("tag")
+            mp_rank_00_model_states.pt, *zero_pp_rank_*_optim_states.pt, ...   (DeepSpeed engine)
+            megaflex.json          metadata: iteration, sizes, shapes, config, ... and "files":
+                                   {relative path: {"size": bytes, "sha256": hex}} of every other file
+            rng/rank_00000.pt      per-rank RNG states
+        .tmp-step_00000015/        a save in progress (or interrupted: ignored, removed by the next save)
+
+A tag is *complete* when its metadata file exists (it is written last, then the folder is
+renamed into place). ``verify_files`` re-checks sizes and SHA-256 sums against the metadata so a
+truncated or damaged shard is named before DeepSpeed reads it. The metadata is an open dict:
+callers may add keys (e.g. a tokenizer record); only "files" is owned here.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import re
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Iterable
+
+TAG_RE = re.compile(r"^step_(\d{8,})$")
+TMP_PREFIX = ".tmp-"
+META_FILE = "megaflex.json"
+LATEST_FILE = "latest"
+FILES_KEY = "files"  # the per-file checksum table inside the metadata
+RNG_DIR = "rng"
+MODEL_STATES = "mp_rank_{:02d}_model_states.pt"
+_HASH_CHUNK = 8 << 20
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used with this run (missing, incomplete, corrupt or mismatched)."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint file is unreadable or differs from its recorded size/checksum."""
+
+
+# ------------------------------------------------------------------------------- names
+def tag_for(iteration: int) -> str:
+    return f"step_{iteration:08d}"
+
+
+def tag_iteration(tag: str) -> int | None:
+    match = TAG_RE.match(tag)
+    return int(match.group(1)) if match else None
+
+
+def tmp_dir(ckpt_dir: str | Path, tag: str) -> Path:
+    return Path(ckpt_dir) / (TMP_PREFIX + tag)
+
+
+def stale_tmp_dirs(ckpt_dir: str | Path) -> list[Path]:
+    return sorted(Path(ckpt_dir).glob(TMP_PREFIX + "*"))
+
+
+def model_states_file(tag_dir: str | Path, tp_rank: int) -> Path:
+    return Path(tag_dir) / MODEL_STATES.format(tp_rank)
+
+
+def zero_optim_files(tag_dir: str | Path, tp_rank: int) -> list[Path]:
+    """DeepSpeed's ZeRO optimizer shards of one TP rank (empty for ZeRO 0)."""
+    return sorted(Path(tag_dir).glob(f"*zero_pp_rank_*_mp_rank_{tp_rank:02d}_optim_states.pt"))
+
+
+def tp_rank_files(tag_dir: str | Path, tp_rank: int) -> list[Path]:
+    """Every DeepSpeed state file (model and optimizer) of one TP rank."""
+    return sorted(Path(tag_dir).glob(f"*mp_rank_{tp_rank:02d}_*_states.pt"))
+
+
+def rng_file(tag_dir: str | Path, rank: int) -> Path:
+    return Path(tag_dir) / RNG_DIR / f"rank_{rank:05d}.pt"
+
+
+# ------------------------------------------------------------------------------- tags and `latest`
+def complete_tags(ckpt_dir: str | Path) -> list[str]:
+    """Committed tags (those with their metadata file), oldest first."""
+    root = Path(ckpt_dir)
+    if not root.is_dir():
+        return []
+    tags = [p.name for p in root.iterdir() if p.is_dir() and TAG_RE.match(p.name) and (p / META_FILE).is_file()]
+    return sorted(tags, key=tag_iteration)
+
+
+def read_latest(ckpt_dir: str | Path) -> str | None:
+    pointer = Path(ckpt_dir) / LATEST_FILE
+    if not pointer.is_file():
+        return None
+    return pointer.read_text().strip() or None
+
+
+def write_latest(ckpt_dir: str | Path, tag: str) -> None:
+    write_atomic(Path(ckpt_dir) / LATEST_FILE, tag + "\n")
+    fsync_dir(Path(ckpt_dir))
+
+
+def auto_candidates(ckpt_dir: str | Path) -> list[Path]:
+    """Checkpoints ``resume=auto`` may use, best first: the one ``latest`` names, then every other
+    complete tag newest first (the fall-backs when a newer one turns out to be corrupt)."""
+    root = Path(ckpt_dir)
+    tags = complete_tags(root)[::-1]
+    pointed = read_latest(root)
+    if pointed in tags:
+        tags.remove(pointed)
+        tags.insert(0, pointed)
+    return [root / t for t in tags]
+
+
+def resolve_tag(ckpt_dir: str | Path, resume: str) -> Path:
+    """An explicit checkpoint (a folder path, or a tag inside ``ckpt_dir``) that must be complete."""
+    root, path = Path(ckpt_dir), Path(resume)
+    if not path.is_dir():
+        path = root / resume
+    if not (path / META_FILE).is_file():
+        raise CheckpointError(
+            f"checkpoint.resume: {resume!r} is not a complete checkpoint (no {META_FILE} in {path}); "
+            f"complete ones in {root}: {complete_tags(root) or 'none'}"
+        )
+    return path
+
+
+def find_resume_path(ckpt_dir: str | Path, resume: str) -> Path | None:
+    """Resolve ``checkpoint.resume`` without reading any shard: ``none`` -> None; ``auto`` ->
+    the best candidate or None; otherwise ``resolve_tag``."""
+    if resume == "none":
+        return None
+    if resume == "auto":
+        candidates = auto_candidates(ckpt_dir)
+        return candidates[0] if candidates else None
+    return resolve_tag(ckpt_dir, resume)
+
+
+# ------------------------------------------------------------------------------- metadata
+def read_meta(tag_dir: str | Path) -> dict[str, Any]:
+    """The metadata of a checkpoint; unreadable JSON is named as a corrupt file."""
+    path = Path(tag_dir) / META_FILE
+    try:
+        meta = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {tag_dir}: {path} not found (not a complete checkpoint)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CorruptCheckpointError(f"corrupt checkpoint file {path}: not valid JSON ({e})") from None
+    if not isinstance(meta, dict):
+        raise CorruptCheckpointError(f"corrupt checkpoint file {path}: expected a JSON object, got {type(meta).__name__}")
+    return meta
+
+
+def write_meta(tag_dir: str | Path, meta: dict[str, Any], files: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Write ``meta`` plus ``files`` (default: ``file_manifest(tag_dir)``; call it after every
+    other file is written). Returns the dict as written."""
+    full = dict(meta, **{FILES_KEY: file_manifest(tag_dir) if files is None else files})
+    write_atomic(Path(tag_dir) / META_FILE, json.dumps(full, indent=1))
+    return full
+
+
+def data_file_names(tag_dir: str | Path) -> list[str]:
+    """Relative paths of the checkpoint's files other than the metadata, sorted."""
+    root = Path(tag_dir)
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*")
+                  if p.is_file() and p.name != META_FILE and ".tmp" not in p.name)
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def file_manifest(tag_dir: str | Path, names: Iterable[str] | None = None) -> dict[str, dict[str, Any]]:
+    """{relative path: {"size", "sha256"}} of ``names`` (default: every data file), hashed on a
+    few threads (hashlib releases the GIL, so shards hash in parallel)."""
+    root = Path(tag_dir)
+    names = data_file_names(root) if names is None else list(names)
+    with ThreadPoolExecutor(max_workers=min(8, len(names) or 1)) as pool:
+        sums = list(pool.map(lambda n: sha256_file(root / n), names))
+    return {n: {"size": (root / n).stat().st_size, "sha256": s} for n, s in zip(names, sums)}
+
+
+def verify_files(tag_dir: str | Path, meta: dict[str, Any], names: Iterable[str] | None = None) -> list[str]:
+    """Problems (one line each, naming the file) of the recorded files ``names`` (default: all).
+    A checkpoint written before checksums were recorded has nothing to check: []."""
+    root, table = Path(tag_dir), meta.get(FILES_KEY) or {}
+    problems = []
+    for name in sorted(table if names is None else names):
+        want, path = table[name], root / name
+        if not path.is_file():
+            problems.append(f"{path}: missing")
+        elif path.stat().st_size != want["size"]:
+            problems.append(f"{path}: {path.stat().st_size} bytes, expected {want['size']} (truncated or overwritten)")
+        elif sha256_file(path) != want["sha256"]:
+            problems.append(f"{path}: SHA-256 differs from the one recorded at save time")
+    return problems
+
+
+def verify_checkpoint(tag_dir: str | Path) -> dict[str, Any]:
+    """Read the metadata and check every recorded file; raise ``CorruptCheckpointError`` naming
+    the first bad file. Returns the metadata."""
+    meta = read_meta(tag_dir)
+    problems = verify_files(tag_dir, meta)
+    if problems:
+        raise CorruptCheckpointError(f"corrupt checkpoint file {problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+    return meta
+
+
+# ------------------------------------------------------------------------------- file system
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """Flush every file of a checkpoint so a power loss after the commit cannot lose them."""
+    for path in [*root.rglob("*"), root]:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def check_writable(ckpt_dir: str | Path) -> int:
+    """Create ``ckpt_dir`` and prove a file can be written there; returns its free bytes.
+
+    Raises ``CheckpointError`` naming the directory (and the OS reason) when it cannot."""
+    root = Path(ckpt_dir)
+    probe = root / f".write-test-{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"x")
+            f.flush()
+            os.fsync(f.fileno())
+        probe.unlink()
+    except OSError as e:
+        raise CheckpointError(f"checkpoint directory {root} is not writable: {e.strerror or e}; "
+                              "set checkpoint.dir to a writable directory") from None
+    return shutil.disk_usage(root).free
+
+
+def directory_size(path: str | Path) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def is_out_of_space(error: BaseException, directory: str | Path) -> bool:
+    """Whether a failed write was (most likely) a full disk. torch.save reports ENOSPC as a bare
+    ``RuntimeError: ... iostream error``, so a failure with (almost) no free space counts too."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    try:
+        return shutil.disk_usage(directory).free < (1 << 20)
+    except OSError:
+        return False
