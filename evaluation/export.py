@@ -80,7 +80,8 @@ def import_hf(hf_dir: str | os.PathLike, megaflex_out: str | os.PathLike) -> Pat
     """Write the model of HF directory ``hf_dir`` as a megaflex checkpoint under ``megaflex_out``."""
     from megaflex.hf import FlexformerConfig, FlexformerForCausalLM
     from megaflex.hf.tokenizer import SP_CARD_FILE, SP_MODEL_FILE
-    from megaflex.training.checkpoint import META_FILE, parameter_shapes, tag_for
+    from megaflex import checkpoint_layout as layout
+    from megaflex.training.checkpoint import parameter_shapes
 
     src = Path(hf_dir)
     if not (src / "config.json").is_file():
@@ -90,7 +91,7 @@ def import_hf(hf_dir: str | os.PathLike, megaflex_out: str | os.PathLike) -> Pat
     run_config = dict(config.megaflex_run_config or {})
     run_config["model"] = config.to_model_config().to_dict()
     iteration = int(config.megaflex_iteration or 0)
-    tag_dir = Path(megaflex_out) / tag_for(iteration)
+    tag_dir = Path(megaflex_out) / layout.tag_for(iteration)
     tag_dir.mkdir(parents=True, exist_ok=True)
     data = dict(run_config.get("data") or {})
     if (src / SP_MODEL_FILE).is_file():  # the tokenizer travels with the checkpoint
@@ -101,14 +102,14 @@ def import_hf(hf_dir: str | os.PathLike, megaflex_out: str | os.PathLike) -> Pat
     run_config["data"] = data
     gpt = model.model
     # ZeRO-0 / TP-1 layout of a megaflex-train checkpoint: what evaluation.loading reads.
-    torch.save({"module": gpt.state_dict()}, tag_dir / "mp_rank_00_model_states.pt")
+    torch.save({"module": gpt.state_dict()}, layout.model_states_file(tag_dir, 0))
     meta = {
         "iteration": iteration, "tensor_parallel_size": 1, "world_size": 1, "data_parallel_size": 1,
         "zero_stage": 0, "parameter_shapes": parameter_shapes(gpt), "num_parameters": gpt.num_parameters(),
         "config": run_config, "source": f"megaflex-export --from-hf {os.fspath(hf_dir)}",
     }
-    (tag_dir / META_FILE).write_text(json.dumps(meta, indent=1))
-    (Path(megaflex_out) / "latest").write_text(tag_dir.name + "\n")
+    layout.write_meta(tag_dir, meta)  # with the checksums of every file written above
+    layout.write_latest(megaflex_out, tag_dir.name)
     return tag_dir
 
 
