@@ -116,8 +116,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
 
     kinds = [k for k in args.kinds.split(",") if k]
     rows = []
-    for kind in kinds:
-        for seq_len in [int(s) for s in args.seq_lens.split(",") if s]:
+    # kinds alternate per length, so each ratio compares runs taken close together on a shared machine
+    for seq_len in [int(s) for s in args.seq_lens.split(",") if s]:
+        for kind in kinds:
             rows.append(run_one(args, kind, seq_len))
             r = rows[-1]
             summary = r["error"] if "error" in r else f"{r['tokens_per_s']:.0f} tok/s, peak +{r['peak_memory_mb']:.0f} MB"

@@ -62,7 +62,7 @@ from .core import validate_linear_attention_inputs
 # target number of elements of a group's C x C weight block (x 4 bytes = 1 MiB)
 _GROUP_ELEMENTS = 1 << 18
 # target number of elements of a head block's temporaries (short N: several heads per batched call)
-_HEAD_BLOCK_ELEMENTS = 1 << 19
+_HEAD_BLOCK_ELEMENTS = 1 << 17
 # a chunk whose running max rises by at most this much (within the chunk) takes the fast path
 _FAST_RANGE = 20.0
 
