@@ -9,11 +9,10 @@ Why fused: with plain autograd the map costs about as much as the whole chunked 
 because every elementwise step (cos, sin, the pair sums, the scale, their backward) is a full
 pass over a [B, H, N, P] tensor in main memory, and autograd keeps each intermediate alive.
 Here each head's tokens go through in row blocks with ~512 KiB temporaries (in L2): per token the
-forward writes only the features (which the attention saves anyway: shared, not copied) and, for
-paired maps, the pair differences; the backward reads them and the incoming gradient and writes
-dx. cos/sin (~10x a multiply each) are computed once: features = s [cos ; sin] already hold them
-for unpaired maps, and for paired ones sums +- differences recover cos p1, cos p2, sin p1,
-sin p2, so the backward has no transcendental and saves no more than the projection would cost.
+forward writes only the features (which the attention saves anyway: shared, not copied). The
+backward of unpaired maps reads s [cos ; sin] back from the features; paired maps (whose features
+are pair sums) recompute the projection and its cos/sin per block (one matmul and the fast
+NumPy cos/sin) rather than keep another [B, H, N, P] tensor alive for the backward.
 Heads run on the shared head thread pool, like the chunked form; for short sequences whole batch
 entries (all their heads) go through each call together, since per-call overhead would dominate.
 
@@ -106,9 +105,6 @@ class _TrigFeatureMap(torch.autograd.Function):
         w = omega.to(acc).contiguous()
         inv_t = inv_temperature.to(acc)
         features = x32.new_empty(bh, n, 2 * half)  # fp32 [s cos ; s sin] (pair sums when paired)
-        # paired: the pair differences s [cos p1 - cos p2 ; sin p1 - sin p2] [BH, N, 2D = P]; with the
-        # sums they give every cos/sin back, so the backward needs no transcendental at all
-        diffs = x32.new_empty(bh, n, p) if paired else None
         log_scale = x32.new_empty(bh, n)
         items, blocks = _work_plan(batch, heads, n, p, x.device)
 
@@ -123,13 +119,8 @@ class _TrigFeatureMap(torch.autograd.Function):
                 torch.bmm(xb, w_t, out=pb)  # [items, R, P]
                 _cos_sin(pb, cb, sb)
                 if paired:
-                    c1, c2, s1, s2 = cb[..., :half], cb[..., half:], sb[..., :half], sb[..., half:]
-                    torch.add(c1, c2, out=fb[..., :half])
-                    torch.add(s1, s2, out=fb[..., half:])
-                    db = diffs[it, rows]
-                    torch.sub(c1, c2, out=db[..., :half])
-                    torch.sub(s1, s2, out=db[..., half:])
-                    db.mul_(scale)
+                    torch.add(cb[..., :half], cb[..., half:], out=fb[..., :half])
+                    torch.add(sb[..., :half], sb[..., half:], out=fb[..., half:])
                 else:
                     fb[..., :half] = cb
                     fb[..., half:] = sb
@@ -138,7 +129,9 @@ class _TrigFeatureMap(torch.autograd.Function):
 
         with fp32_region(x):
             for_each_head(item_rows, len(items), x.device)
-        ctx.save_for_backward(x32, w, inv_t, features, diffs)
+        # unpaired features are s [cos ; sin]: all the backward needs. Paired ones are pair sums, so
+        # the backward recomputes the projection's cos/sin instead of keeping [BH, N, P] more
+        ctx.save_for_backward(x32, w, inv_t, None if paired else features)
         ctx.meta = (x.shape, x.dtype, omega.dtype, inv_temperature.dtype, paired)
         ctx.set_materialize_grads(False)  # the query's log_scale is unused: its gradient stays None
         out = features.view(batch, heads, n, 2 * half)
@@ -146,11 +139,12 @@ class _TrigFeatureMap(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_features, d_log_scale):  # type: ignore[override]
-        x32, w, inv_t, features, diffs = ctx.saved_tensors
+        x32, w, inv_t, features = ctx.saved_tensors
         (batch, heads, n, d), x_dtype, omega_dtype, inv_dtype, paired = ctx.meta
         need_x, need_omega, need_inv = ctx.needs_input_grad[:3]
         bh, p = batch * heads, w.shape[1]
         half = p // 2 if paired else p
+        scale = _feature_scale(p, paired)
         acc = x32.dtype
         dx = x32.new_zeros(bh, n, d) if need_x else None
         d_omega = x32.new_zeros(bh, p, d) if need_omega and d_features is not None else None
@@ -163,25 +157,24 @@ class _TrigFeatureMap(torch.autograd.Function):
             it = items[j]
             w_i, inv_i = _per_item(w, it, heads), _per_item(inv_t, it, heads).unsqueeze(-1)
             rows0, size = blocks[0].stop - blocks[0].start, it.stop - it.start
-            d_proj_buf = x32.new_empty(size, rows0, p) if paired else None
+            cos, sin, d_proj_buf = (x32.new_empty(size, rows0, p) for _ in range(3)) if paired else (None, None, None)
             for rows in blocks:
                 xb = x32[it, rows]
+                r = xb.shape[1]
                 if g_all is not None and (dx is not None or d_omega is not None):
-                    # paired: s cos p1 = (sum + diff) / 2, s cos p2 = (sum - diff) / 2 (same for sin);
-                    # the 1/2 is folded into g
-                    g = g_all[it, rows].to(acc) * 0.5 if paired else g_all[it, rows].to(acc)  # [items, R, 2D]
+                    g = g_all[it, rows].to(acc)  # [items, R, 2D]
                     g_cos, g_sin = g[..., :half], g[..., half:]
-                    fb = features[it, rows]  # s cos | s sin (pair sums when paired)
-                    # dproj = s cos(proj) g_sin - s sin(proj) g_cos
-                    d_sum = (fb[..., :half] * g_sin).addcmul_(fb[..., half:], g_cos, value=-1.0)
                     if paired:
-                        db = diffs[it, rows]
-                        d_diff = (db[..., :half] * g_sin).addcmul_(db[..., half:], g_cos, value=-1.0)
-                        d_proj = d_proj_buf[:, : xb.shape[1]]  # [items, R, P]
-                        torch.add(d_sum, d_diff, out=d_proj[..., :half])
-                        torch.sub(d_sum, d_diff, out=d_proj[..., half:])
+                        # each half j: dproj_j = s (cos p_j g_sin - sin p_j g_cos), p_j recomputed
+                        cb, sb, d_proj = cos[:, :r], sin[:, :r], d_proj_buf[:, :r]
+                        torch.bmm(xb, w_i.transpose(1, 2), out=d_proj)
+                        _cos_sin(d_proj, cb, sb)
+                        pairs = (size, r, 2, half)  # [items, R, (p1, p2), D]
+                        torch.mul(cb.view(pairs), g_sin.unsqueeze(-2), out=d_proj.view(pairs))
+                        d_proj.view(pairs).addcmul_(sb.view(pairs), g_cos.unsqueeze(-2), value=-1.0).mul_(scale)
                     else:
-                        d_proj = d_sum
+                        fb = features[it, rows]  # s cos | s sin
+                        d_proj = (fb[..., :half] * g_sin).addcmul_(fb[..., half:], g_cos, value=-1.0)
                     if dx is not None:
                         torch.bmm(d_proj, w_i, out=dx[it, rows])
                     if d_omega is not None:
