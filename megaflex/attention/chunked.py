@@ -28,8 +28,9 @@ Performance design (CPU; the optional fused GPU backend is ``chunked_cuda.py``):
 * The output normalisation is fused (per group, reusing ``normalize_output``), so no full-size
   normalisation temporaries exist; the fp32 numerators (n_aug for "denominator") are saved for
   its backward. "rms" skips the denominator column in every output-side matmul.
-* Backward recomputes the C x C weights from q, k (one bmm + a mask) and keeps only the N / C
-  boundary states S_c from the forward. Gradients (exact-path notation; the fast path is the
+* Backward recomputes the C x C weights from q, k (one bmm + a mask), and each group's chunk
+  states S_c from the state before the group (one bmm + the scan): the forward keeps only
+  those group-boundary states. Gradients (exact-path notation; the fast path is the
   same algebra with the factorised weights):
 
       dW'_ts = (dn_t . v_s) exp(kls_s - m_t)            (masked, s <= t)
@@ -41,7 +42,7 @@ Performance design (CPU; the optional fused GPU backend is ``chunked_cuda.py``):
   The gradient of the returned state seeds the reverse scan, so truncated BPTT through
   carried states works; the initial state gets kv/k_sum gradients. Its log_max, like every
   stabiliser, is a constant for autograd (as in the quadratic and recurrent forms).
-* Backward keeps the N / C forward states but only a per-head buffer of one group's state
+* Backward keeps only a per-head buffer of one group's states and state
   gradients (dL/dS at a group boundary is carried to the previous group).
 * PyTorch's CPU allocator does not cache: with glibc defaults every > 32 MiB tensor is a fresh
   mmap that page-faults again each step. Set ``MALLOC_MMAP_MAX_=0`` and a large
@@ -133,6 +134,16 @@ def _bmm_into(a: torch.Tensor, b: torch.Tensor, dest: torch.Tensor) -> None:
         dest.copy_(torch.bmm(a, b).view(dest.shape))
 
 
+def _group_states(kw: torch.Tensor, vg: torch.Tensor, start: torch.Tensor, decay: torch.Tensor, s_buf: torch.Tensor) -> None:
+    """A group's chunk states into s_buf [nh, >= g+1, F, Dv+1]: s_buf[:, 0] = start (the state before
+    the group), S_c = d_c S_{c-1} + U_c with U_c = sum_s kw_s v_s^T; kw, vg [nh g, C, .], decay [nh, g, 1, 1]."""
+    g = decay.shape[1]
+    s_buf[:, 0] = start
+    _bmm_into(kw.transpose(1, 2), vg, s_buf[:, 1 : g + 1])
+    for j in range(g):
+        s_buf[:, j + 1].addcmul_(s_buf[:, j], decay[:, j])
+
+
 def _decay_weights(lam: torch.Tensor, m: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """E_ts = exp(kls_s - m_t) for s <= t, else 0: lam, m [g, c] -> [g, c(t), c(s)]."""
     e = lam.unsqueeze(-2) - m.unsqueeze(-1)
@@ -202,8 +213,11 @@ class _ChunkedLinearAttention(torch.autograd.Function):
         v_aug[:, :n, dv] = 1.0
         m, bounds, decay, fast = _stabiliser(lam, m0, c)
 
-        states = q.new_empty(bh, decay.shape[1] + 1, feat, dv + 1)  # states[:, j] = S_j (after j chunks)
+        # only the state before each group (and the final one) is kept: the backward recomputes a
+        # group's chunk states from it (one bmm and the scan) instead of keeping all N / C of them
+        states = q.new_empty(bh, len(groups) + 1, feat, dv + 1)
         states[:, 0] = s0
+        most = max(g for _, g, _, _ in groups)
         # numerator columns actually needed: "rms" never reads the denominator, so its matmuls stay
         # Dv wide (64 columns run ~20% faster than 65 in MKL); the state always has the k_sum column
         nc = dv + 1 if normalization == "denominator" else dv
@@ -213,8 +227,9 @@ class _ChunkedLinearAttention(torch.autograd.Function):
         def forward_block(b: int) -> None:
             hb = blocks[b]
             nh = hb.stop - hb.start
-            s_b, dec_b = states[hb], decay[hb].view(nh, -1, 1, 1)
-            for sl, g, cl, c0 in groups:
+            dec_b = decay[hb].view(nh, -1, 1, 1)
+            s_buf = q.new_empty(nh, most + 1, feat, dv + 1)  # s_buf[:, j] = S_{c0 + j}
+            for gi, (sl, g, cl, c0) in enumerate(groups):
                 qg, kg = q[hb, sl].reshape(nh * g, cl, feat), k[hb, sl].reshape(nh * g, cl, feat)
                 vg = v_aug[hb, sl].reshape(nh * g, cl, dv + 1)
                 lg, mg = lam[hb, sl].reshape(nh * g, cl), m[hb, sl].reshape(nh * g, cl)
@@ -223,11 +238,10 @@ class _ChunkedLinearAttention(torch.autograd.Function):
                 mask = _future_mask(cl, q.device)
                 kw = kg * torch.exp(lg - m_end).unsqueeze(-1)  # keys scaled to the chunk's end max, [nh g, cl, F]
                 # chunk increments U_c = sum_s exp(kls_s - M_c) k_s v_s^T, then the scan S_c = d_c S_{c-1} + U_c
-                _bmm_into(kw.transpose(1, 2), vg, s_b[:, c0 + 1 : c0 + 1 + g])
-                for j in range(c0, c0 + g):
-                    s_b[:, j + 1].addcmul_(s_b[:, j], dec_b[:, j])
+                _group_states(kw, vg, states[hb, gi], dec_b[:, c0 : c0 + g], s_buf)
+                states[hb, gi + 1] = s_buf[:, g]
                 ng = numer[hb, sl].view(nh * g, cl, nc)
-                torch.bmm(qg, s_b[:, c0 : c0 + g, :, :nc].reshape(nh * g, feat, nc), out=ng)  # inter-chunk: q_t S_{c-1}
+                torch.bmm(qg, s_buf[:, :g, :, :nc].reshape(nh * g, feat, nc), out=ng)  # inter-chunk: q_t S_{c-1}
                 if _all_fast(fast, hb, c0, g):
                     # n_t = exp(M_c - m_t) [exp(M_{c-1} - M_c) q_t S_{c-1} + sum_s (q_t . kw_s) v_s]
                     ng.mul_(dec_b[:, c0 : c0 + g].reshape(nh * g, 1, 1))
@@ -256,22 +270,23 @@ class _ChunkedLinearAttention(torch.autograd.Function):
         dva = v_aug.shape[-1]
         dv, nc = dva - 1, numer.shape[-1]
         d_out = _pad_tokens(d_out, n_pad)
+        most = max(g for _, g, _, _ in groups)
 
         # dL/dS_j is only needed for the current group: a per-block buffer of g+1 chunk-state
         # gradients (not a fresh [BH, L+1, F, Dv+1] tensor, whose first touch alone costs as much
         # as a matmul pass at long N); ``carry`` [BH, F, Dv+1] hands dL/dS at a group's start to
         # the group before it, seeded by the returned state's gradient and ending as dL/dS_0
         carry = d_final.clone()
-        most = max(g for _, g, _, _ in groups)
         dq, dk, d_lam = torch.empty_like(q), torch.empty_like(k), torch.empty_like(lam)
         d_v = q.new_empty(bh, n_pad, dv)  # the ones column of v_aug needs no gradient
 
         def backward_block(b: int) -> None:
             hb = blocks[b]
             nh = hb.stop - hb.start
-            s_b, dec_b = states[hb], decay[hb].view(nh, -1, 1, 1)
+            dec_b = decay[hb].view(nh, -1, 1, 1)
+            s_buf = q.new_empty(nh, most + 1, feat, dva)  # s_buf[:, j] = S_{c0 + j}, recomputed
             ds_buf = q.new_empty(nh, most + 1, feat, dva)  # ds_buf[:, j] = dL/dS_{c0 + j}
-            for sl, g, cl, c0 in reversed(groups):
+            for gi, (sl, g, cl, c0) in reversed(list(enumerate(groups))):
                 qg, kg = q[hb, sl].reshape(nh * g, cl, feat), k[hb, sl].reshape(nh * g, cl, feat)
                 vg = v_aug[hb, sl].reshape(nh * g, cl, dva)
                 lg, mg = lam[hb, sl].reshape(nh * g, cl), m[hb, sl].reshape(nh * g, cl)
@@ -294,9 +309,10 @@ class _ChunkedLinearAttention(torch.autograd.Function):
                 d_u = ds_buf[:, 1 : g + 1].reshape(nh * g, feat, dva)  # dL/dS_c = dL/dU_c for this group's chunks
                 dqg, dkg = dq[hb, sl].view(nh * g, cl, feat), dk[hb, sl].view(nh * g, cl, feat)
                 dvg = d_v[hb, sl].view(nh * g, cl, dv)
-                torch.bmm(dn_inter, s_b[:, c0 : c0 + g, :, :nc].reshape(nh * g, feat, nc).transpose(1, 2), out=dqg)
                 key_scale = torch.exp(lg - m_end).unsqueeze(-1)  # [nh g, cl, 1]
                 kw = kg * key_scale
+                _group_states(kw, vg, states[hb, gi], dec_b[:, c0 : c0 + g], s_buf)
+                torch.bmm(dn_inter, s_buf[:, :g, :, :nc].reshape(nh * g, feat, nc).transpose(1, 2), out=dqg)
                 if _all_fast(fast, hb, c0, g):
                     dn_intra = dng * torch.exp(m_end - mg).unsqueeze(-1)
                     weights = torch.bmm(qg, kw.transpose(1, 2)).masked_fill_(mask, 0.0)
