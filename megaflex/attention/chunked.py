@@ -21,6 +21,10 @@ Performance design (CPU; the optional fused GPU backend is ``chunked_cuda.py``):
   and every temporary (C x C weights, scaled keys, ...) is ~1 MiB, so it stays in cache and the
   allocator reuses it. Within a group all chunks go through one batched ``bmm``/``baddbmm``
   into preallocated outputs; Python loops only over groups and the tiny per-chunk scan adds.
+* Short N (a head's tokens x max(C, F) under ``_HEAD_BLOCK_ELEMENTS``): a block of heads goes
+  through the same calls together, all its chunks in one group (N padded to whole chunks with
+  zero keys and values and log-scale -inf, which reach no real token and not the state), so the
+  per-call overhead is paid per block, not per (batch x head) pair.
 * Fast path: exp(kls_s - m_t) = exp(kls_s - M_c) exp(M_c - m_t) (key scale <= 1, row scale
   <= e^_FAST_RANGE while the running max rises little inside the chunk, the common case), so
   the C x C weights are one masked matmul of pre-scaled keys. Chunks with bigger jumps build the
