@@ -75,17 +75,20 @@ def linear_layer_flops(impl: str, seq_len: int, chunk_size: int, heads: int = HE
     Per token and head, with F features, Dv = head_dim values, C = chunk size (full C x C
     blocks, masked half included); the state carries one extra k_sum column (Dv + 1), which
     "rms" needs only in the two matmuls that build or differentiate the state from the keys:
-      inter-chunk  fwd 2 F (Dv + 1) (k^T v) + 2 F Dv (q S),  bwd 2 F (Dv + 1) + 3 x 2 F Dv
+      inter-chunk  fwd 2 F (Dv + 1) (k^T v) + 2 F Dv (q S),  bwd 2 x 2 F (Dv + 1) (the chunk
+                   states recomputed, d state) + 3 x 2 F Dv
       intra-chunk  fwd 2 C F + 2 C Dv,          bwd 3 x 2 C F + 2 x 2 C Dv
       feature map  projections x [d, P] for q and k, fwd 2 x 2 d P, bwd 2x that (dx, d omega;
-                   performer's frozen omega: dx only), P = projected rows: 2D = F for
-                   flexformer_n ([O1; O2]) and performer-positive, D = F/2 for flexformer_s.
+                   performer's frozen omega: dx only) plus, for the paired flexformer_n, the
+                   projection recomputed; P = projected rows: 2D = F for flexformer_n ([O1; O2])
+                   and performer-positive, D = F/2 for flexformer_s.
     ``tests/test_attention_bench.py`` checks this against torch's FLOP counter on the real layer.
     """
     f, dv, c, d = feature_dim, head_dim, min(chunk_size, seq_len), head_dim
     proj_rows = {"flexformer_n": f, "flexformer_s": f // 2, "performer": f}[impl]
-    inter = 2 * f * (dv + 1) + 2 * f * dv + 2 * f * (dv + 1) + 3 * 2 * f * dv
-    map_passes = 2 if impl == "performer" else 3  # forward + dx (+ d omega for learnable frequencies)
+    inter = 2 * f * (dv + 1) + 2 * f * dv + 2 * 2 * f * (dv + 1) + 3 * 2 * f * dv
+    # forward + dx (+ d omega for learnable frequencies) (+ the paired map's recomputed projection)
+    map_passes = {"flexformer_n": 4, "flexformer_s": 3, "performer": 2}[impl]
     per_token = inter + (2 * c * f + 2 * c * dv) + (6 * c * f + 4 * c * dv) + map_passes * (2 * 2 * d * proj_rows)
     return float(per_token) * seq_len * heads
 

@@ -21,6 +21,10 @@ Performance design (CPU; the optional fused GPU backend is ``chunked_cuda.py``):
   and every temporary (C x C weights, scaled keys, ...) is ~1 MiB, so it stays in cache and the
   allocator reuses it. Within a group all chunks go through one batched ``bmm``/``baddbmm``
   into preallocated outputs; Python loops only over groups and the tiny per-chunk scan adds.
+* Short N (a head's tokens x max(C, F) under ``_HEAD_BLOCK_ELEMENTS``): a block of heads goes
+  through the same calls together, all its chunks in one group (N padded to whole chunks with
+  zero keys and values and log-scale -inf, which reach no real token and not the state), so the
+  per-call overhead is paid per block, not per (batch x head) pair.
 * Fast path: exp(kls_s - m_t) = exp(kls_s - M_c) exp(M_c - m_t) (key scale <= 1, row scale
   <= e^_FAST_RANGE while the running max rises little inside the chunk, the common case), so
   the C x C weights are one masked matmul of pre-scaled keys. Chunks with bigger jumps build the
@@ -28,8 +32,9 @@ Performance design (CPU; the optional fused GPU backend is ``chunked_cuda.py``):
 * The output normalisation is fused (per group, reusing ``normalize_output``), so no full-size
   normalisation temporaries exist; the fp32 numerators (n_aug for "denominator") are saved for
   its backward. "rms" skips the denominator column in every output-side matmul.
-* Backward recomputes the C x C weights from q, k (one bmm + a mask) and keeps only the N / C
-  boundary states S_c from the forward. Gradients (exact-path notation; the fast path is the
+* Backward recomputes the C x C weights from q, k (one bmm + a mask), and each group's chunk
+  states S_c from the state before the group (one bmm + the scan): the forward keeps only
+  those group-boundary states. Gradients (exact-path notation; the fast path is the
   same algebra with the factorised weights):
 
       dW'_ts = (dn_t . v_s) exp(kls_s - m_t)            (masked, s <= t)
@@ -41,7 +46,7 @@ Performance design (CPU; the optional fused GPU backend is ``chunked_cuda.py``):
   The gradient of the returned state seeds the reverse scan, so truncated BPTT through
   carried states works; the initial state gets kv/k_sum gradients. Its log_max, like every
   stabiliser, is a constant for autograd (as in the quadratic and recurrent forms).
-* Backward keeps the N / C forward states but only a per-head buffer of one group's state
+* Backward keeps only a per-head buffer of one group's states and state
   gradients (dL/dS at a group boundary is carried to the previous group).
 * PyTorch's CPU allocator does not cache: with glibc defaults every > 32 MiB tensor is a fresh
   mmap that page-faults again each step. Set ``MALLOC_MMAP_MAX_=0`` and a large
@@ -61,6 +66,8 @@ from .validation import validate_linear_attention_inputs
 
 # target number of elements of a group's C x C weight block (x 4 bytes = 1 MiB)
 _GROUP_ELEMENTS = 1 << 18
+# target number of elements of a head block's temporaries (short N: several heads per batched call)
+_HEAD_BLOCK_ELEMENTS = 1 << 17
 # a chunk whose running max rises by at most this much (within the chunk) takes the fast path
 _FAST_RANGE = 20.0
 
@@ -71,7 +78,10 @@ def _future_mask(c: int, device: torch.device) -> torch.Tensor:
     return torch.ones(c, c, dtype=torch.bool, device=device).triu(1)
 
 
-def _groups(n: int, c: int, max_dim: int) -> list[tuple[slice, int, int, int]]:
+Group = tuple[slice, int, int, int]  # (token slice, chunks g, chunk length, first chunk)
+
+
+def _groups(n: int, c: int, max_dim: int) -> list[Group]:
     """Split N tokens into groups of whole chunks: (token slice, chunks g, chunk length, first chunk).
 
     Full chunks are grouped so that a group's largest temporary (g x C x max(C, F)) is about
@@ -86,6 +96,56 @@ def _groups(n: int, c: int, max_dim: int) -> list[tuple[slice, int, int, int]]:
     if n % c:
         groups.append((slice(full * c, n), 1, n % c, full))
     return groups
+
+
+def _head_blocks(bh: int, n: int, c: int, max_dim: int, device: torch.device) -> list[slice]:
+    """Heads processed together: one head at a time for long N; for short N as many heads as fit
+    ``_HEAD_BLOCK_ELEMENTS`` (all their chunks in one group), but at least one block per thread."""
+    per_head = -(-n // c) * c * max(c, max_dim)
+    threads = torch.get_num_threads() if device.type == "cpu" else 1
+    size = max(1, min(_HEAD_BLOCK_ELEMENTS // per_head, -(-bh // threads)))
+    return [slice(h, min(h + size, bh)) for h in range(0, bh, size)]
+
+
+def _plan(bh: int, n: int, c: int, max_dim: int, device: torch.device) -> tuple[list[slice], list[Group], int]:
+    """(head blocks, chunk groups, padded N). Head blocks of several heads take all chunks in one
+    group, so every [heads, tokens, ...] slice is one batched ``bmm`` operand; N is then padded to
+    a multiple of C (zero keys and values, log-scale -inf: nothing reaches a real token or the state)."""
+    blocks = _head_blocks(bh, n, c, max_dim, device)
+    if len(blocks) == bh:
+        return blocks, _groups(n, c, max_dim), n
+    n_pad = -(-n // c) * c
+    return blocks, [(slice(0, n_pad), n_pad // c, c, 0)], n_pad
+
+
+def _pad_tokens(t: torch.Tensor, n_pad: int, value: float = 0.0) -> torch.Tensor:
+    """t [BH, N, ...] padded along N to n_pad with ``value`` (t itself when N == n_pad)."""
+    n = t.shape[1]
+    if n == n_pad:
+        return t
+    out = t.new_full((t.shape[0], n_pad, *t.shape[2:]), value)
+    out[:, :n] = t
+    return out
+
+
+def _bmm_into(a: torch.Tensor, b: torch.Tensor, dest: torch.Tensor) -> None:
+    """dest [nh, g, r, c] = bmm(a, b) with a, b [nh * g, ...]: straight into dest when it is one
+    head's chunks (a view), else through a temporary (a block's slice of chunk states
+    [:, j0 : j0 + g] does not flatten to a view)."""
+    if dest.shape[0] == 1:
+        torch.bmm(a, b, out=dest[0])
+    else:
+        dest.copy_(torch.bmm(a, b).view(dest.shape))
+
+
+def _group_states(kw: torch.Tensor, vg: torch.Tensor, start: torch.Tensor, decay: torch.Tensor, s_buf: torch.Tensor) -> None:
+    """A group's chunk states into s_buf [nh, >= g+1, F, Dv+1]: s_buf[:, 0] = start (the state before
+    the group), S_c = d_c S_{c-1} + U_c with U_c = sum_s kw_s v_s^T; kw, vg [nh g, C, .], decay [nh, g, 1, 1]."""
+    g = decay.shape[1]
+    s_buf[:, 0] = start
+    _bmm_into(kw.transpose(1, 2), vg, s_buf[:, 1 : g + 1])
+    for j in range(g):
+        s_buf[:, j + 1].addcmul_(s_buf[:, j], decay[:, j])
 
 
 def _decay_weights(lam: torch.Tensor, m: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -113,14 +173,9 @@ def _normalize_backward(n: torch.Tensor, grad: torch.Tensor, normalization: str,
     return d_n
 
 
-def _decay_column(decay: list[list[float]], h: int, c0: int, g: int, like: torch.Tensor) -> torch.Tensor:
-    """Per-chunk decays exp(M_{c-1} - M_c) of head h, chunks c0..c0+g-1, as a [g, 1, 1] tensor."""
-    return torch.tensor(decay[h][c0 : c0 + g], dtype=like.dtype, device=like.device).view(g, 1, 1)
-
-
-def _stabiliser(lam: torch.Tensor, m0: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor, list, list]:
+def _stabiliser(lam: torch.Tensor, m0: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list]:
     """Running max m [BH, N], chunk boundaries M [BH, L+1] (M_0 = m0), per-chunk decays
-    exp(M_{c-1} - M_c) and fast-path flags (running max rises <= _FAST_RANGE inside the chunk)."""
+    exp(M_{c-1} - M_c) [BH, L] and fast-path flags (running max rises <= _FAST_RANGE inside the chunk)."""
     n = lam.shape[-1]
     m = torch.maximum(lam.cummax(dim=-1).values, m0.unsqueeze(-1))  # [BH, N], detached by construction
     starts = torch.arange(0, n, c, device=lam.device)
@@ -129,15 +184,21 @@ def _stabiliser(lam: torch.Tensor, m0: torch.Tensor, c: int) -> tuple[torch.Tens
     # nan only for an all -inf prefix (-inf - -inf): such a state is empty, decay it to 0
     decay = torch.exp(bounds[:, :-1] - bounds[:, 1:]).nan_to_num_(0.0)
     fast = (bounds[:, 1:] - m[:, starts]) <= _FAST_RANGE
-    return m, bounds, decay.tolist(), fast.tolist()
+    return m, bounds, decay, fast.tolist()
+
+
+def _all_fast(fast: list, hb: slice, c0: int, g: int) -> bool:
+    return all(all(fast[h][c0 : c0 + g]) for h in range(hb.start, hb.stop))
 
 
 class _ChunkedLinearAttention(torch.autograd.Function):
     """(q, k [BH, N, F], lam [BH, N], v [BH, N, Dv], s0 [BH, F, Dv+1], m0 [BH], ...)
     -> (out [BH, N, Dv] in ``out_dtype``, final state [BH, F, Dv+1], final log_max [BH]).
 
-    One sweep over each head's chunk groups, in order (forward) or reverse order (backward), so
-    the state scan and the chunk work share hot data. Per group, the *fast path* factorises
+    One sweep over each head block's chunk groups, in order (forward) or reverse order
+    (backward), so the state scan and the chunk work share hot data. A block is one head (long N)
+    or several heads whose chunks all go through the same batched calls (short N, where per-call
+    overhead would dominate). Per group, the *fast path* factorises
     exp(kls_s - m_t) = exp(kls_s - M_c) * exp(M_c - m_t) (key scale <= 1, row scale <= e^20 when
     the running max rises by <= _FAST_RANGE inside the chunk): the C x C weights are then a plain
     masked matmul of pre-scaled keys. Otherwise (huge log-scale jumps) the exact C x C factor
@@ -149,96 +210,114 @@ class _ChunkedLinearAttention(torch.autograd.Function):
         bh, n, feat = q.shape
         dv = v.shape[-1]
         c = min(chunk_size, n)
-        groups = _groups(n, c, feat)
-        v_aug = torch.cat([v, v.new_ones(bh, n, 1)], dim=-1)  # [BH, N, Dv+1]: last column -> d_t, k_sum
+        blocks, groups, n_pad = _plan(bh, n, c, feat, q.device)
+        q, k, lam = _pad_tokens(q, n_pad), _pad_tokens(k, n_pad), _pad_tokens(lam, n_pad, float("-inf"))
+        v_aug = q.new_zeros(bh, n_pad, dv + 1)  # last column -> d_t, k_sum (0 on padding)
+        v_aug[:, :n, :dv] = v
+        v_aug[:, :n, dv] = 1.0
         m, bounds, decay, fast = _stabiliser(lam, m0, c)
 
-        states = q.new_empty(bh, len(decay[0]) + 1, feat, dv + 1)  # states[:, j] = S_j (after j chunks)
+        # only the state before each group (and the final one) is kept: the backward recomputes a
+        # group's chunk states from it (one bmm and the scan) instead of keeping all N / C of them
+        states = q.new_empty(bh, len(groups) + 1, feat, dv + 1)
         states[:, 0] = s0
+        most = max(g for _, g, _, _ in groups)
         # numerator columns actually needed: "rms" never reads the denominator, so its matmuls stay
         # Dv wide (64 columns run ~20% faster than 65 in MKL); the state always has the k_sum column
         nc = dv + 1 if normalization == "denominator" else dv
-        numer = q.new_empty(bh, n, nc)  # fp32 numerator (+ denominator), kept for backward
-        out = torch.empty(bh, n, dv, dtype=out_dtype, device=q.device)
+        numer = q.new_empty(bh, n_pad, nc)  # fp32 numerator (+ denominator), kept for backward
+        out = torch.empty(bh, n_pad, dv, dtype=out_dtype, device=q.device)
 
-        def forward_head(h: int) -> None:
-            s_h = states[h]
-            for sl, g, cl, c0 in groups:
-                qg, kg = q[h, sl].view(g, cl, feat), k[h, sl].view(g, cl, feat)
-                vg, lg, mg = v_aug[h, sl].view(g, cl, dv + 1), lam[h, sl].view(g, cl), m[h, sl].view(g, cl)
-                m_prev, m_end = bounds[h, c0 : c0 + g, None], bounds[h, c0 + 1 : c0 + 1 + g, None]
+        def forward_block(b: int) -> None:
+            hb = blocks[b]
+            nh = hb.stop - hb.start
+            dec_b = decay[hb].view(nh, -1, 1, 1)
+            s_buf = q.new_empty(nh, most + 1, feat, dv + 1)  # s_buf[:, j] = S_{c0 + j}
+            for gi, (sl, g, cl, c0) in enumerate(groups):
+                qg, kg = q[hb, sl].reshape(nh * g, cl, feat), k[hb, sl].reshape(nh * g, cl, feat)
+                vg = v_aug[hb, sl].reshape(nh * g, cl, dv + 1)
+                lg, mg = lam[hb, sl].reshape(nh * g, cl), m[hb, sl].reshape(nh * g, cl)
+                m_prev = bounds[hb, c0 : c0 + g].reshape(nh * g, 1)
+                m_end = bounds[hb, c0 + 1 : c0 + 1 + g].reshape(nh * g, 1)
                 mask = _future_mask(cl, q.device)
-                kw = kg * torch.exp(lg - m_end).unsqueeze(-1)  # keys scaled to the chunk's end max, [g, cl, F]
+                kw = kg * torch.exp(lg - m_end).unsqueeze(-1)  # keys scaled to the chunk's end max, [nh g, cl, F]
                 # chunk increments U_c = sum_s exp(kls_s - M_c) k_s v_s^T, then the scan S_c = d_c S_{c-1} + U_c
-                torch.bmm(kw.transpose(1, 2), vg, out=s_h[c0 + 1 : c0 + 1 + g])
-                for j in range(c0, c0 + g):
-                    s_h[j + 1].add_(s_h[j], alpha=decay[h][j])
-                ng = numer[h, sl].view(g, cl, nc)
-                torch.bmm(qg, s_h[c0 : c0 + g, :, :nc], out=ng)  # inter-chunk: q_t S_{c-1}
-                if all(fast[h][c0 : c0 + g]):
+                _group_states(kw, vg, states[hb, gi], dec_b[:, c0 : c0 + g], s_buf)
+                states[hb, gi + 1] = s_buf[:, g]
+                ng = numer[hb, sl].view(nh * g, cl, nc)
+                torch.bmm(qg, s_buf[:, :g, :, :nc].reshape(nh * g, feat, nc), out=ng)  # inter-chunk: q_t S_{c-1}
+                if _all_fast(fast, hb, c0, g):
                     # n_t = exp(M_c - m_t) [exp(M_{c-1} - M_c) q_t S_{c-1} + sum_s (q_t . kw_s) v_s]
-                    ng.mul_(_decay_column(decay, h, c0, g, q))
+                    ng.mul_(dec_b[:, c0 : c0 + g].reshape(nh * g, 1, 1))
                     ng.baddbmm_(torch.bmm(qg, kw.transpose(1, 2)).masked_fill_(mask, 0.0), vg[..., :nc])
                     ng.mul_(torch.exp(m_end - mg).unsqueeze(-1))
                 else:
                     ng.mul_(torch.exp(m_prev - mg).unsqueeze(-1))
                     ng.baddbmm_(torch.bmm(qg, kg.transpose(1, 2)).mul_(_decay_weights(lg, mg, mask)), vg[..., :nc])
                 den = ng[..., dv] if nc > dv else None
-                out[h, sl] = normalize_output(ng[..., :dv], den, normalization, eps).view(g * cl, dv)
+                out[hb, sl] = normalize_output(ng[..., :dv], den, normalization, eps).view(nh, g * cl, dv)
 
-        for_each_head(forward_head, bh, q.device)
+        for_each_head(forward_block, len(blocks), q.device)
 
         ctx.save_for_backward(q, k, lam, v_aug, s0, numer, m, bounds, states)
-        ctx.meta = (c, decay, fast, normalization, eps)
+        ctx.meta = (c, n, blocks, groups, decay, fast, normalization, eps)
         log_max = bounds[:, -1].clone()
         ctx.mark_non_differentiable(log_max)
+        out = out if n == n_pad else out[:, :n].contiguous()
         return out, states[:, -1].clone(), log_max
 
     @staticmethod
     def backward(ctx, d_out, d_final, _d_log_max):  # type: ignore[override]
         q, k, lam, v_aug, s0, numer, m, bounds, states = ctx.saved_tensors
-        c, decay, fast, normalization, eps = ctx.meta
-        bh, n, feat = q.shape
+        c, n, blocks, groups, decay, fast, normalization, eps = ctx.meta
+        bh, n_pad, feat = q.shape
         dva = v_aug.shape[-1]
         dv, nc = dva - 1, numer.shape[-1]
-        groups = _groups(n, c, feat)
+        d_out = _pad_tokens(d_out, n_pad)
+        most = max(g for _, g, _, _ in groups)
 
-        # dL/dS_j is only needed for the current group: a per-head buffer of g+1 chunk-state
+        # dL/dS_j is only needed for the current group: a per-block buffer of g+1 chunk-state
         # gradients (not a fresh [BH, L+1, F, Dv+1] tensor, whose first touch alone costs as much
         # as a matmul pass at long N); ``carry`` [BH, F, Dv+1] hands dL/dS at a group's start to
         # the group before it, seeded by the returned state's gradient and ending as dL/dS_0
         carry = d_final.clone()
-        most = max(g for _, g, _, _ in groups)
         dq, dk, d_lam = torch.empty_like(q), torch.empty_like(k), torch.empty_like(lam)
-        d_v = q.new_empty(bh, n, dv)  # the ones column of v_aug needs no gradient
+        d_v = q.new_empty(bh, n_pad, dv)  # the ones column of v_aug needs no gradient
 
-        def backward_head(h: int) -> None:
-            s_h = states[h]
-            ds_buf = q.new_empty(most + 1, feat, dva)  # ds_buf[j] = dL/dS_{c0 + j}
-            for sl, g, cl, c0 in reversed(groups):
-                qg, kg = q[h, sl].view(g, cl, feat), k[h, sl].view(g, cl, feat)
-                vg, lg, mg = v_aug[h, sl].view(g, cl, dva), lam[h, sl].view(g, cl), m[h, sl].view(g, cl)
-                m_prev, m_end = bounds[h, c0 : c0 + g, None], bounds[h, c0 + 1 : c0 + 1 + g, None]
+        def backward_block(b: int) -> None:
+            hb = blocks[b]
+            nh = hb.stop - hb.start
+            dec_b = decay[hb].view(nh, -1, 1, 1)
+            s_buf = q.new_empty(nh, most + 1, feat, dva)  # s_buf[:, j] = S_{c0 + j}, recomputed
+            ds_buf = q.new_empty(nh, most + 1, feat, dva)  # ds_buf[:, j] = dL/dS_{c0 + j}
+            for gi, (sl, g, cl, c0) in reversed(list(enumerate(groups))):
+                qg, kg = q[hb, sl].reshape(nh * g, cl, feat), k[hb, sl].reshape(nh * g, cl, feat)
+                vg = v_aug[hb, sl].reshape(nh * g, cl, dva)
+                lg, mg = lam[hb, sl].reshape(nh * g, cl), m[hb, sl].reshape(nh * g, cl)
+                m_prev = bounds[hb, c0 : c0 + g].reshape(nh * g, 1)
+                m_end = bounds[hb, c0 + 1 : c0 + 1 + g].reshape(nh * g, 1)
                 mask = _future_mask(cl, q.device)
-                dng = _normalize_backward(numer[h, sl].view(g, cl, nc), d_out[h, sl].view(g, cl, dv), normalization, eps)
+                dng = _normalize_backward(numer[hb, sl].view(nh * g, cl, nc), d_out[hb, sl].reshape(nh * g, cl, dv), normalization, eps)
                 # inter-chunk: n_t += exp(M_{c-1} - m_t) q_t S_{c-1}
-                dn_inter = dng * torch.exp(m_prev - mg).unsqueeze(-1)  # [g, cl, nc]
-                ds_g = ds_buf[:g]
-                ds_buf[g] = carry[h]
+                dn_inter = dng * torch.exp(m_prev - mg).unsqueeze(-1)  # [nh g, cl, nc]
+                ds_g = ds_buf[:, :g]
+                ds_buf[:, g] = carry[hb]
                 if nc == dva:
-                    torch.bmm(qg.transpose(1, 2), dn_inter, out=ds_g)
+                    _bmm_into(qg.transpose(1, 2), dn_inter, ds_g)
                 else:  # "rms": the output does not depend on the k_sum column
-                    ds_g[..., :nc] = torch.bmm(qg.transpose(1, 2), dn_inter)
+                    ds_g[..., :nc] = torch.bmm(qg.transpose(1, 2), dn_inter).view(nh, g, feat, nc)
                     ds_g[..., nc:] = 0.0
                 for j in range(g - 1, -1, -1):  # reverse scan: dS_j += d_j dS_{j+1}
-                    ds_buf[j].add_(ds_buf[j + 1], alpha=decay[h][c0 + j])
-                carry[h] = ds_buf[0]
-                d_u = ds_buf[1 : g + 1]  # dL/dS_c = dL/dU_c for this group's chunks
-                dqg, dkg, dvg = dq[h, sl].view(g, cl, feat), dk[h, sl].view(g, cl, feat), d_v[h, sl].view(g, cl, dv)
-                torch.bmm(dn_inter, s_h[c0 : c0 + g, :, :nc].transpose(1, 2), out=dqg)
-                key_scale = torch.exp(lg - m_end).unsqueeze(-1)  # [g, cl, 1]
+                    ds_buf[:, j].addcmul_(ds_buf[:, j + 1], dec_b[:, c0 + j])
+                carry[hb] = ds_buf[:, 0]
+                d_u = ds_buf[:, 1 : g + 1].reshape(nh * g, feat, dva)  # dL/dS_c = dL/dU_c for this group's chunks
+                dqg, dkg = dq[hb, sl].view(nh * g, cl, feat), dk[hb, sl].view(nh * g, cl, feat)
+                dvg = d_v[hb, sl].view(nh * g, cl, dv)
+                key_scale = torch.exp(lg - m_end).unsqueeze(-1)  # [nh g, cl, 1]
                 kw = kg * key_scale
-                if all(fast[h][c0 : c0 + g]):
+                _group_states(kw, vg, states[hb, gi], dec_b[:, c0 : c0 + g], s_buf)
+                torch.bmm(dn_inter, s_buf[:, :g, :, :nc].reshape(nh * g, feat, nc).transpose(1, 2), out=dqg)
+                if _all_fast(fast, hb, c0, g):
                     dn_intra = dng * torch.exp(m_end - mg).unsqueeze(-1)
                     weights = torch.bmm(qg, kw.transpose(1, 2)).masked_fill_(mask, 0.0)
                     torch.bmm(weights.transpose(1, 2), dn_intra[..., :dv], out=dvg)
@@ -256,10 +335,12 @@ class _ChunkedLinearAttention(torch.autograd.Function):
                     dkg.baddbmm_(vg * key_scale, d_u.transpose(1, 2))
                 dvg.baddbmm_(kw, d_u[..., :dv])
                 # every path of kls_s is exp(kls_s - .) k_s, hence dkls_s = k_s . dk_s
-                torch.sum(kg * dkg, dim=-1, out=d_lam[h, sl].view(g, cl))
+                torch.sum(kg * dkg, dim=-1, out=d_lam[hb, sl].view(nh * g, cl))
 
-        for_each_head(backward_head, bh, q.device)
+        for_each_head(backward_block, len(blocks), q.device)
         d_s0 = carry if ctx.needs_input_grad[4] else None
+        if n != n_pad:
+            dq, dk, d_lam, d_v = (t[:, :n].contiguous() for t in (dq, dk, d_lam, d_v))
         # m0 (the carried log_max) is part of the detached stabiliser: no gradient, like m
         return dq, dk, d_lam, d_v, d_s0, None, None, None, None, None
 

@@ -9,12 +9,12 @@ Why fused: with plain autograd the map costs about as much as the whole chunked 
 because every elementwise step (cos, sin, the pair sums, the scale, their backward) is a full
 pass over a [B, H, N, P] tensor in main memory, and autograd keeps each intermediate alive.
 Here each head's tokens go through in row blocks with ~512 KiB temporaries (in L2): per token the
-forward writes only the features (which the attention saves anyway: shared, not copied) and, for
-paired maps, the pair differences; the backward reads them and the incoming gradient and writes
-dx. cos/sin (~10x a multiply each) are computed once: features = s [cos ; sin] already hold them
-for unpaired maps, and for paired ones sums +- differences recover cos p1, cos p2, sin p1,
-sin p2, so the backward has no transcendental and saves no more than the projection would cost.
-Heads run on the shared head thread pool, like the chunked form.
+forward writes only the features (which the attention saves anyway: shared, not copied). The
+backward of unpaired maps reads s [cos ; sin] back from the features; paired maps (whose features
+are pair sums) recompute the projection and its cos/sin per block (one matmul and the fast
+NumPy cos/sin) rather than keep another [B, H, N, P] tensor alive for the backward.
+Heads run on the shared head thread pool, like the chunked form; for short sequences whole batch
+entries (all their heads) go through each call together, since per-call overhead would dominate.
 
 Backward (g = dL/dfeatures, split into gC, gS [.., D]; s = the feature scale):
 
@@ -36,6 +36,8 @@ from ._common import fp32_region
 
 # elements of one block temporary ([rows, P] fp32): 512 KiB, so a block's few temporaries fit in L2
 _BLOCK_ELEMENTS = 1 << 17
+# elements of a short-N item's [rows, tokens, P] temporaries (whole batch entries per call)
+_SHORT_ELEMENTS = 1 << 19
 # batch x tokens at or below which inference calls take the plain path (one decode step per sequence)
 _DECODE_ROWS = 16
 
@@ -43,6 +45,29 @@ _DECODE_ROWS = 16
 def _row_blocks(n: int, width: int) -> list[slice]:
     rows = max(64, _BLOCK_ELEMENTS // width)
     return [slice(r, min(r + rows, n)) for r in range(0, n, rows)]
+
+
+def _work_plan(batch: int, heads: int, n: int, p: int, device: torch.device) -> tuple[list[slice], list[slice]]:
+    """(items, row blocks): an item is a range of flattened (batch, head) rows taken by one call.
+
+    Long N: one head per item, its tokens in cache-sized row blocks. Short N (a whole batch
+    entry's heads fit ``_SHORT_ELEMENTS``): items of whole batch entries, all tokens at once, so
+    per-call overhead is paid per item rather than per head (but at least one item per thread).
+    """
+    per_entry = heads * n * p
+    if per_entry > _SHORT_ELEMENTS:
+        return [slice(i, i + 1) for i in range(batch * heads)], _row_blocks(n, p)
+    threads = torch.get_num_threads() if device.type == "cpu" else 1
+    entries = max(1, min(_SHORT_ELEMENTS // per_entry, -(-batch // threads)))
+    return [slice(b * heads, min(b + entries, batch) * heads) for b in range(0, batch, entries)], [slice(0, n)]
+
+
+def _per_item(t: torch.Tensor, item: slice, heads: int) -> torch.Tensor:
+    """A per-head tensor t [H, ...] for an item's rows (b, h): t[h] for one head, else tiled per entry."""
+    if item.stop - item.start == 1:
+        h = item.start % heads
+        return t[h : h + 1]
+    return t.repeat((item.stop - item.start) // heads, *([1] * (t.dim() - 1)))
 
 
 def _feature_scale(proj_rows: int, paired: bool) -> float:
@@ -80,37 +105,33 @@ class _TrigFeatureMap(torch.autograd.Function):
         w = omega.to(acc).contiguous()
         inv_t = inv_temperature.to(acc)
         features = x32.new_empty(bh, n, 2 * half)  # fp32 [s cos ; s sin] (pair sums when paired)
-        # paired: the pair differences s [cos p1 - cos p2 ; sin p1 - sin p2] [BH, N, 2D = P]; with the
-        # sums they give every cos/sin back, so the backward needs no transcendental at all
-        diffs = x32.new_empty(bh, n, p) if paired else None
         log_scale = x32.new_empty(bh, n)
-        blocks = _row_blocks(n, p)
+        items, blocks = _work_plan(batch, heads, n, p, x.device)
 
-        def head(i: int) -> None:
-            h = i % heads
-            proj, cos, sin = (x32.new_empty(blocks[0].stop - blocks[0].start, p) for _ in range(3))
+        def item_rows(j: int) -> None:
+            it = items[j]
+            w_t, inv_i = _per_item(w, it, heads).transpose(1, 2), _per_item(inv_t, it, heads).unsqueeze(-1)
+            rows0, size = blocks[0].stop - blocks[0].start, it.stop - it.start
+            proj, cos, sin = (x32.new_empty(size, rows0, p) for _ in range(3))
             for rows in blocks:
                 r = rows.stop - rows.start
-                xb, fb, pb, cb, sb = x32[i, rows], features[i, rows], proj[:r], cos[:r], sin[:r]
-                torch.mm(xb, w[h].t(), out=pb)  # [R, P]
+                xb, fb, pb, cb, sb = x32[it, rows], features[it, rows], proj[:, :r], cos[:, :r], sin[:, :r]
+                torch.bmm(xb, w_t, out=pb)  # [items, R, P]
                 _cos_sin(pb, cb, sb)
                 if paired:
-                    c1, c2, s1, s2 = cb[:, :half], cb[:, half:], sb[:, :half], sb[:, half:]
-                    torch.add(c1, c2, out=fb[:, :half])
-                    torch.add(s1, s2, out=fb[:, half:])
-                    db = diffs[i, rows]
-                    torch.sub(c1, c2, out=db[:, :half])
-                    torch.sub(s1, s2, out=db[:, half:])
-                    db.mul_(scale)
+                    torch.add(cb[..., :half], cb[..., half:], out=fb[..., :half])
+                    torch.add(sb[..., :half], sb[..., half:], out=fb[..., half:])
                 else:
-                    fb[:, :half] = cb
-                    fb[:, half:] = sb
+                    fb[..., :half] = cb
+                    fb[..., half:] = sb
                 fb.mul_(scale)
-                torch.mul((xb * xb).sum(dim=-1), inv_t[h], out=log_scale[i, rows])
+                torch.mul((xb * xb).sum(dim=-1), inv_i, out=log_scale[it, rows])
 
         with fp32_region(x):
-            for_each_head(head, bh, x.device)
-        ctx.save_for_backward(x32, w, inv_t, features, diffs)
+            for_each_head(item_rows, len(items), x.device)
+        # unpaired features are s [cos ; sin]: all the backward needs. Paired ones are pair sums, so
+        # the backward recomputes the projection's cos/sin instead of keeping [BH, N, P] more
+        ctx.save_for_backward(x32, w, inv_t, None if paired else features)
         ctx.meta = (x.shape, x.dtype, omega.dtype, inv_temperature.dtype, paired)
         ctx.set_materialize_grads(False)  # the query's log_scale is unused: its gradient stays None
         out = features.view(batch, heads, n, 2 * half)
@@ -118,53 +139,55 @@ class _TrigFeatureMap(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_features, d_log_scale):  # type: ignore[override]
-        x32, w, inv_t, features, diffs = ctx.saved_tensors
+        x32, w, inv_t, features = ctx.saved_tensors
         (batch, heads, n, d), x_dtype, omega_dtype, inv_dtype, paired = ctx.meta
         need_x, need_omega, need_inv = ctx.needs_input_grad[:3]
         bh, p = batch * heads, w.shape[1]
         half = p // 2 if paired else p
+        scale = _feature_scale(p, paired)
         acc = x32.dtype
         dx = x32.new_zeros(bh, n, d) if need_x else None
         d_omega = x32.new_zeros(bh, p, d) if need_omega and d_features is not None else None
         d_inv = x32.new_zeros(bh) if need_inv and d_log_scale is not None else None
         g_all = None if d_features is None else d_features.reshape(bh, n, 2 * half)
         ls_all = None if d_log_scale is None else d_log_scale.reshape(bh, n).to(acc)
-        blocks = _row_blocks(n, p)
+        items, blocks = _work_plan(batch, heads, n, p, x32.device)
 
-        def head(i: int) -> None:
-            h = i % heads
-            d_proj_buf = x32.new_empty(blocks[0].stop - blocks[0].start, p) if paired else None
+        def item_rows(j: int) -> None:
+            it = items[j]
+            w_i, inv_i = _per_item(w, it, heads), _per_item(inv_t, it, heads).unsqueeze(-1)
+            rows0, size = blocks[0].stop - blocks[0].start, it.stop - it.start
+            cos, sin, d_proj_buf = (x32.new_empty(size, rows0, p) for _ in range(3)) if paired else (None, None, None)
             for rows in blocks:
-                xb = x32[i, rows]
+                xb = x32[it, rows]
+                r = xb.shape[1]
                 if g_all is not None and (dx is not None or d_omega is not None):
-                    # paired: s cos p1 = (sum + diff) / 2, s cos p2 = (sum - diff) / 2 (same for sin);
-                    # the 1/2 is folded into g
-                    g = g_all[i, rows].to(acc) * 0.5 if paired else g_all[i, rows].to(acc)  # [R, 2D]
-                    g_cos, g_sin = g[:, :half], g[:, half:]
-                    fb = features[i, rows]  # s cos | s sin (pair sums when paired)
-                    # dproj = s cos(proj) g_sin - s sin(proj) g_cos
-                    d_sum = (fb[:, :half] * g_sin).addcmul_(fb[:, half:], g_cos, value=-1.0)
+                    g = g_all[it, rows].to(acc)  # [items, R, 2D]
+                    g_cos, g_sin = g[..., :half], g[..., half:]
                     if paired:
-                        db = diffs[i, rows]
-                        d_diff = (db[:, :half] * g_sin).addcmul_(db[:, half:], g_cos, value=-1.0)
-                        d_proj = d_proj_buf[: xb.shape[0]]  # [R, P]
-                        torch.add(d_sum, d_diff, out=d_proj[:, :half])
-                        torch.sub(d_sum, d_diff, out=d_proj[:, half:])
+                        # each half j: dproj_j = s (cos p_j g_sin - sin p_j g_cos), p_j recomputed
+                        cb, sb, d_proj = cos[:, :r], sin[:, :r], d_proj_buf[:, :r]
+                        torch.bmm(xb, w_i.transpose(1, 2), out=d_proj)
+                        _cos_sin(d_proj, cb, sb)
+                        pairs = (size, r, 2, half)  # [items, R, (p1, p2), D]
+                        torch.mul(cb.view(pairs), g_sin.unsqueeze(-2), out=d_proj.view(pairs))
+                        d_proj.view(pairs).addcmul_(sb.view(pairs), g_cos.unsqueeze(-2), value=-1.0).mul_(scale)
                     else:
-                        d_proj = d_sum
+                        fb = features[it, rows]  # s cos | s sin
+                        d_proj = (fb[..., :half] * g_sin).addcmul_(fb[..., half:], g_cos, value=-1.0)
                     if dx is not None:
-                        torch.mm(d_proj, w[h], out=dx[i, rows])
+                        torch.bmm(d_proj, w_i, out=dx[it, rows])
                     if d_omega is not None:
-                        d_omega[i].addmm_(d_proj.t(), xb)
+                        d_omega[it].baddbmm_(d_proj.transpose(1, 2), xb)
                 if ls_all is not None:
-                    lsb = ls_all[i, rows]
+                    lsb = ls_all[it, rows]
                     if dx is not None:
-                        dx[i, rows].addcmul_(xb, (lsb * (2 * inv_t[h])).unsqueeze(-1))
+                        dx[it, rows].addcmul_(xb, (lsb * (2 * inv_i)).unsqueeze(-1))
                     if d_inv is not None:
-                        d_inv[i] += torch.dot(lsb, (xb * xb).sum(dim=-1))
+                        d_inv[it] += (lsb * (xb * xb).sum(dim=-1)).sum(dim=-1)
 
         with fp32_region(x32):
-            for_each_head(head, bh, x32.device)
+            for_each_head(item_rows, len(items), x32.device)
         d_x = None if dx is None else dx.view(batch, heads, n, d).to(x_dtype)
         if d_omega is not None:
             d_omega = d_omega.view(batch, heads, p, d).sum(dim=0).to(omega_dtype)
