@@ -1,11 +1,16 @@
-"""Shared test fixtures: locating the real-text data set."""
+"""Shared test set-up: the Triton interpreter switch and locating the real-text data set."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-import pytest
+# Triton reads TRITON_INTERPRET when it is first imported, and other test modules import it
+# indirectly (torch, DeepSpeed) before the Triton tests are collected: set it before anything, so
+# the kernels run under the interpreter on this GPU-less machine whatever the test order.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
