@@ -32,7 +32,7 @@ def bench_cell(config: str, zero: int, precision: str, world: int, steps: int, s
         cfg_path = Path(tmp) / "bench.yaml"
         cfg_path.write_text((REPO / config).read_text())
         overrides = [
-            "data.source=synthetic", f"data.seq_len={seq_len}", f"train.micro_batch_size={micro}",
+            "data.source=synthetic", "data.tokenizer=null", f"data.seq_len={seq_len}", f"train.micro_batch_size={micro}",
             f"train.global_batch_size={micro * world}", f"train.train_iters={steps}", "schedule.warmup_iters=0",
             f"parallel.zero_stage={zero}", f"train.precision={precision}", "train.eval_interval=0",
             "checkpoint.save_interval=0", "checkpoint.save_at_end=false", "checkpoint.resume=none",

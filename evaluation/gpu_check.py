@@ -276,7 +276,8 @@ def _trainer(config: str, overrides: list[str], run_dir: Path, device: str, time
 
 def _run_overrides(seq_len: int, micro: int, steps: int, precision: str) -> list[str]:
     return [
-        "data.source=synthetic", f"data.seq_len={seq_len}", f"model.max_seq_len={seq_len}", f"train.micro_batch_size={micro}",
+        "data.source=synthetic", "data.tokenizer=null", f"data.seq_len={seq_len}", f"model.max_seq_len={seq_len}",
+        f"train.micro_batch_size={micro}",
         f"train.global_batch_size={micro}", f"train.train_iters={steps}", "schedule.warmup_iters=0", f"train.precision={precision}",
         "train.eval_interval=0", "checkpoint.save_interval=0", "checkpoint.save_at_end=false", "checkpoint.resume=none",
         "logging.tensorboard=false", "logging.kernel_stats_interval=0", "logging.log_interval=1",
