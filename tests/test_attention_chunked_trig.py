@@ -16,13 +16,12 @@ HEAD_DIM, VALUE_DIM = 8, 5
 
 
 def _inputs(batch: int, heads: int, n: int, p: int, temp_scale: float, seed: int) -> list[torch.Tensor]:
-    """q, k, v, omega, inv_temperature, initial kv, k_sum (small projections: the denominator stays away from 0)."""
+    """q, k, v, omega [H, P, d], inv_temperature (small projections: the denominator stays away from 0)."""
     g = torch.Generator().manual_seed(seed)
-    feat = p  # callers pass P = F for paired maps, P = F / 2 unpaired; the state uses F below
     q = torch.randn(batch, heads, n, HEAD_DIM, generator=g) * 0.4
     k = torch.randn(batch, heads, n, HEAD_DIM, generator=g) * 0.4
     v = torch.randn(batch, heads, n, VALUE_DIM, generator=g)
-    omega = torch.randn(heads, feat, HEAD_DIM, generator=g) * 0.5
+    omega = torch.randn(heads, p, HEAD_DIM, generator=g) * 0.5
     inv_t = (torch.rand(heads, generator=g) + 0.5) * temp_scale
     return [q, k, v, omega, inv_t]
 

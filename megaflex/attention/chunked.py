@@ -48,6 +48,8 @@ Performance design (CPU; the optional fused GPU backend is ``chunked_cuda.py``):
   stabiliser, is a constant for autograd (as in the quadratic and recurrent forms).
 * Backward keeps only a per-head buffer of one group's states and state
   gradients (dL/dS at a group boundary is carried to the previous group).
+* One group's work is ``group_forward`` / ``group_backward``, shared with ``chunked_trig.py``,
+  which feeds them trig features computed per group on the fly (nothing [B, H, N, F] is saved).
 * PyTorch's CPU allocator does not cache: with glibc defaults every > 32 MiB tensor is a fresh
   mmap that page-faults again each step. Set ``MALLOC_MMAP_MAX_=0`` and a large
   ``MALLOC_TRIM_THRESHOLD_`` (or use jemalloc/tcmalloc) for long sequences: ~2x at 16k tokens;
