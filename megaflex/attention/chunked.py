@@ -48,6 +48,8 @@ Performance design (CPU; the optional fused GPU backend is ``chunked_cuda.py``):
   stabiliser, is a constant for autograd (as in the quadratic and recurrent forms).
 * Backward keeps only a per-head buffer of one group's states and state
   gradients (dL/dS at a group boundary is carried to the previous group).
+* One group's work is ``group_forward`` / ``group_backward``, shared with ``chunked_trig.py``,
+  which feeds them trig features computed per group on the fly (nothing [B, H, N, F] is saved).
 * PyTorch's CPU allocator does not cache: with glibc defaults every > 32 MiB tensor is a fresh
   mmap that page-faults again each step. Set ``MALLOC_MMAP_MAX_=0`` and a large
   ``MALLOC_TRIM_THRESHOLD_`` (or use jemalloc/tcmalloc) for long sequences: ~2x at 16k tokens;
@@ -191,6 +193,88 @@ def _all_fast(fast: list, hb: slice, c0: int, g: int) -> bool:
     return all(all(fast[h][c0 : c0 + g]) for h in range(hb.start, hb.stop))
 
 
+def group_forward(
+    qg: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, lg: torch.Tensor, mg: torch.Tensor, bounds: torch.Tensor,
+    start: torch.Tensor, dec: torch.Tensor, fast: bool, s_buf: torch.Tensor, ng: torch.Tensor,
+) -> None:  # fmt: skip
+    """One chunk group of the forward (see ``_ChunkedLinearAttention``): its chunk states into s_buf
+    [nh, >= g+1, F, Dv+1] (s_buf[:, 0] = start) and its fp32 numerators into ng [nh g, cl, nc].
+
+    qg, kg [nh g, cl, F], vg [nh g, cl, Dv+1] (ones column last), lg, mg [nh g, cl] key log-scales
+    and running max, bounds [nh, g+1] the chunk-boundary maxima M_{c0 .. c0+g}, dec [nh, g, 1, 1]
+    the chunk decays; ``fast``: every chunk of the group may take the factorised path.
+    """
+    nh, g = dec.shape[:2]
+    cl, feat, nc = qg.shape[1], qg.shape[2], ng.shape[-1]
+    m_prev, m_end = bounds[:, :g].reshape(nh * g, 1), bounds[:, 1:].reshape(nh * g, 1)
+    mask = _future_mask(cl, qg.device)
+    kw = kg * torch.exp(lg - m_end).unsqueeze(-1)  # keys scaled to the chunk's end max, [nh g, cl, F]
+    # chunk increments U_c = sum_s exp(kls_s - M_c) k_s v_s^T, then the scan S_c = d_c S_{c-1} + U_c
+    _group_states(kw, vg, start, dec, s_buf)
+    torch.bmm(qg, s_buf[:, :g, :, :nc].reshape(nh * g, feat, nc), out=ng)  # inter-chunk: q_t S_{c-1}
+    if fast:
+        # n_t = exp(M_c - m_t) [exp(M_{c-1} - M_c) q_t S_{c-1} + sum_s (q_t . kw_s) v_s]
+        ng.mul_(dec.reshape(nh * g, 1, 1))
+        ng.baddbmm_(torch.bmm(qg, kw.transpose(1, 2)).masked_fill_(mask, 0.0), vg[..., :nc])
+        ng.mul_(torch.exp(m_end - mg).unsqueeze(-1))
+    else:
+        ng.mul_(torch.exp(m_prev - mg).unsqueeze(-1))
+        ng.baddbmm_(torch.bmm(qg, kg.transpose(1, 2)).mul_(_decay_weights(lg, mg, mask)), vg[..., :nc])
+
+
+def group_backward(
+    qg: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, lg: torch.Tensor, mg: torch.Tensor, bounds: torch.Tensor,
+    start: torch.Tensor, dec: torch.Tensor, fast: bool, dng: torch.Tensor, carry: torch.Tensor,
+    s_buf: torch.Tensor, ds_buf: torch.Tensor,
+    dqg: torch.Tensor, dkg: torch.Tensor, dvg: torch.Tensor, d_lam_g: torch.Tensor,
+) -> None:  # fmt: skip
+    """One chunk group of the backward, inputs as in ``group_forward``; dng [nh g, cl, nc] the
+    numerator gradients. Writes dqg, dkg [nh g, cl, F], dvg [nh g, cl, Dv], d_lam_g [nh g, cl];
+    ``carry`` [nh, F, Dv+1] is dL/dS at the group's end on entry and at its start on return.
+    s_buf, ds_buf [nh, >= g+1, F, Dv+1] are scratch (recomputed states and their gradients)."""
+    nh, g = dec.shape[:2]
+    cl, feat, nc, dva = qg.shape[1], qg.shape[2], dng.shape[-1], vg.shape[-1]
+    dv = dva - 1
+    m_prev, m_end = bounds[:, :g].reshape(nh * g, 1), bounds[:, 1:].reshape(nh * g, 1)
+    mask = _future_mask(cl, qg.device)
+    # inter-chunk: n_t += exp(M_{c-1} - m_t) q_t S_{c-1}
+    dn_inter = dng * torch.exp(m_prev - mg).unsqueeze(-1)  # [nh g, cl, nc]
+    ds_g = ds_buf[:, :g]
+    ds_buf[:, g] = carry
+    if nc == dva:
+        _bmm_into(qg.transpose(1, 2), dn_inter, ds_g)
+    else:  # "rms": the output does not depend on the k_sum column
+        ds_g[..., :nc] = torch.bmm(qg.transpose(1, 2), dn_inter).view(nh, g, feat, nc)
+        ds_g[..., nc:] = 0.0
+    for j in range(g - 1, -1, -1):  # reverse scan: dS_j += d_j dS_{j+1}
+        ds_buf[:, j].addcmul_(ds_buf[:, j + 1], dec[:, j])
+    carry.copy_(ds_buf[:, 0])
+    d_u = ds_buf[:, 1 : g + 1].reshape(nh * g, feat, dva)  # dL/dS_c = dL/dU_c for this group's chunks
+    key_scale = torch.exp(lg - m_end).unsqueeze(-1)  # [nh g, cl, 1]
+    kw = kg * key_scale
+    _group_states(kw, vg, start, dec, s_buf)
+    torch.bmm(dn_inter, s_buf[:, :g, :, :nc].reshape(nh * g, feat, nc).transpose(1, 2), out=dqg)
+    if fast:
+        dn_intra = dng * torch.exp(m_end - mg).unsqueeze(-1)
+        weights = torch.bmm(qg, kw.transpose(1, 2)).masked_fill_(mask, 0.0)
+        torch.bmm(weights.transpose(1, 2), dn_intra[..., :dv], out=dvg)
+        d_w = torch.bmm(dn_intra, vg[..., :nc].transpose(1, 2)).masked_fill_(mask, 0.0)
+        dqg.baddbmm_(d_w, kw)
+        torch.bmm(d_w.transpose(1, 2), qg, out=dkg)  # d(kw), scaled to dk below
+        dkg.baddbmm_(vg, d_u.transpose(1, 2)).mul_(key_scale)
+    else:
+        e = _decay_weights(lg, mg, mask)
+        weights = torch.bmm(qg, kg.transpose(1, 2)).mul_(e)
+        torch.bmm(weights.transpose(1, 2), dng[..., :dv], out=dvg)
+        d_w = torch.bmm(dng, vg[..., :nc].transpose(1, 2)).mul_(e)
+        dqg.baddbmm_(d_w, kg)
+        torch.bmm(d_w.transpose(1, 2), qg, out=dkg)
+        dkg.baddbmm_(vg * key_scale, d_u.transpose(1, 2))
+    dvg.baddbmm_(kw, d_u[..., :dv])
+    # every path of kls_s is exp(kls_s - .) k_s, hence dkls_s = k_s . dk_s
+    torch.sum(kg * dkg, dim=-1, out=d_lam_g)
+
+
 class _ChunkedLinearAttention(torch.autograd.Function):
     """(q, k [BH, N, F], lam [BH, N], v [BH, N, Dv], s0 [BH, F, Dv+1], m0 [BH], ...)
     -> (out [BH, N, Dv] in ``out_dtype``, final state [BH, F, Dv+1], final log_max [BH]).
@@ -234,26 +318,13 @@ class _ChunkedLinearAttention(torch.autograd.Function):
             dec_b = decay[hb].view(nh, -1, 1, 1)
             s_buf = q.new_empty(nh, most + 1, feat, dv + 1)  # s_buf[:, j] = S_{c0 + j}
             for gi, (sl, g, cl, c0) in enumerate(groups):
-                qg, kg = q[hb, sl].reshape(nh * g, cl, feat), k[hb, sl].reshape(nh * g, cl, feat)
-                vg = v_aug[hb, sl].reshape(nh * g, cl, dv + 1)
-                lg, mg = lam[hb, sl].reshape(nh * g, cl), m[hb, sl].reshape(nh * g, cl)
-                m_prev = bounds[hb, c0 : c0 + g].reshape(nh * g, 1)
-                m_end = bounds[hb, c0 + 1 : c0 + 1 + g].reshape(nh * g, 1)
-                mask = _future_mask(cl, q.device)
-                kw = kg * torch.exp(lg - m_end).unsqueeze(-1)  # keys scaled to the chunk's end max, [nh g, cl, F]
-                # chunk increments U_c = sum_s exp(kls_s - M_c) k_s v_s^T, then the scan S_c = d_c S_{c-1} + U_c
-                _group_states(kw, vg, states[hb, gi], dec_b[:, c0 : c0 + g], s_buf)
-                states[hb, gi + 1] = s_buf[:, g]
                 ng = numer[hb, sl].view(nh * g, cl, nc)
-                torch.bmm(qg, s_buf[:, :g, :, :nc].reshape(nh * g, feat, nc), out=ng)  # inter-chunk: q_t S_{c-1}
-                if _all_fast(fast, hb, c0, g):
-                    # n_t = exp(M_c - m_t) [exp(M_{c-1} - M_c) q_t S_{c-1} + sum_s (q_t . kw_s) v_s]
-                    ng.mul_(dec_b[:, c0 : c0 + g].reshape(nh * g, 1, 1))
-                    ng.baddbmm_(torch.bmm(qg, kw.transpose(1, 2)).masked_fill_(mask, 0.0), vg[..., :nc])
-                    ng.mul_(torch.exp(m_end - mg).unsqueeze(-1))
-                else:
-                    ng.mul_(torch.exp(m_prev - mg).unsqueeze(-1))
-                    ng.baddbmm_(torch.bmm(qg, kg.transpose(1, 2)).mul_(_decay_weights(lg, mg, mask)), vg[..., :nc])
+                group_forward(
+                    q[hb, sl].reshape(nh * g, cl, feat), k[hb, sl].reshape(nh * g, cl, feat), v_aug[hb, sl].reshape(nh * g, cl, dv + 1),
+                    lam[hb, sl].reshape(nh * g, cl), m[hb, sl].reshape(nh * g, cl), bounds[hb, c0 : c0 + g + 1],
+                    states[hb, gi], dec_b[:, c0 : c0 + g], _all_fast(fast, hb, c0, g), s_buf, ng,
+                )  # fmt: skip
+                states[hb, gi + 1] = s_buf[:, g]
                 den = ng[..., dv] if nc > dv else None
                 out[hb, sl] = normalize_output(ng[..., :dv], den, normalization, eps).view(nh, g * cl, dv)
 
@@ -291,51 +362,14 @@ class _ChunkedLinearAttention(torch.autograd.Function):
             s_buf = q.new_empty(nh, most + 1, feat, dva)  # s_buf[:, j] = S_{c0 + j}, recomputed
             ds_buf = q.new_empty(nh, most + 1, feat, dva)  # ds_buf[:, j] = dL/dS_{c0 + j}
             for gi, (sl, g, cl, c0) in reversed(list(enumerate(groups))):
-                qg, kg = q[hb, sl].reshape(nh * g, cl, feat), k[hb, sl].reshape(nh * g, cl, feat)
-                vg = v_aug[hb, sl].reshape(nh * g, cl, dva)
-                lg, mg = lam[hb, sl].reshape(nh * g, cl), m[hb, sl].reshape(nh * g, cl)
-                m_prev = bounds[hb, c0 : c0 + g].reshape(nh * g, 1)
-                m_end = bounds[hb, c0 + 1 : c0 + 1 + g].reshape(nh * g, 1)
-                mask = _future_mask(cl, q.device)
                 dng = _normalize_backward(numer[hb, sl].view(nh * g, cl, nc), d_out[hb, sl].reshape(nh * g, cl, dv), normalization, eps)
-                # inter-chunk: n_t += exp(M_{c-1} - m_t) q_t S_{c-1}
-                dn_inter = dng * torch.exp(m_prev - mg).unsqueeze(-1)  # [nh g, cl, nc]
-                ds_g = ds_buf[:, :g]
-                ds_buf[:, g] = carry[hb]
-                if nc == dva:
-                    _bmm_into(qg.transpose(1, 2), dn_inter, ds_g)
-                else:  # "rms": the output does not depend on the k_sum column
-                    ds_g[..., :nc] = torch.bmm(qg.transpose(1, 2), dn_inter).view(nh, g, feat, nc)
-                    ds_g[..., nc:] = 0.0
-                for j in range(g - 1, -1, -1):  # reverse scan: dS_j += d_j dS_{j+1}
-                    ds_buf[:, j].addcmul_(ds_buf[:, j + 1], dec_b[:, c0 + j])
-                carry[hb] = ds_buf[:, 0]
-                d_u = ds_buf[:, 1 : g + 1].reshape(nh * g, feat, dva)  # dL/dS_c = dL/dU_c for this group's chunks
-                dqg, dkg = dq[hb, sl].view(nh * g, cl, feat), dk[hb, sl].view(nh * g, cl, feat)
-                dvg = d_v[hb, sl].view(nh * g, cl, dv)
-                key_scale = torch.exp(lg - m_end).unsqueeze(-1)  # [nh g, cl, 1]
-                kw = kg * key_scale
-                _group_states(kw, vg, states[hb, gi], dec_b[:, c0 : c0 + g], s_buf)
-                torch.bmm(dn_inter, s_buf[:, :g, :, :nc].reshape(nh * g, feat, nc).transpose(1, 2), out=dqg)
-                if _all_fast(fast, hb, c0, g):
-                    dn_intra = dng * torch.exp(m_end - mg).unsqueeze(-1)
-                    weights = torch.bmm(qg, kw.transpose(1, 2)).masked_fill_(mask, 0.0)
-                    torch.bmm(weights.transpose(1, 2), dn_intra[..., :dv], out=dvg)
-                    d_w = torch.bmm(dn_intra, vg[..., :nc].transpose(1, 2)).masked_fill_(mask, 0.0)
-                    dqg.baddbmm_(d_w, kw)
-                    torch.bmm(d_w.transpose(1, 2), qg, out=dkg)  # d(kw), scaled to dk below
-                    dkg.baddbmm_(vg, d_u.transpose(1, 2)).mul_(key_scale)
-                else:
-                    e = _decay_weights(lg, mg, mask)
-                    weights = torch.bmm(qg, kg.transpose(1, 2)).mul_(e)
-                    torch.bmm(weights.transpose(1, 2), dng[..., :dv], out=dvg)
-                    d_w = torch.bmm(dng, vg[..., :nc].transpose(1, 2)).mul_(e)
-                    dqg.baddbmm_(d_w, kg)
-                    torch.bmm(d_w.transpose(1, 2), qg, out=dkg)
-                    dkg.baddbmm_(vg * key_scale, d_u.transpose(1, 2))
-                dvg.baddbmm_(kw, d_u[..., :dv])
-                # every path of kls_s is exp(kls_s - .) k_s, hence dkls_s = k_s . dk_s
-                torch.sum(kg * dkg, dim=-1, out=d_lam[hb, sl].view(nh * g, cl))
+                group_backward(
+                    q[hb, sl].reshape(nh * g, cl, feat), k[hb, sl].reshape(nh * g, cl, feat), v_aug[hb, sl].reshape(nh * g, cl, dva),
+                    lam[hb, sl].reshape(nh * g, cl), m[hb, sl].reshape(nh * g, cl), bounds[hb, c0 : c0 + g + 1],
+                    states[hb, gi], dec_b[:, c0 : c0 + g], _all_fast(fast, hb, c0, g), dng, carry[hb], s_buf, ds_buf,
+                    dq[hb, sl].view(nh * g, cl, feat), dk[hb, sl].view(nh * g, cl, feat), d_v[hb, sl].view(nh * g, cl, dv),
+                    d_lam[hb, sl].view(nh * g, cl),
+                )  # fmt: skip
 
         for_each_head(backward_block, len(blocks), q.device)
         d_s0 = carry if ctx.needs_input_grad[4] else None

@@ -141,6 +141,8 @@ class AttentionCore(nn.Module):
     evaluation and prefill alike (decoding keeps the recurrent form): with Triton, trig maps
     (``feature_map.trig_spec()``) go through ``trig_linear_attention``, which keeps no features
     alive for backward; other maps compute their features in torch, then run the same kernels.
+    With the torch backend on CPU, trig maps go through ``chunked_trig.trig_linear_attention_chunked``
+    (the same fusion: long sequences keep no features alive; short ones use the plain path).
     """
 
     def __init__(
@@ -213,6 +215,17 @@ class AttentionCore(nn.Module):
         if form == "chunked" and uses_triton(self.backend, q.is_cuda):
             out, new_state = self._triton_chunked(q, k, v, state, offset)
             return out, (new_state if return_state else None)
+        spec = self._trig_spec()
+        if form == "chunked" and spec is not None and q.device.type == "cpu":
+            # CPU: the trig map fused into the chunked form, no [B, H, N, F] features kept for backward
+            from .chunked_trig import trig_linear_attention_chunked
+
+            omega, inv_temperature, paired = spec
+            out, new_state = trig_linear_attention_chunked(
+                q, k, v, omega, inv_temperature, paired=paired, normalization=self.normalization,
+                chunk_size=self.chunk_size, initial_state=state, eps=self.eps,
+            )  # fmt: skip
+            return out, (new_state if return_state else None)
         q_map = self.feature_map(q, offset)
         k_map = self.feature_map(k, offset)
         out, new_state = causal_linear_attention(
@@ -229,6 +242,11 @@ class AttentionCore(nn.Module):
         )
         return out, (new_state if return_state else None)
 
+    def _trig_spec(self) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
+        """(omega, inv_temperature, paired) when the feature map is a trig map, else None."""
+        trig_spec = getattr(self.feature_map, "trig_spec", None)
+        return trig_spec() if trig_spec is not None else None
+
     def _triton_chunked(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: LinearAttentionState | None, offset: int
     ) -> tuple[torch.Tensor, LinearAttentionState]:
@@ -236,8 +254,7 @@ class AttentionCore(nn.Module):
         from .triton import trig_linear_attention, triton_linear_attention
 
         options = dict(normalization=self.normalization, chunk_size=self.chunk_size, initial_state=state, eps=self.eps)
-        trig_spec = getattr(self.feature_map, "trig_spec", None)
-        spec = trig_spec() if trig_spec is not None else None
+        spec = self._trig_spec()
         if spec is not None:
             omega, inv_temperature, paired = spec
             return trig_linear_attention(q, k, v, omega, inv_temperature, paired=paired, **options)

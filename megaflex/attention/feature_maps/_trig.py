@@ -90,6 +90,34 @@ def _cos_sin(src: torch.Tensor, cos_out: torch.Tensor, sin_out: torch.Tensor) ->
         torch.sin(src, out=sin_out)
 
 
+def trig_rows(
+    xb: torch.Tensor, w_t: torch.Tensor, paired: bool, proj: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, features: torch.Tensor
+) -> None:
+    """The map of a row block into ``features`` [n, R, 2D]: xb [n, R, d], w_t = omega^T [n, d, P];
+    proj, cos, sin [n, R, P] are scratch, left holding the projection and its cos and sin."""
+    p = proj.shape[-1]
+    half = p // 2 if paired else p
+    torch.bmm(xb, w_t, out=proj)
+    _cos_sin(proj, cos, sin)
+    if paired:
+        torch.add(cos[..., :half], cos[..., half:], out=features[..., :half])
+        torch.add(sin[..., :half], sin[..., half:], out=features[..., half:])
+    else:
+        features[..., :half] = cos
+        features[..., half:] = sin
+    features.mul_(_feature_scale(p, paired))
+
+
+def trig_d_proj(cos: torch.Tensor, sin: torch.Tensor, g: torch.Tensor, paired: bool, out: torch.Tensor) -> torch.Tensor:
+    """dL/dproj into ``out`` [n, R, P] from g = dL/dfeatures [n, R, 2D] and the projection's cos,
+    sin [n, R, P]: each half j, dproj_j = s (cos p_j g_sin - sin p_j g_cos)."""
+    half = g.shape[-1] // 2
+    pairs = (*cos.shape[:-1], 2 if paired else 1, half)  # [n, R, (p1, p2), D]
+    torch.mul(cos.view(pairs), g[..., half:].unsqueeze(-2), out=out.view(pairs))
+    out.view(pairs).addcmul_(sin.view(pairs), g[..., :half].unsqueeze(-2), value=-1.0).mul_(_feature_scale(cos.shape[-1], paired))
+    return out
+
+
 class _TrigFeatureMap(torch.autograd.Function):
     """(x [B, H, N, d], omega [H, P, d], inv_temperature [H], paired) -> (features [B, H, N, 2D] in
     x.dtype, log_scale [B, H, N] in the accumulation dtype). See the module docstring."""
@@ -100,7 +128,6 @@ class _TrigFeatureMap(torch.autograd.Function):
         bh, p = batch * heads, omega.shape[1]
         acc = accumulation_dtype(x.dtype)
         half = p // 2 if paired else p  # D
-        scale = _feature_scale(p, paired)
         x32 = x.to(acc).reshape(bh, n, d).contiguous()  # [BH, N, d]
         w = omega.to(acc).contiguous()
         inv_t = inv_temperature.to(acc)
@@ -116,15 +143,7 @@ class _TrigFeatureMap(torch.autograd.Function):
             for rows in blocks:
                 r = rows.stop - rows.start
                 xb, fb, pb, cb, sb = x32[it, rows], features[it, rows], proj[:, :r], cos[:, :r], sin[:, :r]
-                torch.bmm(xb, w_t, out=pb)  # [items, R, P]
-                _cos_sin(pb, cb, sb)
-                if paired:
-                    torch.add(cb[..., :half], cb[..., half:], out=fb[..., :half])
-                    torch.add(sb[..., :half], sb[..., half:], out=fb[..., half:])
-                else:
-                    fb[..., :half] = cb
-                    fb[..., half:] = sb
-                fb.mul_(scale)
+                trig_rows(xb, w_t, paired, pb, cb, sb, fb)
                 torch.mul((xb * xb).sum(dim=-1), inv_i, out=log_scale[it, rows])
 
         with fp32_region(x):
@@ -144,7 +163,6 @@ class _TrigFeatureMap(torch.autograd.Function):
         need_x, need_omega, need_inv = ctx.needs_input_grad[:3]
         bh, p = batch * heads, w.shape[1]
         half = p // 2 if paired else p
-        scale = _feature_scale(p, paired)
         acc = x32.dtype
         dx = x32.new_zeros(bh, n, d) if need_x else None
         d_omega = x32.new_zeros(bh, p, d) if need_omega and d_features is not None else None
@@ -169,9 +187,7 @@ class _TrigFeatureMap(torch.autograd.Function):
                         cb, sb, d_proj = cos[:, :r], sin[:, :r], d_proj_buf[:, :r]
                         torch.bmm(xb, w_i.transpose(1, 2), out=d_proj)
                         _cos_sin(d_proj, cb, sb)
-                        pairs = (size, r, 2, half)  # [items, R, (p1, p2), D]
-                        torch.mul(cb.view(pairs), g_sin.unsqueeze(-2), out=d_proj.view(pairs))
-                        d_proj.view(pairs).addcmul_(sb.view(pairs), g_cos.unsqueeze(-2), value=-1.0).mul_(scale)
+                        trig_d_proj(cb, sb, g, paired, d_proj)
                     else:
                         fb = features[it, rows]  # s cos | s sin
                         d_proj = (fb[..., :half] * g_sin).addcmul_(fb[..., half:], g_cos, value=-1.0)
