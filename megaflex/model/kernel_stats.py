@@ -60,11 +60,19 @@ def _summary(stats: dict[str, float], key: str, values: torch.Tensor) -> None:
 def _probe_statistics(model: nn.Module, probe_ids: torch.Tensor) -> dict[str, float]:
     """Run the probe batch once, catching each core's (q, k), and measure its causal weights."""
     captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    mapped: dict[int, list[torch.Tensor]] = {}
     # the linear/softmax core itself (inside a LocalMixingCore: after the q/k/v convolution)
     cores = [getattr(block.attn.core, "core", block.attn.core) for block in model.blocks]
     hooks = [
         core.register_forward_pre_hook(lambda _m, args, i=i: captured.__setitem__(i, (args[0], args[1])))
         for i, core in enumerate(cores)
+    ]
+    # a layer factory may bypass the core's forward (context parallelism calls its feature map on
+    # q, then k, of this rank's slice): catch those inputs too
+    hooks += [
+        core.feature_map.register_forward_pre_hook(lambda _m, args, i=i: mapped.setdefault(i, []).append(args[0]))
+        for i, core in enumerate(cores)
+        if core.feature_map is not None
     ]
     was_training = model.training
     model.eval()
@@ -76,7 +84,7 @@ def _probe_statistics(model: nn.Module, probe_ids: torch.Tensor) -> dict[str, fl
             hook.remove()
     stats: dict[str, float] = {}
     for i, core in enumerate(cores):
-        q, k = captured[i]
+        q, k = captured[i] if i in captured else mapped[i][:2]
         weights = causal_weights(q, k, core.feature_map)
         for key, value in weight_statistics(weights).items():
             stats[f"layer{i:02d}/{key}"] = value
