@@ -379,6 +379,17 @@ class _ChunkedLinearAttention(torch.autograd.Function):
         return dq, dk, d_lam, d_v, d_s0, None, None, None, None, None
 
 
+def unpack_result(
+    out: torch.Tensor, final: torch.Tensor, log_max: torch.Tensor, batch: int, heads: int, offset: int
+) -> tuple[torch.Tensor, LinearAttentionState]:
+    """[BH, N, Dv] output, [BH, F, Dv+1] state with k_sum as its last column and [BH] log_max
+    -> (out [B, H, N, Dv], LinearAttentionState)."""
+    dv = final.shape[-1] - 1
+    final = final.view(batch, heads, final.shape[-2], dv + 1)
+    state = LinearAttentionState(kv=final[..., :dv], k_sum=final[..., dv], log_max=log_max.view(batch, heads), offset=offset)
+    return out.view(batch, heads, -1, dv), state
+
+
 def chunked_linear_attention(
     qf: torch.Tensor,
     kf: torch.Tensor,
@@ -418,8 +429,4 @@ def chunked_linear_attention(
             eps,
             v.dtype,
         )
-        final = final.view(batch, heads, feat, dv + 1)
-    new_state = LinearAttentionState(
-        kv=final[..., :dv], k_sum=final[..., dv], log_max=log_max.view(batch, heads), offset=state.offset + n
-    )
-    return out.view(batch, heads, n, dv), new_state
+    return unpack_result(out, final, log_max, batch, heads, state.offset + n)

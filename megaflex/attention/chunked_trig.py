@@ -25,7 +25,9 @@ import torch
 
 from ._heads import for_each_head
 from .base import LinearAttentionState, accumulation_dtype, normalize_output
-from .chunked import _groups, _normalize_backward, _plan, _stabiliser, chunked_linear_attention, group_backward, group_forward
+from .chunked import (
+    _groups, _normalize_backward, _plan, _stabiliser, chunked_linear_attention, group_backward, group_forward, unpack_result,
+)
 from .feature_maps._trig import trig_d_proj, trig_feature_map, trig_rows
 from .validation import validate_linear_attention_inputs
 
@@ -225,8 +227,4 @@ def trig_linear_attention_chunked(
             eps,
             v.dtype,
         )
-        final = final.view(batch, heads, feat, dv + 1)
-    new_state = LinearAttentionState(
-        kv=final[..., :dv], k_sum=final[..., dv], log_max=log_max.view(batch, heads), offset=initial_state.offset + n
-    )
-    return out.view(batch, heads, n, dv), new_state
+    return unpack_result(out, final, log_max, batch, heads, initial_state.offset + n)
