@@ -190,7 +190,6 @@ SGD_LR, SGD_DECAY = 0.5, 0.1
 
 def _reference(name: str, targets) -> dict:
     """TP=1 LoRA model: outputs, LoRA gradients, merged weights and the weights after one SGD step."""
-    config = ModelConfig(**CONFIGS[name])
     model = _lora_model(name, targets)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     _randomize_b(model)
