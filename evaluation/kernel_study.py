@@ -182,12 +182,15 @@ def train_overrides(cfg: StudyConfig, run: RunSpec, seed: int, data: dict[str, P
     ]
 
 
-def train_run(cfg: StudyConfig, run: RunSpec, seed: int, data: dict[str, Path]) -> Path:
-    """Train one run in a fresh process (clean RNG and process-group state); returns its run dir."""
+def train_run(
+    cfg: StudyConfig, run: RunSpec, seed: int, data: dict[str, Path], entry: str = "megaflex.training.train"
+) -> Path:
+    """Train one run in a fresh process (clean RNG and process-group state); returns its run dir.
+    ``entry``: the module run with ``python -m`` (another trainer front end, e.g. megaflex-distill's)."""
     name = f"{run.label}_s{seed}"
     run_dir = Path(cfg.work_dir) / "runs" / name
     shutil.rmtree(run_dir, ignore_errors=True)  # a stale run's metrics/checkpoints must not mix in
-    cmd = [sys.executable, "-m", "megaflex.training.train", "--config", str(REPO / "configs" / "tiny.yaml"),
+    cmd = [sys.executable, "-m", entry, "--config", str(REPO / "configs" / "tiny.yaml"),
            *train_overrides(cfg, run, seed, data, run_dir)]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1)))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
