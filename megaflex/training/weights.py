@@ -7,7 +7,8 @@ A checkpoint is read per saved TP rank (file names: ``megaflex.checkpoint_layout
 
 * ZeRO 0: ``mp_rank_XX_model_states.pt["module"]``;
 * ZeRO 1-3: the fp32 master weights consolidated over data-parallel ranks with DeepSpeed's
-  ``zero_to_fp32`` (run on each TP rank's files separately),
+  ``zero_to_fp32`` (run on each TP rank's files separately); frozen parameters, which ZeRO 1
+  keeps only in the module state, are taken from there,
 
 then resharded exactly to the caller's TP size (``megaflex.parallel.reshard``). No DeepSpeed
 engine or optimizer is built. Training uses it for ``checkpoint.init_from``; evaluation
@@ -68,13 +69,17 @@ def load_tp_state_dicts(path: Path, tp_size: int) -> list[StateDict]:
     """One fp32 state dict per saved TP rank (each that rank's shards, consolidated over ZeRO)."""
     out = []
     for tp_rank in range(tp_size):
+        model_file = model_states_file(path, tp_rank)
+        if not model_file.is_file():
+            raise ValueError(f"checkpoint: {model_file} not found (expected DeepSpeed files for TP rank {tp_rank})")
+        module = torch.load(model_file, map_location="cpu", weights_only=False)["module"]
         if zero_optim_files(path, tp_rank):
             state = _zero_consolidated(path, tp_rank)
+            # Frozen parameters (not in the optimizer) are kept by ZeRO 1 only in the module's
+            # state dict (ZeRO 2/3 save them as fragments that zero_to_fp32 already merged).
+            state.update({k: v for k, v in module.items() if k not in state and v.numel() > 0})
         else:
-            model_file = model_states_file(path, tp_rank)
-            if not model_file.is_file():
-                raise ValueError(f"checkpoint: {model_file} not found (expected DeepSpeed files for TP rank {tp_rank})")
-            state = torch.load(model_file, map_location="cpu", weights_only=False)["module"]
+            state = module
         out.append({k: (v.float() if v.is_floating_point() else v) for k, v in state.items()})
     return out
 

@@ -31,7 +31,7 @@ def parse_args(argv: list[str] | None = None) -> Any:
                       "Positional key=value arguments override config keys.")
     ap.add_argument("--teacher", default=None, help="softmax teacher checkpoint (= distill.teacher=...)")
     ap.add_argument("--stage", choices=STAGES, default=None, help="= distill.stage=...")
-    args = finish_args(ap.parse_args(argv))
+    args = finish_args(ap.parse_intermixed_args(argv))  # overrides may come before and after --teacher/--stage
     if args.teacher is not None:
         args.overrides.append(f"distill.teacher={args.teacher}")
     if args.stage is not None:

@@ -89,7 +89,8 @@ def output_mse(student_out: torch.Tensor, teacher_out: torch.Tensor) -> torch.Te
 def weights_kl(teacher: torch.Tensor, student: torch.Tensor, total_heads: int) -> torch.Tensor:
     """sum_s p_t (log p_t - log p_s) of [B, H_local, W, W] weights, summed over this rank's heads
     and divided by B x W x ``total_heads`` (so the TP sum over ranks is the mean over every head)."""
-    kl = torch.xlogy(teacher, teacher) - teacher * torch.log(student.clamp(min=_TINY))
+    # the same floor on both sides: identical weights give exactly 0
+    kl = teacher * (torch.log(teacher.clamp(min=_TINY)) - torch.log(student.clamp(min=_TINY)))
     return kl.sum() / (teacher.shape[0] * teacher.shape[2] * total_heads)
 
 
