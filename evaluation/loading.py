@@ -19,7 +19,9 @@ import torch
 
 from megaflex.model.config import ModelConfig
 from megaflex.model.gpt import GPT
-from megaflex.training.weights import load_checkpoint_weights, load_tp_state_dicts, resolve_checkpoint  # noqa: F401 (re-exported)
+from megaflex.training.weights import load_checkpoint_weights, resolve_checkpoint
+
+__all__ = ["LoadedCheckpoint", "load_for_eval", "resolve_checkpoint"]  # resolve_checkpoint: re-exported
 
 
 @dataclass

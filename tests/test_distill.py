@@ -22,7 +22,9 @@ from megaflex.training.config import ConfigError
 from megaflex.training.distill.cli import distill_config
 from megaflex.training.distill.objectives import AttentionTransfer
 from megaflex.training.metrics import read_metrics
-from megaflex.training.weights import init_from_checkpoint, linear_attention_parameter_names, load_model_state
+from megaflex.training.weights import (
+    init_from_checkpoint, linear_attention_parameter_names, load_model_state, resolve_checkpoint,
+)
 from training_harness import REPO, launch, write_config
 
 pytestmark = pytest.mark.slow
@@ -155,6 +157,17 @@ def test_kill_and_resume_is_bit_exact(teacher: Path, stage1: Path) -> None:
     assert [got[s] for s in range(4, STEPS + 1)] == [want[s] for s in range(4, STEPS + 1)]
     assert len({want[s]["loss"] for s in range(4, STEPS + 1)}) > 1
     assert all(torch.equal(v, load_model_state(stage1)[k]) for k, v in load_model_state(run).items())
+
+
+def test_config_defaults_come_from_the_teacher(teacher: Path, tmp_path: Path) -> None:
+    yaml_file = write_config(tmp_path / "with_model.yaml", {**DISTILL_CONFIG, "model": {"attention": "flexformer_n"}})
+    cfg = distill_config([str(yaml_file)], [f"distill.teacher={teacher}", "distill.student_attention=performer"])
+    teacher_tag = resolve_checkpoint(teacher)
+    teacher_cfg = json.loads((teacher_tag / "megaflex.json").read_text())["config"]
+    assert cfg.model.attention == "performer"  # the explicit student kind beats the YAML's model.attention
+    assert (cfg.model.hidden_size, cfg.model.num_layers, cfg.model.vocab_size) == (64, 2, 512)
+    assert cfg.data.train_path == teacher_cfg["data"]["train_path"] and cfg.data.tokenizer == teacher_cfg["data"]["tokenizer"]
+    assert cfg.checkpoint.init_from == str(teacher_tag) and teacher_tag.name == "step_00000012"
 
 
 def test_bad_input_is_named(teacher: Path, stage1: Path, tmp_path: Path) -> None:

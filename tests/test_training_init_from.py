@@ -1,6 +1,6 @@
 """Warm starts from a checkpoint (``checkpoint.init_from``, ``megaflex.training.weights``).
 
-Sources are real ``megaflex.train`` runs (ZeRO 0, ZeRO 2 over two data-parallel ranks, TP=2);
+Sources are real ``megaflex.train`` runs (ZeRO 2 over two data-parallel ranks, ZeRO 0 with TP=2);
 the reference weights are read from their DeepSpeed files directly (not through the module
 under test), then the warm-started model's logits must equal the source model's bit for bit.
 """
@@ -28,7 +28,6 @@ from training_harness import TINY, launch, write_config
 pytestmark = pytest.mark.slow
 
 SOURCES = {  # name -> (overrides, world size)
-    "zero0": (["parallel.zero_stage=0"], 1),
     "zero2_dp2": (["parallel.zero_stage=2"], 2),
     "zero0_tp2": (["parallel.zero_stage=0", "parallel.tensor_parallel_size=2"], 2),
 }
@@ -98,13 +97,13 @@ def test_init_from_all_reproduces_the_source_logits(sources: dict[str, Path], na
 
 
 def test_kernel_and_non_kernel_copy_only_their_parameters(sources: dict[str, Path]) -> None:
-    state = load_model_state(sources["zero0"])
+    state = load_model_state(sources["zero0_tp2"])
     fresh = {n: p.detach().clone() for n, p in _fresh().named_parameters()}
     kernel = kernel_parameter_names(_fresh())
     assert kernel and all(".feature_map." in n for n in kernel)
     for selection, copied_set in (("kernel", kernel), ("non_kernel", set(fresh) - kernel)):
         model = _fresh()
-        copied, _ = init_from_checkpoint(model, sources["zero0"], selection)
+        copied, _ = init_from_checkpoint(model, sources["zero0_tp2"], selection)
         assert set(copied) == copied_set
         for n, p in model.named_parameters():
             want = state[n] if n in copied_set else fresh[n]
@@ -130,11 +129,11 @@ def test_bad_sources_are_named(sources: dict[str, Path], tmp_path: Path) -> None
         init_from_checkpoint(_fresh(), tmp_path / "nowhere")
     wider = _fresh(ffn_hidden_size=256)
     with pytest.raises(ConfigError, match=r"parameter 'blocks\.0\.mlp\.fc_in\.weight': expected shape \[256, 64\].*got \[128, 64\]"):
-        init_from_checkpoint(wider, sources["zero0"])
+        init_from_checkpoint(wider, sources["zero0_tp2"])
     with_bias = _fresh(bias=True)
     with pytest.raises(ConfigError, match=r"no parameter 'blocks\.0\.attn\.qkv\.bias'.*only kernel parameters"):
-        init_from_checkpoint(with_bias, sources["zero0"])
-    state = load_model_state(sources["zero0"])
+        init_from_checkpoint(with_bias, sources["zero0_tp2"])
+    state = load_model_state(sources["zero0_tp2"])
     with pytest.raises(ValueError, match="selection: expected one of"):
         copy_parameters(_fresh(), state, "kernels")
 

@@ -69,17 +69,17 @@ def load_tp_state_dicts(path: Path, tp_size: int) -> list[StateDict]:
     """One fp32 state dict per saved TP rank (each that rank's shards, consolidated over ZeRO)."""
     out = []
     for tp_rank in range(tp_size):
-        model_file = model_states_file(path, tp_rank)
-        if not model_file.is_file():
-            raise ValueError(f"checkpoint: {model_file} not found (expected DeepSpeed files for TP rank {tp_rank})")
-        module = torch.load(model_file, map_location="cpu", weights_only=False)["module"]
+        model_file = model_states_file(path, tp_rank)  # ZeRO 0-2 (ZeRO 3 writes per-rank model states)
+        module = torch.load(model_file, map_location="cpu", weights_only=False)["module"] if model_file.is_file() else None
         if zero_optim_files(path, tp_rank):
             state = _zero_consolidated(path, tp_rank)
             # Frozen parameters (not in the optimizer) are kept by ZeRO 1 only in the module's
             # state dict (ZeRO 2/3 save them as fragments that zero_to_fp32 already merged).
-            state.update({k: v for k, v in module.items() if k not in state and v.numel() > 0})
-        else:
+            state.update({k: v for k, v in (module or {}).items() if k not in state and v.numel() > 0})
+        elif module is not None:
             state = module
+        else:
+            raise ValueError(f"checkpoint: {model_file} not found (expected DeepSpeed files for TP rank {tp_rank})")
         out.append({k: (v.float() if v.is_floating_point() else v) for k, v in state.items()})
     return out
 

@@ -8,7 +8,8 @@ The run config is the training config (same sections, YAML files + dotted overri
 launcher, ZeRO, TP) plus ``distill:``. Its defaults come from the checkpoints: ``model`` is the
 teacher's with ``attention: distill.student_attention`` (or, when ``checkpoint.init_from`` names
 a linear-attention checkpoint such as a stage-1 output, that checkpoint's model), ``data`` is the
-teacher's, ``checkpoint.init_from`` is the teacher. The YAML files and overrides win over them.
+teacher's, ``checkpoint.init_from`` is the teacher. The YAML files and overrides win over them,
+except that an explicitly set ``distill.student_attention`` always sets ``model.attention``.
 """
 
 from __future__ import annotations
@@ -79,7 +80,10 @@ def distill_config(paths: list[str], overrides: list[str]) -> Config:
         if init_cfg["model"].get("attention") != "softmax":
             model = dict(init_cfg["model"])
     defaults = {"model": model, "data": teacher_cfg.get("data", {}), "checkpoint": {"init_from": teacher_path}}
-    cfg = config_from_sources([Source(defaults, f"teacher checkpoint {teacher_path}"), *sources])
+    chosen = []  # an explicit distill.student_attention wins over a model.attention of the YAML files
+    if _setting(sources, "distill", "student_attention") is not None:
+        chosen = [Source({"model": {"attention": student}}, "distill.student_attention")]
+    cfg = config_from_sources([Source(defaults, f"teacher checkpoint {teacher_path}"), *sources, *chosen])
     if not cfg.model.is_linear_attention:
         raise ConfigError(f"model.attention (from {cfg.where('model.attention')}): the student needs a linear attention "
                           f"kind, got {cfg.model.attention!r}")
