@@ -21,6 +21,7 @@ from megaflex.checkpoint_layout import read_meta
 from megaflex.model.config import ModelConfig
 from megaflex.training.config import Config, ConfigError, DistillConfig, config_from_sources
 from megaflex.training.config_loader import Source, parse_overrides, read_yaml
+from megaflex.training.distill.objectives import check_softmax_teacher, check_student_matches_teacher
 from megaflex.training.train import build_parser, execute, finish_args
 from megaflex.training.weights import resolve_checkpoint
 
@@ -67,9 +68,7 @@ def distill_config(paths: list[str], overrides: list[str]) -> Config:
         raise ConfigError("distill.teacher: expected the softmax teacher's checkpoint (--teacher PATH), got none")
     teacher_path, teacher_cfg = _checkpoint_config(teacher, "distill.teacher")
     teacher_model = ModelConfig.from_dict(teacher_cfg["model"])
-    if teacher_model.attention != "softmax":
-        raise ConfigError(f"distill.teacher: {teacher_path} is a model.attention={teacher_model.attention!r} model; "
-                          "expected a softmax teacher")
+    check_softmax_teacher(teacher_model, teacher_path)
     student = _setting(sources, "distill", "student_attention", DistillConfig().student_attention)
     if student == "softmax":
         raise ConfigError("distill.student_attention: expected a linear attention kind (e.g. flexformer_n, performer), got 'softmax'")
@@ -87,8 +86,6 @@ def distill_config(paths: list[str], overrides: list[str]) -> Config:
     if not cfg.model.is_linear_attention:
         raise ConfigError(f"model.attention (from {cfg.where('model.attention')}): the student needs a linear attention "
                           f"kind, got {cfg.model.attention!r}")
-    from megaflex.training.distill.objectives import check_student_matches_teacher
-
     check_student_matches_teacher(cfg.model, teacher_model)
     return cfg
 

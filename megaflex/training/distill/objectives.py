@@ -65,6 +65,7 @@ def run_teacher(teacher: GPT, ids: torch.Tensor) -> Any:
 
 
 def check_softmax_teacher(config: ModelConfig, path: Any) -> None:
+    """ConfigError unless the teacher checkpoint at ``path`` holds a softmax model."""
     if config.attention != "softmax":
         raise ConfigError(f"distill.teacher: {path} is a model.attention={config.attention!r} model; expected a softmax teacher")
 
@@ -190,7 +191,7 @@ def export_merged(engine: Any, cfg: Config, iteration: int) -> Path:
     tag_dir = root / tag_for(iteration)
     if dp_rank == 0:
         tag_dir.mkdir(parents=True, exist_ok=True)
-        weights = {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()}
+        weights = {k: (v.float() if v.is_floating_point() else v).detach().cpu().clone() for k, v in model.state_dict().items()}
         torch.save({"module": weights}, model_states_file(tag_dir, factory.tp_rank))
     if dist.is_initialized():
         dist.barrier()
