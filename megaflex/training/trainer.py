@@ -4,8 +4,9 @@
 
 Order of set-up: distributed init (gloo on CPU, nccl on GPU) -> ``ParallelState`` (TP x CP x DP)
 -> seeds (same default RNG on every rank, per-TP-rank tracker stream) -> model through the
-layer factory -> AdamW with weight-decay groups -> ``deepspeed.initialize(..., mpu=...)`` with
-the generated config -> resume -> loop.
+layer factory -> warm start (``checkpoint.init_from``, fresh runs only) -> the objective's
+set-up (``Objective.prepare``, e.g. distillation) -> AdamW with weight-decay groups ->
+``deepspeed.initialize(..., mpu=...)`` with the generated config -> resume -> loop.
 
 One optimizer step = ``grad_accum`` micro-batches, each ``engine.backward`` + ``engine.step``
 (DeepSpeed applies the update at the accumulation boundary). A non-finite micro-batch loss is
@@ -251,7 +252,9 @@ def run(cfg: Config, objective: Objective | None = None) -> dict[str, Any]:
             or getattr(optimizer, "skipped_nonfinite_grad", False)
         )
         loss_avg = float(_all_reduce(loss_sum, dist.ReduceOp.SUM, dp_group)) / (grad_accum * dp_size)
-        extra_avg = {k: float(_all_reduce(v, dist.ReduceOp.SUM, dp_group)) / (grad_accum * dp_size) for k, v in sorted(extra_sums.items())}
+        extra_avg = {
+            k: float(_all_reduce(v, dist.ReduceOp.SUM, dp_group)) / (grad_accum * dp_size) for k, v in sorted(extra_sums.items())
+        }
         iteration += 1
         consumed += gbs
         redraw_random_features(engine.module, iteration)  # Performer redraws (deterministic in the step)
