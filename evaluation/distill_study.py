@@ -220,7 +220,7 @@ def check_targets(cfg: DistillStudyConfig, summary: list[dict[str, Any]]) -> dic
         out[metric] = {
             "ppl_ratio_to_teacher": fn[f"{metric}_ratio"], "token_fraction": fn["token_fraction"],
             "within_10pct_on_10pct_tokens": fn[f"{metric}_ratio"] <= TARGET_PPL_RATIO
-            and fn["token_fraction"] <= cfg.max_token_fraction,
+            and fn["token_fraction"] <= cfg.max_token_fraction + 1e-9,  # a mean over seeds: rounding
             "beats_scratch": beats(fn, by[SCRATCH.label], metric),
             "beats_distilled_performer": beats(fn, by["performer_stage2"], metric) if "performer_stage2" in by else None,
         }
