@@ -63,8 +63,10 @@ class Result:
         return "\n".join(f"--- rank {i} (rc {rc}) ---\n{out[-6000:]}" for i, (rc, out) in enumerate(zip(self.returncodes, self.outputs)))
 
 
-def launch(config: Path, overrides: list[str], world_size: int = 1, timeout: float = 900) -> Result:
-    """Run ``megaflex.train`` on ``world_size`` local gloo ranks; wait for all of them.
+def launch(
+    config: Path, overrides: list[str], world_size: int = 1, timeout: float = 900, module: str = "megaflex.train"
+) -> Result:
+    """Run ``module`` (default ``megaflex.train``) on ``world_size`` local gloo ranks; wait for all of them.
 
     When a rank exits with an error the others are given a few seconds, then killed (they may
     be blocked in a collective with the dead rank)."""
@@ -78,7 +80,7 @@ def launch(config: Path, overrides: list[str], world_size: int = 1, timeout: flo
         )
         log = open(config.parent / f"rank{rank}-{port}.log", "w+")
         procs.append(subprocess.Popen(
-            [PYTHON, "-m", "megaflex.train", "--config", str(config), *overrides],
+            [PYTHON, "-m", module, "--config", str(config), *overrides],
             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
         ))
         logs.append(log)

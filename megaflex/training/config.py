@@ -153,6 +153,14 @@ class CheckpointConfig:
     resume: str = opt("auto", "`auto`: newest complete checkpoint in dir if any; `none`: start fresh; or a checkpoint path/tag")
     save_on_signal: bool = opt(True, "on SIGTERM/SIGINT/SIGUSR1 (preemption) or a dead launcher: save after the current step, exit 75")
     save_at_end: bool = opt(True, "save after the last step")
+    init_from: str | None = opt(
+        None, "warm start: a checkpoint folder, checkpoint dir or run dir (any ZeRO stage / TP size) whose weights are "
+        "copied into the model at a fresh start (ignored when resuming this run's own checkpoint); recorded in the metadata",
+    )
+    init_parameters: Literal["all", "kernel", "non_kernel"] = opt(
+        "all", "what `init_from` copies: `all` (kernel parameters the source lacks keep their fresh init, e.g. a softmax "
+        "source), `kernel` (the parameters the feature maps declare: Omega, tau, ...) or `non_kernel` (everything else)",
+    )
 
 
 @dataclass
@@ -179,6 +187,28 @@ class FaultConfig:
 
 
 @dataclass
+class DistillConfig:
+    """``megaflex-distill``: convert a softmax checkpoint into a linear-attention model (ignored by megaflex-train)."""
+
+    teacher: str | None = opt(None, "the softmax teacher: a megaflex checkpoint folder, checkpoint dir or run dir (any ZeRO / TP)")
+    stage: Literal["attention_transfer", "finetune"] = opt(
+        "attention_transfer", "`attention_transfer`: per-layer losses on the teacher's attention inputs, only the kernel "
+        "(+ out_gain) trains; `finetune`: LM loss (+ KL to the teacher), all parameters or LoRA",
+    )
+    student_attention: str = opt("flexformer_n", "the student's attention kind (any linear kind; the teacher's model config otherwise)")
+    output_mse_weight: float = opt(1.0, "attention_transfer: weight of the per-layer attention-output MSE")
+    weights_ce_weight: float = opt(
+        0.0, "attention_transfer: weight of the per-layer cross-entropy between the teacher's softmax weights and the "
+        "student's normalised linear weights on the first `weights_window` tokens (minus the teacher's entropy: 0 at a match)",
+    )
+    weights_window: int = opt(64, "attention_transfer: tokens of the quadratic attention-weights loss")
+    kl_weight: float = opt(0.0, "finetune: weight of KL(teacher logits || student logits) added to the LM loss")
+    lora_rank: int = opt(0, "finetune: LoRA rank on `lora_targets` (0: train all parameters)")
+    lora_alpha: float = opt(16.0, "finetune: LoRA scale alpha (update = alpha / rank * B @ A)")
+    lora_targets: list[str] = opt(["qkv", "proj"], "finetune: the linears that get LoRA adapters (qkv, proj, fc_in, fc_out)")
+
+
+@dataclass
 class Config:
     """A complete run: every section of the YAML files."""
 
@@ -191,6 +221,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     # key -> file it came from ("defaults" when never set); not part of the YAML
     origins: dict[str, str] = field(default_factory=dict, repr=False, compare=False, metadata={"internal": True})
 
@@ -210,7 +241,7 @@ class Config:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 
-SECTIONS = ("model", "data", "parallel", "optimizer", "schedule", "train", "checkpoint", "logging", "fault")
+SECTIONS = ("model", "data", "parallel", "optimizer", "schedule", "train", "checkpoint", "logging", "fault", "distill")
 
 
 def load_config(paths: list[str | Path], overrides: list[str] | None = None) -> Config:
@@ -307,6 +338,13 @@ def validate(cfg: Config) -> None:
                 f"expected 1 with model.softmax_window ({cfg.model.softmax_window}) or model.qkv_conv_size "
                 f"({cfg.model.qkv_conv_size}) set (they need the previous rank's tokens), got {p.context_parallel_size}",
             )
+    dc = cfg.distill
+    for key, value in {"distill.output_mse_weight": dc.output_mse_weight, "distill.weights_ce_weight": dc.weights_ce_weight,
+                       "distill.kl_weight": dc.kl_weight, "distill.lora_rank": dc.lora_rank}.items():
+        if value < 0:
+            raise _bad(cfg, key, f"expected >= 0, got {value}")
+    if dc.weights_window < 1:
+        raise _bad(cfg, "distill.weights_window", f"expected a positive integer, got {dc.weights_window}")
     if d.source == "indexed" and not d.train_path:
         raise _bad(cfg, "data.train_path", "data.source is 'indexed' but no training data prefixes are given")
     if d.train_weights is not None and len(d.train_weights) != len(d.train_path):

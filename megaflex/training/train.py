@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from megaflex.training.config import ConfigError, load_config
 
@@ -21,22 +22,30 @@ EXIT_NONFINITE = 3  # train.max_nonfinite_in_a_row non-finite steps in a row
 EXIT_PREEMPTED = 75  # stopped by SIGTERM/SIGINT/SIGUSR1 or a dead launcher, checkpoint saved (EX_TEMPFAIL)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        prog="megaflex-train",
-        description="Train a megaflex GPT with DeepSpeed. Positional key=value arguments override config keys.",
-    )
+def build_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """The options every training entry point shares (``megaflex-train``, ``megaflex-distill``)."""
+    ap = argparse.ArgumentParser(prog=prog, description=description)
     ap.add_argument("--config", nargs="+", required=True, help="YAML files, merged in order")
     ap.add_argument("--resume", default=None, help="auto | none | checkpoint path or tag (= checkpoint.resume=...)")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4 parallel.zero_stage=3")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def finish_args(args: argparse.Namespace) -> argparse.Namespace:
     # `--config a.yaml b.yaml train.lr=1` puts the overrides into --config's list: move them.
     args.overrides = [c for c in args.config if "=" in c] + args.overrides
     args.config = [c for c in args.config if "=" not in c]
     if args.resume is not None:
         args.overrides.append(f"checkpoint.resume={args.resume}")
     return args
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = build_parser(
+        "megaflex-train", "Train a megaflex GPT with DeepSpeed. Positional key=value arguments override config keys."
+    )
+    return finish_args(ap.parse_args(argv))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,25 +55,30 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"megaflex-train: config error: {e}", file=sys.stderr)
         return 2
+    return execute("megaflex-train", cfg)
+
+
+def execute(prog: str, cfg: Any, objective: Any = None) -> int:
+    """Run the trainer on every rank and map its failures to the exit statuses above."""
     from megaflex.data.indexed import DataError
     from megaflex.training.checkpoint import CheckpointError
     from megaflex.training.trainer import NonFiniteAbort, run, shutdown
 
     clean = False
     try:
-        summary = run(cfg)
+        summary = run(cfg, objective)
         clean = True
     except ConfigError as e:
-        print(f"megaflex-train: config error: {e}", file=sys.stderr)
+        print(f"{prog}: config error: {e}", file=sys.stderr)
         return EXIT_CONFIG
     except CheckpointError as e:
-        print(f"megaflex-train: checkpoint error: {e}", file=sys.stderr)
+        print(f"{prog}: checkpoint error: {e}", file=sys.stderr)
         return EXIT_CONFIG
     except DataError as e:  # corrupt index, ids >= vocab, tokenizer mismatch or missing
-        print(f"megaflex-train: data error: {e}", file=sys.stderr)
+        print(f"{prog}: data error: {e}", file=sys.stderr)
         return EXIT_CONFIG
     except NonFiniteAbort as e:
-        print(f"megaflex-train: {e}", file=sys.stderr)
+        print(f"{prog}: {e}", file=sys.stderr)
         return EXIT_NONFINITE
     finally:
         shutdown(clean)

@@ -22,7 +22,7 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -66,8 +66,22 @@ def init_distributed(cfg: Config) -> str:
     return device
 
 
-def run(cfg: Config) -> dict[str, Any]:
-    """Train as configured; returns a summary (rank 0's numbers) when training ends."""
+class Objective(Protocol):
+    """What a run optimises, when not the plain LM loss (e.g. ``megaflex.training.distill``)."""
+
+    def prepare(self, model: GPT, cfg: Config) -> None:
+        """After the warm start, before the optimizer: freeze parameters, add adapters, build a teacher."""
+
+    def loss(self, engine: Any, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """One micro-batch: (loss to differentiate, named scalars averaged over the step and logged)."""
+
+    def finish(self, engine: Any, iteration: int) -> None:
+        """Collective, after the last save: e.g. export merged weights."""
+
+
+def run(cfg: Config, objective: Objective | None = None) -> dict[str, Any]:
+    """Train as configured (``objective``: the loss and its set-up, default the LM loss);
+    returns a summary (rank 0's numbers) when training ends."""
     import deepspeed
 
     from megaflex.attention import redraw_random_features
@@ -92,6 +106,9 @@ def run(cfg: Config) -> dict[str, Any]:
     if state.tp_size > 1:
         # Feature-map params (Omega, tau) are head-sharded: tag them so grad norms count every shard.
         mark_head_sharded_params(model)
+    init_record = _warm_start(cfg, model)  # before the optimizer, kernel snapshot and DeepSpeed
+    if objective is not None:
+        objective.prepare(model, cfg)
     shapes = parameter_shapes(model)
     num_params = _full_parameter_count(model, state.tp_size)
     space_warning = preflight(Path(cfg.checkpoint_dir), num_params)  # every rank: its own mount
@@ -122,6 +139,9 @@ def run(cfg: Config) -> dict[str, Any]:
         if space_warning:
             logger.print(space_warning)
 
+    if init_record is not None:
+        logger.print(f"initialised {init_record['copied']} parameter tensors ({init_record['parameters']}) from "
+                     f"{init_record['path']}; the others keep their init")
     kernel_init = kernel_snapshot(model)  # before ZeRO 3 partitions anything; replaced on resume
     if cfg.parallel.zero_stage == 3:
         _register_zero3_external_parameters(model)
@@ -148,6 +168,7 @@ def run(cfg: Config) -> dict[str, Any]:
         manager.load(engine, resume_path, tracker, load_rng=same_world)
         iteration, consumed = meta["iteration"], meta["consumed_samples"]
         nonfinite_total = meta.get("nonfinite_total", 0)
+        init_record = meta.get("init_from")
         logger.print(
             f"resumed from {resume_path} at step {iteration} ({consumed} samples consumed"
             + ("" if meta["data_parallel_size"] == dp_size else f"; data parallel {meta['data_parallel_size']} -> {dp_size}")
@@ -168,7 +189,7 @@ def run(cfg: Config) -> dict[str, Any]:
             "parameter_shapes": shapes, "num_parameters": num_params, "config": cfg.to_dict(),
             "deepspeed_config": ds_config, "optimizer_groups": [g["name"] for g in optimizer.param_groups],
             "sampler": {"consumed_samples": consumed, "global_batch_size": gbs},
-            "tokenizer": tokenizer,
+            "tokenizer": tokenizer, "init_from": init_record,
         }
         path = manager.save(engine, step, meta, tracker)
         logger.print(f"saved checkpoint {path}")
@@ -190,13 +211,19 @@ def run(cfg: Config) -> dict[str, Any]:
         lr = lr_at(cfg, iteration)
         set_lr(engine.optimizer, lr)
         loss_sum = torch.zeros((), dtype=torch.float64)
+        extra_sums: dict[str, torch.Tensor] = {}
         bad = torch.zeros((), dtype=torch.float64)
         inject_nan = (iteration + 1) in cfg.fault.nan_loss_at_steps and rank == 0
         for ids, labels in micro_batches(
             train_data, consumed, cfg.train.micro_batch_size, grad_accum, state.dp_rank, dp_size, device,
             state.cp_rank, cp_size,
         ):
-            loss = engine(ids, labels).loss
+            if objective is None:
+                loss = engine(ids, labels).loss
+            else:
+                loss, extras = objective.loss(engine, ids, labels)
+                for key, value in extras.items():
+                    extra_sums[key] = extra_sums.get(key, 0.0) + value.detach().double().cpu()
             if inject_nan:
                 loss = loss + float("nan")
             finite = torch.isfinite(loss.detach())
@@ -224,6 +251,7 @@ def run(cfg: Config) -> dict[str, Any]:
             or getattr(optimizer, "skipped_nonfinite_grad", False)
         )
         loss_avg = float(_all_reduce(loss_sum, dist.ReduceOp.SUM, dp_group)) / (grad_accum * dp_size)
+        extra_avg = {k: float(_all_reduce(v, dist.ReduceOp.SUM, dp_group)) / (grad_accum * dp_size) for k, v in sorted(extra_sums.items())}
         iteration += 1
         consumed += gbs
         redraw_random_features(engine.module, iteration)  # Performer redraws (deterministic in the step)
@@ -260,7 +288,7 @@ def run(cfg: Config) -> dict[str, Any]:
                 "grad_norm": grad_norm, "tokens_per_s": tok_s, "tflops_per_device": tflops,
                 "consumed_samples": consumed, "tokens": consumed * cfg.data.seq_len,
                 "skipped": skipped, "nonfinite_total": nonfinite_total,
-                "memory_mb": peak_memory_mb(device),
+                "memory_mb": peak_memory_mb(device), **extra_avg,
             }
             if peak_tflops:
                 record["mfu"] = tflops / peak_tflops
@@ -281,6 +309,8 @@ def run(cfg: Config) -> dict[str, Any]:
 
     if (stop_reason != "done" or cfg.checkpoint.save_at_end) and last_saved != iteration:
         save(iteration)
+    if objective is not None and stop_reason == "done":
+        objective.finish(engine, iteration)
     valid_loss = None
     evaluated_last = bool(cfg.train.eval_interval) and iteration % cfg.train.eval_interval == 0
     if stop_reason == "done" and valid_data is not None and not evaluated_last:
@@ -294,6 +324,19 @@ def run(cfg: Config) -> dict[str, Any]:
 
 
 # -------------------------------------------------------------------------------- helpers
+def _warm_start(cfg: Config, model: GPT) -> dict[str, Any] | None:
+    """``checkpoint.init_from`` at a fresh start (not when this run resumes its own checkpoint):
+    copy the selected parameters into ``model``. Returns the record kept in checkpoint metadata."""
+    from megaflex.training.checkpoint import find_resume_path
+    from megaflex.training.weights import init_from_checkpoint
+
+    c = cfg.checkpoint
+    if c.init_from is None or find_resume_path(Path(cfg.checkpoint_dir), c.resume) is not None:
+        return None
+    copied, source = init_from_checkpoint(model, c.init_from, c.init_parameters)
+    return {"path": str(source), "parameters": c.init_parameters, "copied": len(copied)}
+
+
 def _all_reduce(t: torch.Tensor, op: Any, group: Any) -> torch.Tensor:
     dist.all_reduce(t, op=op, group=group)
     return t
