@@ -24,8 +24,9 @@ LABELS = ["softmax", "flexformer_n_stage1", "flexformer_n_stage2", "performer_st
 @pytest.mark.slow
 def test_tiny_study_end_to_end(shared_data: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    rows = main([*TINY, "--seeds", "1", "--data-root", str(shared_data), "--work-dir", str(tmp_path / "work"),
-                 "--out", str(out)])
+    # stage 2 with LoRA: the study evaluates the merged weights the LoRA run exports
+    rows = main([*TINY, "--seeds", "1", "--lora-rank", "2", "--lora-alpha", "4", "--data-root", str(shared_data),
+                 "--work-dir", str(tmp_path / "work"), "--out", str(out)])
     assert [r["label"] for r in rows] == LABELS
     results = json.loads((out / "results.json").read_text())
     teacher_tokens = 20 * 2 * 64
@@ -44,6 +45,8 @@ def test_tiny_study_end_to_end(shared_data: Path, tmp_path: Path) -> None:
     assert config["checkpoint"]["init_from"] == str(runs / "performer_stage1_s1234" / "checkpoints")
     assert config["distill"]["teacher"] == str(runs / "softmax_s1234" / "checkpoints")
     assert config["model"]["attention"] == "performer"
+    assert (config["distill"]["lora_rank"], config["distill"]["lora_alpha"]) == (2, 4.0)
+    assert (runs / "performer_stage2_s1234" / "merged").is_dir()
     for target in results["targets"].values():
         assert target["token_fraction"] == pytest.approx(0.1)
         assert target["beats_scratch"] is None  # one seed: nothing claimed
