@@ -3,13 +3,23 @@ student, scratch, report), the targets logic on given rows, and clear errors bef
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
 
 import pytest
 
-from evaluation.distill_study import DistillStudyConfig, check_targets, main, summarize
+from evaluation.distill_study import (
+    DistillStudyConfig,
+    build_parser,
+    check_targets,
+    config_from_args,
+    main,
+    summarize,
+    teacher_data,
+    teacher_run,
+)
 from evaluation.loading import resolve_checkpoint
 from megaflex.checkpoint_layout import read_meta
 
@@ -47,6 +57,16 @@ def test_tiny_study_end_to_end(shared_data: Path, tmp_path: Path) -> None:
     assert config["model"]["attention"] == "performer"
     assert (config["distill"]["lora_rank"], config["distill"]["lora_alpha"]) == (2, 4.0)
     assert (runs / "performer_stage2_s1234" / "merged").is_dir()
+    # --teacher-runs: the teacher is found and its tokenizer/data reused; a different shape is refused
+    reuse = config_from_args(build_parser().parse_args([*TINY, "--teacher-runs", str(runs)]))
+    teacher = teacher_run(reuse, 1234, {})
+    assert teacher == runs / "softmax_s1234"
+    data = tmp_path / "work" / "data_v512_docs40"  # where the study prepared the teacher's data
+    assert teacher_data(reuse, teacher) == {"tokenizer": data / "tokenizer.model", "train": data / "train",
+                                            "valid": data / "valid"}
+    with pytest.raises(ValueError, match=r"--teacher-runs: .*softmax_s1234 does not match the study's shape "
+                                         r"\(teacher, study\): \{'hidden_size': \(32, 64\)\}"):
+        teacher_data(dataclasses.replace(reuse, hidden_size=64), teacher)
     for target in results["targets"].values():
         assert target["token_fraction"] == pytest.approx(0.1)
         assert target["beats_scratch"] is None  # one seed: nothing claimed
