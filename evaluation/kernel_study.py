@@ -202,14 +202,17 @@ def train_run(
 
 
 # ------------------------------------------------------------------------------- evaluation
-def evaluate_run(cfg: StudyConfig, run: RunSpec, seed: int, run_dir: Path) -> dict[str, Any]:
-    """Perplexities, throughput, kernel statistics and the learned spectrum of one trained run."""
+def evaluate_run(
+    cfg: StudyConfig, run: RunSpec, seed: int, run_dir: Path, checkpoints: str = "checkpoints"
+) -> dict[str, Any]:
+    """Perplexities, throughput, kernel statistics and the learned spectrum of one trained run
+    (its model from ``run_dir / checkpoints``)."""
     from evaluation.eval_data import load_eval_set
     from evaluation.loading import load_for_eval
     from evaluation.scoring import evaluate
     from megaflex.training.metrics import read_metrics
 
-    loaded = load_for_eval(run_dir / "checkpoints", device=cfg.device)
+    loaded = load_for_eval(run_dir / checkpoints, device=cfg.device)
     model, tok = loaded.model, loaded.tokenizer
     token_bytes = torch.from_numpy(tok.piece_byte_lengths)
     root = Path(cfg.data_root)

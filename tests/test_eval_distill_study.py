@@ -1,0 +1,128 @@
+"""The distillation study script: a tiny end-to-end run on real data (teacher, both stages per
+student, scratch, report), the targets logic on given rows, and clear errors before any training."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from evaluation.distill_study import (
+    DistillStudyConfig,
+    build_parser,
+    check_targets,
+    config_from_args,
+    main,
+    summarize,
+    teacher_data,
+    teacher_run,
+)
+from evaluation.loading import resolve_checkpoint
+from megaflex.checkpoint_layout import read_meta
+
+TINY = ["--steps", "20", "--stage1-steps", "1", "--stage2-steps", "1", "--max-train-docs", "40",
+        "--vocab-size", "512", "--hidden-size", "32", "--num-layers", "2", "--num-heads", "2", "--feature-dim", "16",
+        "--seq-len", "64", "--micro-batch-size", "2", "--global-batch-size", "2", "--eval-tokens", "600",
+        "--tokenizer-sentences", "5000"]
+LABELS = ["softmax", "flexformer_n_stage1", "flexformer_n_stage2", "performer_stage1", "performer_stage2",
+          "flexformer_n_scratch"]
+
+
+@pytest.mark.slow
+def test_tiny_study_end_to_end(shared_data: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    # stage 2 with LoRA: the study evaluates the merged weights the LoRA run exports
+    rows = main([*TINY, "--seeds", "1", "--lora-rank", "2", "--lora-alpha", "4", "--data-root", str(shared_data),
+                 "--work-dir", str(tmp_path / "work"), "--out", str(out)])
+    assert [r["label"] for r in rows] == LABELS
+    results = json.loads((out / "results.json").read_text())
+    teacher_tokens = 20 * 2 * 64
+    by_label = {r["label"]: r for r in results["runs"]}
+    assert by_label["softmax"]["tokens"] == teacher_tokens and by_label["softmax"]["token_fraction"] == 1.0
+    for student in ("flexformer_n", "performer"):
+        assert by_label[f"{student}_stage1"]["tokens"] == by_label[f"{student}_stage2"]["tokens"] == 2 * 64
+        assert by_label[f"{student}_stage2"]["token_fraction"] == pytest.approx(0.1)  # cumulative over the stages
+    assert by_label["flexformer_n_scratch"]["tokens"] == 2 * 2 * 64  # the tokens of stage 1 + 2
+    for run in results["runs"]:
+        for key in ("english_docs_valid_ppl", "wikitext2_test_ppl"):
+            assert math.isfinite(run[key]) and 50 < run[key] < 5000, (run["label"], key)
+    # stage 2 started from stage 1's checkpoint, both distilled from the seed's teacher
+    runs = tmp_path / "work" / "runs"
+    config = read_meta(resolve_checkpoint(runs / "performer_stage2_s1234" / "checkpoints"))["config"]
+    assert config["checkpoint"]["init_from"] == str(runs / "performer_stage1_s1234" / "checkpoints")
+    assert config["distill"]["teacher"] == str(runs / "softmax_s1234" / "checkpoints")
+    assert config["model"]["attention"] == "performer"
+    assert (config["distill"]["lora_rank"], config["distill"]["lora_alpha"]) == (2, 4.0)
+    assert (runs / "performer_stage2_s1234" / "merged").is_dir()
+    # --teacher-runs: the teacher is found and its tokenizer/data reused; a different shape is refused
+    reuse = config_from_args(build_parser().parse_args([*TINY, "--teacher-runs", str(runs)]))
+    teacher = teacher_run(reuse, 1234, {})
+    assert teacher == runs / "softmax_s1234"
+    data = tmp_path / "work" / "data_v512_docs40"  # where the study prepared the teacher's data
+    assert teacher_data(reuse, teacher) == {"tokenizer": data / "tokenizer.model", "train": data / "train",
+                                            "valid": data / "valid"}
+    with pytest.raises(ValueError, match=r"--teacher-runs: .*softmax_s1234 does not match the study's shape "
+                                         r"\(teacher, study\): \{'hidden_size': \(32, 64\)\}"):
+        teacher_data(dataclasses.replace(reuse, hidden_size=64), teacher)
+    for target in results["targets"].values():
+        assert target["token_fraction"] == pytest.approx(0.1)
+        assert target["beats_scratch"] is None  # one seed: nothing claimed
+    md = (out / "results.md").read_text()
+    assert "| flexformer_n_stage2 | stage2 | 1 | 0.100 (256) |" in md and "## Targets" in md
+    assert (out / "ppl_vs_tokens.png").stat().st_size > 5000
+
+
+def _rows(ppl: dict[str, list[float]], fractions: dict[str, float]) -> list[dict]:
+    """Study rows (one per label and seed) with the given perplexities on both sets."""
+    rows = []
+    for label, values in ppl.items():
+        stage = label.rsplit("_", 1)[-1] if label != "softmax" else "teacher"
+        for seed, v in enumerate(values):
+            rows.append({"label": label, "kind": label.split("_stage")[0], "seed": seed, "stage": stage,
+                         "student": label.split("_stage")[0], "english_docs_valid_ppl": v, "wikitext2_test_ppl": 2 * v,
+                         "token_fraction": fractions[label], "tokens_total": fractions[label] * 1000})
+    return rows
+
+
+def test_targets_follow_the_means_and_the_seed_noise_rule() -> None:
+    cfg = DistillStudyConfig()
+    fractions = {"softmax": 1.0, "flexformer_n_stage2": 0.1, "performer_stage2": 0.1, "flexformer_n_scratch": 0.1}
+    good = _rows({"softmax": [100, 101, 99], "flexformer_n_stage2": [105, 106, 107],
+                  "performer_stage2": [130, 131, 129], "flexformer_n_scratch": [150, 155, 152]}, fractions)
+    summary = summarize(good)
+    assert summary[1]["english_docs_valid_ppl_ratio"] == pytest.approx(106 / 100)
+    assert summary[1]["wikitext2_test_ppl_ratio"] == pytest.approx(106 / 100)
+    for t in check_targets(cfg, summary).values():
+        assert t["within_10pct_on_10pct_tokens"] is True
+        assert t["beats_scratch"] is True and t["beats_distilled_performer"] is True
+    # 12% worse than the teacher, scratch within seed noise, performer better
+    bad = _rows({"softmax": [100, 101, 99], "flexformer_n_stage2": [112, 100, 124],
+                 "performer_stage2": [90, 91, 89], "flexformer_n_scratch": [113, 111, 115]}, fractions)
+    for t in check_targets(cfg, summarize(bad)).values():
+        assert t["ppl_ratio_to_teacher"] == pytest.approx(1.12)
+        assert t["within_10pct_on_10pct_tokens"] is False
+        assert t["beats_scratch"] is None and t["beats_distilled_performer"] is False
+    # within 10% of the ppl but on more than 10% of the tokens
+    over = _rows({"softmax": [100], "flexformer_n_stage2": [101], "flexformer_n_scratch": [150]},
+                 {**fractions, "flexformer_n_stage2": 0.2})
+    for t in check_targets(cfg, summarize(over)).values():
+        assert t["within_10pct_on_10pct_tokens"] is False and t["beats_distilled_performer"] is None
+
+
+def test_bad_settings_fail_before_any_training(tmp_path: Path) -> None:
+    work = ["--work-dir", str(tmp_path / "work"), "--out", str(tmp_path / "out"), "--data-root", str(tmp_path)]
+    with pytest.raises(ValueError, match=r"--stage1-steps \+ --stage2-steps: 2,560 tokens exceed --max-token-fraction "
+                                         r"0.1 of the teacher's 12,800 tokens"):
+        main([*TINY, "--steps", "100", "--stage1-steps", "10", "--stage2-steps", "10", *work])
+    with pytest.raises(ValueError, match=r"--students: expected linear attention kinds"):
+        main([*TINY, "--students", "flexformer_n,softmax", *work])
+    with pytest.raises(ValueError, match=r"--stage2-steps: expected >= 1, got 0"):
+        main([*TINY, "--stage2-steps", "0", *work])
+    with pytest.raises(ValueError, match=r"--lora-rank: expected >= 0"):
+        main([*TINY, "--lora-rank", "-1", *work])
+    with pytest.raises(FileNotFoundError, match=r"--teacher-runs: .*softmax_s1234 is not a finished kernel-study run"):
+        main([*TINY, "--teacher-runs", str(tmp_path / "nothing"), *work])
+    assert not (tmp_path / "work").exists()  # nothing was prepared or trained
