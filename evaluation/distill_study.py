@@ -53,7 +53,7 @@ class DistillStudyConfig(StudyConfig):
     stage1_steps: int = 10
     stage1_lr: float = 1e-2  # LoLCATs' stage-1 LR: only the feature maps train
     stage2_steps: int = 20
-    stage2_lr: float = 5e-4
+    stage2_lr: float = 1e-3  # the single-seed pilot: 1e-3 beat 5e-4 on english-docs (364 vs 434 ppl), ~equal on WikiText-2
     output_mse_weight: float = 1.0
     weights_ce_weight: float = 0.0
     lora_rank: int = 0  # 0: stage 2 trains all parameters
@@ -114,8 +114,9 @@ def teacher_data(cfg: DistillStudyConfig, run_dir: Path) -> dict[str, Path]:
     model, wanted = config["model"], {"attention": "softmax", "vocab_size": cfg.vocab_size, "num_layers": cfg.num_layers,
                                       "hidden_size": cfg.hidden_size, "num_heads": cfg.num_heads}
     wrong = {k: (model.get(k), v) for k, v in wanted.items() if model.get(k) != v}
-    if wrong or config["data"]["seq_len"] != cfg.seq_len:
-        wrong.setdefault("seq_len", (config["data"]["seq_len"], cfg.seq_len))
+    if config["data"]["seq_len"] != cfg.seq_len:
+        wrong["seq_len"] = (config["data"]["seq_len"], cfg.seq_len)
+    if wrong:
         raise ValueError(f"--teacher-runs: {run_dir} does not match the study's shape (teacher, study): {wrong}; "
                          "pass the teacher's shape flags (--vocab-size, --hidden-size, ...)")
     data = config["data"]
@@ -187,6 +188,7 @@ def run_study(cfg: DistillStudyConfig, command: str) -> list[dict[str, Any]]:
         data = prepare_data(cfg)
     else:
         data = teacher_data(cfg, teacher_run(cfg, cfg.seed, {}))
+        Path(cfg.work_dir).mkdir(parents=True, exist_ok=True)  # the run logs' folder (prepare_data makes it otherwise)
     rows = [row for seed in cfg.seed_list for row in run_seed(cfg, seed, data)]
     write_report(cfg, rows, command, time.perf_counter() - start)
     print(f"[distill_study] results in {cfg.out}")

@@ -67,6 +67,14 @@ def test_tiny_study_end_to_end(shared_data: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"--teacher-runs: .*softmax_s1234 does not match the study's shape "
                                          r"\(teacher, study\): \{'hidden_size': \(32, 64\)\}"):
         teacher_data(dataclasses.replace(reuse, hidden_size=64), teacher)
+    # a second study on that teacher (not retrained): full-parameter stage 2, its own checkpoints evaluated
+    again = main([*TINY, "--seeds", "1", "--students", "flexformer_n", "--teacher-runs", str(runs),
+                  "--data-root", str(shared_data), "--work-dir", str(tmp_path / "work2"), "--out", str(tmp_path / "out2")])
+    assert [r["label"] for r in again] == ["softmax", "flexformer_n_stage1", "flexformer_n_stage2", "flexformer_n_scratch"]
+    assert again[0]["english_docs_valid_ppl"] == rows[0]["english_docs_valid_ppl"]  # the same teacher
+    assert not (tmp_path / "work2" / "runs" / "softmax_s1234").exists()
+    config = read_meta(resolve_checkpoint(tmp_path / "work2" / "runs" / "flexformer_n_stage2_s1234"))["config"]
+    assert config["distill"]["lora_rank"] == 0 and config["data"]["tokenizer"] == str(data / "tokenizer.model")
     for target in results["targets"].values():
         assert target["token_fraction"] == pytest.approx(0.1)
         assert target["beats_scratch"] is None  # one seed: nothing claimed
