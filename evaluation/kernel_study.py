@@ -50,7 +50,10 @@ from typing import Any, Sequence
 
 import torch
 
+from megaflex.training.config import OptimizerConfig
+
 REPO = Path(__file__).resolve().parents[1]
+_PROJECT_OPTIMIZER = OptimizerConfig()
 KINDS = ("softmax", "flexformer_n", "flexformer_s", "performer", "elu", "cosformer", "hedgehog")
 LEARNED_SPECTRUM = {"flexformer_n": ("omega1", "omega2"), "flexformer_s": ("omega",)}
 # Flexformer-N arms: (overrides of the default recipe, what they test)
@@ -114,6 +117,9 @@ class StudyConfig:
     min_lr: float = 2e-4
     warmup: int = 50
     seed: int = 1234
+    # the project's default recipe (configs/tiny.yaml, the base config of every run, sets both to 1)
+    kernel_frequency_lr_multiplier: float = _PROJECT_OPTIMIZER.kernel_frequency_lr_multiplier
+    kernel_temperature_lr_multiplier: float = _PROJECT_OPTIMIZER.kernel_temperature_lr_multiplier
     # data / evaluation
     max_train_docs: int | None = None  # None: both english-docs train shards
     tokenizer_sentences: int = 200_000
@@ -186,6 +192,8 @@ def train_overrides(cfg: StudyConfig, run: RunSpec, seed: int, data: dict[str, P
         f"train.device={cfg.device}",
         f"schedule.warmup_iters={min(cfg.warmup, cfg.steps)}", "schedule.decay_style=cosine",
         f"schedule.min_lr={cfg.min_lr}",
+        f"optimizer.kernel_frequency_lr_multiplier={cfg.kernel_frequency_lr_multiplier}",
+        f"optimizer.kernel_temperature_lr_multiplier={cfg.kernel_temperature_lr_multiplier}",
         "parallel.zero_stage=0", "parallel.tensor_parallel_size=1",
         "checkpoint.save_interval=0", "checkpoint.keep_last=1", "checkpoint.resume=none",
         f"logging.run_dir={run_dir}", "logging.log_interval=5", "logging.tensorboard=false",
@@ -389,7 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
                  "micro_batch_size", "global_batch_size", "warmup", "seed", "seeds", "tokenizer_sentences",
                  "eval_batch_size", "eval_tokens"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=None, help=f"default {getattr(defaults, name)}")
-    for name in ("lr", "min_lr"):
+    for name in ("lr", "min_lr", "kernel_frequency_lr_multiplier", "kernel_temperature_lr_multiplier"):
         p.add_argument("--" + name.replace("_", "-"), type=float, default=None, help=f"default {getattr(defaults, name)}")
     p.add_argument("--max-train-docs", type=int, default=None, help="use only the first N train-00 documents")
     p.add_argument("--order", default="seeds", choices=ORDERS,

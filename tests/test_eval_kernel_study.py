@@ -128,3 +128,23 @@ def test_chi_density_integrates_to_one_with_the_right_mean() -> None:
         mean = float((x.double() * pdf).sum() * dx)
         expected = math.sqrt(2) * math.exp(math.lgamma((k + 1) / 2) - math.lgamma(k / 2))
         assert mean == pytest.approx(expected, rel=1e-3)
+
+
+def test_runs_use_the_project_kernel_lr_multipliers_and_arms_override_them(tmp_path: Path) -> None:
+    from evaluation.kernel_study import ARMS, REPO, train_overrides
+    from megaflex.training.config import OptimizerConfig, load_config
+
+    cfg = StudyConfig()
+    data = {"train": tmp_path / "train", "valid": tmp_path / "valid", "tokenizer": tmp_path / "tok.model"}
+    base = REPO / "configs" / "tiny.yaml"  # sets both multipliers to 1 for the quick start
+    project = OptimizerConfig()
+
+    def optimizer_of(run: RunSpec):
+        return load_config([base], train_overrides(cfg, run, 1234, data, tmp_path / "run")).optimizer
+
+    default = optimizer_of(RunSpec("flexformer_n", "flexformer_n"))
+    assert default.kernel_frequency_lr_multiplier == project.kernel_frequency_lr_multiplier
+    assert default.kernel_temperature_lr_multiplier == project.kernel_temperature_lr_multiplier
+    off = optimizer_of(RunSpec("fn_kernel_lr_off", "flexformer_n", list(ARMS["fn_kernel_lr_off"][0])))
+    assert off.kernel_frequency_lr_multiplier == off.kernel_temperature_lr_multiplier == 1.0
+    assert project.kernel_frequency_lr_multiplier != 1.0  # else the arm would equal the default
