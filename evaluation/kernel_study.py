@@ -278,14 +278,18 @@ def kernel_summary(records: dict[int, dict[str, Any]], num_layers: int) -> dict[
     }
 
 
-def spectrum(model: torch.nn.Module, kind: str, seed: int) -> dict[str, list[list[float]]]:
-    """Per layer: ||omega|| of every frequency row, learned and at init (same seed as training)."""
+def initial_model(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """A fresh model of ``model``'s config as the trainer initialised it for ``seed``."""
     from megaflex.model.gpt import GPT
 
     torch.manual_seed(seed)  # the trainer seeds the default RNG like this before building the model
-    init_model = GPT(model.config).to(next(model.parameters()).device)
+    return GPT(model.config).to(next(model.parameters()).device)
+
+
+def spectrum(model: torch.nn.Module, kind: str, seed: int) -> dict[str, list[list[float]]]:
+    """Per layer: ||omega|| of every frequency row, learned and at init (same seed as training)."""
     out: dict[str, list[list[float]]] = {"learned": [], "init": []}
-    for which, m in (("learned", model), ("init", init_model)):
+    for which, m in (("learned", model), ("init", initial_model(model, seed))):
         for block in m.blocks:
             fm = block.attn.core.feature_map
             norms = torch.cat([getattr(fm, name).detach().float().norm(dim=-1).flatten() for name in LEARNED_SPECTRUM[kind]])
