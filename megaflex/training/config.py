@@ -160,6 +160,14 @@ class CheckpointConfig:
     resume: str = opt("auto", "`auto`: newest complete checkpoint in dir if any; `none`: start fresh; or a checkpoint path/tag")
     save_on_signal: bool = opt(True, "on SIGTERM/SIGINT/SIGUSR1 (preemption) or a dead launcher: save after the current step, exit 75")
     save_at_end: bool = opt(True, "save after the last step")
+    init_from: str | None = opt(
+        None, "warm start: a checkpoint folder, checkpoint dir or run dir (any ZeRO stage / TP size) whose weights are "
+        "copied into the model at a fresh start (ignored when resuming this run's own checkpoint); recorded in the metadata",
+    )
+    init_parameters: Literal["all", "kernel", "non_kernel"] = opt(
+        "all", "what `init_from` copies: `all` (kernel parameters the source lacks keep their fresh init, e.g. a softmax "
+        "source), `kernel` (the parameters the feature maps declare: Omega, tau, ...) or `non_kernel` (everything else)",
+    )
 
 
 @dataclass

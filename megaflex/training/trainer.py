@@ -122,6 +122,7 @@ def run(cfg: Config) -> dict[str, Any]:
         if space_warning:
             logger.print(space_warning)
 
+    init_record = _warm_start(cfg, model, logger.print)  # before the kernel snapshot and DeepSpeed
     kernel_init = kernel_snapshot(model)  # before ZeRO 3 partitions anything; replaced on resume
     if cfg.parallel.zero_stage == 3:
         _register_zero3_external_parameters(model)
@@ -148,6 +149,7 @@ def run(cfg: Config) -> dict[str, Any]:
         manager.load(engine, resume_path, tracker, load_rng=same_world)
         iteration, consumed = meta["iteration"], meta["consumed_samples"]
         nonfinite_total = meta.get("nonfinite_total", 0)
+        init_record = meta.get("init_from")
         logger.print(
             f"resumed from {resume_path} at step {iteration} ({consumed} samples consumed"
             + ("" if meta["data_parallel_size"] == dp_size else f"; data parallel {meta['data_parallel_size']} -> {dp_size}")
@@ -168,7 +170,7 @@ def run(cfg: Config) -> dict[str, Any]:
             "parameter_shapes": shapes, "num_parameters": num_params, "config": cfg.to_dict(),
             "deepspeed_config": ds_config, "optimizer_groups": [g["name"] for g in optimizer.param_groups],
             "sampler": {"consumed_samples": consumed, "global_batch_size": gbs},
-            "tokenizer": tokenizer,
+            "tokenizer": tokenizer, "init_from": init_record,
         }
         path = manager.save(engine, step, meta, tracker)
         logger.print(f"saved checkpoint {path}")
@@ -294,6 +296,21 @@ def run(cfg: Config) -> dict[str, Any]:
 
 
 # -------------------------------------------------------------------------------- helpers
+def _warm_start(cfg: Config, model: GPT, log: Any) -> dict[str, Any] | None:
+    """``checkpoint.init_from`` at a fresh start (not when this run resumes its own checkpoint):
+    copy the selected parameters into ``model``. Returns the record kept in checkpoint metadata."""
+    from megaflex.training.checkpoint import find_resume_path
+    from megaflex.training.weights import init_from_checkpoint
+
+    c = cfg.checkpoint
+    if c.init_from is None or find_resume_path(Path(cfg.checkpoint_dir), c.resume) is not None:
+        return None
+    copied, source = init_from_checkpoint(model, c.init_from, c.init_parameters)
+    fresh = len(list(model.parameters())) - len(copied)
+    log(f"initialised {len(copied)} parameter tensors ({c.init_parameters}) from {source}; {fresh} keep their init")
+    return {"path": str(source), "parameters": c.init_parameters, "copied": len(copied)}
+
+
 def _all_reduce(t: torch.Tensor, op: Any, group: Any) -> torch.Tensor:
     dist.all_reduce(t, op=op, group=group)
     return t
