@@ -207,6 +207,7 @@ def train_run(cfg: StudyConfig, run: RunSpec, seed: int, data: dict[str, Path]) 
     name = f"{run.label}_s{seed}"
     run_dir = Path(cfg.work_dir) / "runs" / name
     shutil.rmtree(run_dir, ignore_errors=True)  # a stale run's metrics/checkpoints must not mix in
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "megaflex.training.train", "--config", str(REPO / "configs" / "tiny.yaml"),
            *train_overrides(cfg, run, seed, data, run_dir)]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1)))

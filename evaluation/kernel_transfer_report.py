@@ -104,7 +104,10 @@ def write_report(cfg: TransferConfig, rows: list[dict[str, Any]], command: str, 
                for r in rows if "kernel_max_abs_diff_vs_init" in r]
     pilot = ("**One seed: a pilot.** Seed noise of this model size is several percent (kernel study), so single-seed "
              "gaps of that size show nothing.\n" if study.seeds == 1 else "")
-    tokens = lambda steps: f"{steps} steps x {study.global_batch_size} x {study.seq_len} = {steps * study.global_batch_size * study.seq_len:,} tokens"  # noqa: E731
+
+    def tokens(steps: int) -> str:
+        return f"{steps} steps x {study.global_batch_size} x {study.seq_len} = {steps * study.global_batch_size * study.seq_len:,} tokens"
+
     md = [
         "# Kernel transfer across domains\n", f"Command: `{command}`\n", pilot,
         f"Model: the kernel study's ({study.num_layers} layers, hidden {study.hidden_size}, {study.num_heads} heads, "
