@@ -17,7 +17,15 @@ to ``--out`` (default ``evaluation/results/kernel_study``):
   kernel statistics on a fixed probe batch); a verdict that only claims what the seeds support;
 * ``loss_curves.png``: training loss, mean over seeds with a +-1 std band;
 * ``spectrum.png``: ||omega|| per layer, learned vs init (first seed) and the Gaussian density;
-* ``tau.png``: Flexformer-N's tau (mean over heads and layers) over training.
+* ``tau.png``: Flexformer-N's tau (mean over heads and layers) over training;
+* ``runs/<label>_s<seed>.json``: each finished run's row with a fingerprint of its settings.
+
+Resumable: the full study (33 runs at the CPU preset) does not fit one session. A run whose row
+is stored with the same fingerprint (``run_fingerprint``: the StudyConfig fields that change a
+result, the run's kind and overrides, its seed) is skipped (``--fresh`` retrains it); the report is
+rewritten after every run from every stored row of the study and names the runs still missing.
+``--order kinds`` trains all seeds of one kind/arm before the next (default ``seeds``: seed-major),
+``--only LABEL[,..]`` trains just those kinds/arms. Per-run checkpoints stay in ``--work-dir``.
 
 Training uses the project's trainer (``megaflex-train``, DeepSpeed ZeRO-0, one process, one
 subprocess per run). Data: a sentencepiece BPE tokenizer trained on the english-docs train shards,
@@ -28,6 +36,7 @@ which are then preprocessed to ``.bin/.idx`` (cached under ``--work-dir``). Eval
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shlex
@@ -41,7 +50,10 @@ from typing import Any, Sequence
 
 import torch
 
+from megaflex.training.config import OptimizerConfig
+
 REPO = Path(__file__).resolve().parents[1]
+_PROJECT_OPTIMIZER = OptimizerConfig()
 KINDS = ("softmax", "flexformer_n", "flexformer_s", "performer", "elu", "cosformer", "hedgehog")
 LEARNED_SPECTRUM = {"flexformer_n": ("omega1", "omega2"), "flexformer_s": ("omega",)}
 # Flexformer-N arms: (overrides of the default recipe, what they test)
@@ -56,6 +68,9 @@ ARMS: dict[str, tuple[list[str], str]] = {
     "fn_hybrid": (["model.softmax_window=64"], "plus exact softmax over the last 64 tokens (attention/hybrid.py)"),
     "fn_qkv_conv": (["model.qkv_conv_size=4"], "plus a 4-tap causal depthwise convolution of q, k, v"),
 }
+ORDERS = ("seeds", "kinds")  # seed-major (a stopped study still has whole seeds) or kind-major
+# StudyConfig fields that select runs or name places, not what a run computes: not fingerprinted
+NOT_FINGERPRINTED = ("kinds", "arms", "seeds", "data_root", "work_dir", "out")
 DEFAULT_ARMS = ("fn_tied_init", "fn_kernel_lr_off", "fn_omega_frozen", "fn_hybrid")  # fn_paper_init = the default
 # model/training shapes per preset (the rest of StudyConfig is shared)
 PRESETS: dict[str, dict[str, Any]] = {
@@ -102,6 +117,9 @@ class StudyConfig:
     min_lr: float = 2e-4
     warmup: int = 50
     seed: int = 1234
+    # the project's default recipe (configs/tiny.yaml, the base config of every run, sets both to 1)
+    kernel_frequency_lr_multiplier: float = _PROJECT_OPTIMIZER.kernel_frequency_lr_multiplier
+    kernel_temperature_lr_multiplier: float = _PROJECT_OPTIMIZER.kernel_temperature_lr_multiplier
     # data / evaluation
     max_train_docs: int | None = None  # None: both english-docs train shards
     tokenizer_sentences: int = 200_000
@@ -174,6 +192,8 @@ def train_overrides(cfg: StudyConfig, run: RunSpec, seed: int, data: dict[str, P
         f"train.device={cfg.device}",
         f"schedule.warmup_iters={min(cfg.warmup, cfg.steps)}", "schedule.decay_style=cosine",
         f"schedule.min_lr={cfg.min_lr}",
+        f"optimizer.kernel_frequency_lr_multiplier={cfg.kernel_frequency_lr_multiplier}",
+        f"optimizer.kernel_temperature_lr_multiplier={cfg.kernel_temperature_lr_multiplier}",
         "parallel.zero_stage=0", "parallel.tensor_parallel_size=1",
         "checkpoint.save_interval=0", "checkpoint.keep_last=1", "checkpoint.resume=none",
         f"logging.run_dir={run_dir}", "logging.log_interval=5", "logging.tensorboard=false",
@@ -190,6 +210,7 @@ def train_run(
     name = f"{run.label}_s{seed}"
     run_dir = Path(cfg.work_dir) / "runs" / name
     shutil.rmtree(run_dir, ignore_errors=True)  # a stale run's metrics/checkpoints must not mix in
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", entry, "--config", str(REPO / "configs" / "tiny.yaml"),
            *train_overrides(cfg, run, seed, data, run_dir)]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1)))
@@ -264,14 +285,18 @@ def kernel_summary(records: dict[int, dict[str, Any]], num_layers: int) -> dict[
     }
 
 
-def spectrum(model: torch.nn.Module, kind: str, seed: int) -> dict[str, list[list[float]]]:
-    """Per layer: ||omega|| of every frequency row, learned and at init (same seed as training)."""
+def initial_model(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """A fresh model of ``model``'s config as the trainer initialised it for ``seed``."""
     from megaflex.model.gpt import GPT
 
     torch.manual_seed(seed)  # the trainer seeds the default RNG like this before building the model
-    init_model = GPT(model.config).to(next(model.parameters()).device)
+    return GPT(model.config).to(next(model.parameters()).device)
+
+
+def spectrum(model: torch.nn.Module, kind: str, seed: int) -> dict[str, list[list[float]]]:
+    """Per layer: ||omega|| of every frequency row, learned and at init (same seed as training)."""
     out: dict[str, list[list[float]]] = {"learned": [], "init": []}
-    for which, m in (("learned", model), ("init", init_model)):
+    for which, m in (("learned", model), ("init", initial_model(model, seed))):
         for block in m.blocks:
             fm = block.attn.core.feature_map
             norms = torch.cat([getattr(fm, name).detach().float().norm(dim=-1).flatten() for name in LEARNED_SPECTRUM[kind]])
@@ -280,23 +305,94 @@ def spectrum(model: torch.nn.Module, kind: str, seed: int) -> dict[str, list[lis
 
 
 
+# ------------------------------------------------------------------------------- stored runs (resume)
+def run_fingerprint(cfg: StudyConfig, run: RunSpec, seed: int) -> dict[str, Any]:
+    """What a run's result depends on: the study's settings, the kind, the overrides and the seed,
+    with ``digest`` (sha256 prefix) to compare. Run selection and paths are left out."""
+    settings = {k: v for k, v in asdict(cfg).items() if k not in NOT_FINGERPRINTED}
+    inputs = {"settings": settings, "label": run.label, "kind": run.kind, "overrides": list(run.overrides), "seed": seed}
+    digest = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
+    return {"digest": digest, **inputs}
+
+
+def row_path(cfg: StudyConfig, run: RunSpec, seed: int) -> Path:
+    return Path(cfg.out) / "runs" / f"{run.label}_s{seed}.json"
+
+
+def load_row(cfg: StudyConfig, run: RunSpec, seed: int) -> dict[str, Any] | None:
+    """The stored row of this run if its fingerprint matches the current settings, else None."""
+    path = row_path(cfg, run, seed)
+    if not path.is_file():
+        return None
+    stored = json.loads(path.read_text())
+    if stored.get("fingerprint", {}).get("digest") != run_fingerprint(cfg, run, seed)["digest"]:
+        print(f"[kernel_study] {path}: stored with other settings (fingerprint differs); it will be retrained", flush=True)
+        return None
+    return stored["row"]
+
+
+def save_row(cfg: StudyConfig, run: RunSpec, seed: int, row: dict[str, Any], command: str) -> Path:
+    path = row_path(cfg, run, seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    stored = {"fingerprint": run_fingerprint(cfg, run, seed), "command": command, "row": row}
+    path.write_text(json.dumps(stored, indent=1) + "\n")
+    return path
+
+
+def plan(cfg: StudyConfig, runs: list[RunSpec], order: str = "seeds") -> list[tuple[RunSpec, int]]:
+    """Every (run, seed) of the study: seed-major (``seeds``) or kind-major (``kinds``)."""
+    if order not in ORDERS:
+        raise ValueError(f"order: expected one of {ORDERS}, got {order!r}")
+    if order == "seeds":
+        return [(run, seed) for seed in cfg.seed_list for run in runs]
+    return [(run, seed) for run in runs for seed in cfg.seed_list]
+
+
 # ------------------------------------------------------------------------------- driver and CLI
-def run_study(cfg: StudyConfig, runs: list[RunSpec], command: str) -> list[dict[str, Any]]:
-    """Train and evaluate every run for every seed, then write the report; returns the rows."""
+def run_study(
+    cfg: StudyConfig, runs: list[RunSpec], command: str, order: str = "seeds",
+    only: Sequence[str] | None = None, fresh: bool = False,
+) -> list[dict[str, Any]]:
+    """Train and evaluate the runs not stored yet (``only``: just these labels; ``fresh``: retrain
+    stored ones too), rewriting the report after each; returns every available row, seed-major."""
     from evaluation.kernel_study_report import write_report
 
+    labels = [r.label for r in runs]
+    unknown = sorted(set(only or ()) - set(labels))
+    if unknown:
+        raise ValueError(f"only: expected labels of this study {labels}, got unknown {unknown}")
     start = time.perf_counter()
-    data = prepare_data(cfg)
-    rows = []
-    for seed in cfg.seed_list:  # seed-major: a stopped study still has whole seeds
-        for run in runs:
-            t0 = time.perf_counter()
-            rows.append(evaluate_run(cfg, run, seed, train_run(cfg, run, seed, data)))
-            print(f"[kernel_study] {run.label} seed {seed}: valid ppl {rows[-1]['english_docs_valid_ppl']:.2f}, "
-                  f"WikiText-2 test ppl {rows[-1]['wikitext2_test_ppl']:.2f} ({time.perf_counter() - t0:.0f}s)", flush=True)
-    write_report(cfg, rows, command, time.perf_counter() - start)
+    report_order = plan(cfg, runs, "seeds")
+    todo = [(run, seed) for run, seed in plan(cfg, runs, order) if only is None or run.label in only]
+    redo = {(run.label, seed) for run, seed in todo} if fresh else set()
+    rows: dict[tuple[str, int], dict[str, Any]] = {}
+    for run, seed in report_order:
+        stored = None if (run.label, seed) in redo else load_row(cfg, run, seed)
+        if stored is not None:
+            rows[run.label, seed] = stored
+
+    def report() -> list[dict[str, Any]]:
+        available = [rows[r.label, s] for r, s in report_order if (r.label, s) in rows]
+        missing = [f"{r.label}_s{s}" for r, s in report_order if (r.label, s) not in rows]
+        if available:
+            write_report(cfg, available, command, time.perf_counter() - start, missing)
+        return available
+
+    todo = [(run, seed) for run, seed in todo if (run.label, seed) not in rows]
+    print(f"[kernel_study] {len(rows)} of {len(report_order)} runs stored; training {len(todo)} now", flush=True)
+    data = prepare_data(cfg) if todo else {}
+    for run, seed in todo:
+        t0 = time.perf_counter()
+        row = evaluate_run(cfg, run, seed, train_run(cfg, run, seed, data))
+        row["seconds"] = time.perf_counter() - t0
+        save_row(cfg, run, seed, row, command)
+        rows[run.label, seed] = row
+        report()
+        print(f"[kernel_study] {run.label} seed {seed}: valid ppl {row['english_docs_valid_ppl']:.2f}, "
+              f"WikiText-2 test ppl {row['wikitext2_test_ppl']:.2f} ({row['seconds']:.0f}s)", flush=True)
+    available = report()
     print(f"[kernel_study] results in {cfg.out}")
-    return rows
+    return available
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -312,15 +408,20 @@ def build_parser() -> argparse.ArgumentParser:
                  "micro_batch_size", "global_batch_size", "warmup", "seed", "seeds", "tokenizer_sentences",
                  "eval_batch_size", "eval_tokens"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=None, help=f"default {getattr(defaults, name)}")
-    for name in ("lr", "min_lr"):
+    for name in ("lr", "min_lr", "kernel_frequency_lr_multiplier", "kernel_temperature_lr_multiplier"):
         p.add_argument("--" + name.replace("_", "-"), type=float, default=None, help=f"default {getattr(defaults, name)}")
     p.add_argument("--max-train-docs", type=int, default=None, help="use only the first N train-00 documents")
+    p.add_argument("--order", default="seeds", choices=ORDERS,
+                   help="seeds: every kind/arm of one seed, then the next seed; kinds: all seeds of one kind/arm, then the next")
+    p.add_argument("--only", default=None, help="comma-separated kinds/arms to train now (the report still covers all)")
+    p.add_argument("--fresh", action="store_true", help="retrain runs whose row is stored with the same fingerprint")
     return p
 
 
 def config_from_args(args: argparse.Namespace) -> StudyConfig:
     """StudyConfig from parsed arguments: defaults < preset < explicit flags."""
-    values = {**PRESETS[args.preset], **{k: v for k, v in vars(args).items() if v is not None}}
+    selection = ("order", "only", "fresh")  # how this session runs the study, not what the study is
+    values = {**PRESETS[args.preset], **{k: v for k, v in vars(args).items() if v is not None and k not in selection}}
     values["kinds"] = [k for k in args.kinds.split(",") if k]
     values["arms"] = [a for a in args.arms.split(",") if a]
     for name, given, known in (("--kinds", values["kinds"], KINDS), ("--arms", values["arms"], tuple(ARMS))):
@@ -335,9 +436,11 @@ def config_from_args(args: argparse.Namespace) -> StudyConfig:
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
-    cfg = config_from_args(build_parser().parse_args(argv))
+    args = build_parser().parse_args(argv)
+    cfg = config_from_args(args)
     command = "python -m evaluation.kernel_study " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
-    return run_study(cfg, cfg.runs(), command.strip())
+    only = [label for label in args.only.split(",") if label] if args.only is not None else None
+    return run_study(cfg, cfg.runs(), command.strip(), order=args.order, only=only, fresh=args.fresh)
 
 
 if __name__ == "__main__":

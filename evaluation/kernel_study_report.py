@@ -1,7 +1,7 @@
 """Report of the kernel study: mean +- std over seeds, a verdict the seeds support, and plots.
 
-``write_report(cfg, rows, command, seconds)`` writes ``results.json`` (every run and the
-aggregates), ``results.md``, ``loss_curves.png`` (mean over seeds, +-1 std band), ``spectrum.png``
+``write_report(cfg, rows, command, seconds, missing)`` writes ``results.json`` (every available
+run and the aggregates), ``results.md`` (a partial report first lists the ``missing`` runs), ``loss_curves.png`` (mean over seeds, +-1 std band), ``spectrum.png``
 (learned ||omega|| vs init, first seed) and ``tau.png`` (tau over training, mean over seeds).
 
 Verdict rule: "A beats B" only when the gap of the means exceeds twice the standard error of
@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import statistics
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -91,7 +91,11 @@ def verdict(summary: list[dict[str, Any]]) -> str:
     return f"## Verdict (computed from the means; {rule})\n\n" + "\n".join(lines) + "\n"
 
 
-def write_report(cfg: StudyConfig, rows: list[dict[str, Any]], command: str, seconds: float) -> None:
+def write_report(
+    cfg: StudyConfig, rows: list[dict[str, Any]], command: str, seconds: float, missing: Sequence[str] = (),
+) -> None:
+    """``rows``: the runs available so far (stored by earlier sessions too); ``missing``: the
+    study's runs without a row yet (``<label>_s<seed>``); ``seconds``: this session's wall time."""
     from dataclasses import asdict
 
     from evaluation.plotting import markdown_table, write_json
@@ -106,8 +110,10 @@ def write_report(cfg: StudyConfig, rows: list[dict[str, Any]], command: str, sec
     if any(r.get("tau_curve") for r in rows):
         plot_tau(out / "tau.png", rows)
     runs = [{k: v for k, v in r.items() if k not in ("loss_curve", "spectrum", "tau_curve")} for r in rows]
+    run_seconds = sum(r.get("seconds") or 0.0 for r in rows)  # train + evaluate, over all sessions
     write_json(out / "results.json", {
-        "command": command, "config": asdict(cfg), "seconds": seconds, "tokens_per_run": cfg.tokens_per_run,
+        "command": command, "config": asdict(cfg), "seconds": seconds, "run_seconds": run_seconds,
+        "tokens_per_run": cfg.tokens_per_run, "complete": not missing, "missing": list(missing),
         "summary": summary, "runs": runs,
         "loss_curves": {f"{r['label']}_s{r['seed']}": r["loss_curve"] for r in rows},
         "tau_curves": {f"{r['label']}_s{r['seed']}": r["tau_curve"] for r in rows if r.get("tau_curve")},
@@ -125,12 +131,15 @@ def write_report(cfg: StudyConfig, rows: list[dict[str, Any]], command: str, sec
     from evaluation.kernel_study import ARMS
 
     arms = "".join(f"- `{a}`: {ARMS[a][1]} ({', '.join(ARMS[a][0])})\n" for a in cfg.arms)
+    status = ("All runs of the study are in.\n" if not missing else
+              f"**Partial report: {len(missing)} of {len(missing) + len(rows)} runs missing** (continue with the "
+              "same command; stored runs are skipped): " + ", ".join(missing) + ".\n")
     md = [
-        "# Kernel study results\n", f"Command: `{command}`\n",
+        "# Kernel study results\n", f"Command (latest session): `{command}`\n", status,
         f"{len(summary)} kinds/arms x seeds {cfg.seed_list}, {cfg.tokens_per_run:,} training tokens per run "
         f"({cfg.steps} steps x {cfg.global_batch_size} x {cfg.seq_len}); {cfg.num_layers} layers, hidden "
         f"{cfg.hidden_size}, {cfg.num_heads} heads, feature_dim {cfg.feature_dim}, vocab {cfg.vocab_size}; "
-        f"device {cfg.device}; wall time {seconds / 60:.1f} min.\n",
+        f"device {cfg.device}; compute time {run_seconds / 60:.1f} min (train + evaluate, summed over runs and sessions).\n",
         "Perplexity: mean ± sample std over seeds; windows of the training length, every target token once, "
         f"{'whole sets' if not cfg.eval_tokens else f'first {cfg.eval_tokens:,} tokens of each set'}. Kernel "
         "columns: last logged value, mean over layers and seeds: relative change of Omega since init, raw tau, "

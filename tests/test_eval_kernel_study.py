@@ -1,4 +1,5 @@
-"""Smoke run of the kernel study v2: real data, a kind and an arm, two seeds, a few steps."""
+"""The kernel study v2: a real smoke run over three sessions (resume, --only, --order, --fresh;
+real data, a kind and an arm, two seeds, a few steps), run order and fingerprints."""
 
 from __future__ import annotations
 
@@ -8,23 +9,41 @@ from pathlib import Path
 
 import pytest
 
-from evaluation.kernel_study import main
+from dataclasses import replace
+
+from evaluation.kernel_study import RunSpec, StudyConfig, load_row, main, plan, run_fingerprint, run_study, save_row
 from evaluation.kernel_study_report import aggregate, beats, chi_density
 
 
+TINY = ["--steps", "3", "--kinds", "flexformer_n", "--arms", "fn_hybrid", "--seeds", "2",
+        "--max-train-docs", "40", "--vocab-size", "512", "--hidden-size", "32", "--num-layers", "2",
+        "--num-heads", "2", "--feature-dim", "16", "--seq-len", "64", "--micro-batch-size", "2",
+        "--global-batch-size", "2", "--eval-tokens", "600", "--tokenizer-sentences", "5000"]
+
+
 @pytest.mark.slow
-def test_kernel_study_smoke_writes_seed_aggregates_curves_and_spectrum(shared_data: Path, tmp_path: Path) -> None:
+def test_kernel_study_resumes_across_sessions_and_writes_seed_aggregates(shared_data: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    argv = ["--steps", "3", "--kinds", "flexformer_n", "--arms", "fn_hybrid", "--seeds", "2",
-            "--max-train-docs", "40", "--vocab-size", "512", "--hidden-size", "32", "--num-layers", "2",
-            "--num-heads", "2", "--feature-dim", "16", "--seq-len", "64", "--micro-batch-size", "2",
-            "--global-batch-size", "2", "--eval-tokens", "600", "--tokenizer-sentences", "5000",
-            "--data-root", str(shared_data), "--work-dir", str(tmp_path / "work"), "--out", str(out)]
-    rows = main(argv)
+    argv = [*TINY, "--data-root", str(shared_data), "--work-dir", str(tmp_path / "work"), "--out", str(out)]
+    # session 1: only the hybrid arm; the report is partial and names the missing runs
+    rows = main([*argv, "--only", "fn_hybrid"])
+    assert [(r["label"], r["seed"]) for r in rows] == [("fn_hybrid", 1234), ("fn_hybrid", 1235)]
+    partial = json.loads((out / "results.json").read_text())
+    assert partial["complete"] is False and partial["missing"] == ["flexformer_n_s1234", "flexformer_n_s1235"]
+    md = (out / "results.md").read_text()
+    assert "Partial report: 2 of 4 runs missing" in md and "flexformer_n_s1235" in md
+    hybrid_files = {p.name: p.read_bytes() for p in (out / "runs").glob("fn_hybrid_s*.json")}
+    assert sorted(hybrid_files) == ["fn_hybrid_s1234.json", "fn_hybrid_s1235.json"]
+    assert (tmp_path / "work" / "runs" / "fn_hybrid_s1234" / "checkpoints").is_dir()  # kept for reuse
+
+    # session 2: the stored hybrid runs are skipped (files untouched), the rest is trained
+    rows = main([*argv, "--order", "kinds"])
     assert [(r["label"], r["seed"]) for r in rows] == [
         (label, seed) for seed in (1234, 1235) for label in ("flexformer_n", "fn_hybrid")
     ]
+    assert {p.name: (out / "runs" / p.name).read_bytes() for p in (out / "runs").glob("fn_hybrid_s*.json")} == hybrid_files
     results = json.loads((out / "results.json").read_text())
+    assert results["complete"] is True and results["missing"] == []
     assert results["tokens_per_run"] == 3 * 2 * 64
     for run in results["runs"]:
         for key in ("english_docs_valid_ppl", "wikitext2_test_ppl", "english_docs_valid_bpb", "train_tokens_per_s"):
@@ -40,9 +59,50 @@ def test_kernel_study_smoke_writes_seed_aggregates_curves_and_spectrum(shared_da
     assert runs["flexformer_n", 1235]["omega_rel_change"][0] > 0  # Omega trained
     assert "model.softmax_window=64" in runs["fn_hybrid", 1234]["overrides"]
     md = (out / "results.md").read_text()
-    assert "--seeds 2" in md and "| fn_hybrid | 2 |" in md and "± " in md and "## Verdict" in md
+    assert "All runs of the study are in" in md and "| fn_hybrid | 2 |" in md and "± " in md and "## Verdict" in md
     for png in ("loss_curves.png", "spectrum.png", "tau.png"):
         assert (out / png).stat().st_size > 5000
+
+    # session 3: --fresh retrains the selected run (new file); the other rows still feed the report
+    stored = (out / "runs" / "flexformer_n_s1234.json").read_bytes()
+    rows = main([*argv, "--only", "flexformer_n", "--seeds", "1", "--fresh"])
+    assert [(r["label"], r["seed"]) for r in rows] == [("flexformer_n", 1234), ("fn_hybrid", 1234)]
+    assert (out / "runs" / "flexformer_n_s1234.json").read_bytes() != stored
+    assert {p.name: (out / "runs" / p.name).read_bytes() for p in (out / "runs").glob("fn_hybrid_s*.json")} == hybrid_files
+
+
+def test_run_order_and_only() -> None:
+    cfg = StudyConfig(kinds=["softmax", "elu"], arms=["fn_hybrid"], seeds=2)
+    runs = cfg.runs()
+    seed_major = [(r.label, s) for r, s in plan(cfg, runs, "seeds")]
+    kind_major = [(r.label, s) for r, s in plan(cfg, runs, "kinds")]
+    assert seed_major == [(label, s) for s in (1234, 1235) for label in ("softmax", "elu", "fn_hybrid")]
+    assert kind_major == [(label, s) for label in ("softmax", "elu", "fn_hybrid") for s in (1234, 1235)]
+    with pytest.raises(ValueError, match="order"):
+        plan(cfg, runs, "random")
+    with pytest.raises(ValueError, match=r"only: .*unknown \['cosformer'\]"):
+        run_study(cfg, runs, "cmd", only=["cosformer"])
+    with pytest.raises(SystemExit):
+        main(["--order", "random"])
+
+
+def test_fingerprint_covers_settings_overrides_and_seed_not_selection(tmp_path: Path) -> None:
+    cfg = StudyConfig(out=str(tmp_path))
+    run = RunSpec("fn_hybrid", "flexformer_n", ["model.softmax_window=64"])
+    digest = run_fingerprint(cfg, run, 1234)["digest"]
+    # selecting other runs or other places does not change what this run computes
+    for changed in (dict(kinds=["elu"]), dict(arms=[]), dict(seeds=1), dict(out="elsewhere"), dict(work_dir="w")):
+        assert run_fingerprint(replace(cfg, **changed), run, 1234)["digest"] == digest, changed
+    for changed in (dict(lr=1e-3), dict(steps=301), dict(feature_dim=32), dict(seed=1), dict(eval_tokens=0)):
+        assert run_fingerprint(replace(cfg, **changed), run, 1234)["digest"] != digest, changed
+    assert run_fingerprint(cfg, run, 1235)["digest"] != digest
+    assert run_fingerprint(cfg, RunSpec("fn_hybrid", "flexformer_n", ["model.softmax_window=32"]), 1234)["digest"] != digest
+    # a stored row is used only under the same fingerprint
+    row = {"label": "fn_hybrid", "kind": "flexformer_n", "seed": 1234, "english_docs_valid_ppl": 300.0}
+    save_row(cfg, run, 1234, row, "cmd")
+    assert load_row(cfg, run, 1234) == row
+    assert load_row(replace(cfg, lr=1e-3), run, 1234) is None
+    assert load_row(cfg, run, 1235) is None
 
 
 def test_aggregate_and_the_seed_noise_rule() -> None:
@@ -68,3 +128,23 @@ def test_chi_density_integrates_to_one_with_the_right_mean() -> None:
         mean = float((x.double() * pdf).sum() * dx)
         expected = math.sqrt(2) * math.exp(math.lgamma((k + 1) / 2) - math.lgamma(k / 2))
         assert mean == pytest.approx(expected, rel=1e-3)
+
+
+def test_runs_use_the_project_kernel_lr_multipliers_and_arms_override_them(tmp_path: Path) -> None:
+    from evaluation.kernel_study import ARMS, REPO, train_overrides
+    from megaflex.training.config import OptimizerConfig, load_config
+
+    cfg = StudyConfig()
+    data = {"train": tmp_path / "train", "valid": tmp_path / "valid", "tokenizer": tmp_path / "tok.model"}
+    base = REPO / "configs" / "tiny.yaml"  # sets both multipliers to 1 for the quick start
+    project = OptimizerConfig()
+
+    def optimizer_of(run: RunSpec):
+        return load_config([base], train_overrides(cfg, run, 1234, data, tmp_path / "run")).optimizer
+
+    default = optimizer_of(RunSpec("flexformer_n", "flexformer_n"))
+    assert default.kernel_frequency_lr_multiplier == project.kernel_frequency_lr_multiplier
+    assert default.kernel_temperature_lr_multiplier == project.kernel_temperature_lr_multiplier
+    off = optimizer_of(RunSpec("fn_kernel_lr_off", "flexformer_n", list(ARMS["fn_kernel_lr_off"][0])))
+    assert off.kernel_frequency_lr_multiplier == off.kernel_temperature_lr_multiplier == 1.0
+    assert project.kernel_frequency_lr_multiplier != 1.0  # else the arm would equal the default

@@ -106,6 +106,13 @@ class OptimizerConfig:
         "LR of the kernel temperature (Flexformer-N's tau; role 'temperature') = this x the scheduled LR. "
         "Default 10 for both (single-seed pilot, evaluation/results/kernel_pilot: 10 beat 1 on both eval sets with both inits; 30 was much worse)",
     )
+    freeze_kernel: bool = opt(
+        False,
+        "freeze every learnable kernel parameter the feature maps declare (Omega, tau, hedgehog's W, the q/k/v "
+        "convolution taps): requires_grad off, in no param group. For kernels that must stay as loaded or drawn "
+        "(kernel transfer with checkpoint.init_parameters=kernel, random-kernel baselines); any kind, unlike the "
+        "LR multipliers, which cover only Omega and tau",
+    )
     fused: Literal["auto", "on", "off"] = opt("auto", "torch fused AdamW kernel (auto: on when the device supports it)")
     use_apex: bool = opt(False, "use apex FusedAdam instead (GPU; apex must be installed)")
 

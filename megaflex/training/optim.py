@@ -10,6 +10,10 @@ Groups (``param_groups``):
   scheduled LR x ``optimizer.kernel_{frequency,temperature}_lr_multiplier``; a group exists only
   when its multiplier is not 1, so runs and checkpoints with multipliers 1 have the plain two groups.
 
+``optimizer.freeze_kernel`` freezes every declared kernel parameter instead (``freeze_kernel_parameters``:
+requires_grad off, so it is in no group and gets no gradient): the only way to hold a map weight
+such as hedgehog's W fixed, which has no multiplier of its own.
+
 Kernel parameters never decay: decay pulls Omega to 0 (a flat kernel), tau towards a fixed
 temperature and hedgehog's W towards uniform features; none of that regularises capacity.
 
@@ -72,6 +76,15 @@ def param_groups(
     return [g for g in groups if g["params"]]
 
 
+def freeze_kernel_parameters(model: nn.Module) -> list[str]:
+    """Turn off requires_grad of every declared kernel parameter; returns their qualified names."""
+    frozen = []
+    for name, kp in named_kernel_parameters(model):
+        kp.param.requires_grad_(False)
+        frozen.append(name)
+    return frozen
+
+
 def kernel_lr_multipliers(cfg: Config) -> dict[str, float]:
     """The config's LR multiplier per kernel role."""
     o = cfg.optimizer
@@ -87,6 +100,9 @@ def group_summary(model: nn.Module, cfg: Config) -> str:
         shown = [names[id(p)] for p in g["params"]]
         listed = ", ".join(shown) if g["name"] != "decay" else f"{len(shown)} matrices"
         lines.append(f"  {g['name']}: lr x {g['lr_multiplier']:g}, weight decay {g['weight_decay']:g}: {listed}")
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    if frozen:
+        lines.append(f"  frozen (no group): {', '.join(frozen)}")
     return "param groups:\n" + "\n".join(lines)
 
 
@@ -121,8 +137,11 @@ class SkippableAdamW(torch.optim.AdamW):
 
 
 def build_optimizer(cfg: Config, model: nn.Module, device: str) -> torch.optim.Optimizer:
-    """The AdamW the DeepSpeed engine wraps (apex FusedAdam when asked and available)."""
+    """The AdamW the DeepSpeed engine wraps (apex FusedAdam when asked and available).
+    With ``optimizer.freeze_kernel`` it first freezes the model's kernel parameters."""
     o = cfg.optimizer
+    if o.freeze_kernel:
+        freeze_kernel_parameters(model)
     groups = param_groups(model, o.weight_decay, o.no_decay_patterns, kernel_lr_multipliers(cfg))
     kwargs = dict(lr=cfg.train.lr, betas=(o.beta1, o.beta2), eps=o.eps)
     if o.use_apex:

@@ -1,0 +1,68 @@
+"""The kernel-transfer experiment at tiny settings: A, the three B arms, frozen kernels, report."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from evaluation.kernel_transfer import initial_kernel_state, kernel_state, main, max_abs_diff
+
+TINY = ["--steps-a", "4", "--steps-b", "3", "--max-train-docs", "40", "--vocab-size", "512", "--hidden-size", "32",
+        "--num-layers", "2", "--num-heads", "2", "--feature-dim", "16", "--seq-len", "64", "--micro-batch-size", "2",
+        "--global-batch-size", "2", "--eval-tokens", "600", "--tokenizer-sentences", "5000"]
+
+
+@pytest.mark.slow
+def test_kernel_transfer_arms_freeze_the_right_kernels_and_report_the_drops(shared_data: Path, tmp_path: Path) -> None:
+    work, out = tmp_path / "work", tmp_path / "out"
+    places = ["--data-root", str(shared_data), "--data-work-dir", str(tmp_path / "data"), "--work-dir", str(work), "--out", str(out)]
+    rows = main([*TINY, *places, "--jobs", "2"])  # the two kinds' chains in two processes
+    assert sorted((r["kind"], r["arm"]) for r in rows) == sorted(
+        (kind, arm) for kind in ("flexformer_n", "hedgehog") for arm in ("A", "transfer", "learned_b", "random"))
+    runs = {(r["kind"], r["arm"]): work / "runs" / f"{r['label']}_s1234" for r in rows}
+    for kind in ("flexformer_n", "hedgehog"):
+        a = kernel_state(runs[kind, "A"])
+        init = initial_kernel_state(runs[kind, "A"], 1234)
+        assert max_abs_diff(a, init) > 0  # A learned its kernel
+        assert max_abs_diff(kernel_state(runs[kind, "transfer"]), a) == 0  # A's kernel, frozen
+        assert max_abs_diff(kernel_state(runs[kind, "random"]), init) == 0  # the untrained kernel, frozen
+        assert max_abs_diff(kernel_state(runs[kind, "learned_b"]), init) > 0  # learned on B
+    # the transfer run copied only the kernel: its other weights were trained from scratch on B
+    import torch
+
+    from evaluation.loading import load_for_eval
+
+    a_model, t_model = (load_for_eval(runs["hedgehog", arm] / "checkpoints").model for arm in ("A", "transfer"))
+    assert not torch.equal(a_model.embed.weight, t_model.embed.weight)
+
+    results = json.loads((out / "results.json").read_text())
+    by = {(r["kind"], r["arm"]): r for r in results["runs"]}
+    assert by["flexformer_n", "transfer"]["kernel_max_abs_diff_vs_A"] == 0
+    assert by["hedgehog", "random"]["kernel_max_abs_diff_vs_init"] == 0
+    for kind in ("flexformer_n", "hedgehog"):
+        s = results["summary"][kind]
+        learned = by[kind, "learned_b"]["wikitext2_test_ppl"]
+        assert math.isfinite(learned) and 50 < learned < 5000  # near-uniform over a 512-token vocabulary
+        for arm in ("transfer", "random"):
+            assert s[f"{arm}_drop_mean"] == pytest.approx(by[kind, arm]["wikitext2_test_ppl"] / learned - 1)
+    assert results["tokens_b"] == 3 * 2 * 64 and by["hedgehog", "A"]["wikitext2_test_tokens"] == 599
+    md = (out / "results.md").read_text()
+    assert "One seed: a pilot" in md and "| hedgehog | 1 |" in md and "valid** split to train on" in md
+    assert (out / "transfer.png").stat().st_size > 5000
+
+    # a second session reuses every stored run (no training: the checkpoints stay as they are)
+    stamps = {p: p.stat().st_mtime_ns for p in work.glob("runs/*/checkpoints/latest")}
+    assert len(stamps) == 8
+    again = main([*TINY, *places, "--jobs", "1"])
+    assert [r["wikitext2_test_ppl"] for r in again] == [r["wikitext2_test_ppl"] for r in rows]
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
+
+
+def test_kinds_without_a_learnable_kernel_and_bad_counts_are_refused() -> None:
+    with pytest.raises(ValueError, match="--kinds: 'performer' has no learnable kernel"):
+        main(["--kinds", "flexformer_n,performer"])
+    with pytest.raises(ValueError, match="--steps-b: expected >= 1, got 0"):
+        main(["--steps-b", "0"])
