@@ -36,12 +36,14 @@ from .validation import validate_linear_attention_inputs
 FUSED_TRIG_ENABLED = True
 
 
-def _key_log_scale(k: torch.Tensor, inv_t_rows: torch.Tensor) -> torch.Tensor:
-    """kls = ||k||^2 inv_t [BH, N] from k [BH, N, d], one head at a time (no [BH, N, d] temporary)."""
-    out = k.new_empty(k.shape[:2])
+def _key_log_scale(k: torch.Tensor, inv_t_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(||k||^2, kls = ||k||^2 inv_t), both [BH, N], from k [BH, N, d], one head at a time (no
+    [BH, N, d] temporary); the backward reads ||k||^2 back for d inv_t."""
+    sq, out = k.new_empty(k.shape[:2]), k.new_empty(k.shape[:2])
     for i in range(k.shape[0]):
-        torch.mul((k[i] * k[i]).sum(dim=-1), inv_t_rows[i], out=out[i])
-    return out
+        torch.sum(k[i] * k[i], dim=-1, out=sq[i])  # as the plain map computes it, to the bit
+        torch.mul(sq[i], inv_t_rows[i], out=out[i])
+    return sq, out
 
 
 class _GroupBuffers:
@@ -55,6 +57,7 @@ class _GroupBuffers:
         self.qf, self.kf = new(rows, feat), new(rows, feat)
         self.proj, self.q_cos, self.q_sin, self.k_cos, self.k_sin = (new(rows, p) for _ in range(5))
         self.v_aug = new(rows, dv + 1)
+        self.v_aug[..., dv] = 1.0  # the ones column, set once: ``features`` only rewrites the values
         if backward:
             self.dqf, self.dkf, self.d_lam = new(rows, feat), new(rows, feat), like.new_empty(rows)
 
@@ -65,7 +68,6 @@ class _GroupBuffers:
         trig_rows(xq, w_t, paired, self.proj[:, :r], self.q_cos[:, :r], self.q_sin[:, :r], self.qf[:, :r], 1.0)
         trig_rows(xk, w_t, paired, self.proj[:, :r], self.k_cos[:, :r], self.k_sin[:, :r], self.kf[:, :r], 1.0)
         self.v_aug[:, :r, :dv] = v
-        self.v_aug[:, :r, dv] = 1.0
 
 
 class _ChunkedTrigAttention(torch.autograd.Function):
@@ -82,7 +84,7 @@ class _ChunkedTrigAttention(torch.autograd.Function):
         groups = _groups(n, c, feat)
         scale = _feature_scale(p, paired)  # features are computed unscaled; the group functions apply it
         inv_rows = inv_t.repeat(bh // heads)  # [BH]: head h of every batch entry
-        lam = _key_log_scale(k, inv_rows)
+        k_sq, lam = _key_log_scale(k, inv_rows)
         m, bounds, decay, fast = _stabiliser(lam, m0, c)
         states = q.new_empty(bh, len(groups) + 1, feat, dv + 1)
         states[:, 0] = s0
@@ -110,7 +112,7 @@ class _ChunkedTrigAttention(torch.autograd.Function):
                 out[b, sl] = normalize_output(ng[..., :dv], den, normalization, eps).view(r, dv)
 
         for_each_head(forward_head, bh, q.device)
-        ctx.save_for_backward(q, k, v, omega, inv_t, s0, numer, lam, m, bounds, states)
+        ctx.save_for_backward(q, k, v, omega, inv_t, s0, numer, k_sq, lam, m, bounds, states)
         ctx.meta = (c, heads, groups, decay, fast, paired, normalization, eps)
         log_max = bounds[:, -1].clone()
         ctx.mark_non_differentiable(log_max)
@@ -118,7 +120,7 @@ class _ChunkedTrigAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_out, d_final, _d_log_max):  # type: ignore[override]
-        q, k, v, omega, inv_t, s0, numer, lam, m, bounds, states = ctx.saved_tensors
+        q, k, v, omega, inv_t, s0, numer, k_sq, lam, m, bounds, states = ctx.saved_tensors
         c, heads, groups, decay, fast, paired, normalization, eps = ctx.meta
         bh, n, d = q.shape
         dv, p, feat, nc = v.shape[-1], omega.shape[1], states.shape[2], numer.shape[-1]
@@ -157,7 +159,7 @@ class _ChunkedTrigAttention(torch.autograd.Function):
                 torch.bmm(d_proj, w, out=dk[b : b + 1, sl])
                 d_omega[b : b + 1].baddbmm_(d_proj.transpose(1, 2), xk)
                 dk[b, sl].addcmul_(xk[0], (d_lam * (2 * inv_rows[b])).unsqueeze(-1))
-                d_inv[b] += (d_lam * (xk[0] * xk[0]).sum(dim=-1)).sum()
+                d_inv[b] += torch.dot(d_lam, k_sq[b, sl])
 
         for_each_head(backward_head, bh, q.device)
         d_s0 = carry if ctx.needs_input_grad[5] else None
