@@ -72,8 +72,6 @@ _GROUP_ELEMENTS = 1 << 18
 _HEAD_BLOCK_ELEMENTS = 1 << 17
 # a chunk whose running max rises by at most this much (within the chunk) takes the fast path
 _FAST_RANGE = 20.0
-# chunks per matmul of the state scans: a block of b chunks costs 2 (b + 1) F (Dv+1) FLOPs per chunk
-_SCAN_BLOCK = 8
 
 
 @functools.lru_cache(maxsize=32)
@@ -153,53 +151,30 @@ class GroupScratch:
         self.ds = like.new_empty(nh, most + 1, feat, dva) if backward else None
 
 
-def _decay_matrix(b: torch.Tensor) -> torch.Tensor:
-    """b [nh, k] chunk-boundary maxima -> [nh, k, k] with [i, j] = exp(b_j - b_i) for j <= i, else 0:
-    the factor that carries a state from boundary j to boundary i (the product of the chunk decays
-    in between). Arguments are <= 0 (b is non-decreasing); an empty prefix (-inf - -inf) gives 0,
-    as in ``_stabiliser``, and the diagonal is exactly 1."""
-    e = b.unsqueeze(-2) - b.unsqueeze(-1)
-    e.masked_fill_(_future_mask(b.shape[-1], b.device), float("-inf"))
-    decay = e.exp_().nan_to_num_(0.0)
-    decay.diagonal(dim1=-2, dim2=-1).fill_(1.0)
-    return decay
-
-
-def _scan_forward(u: torch.Tensor, carry: torch.Tensor, s: torch.Tensor) -> None:
-    """Chunk states S_j = exp(b_{j-1} - b_j) S_{j-1} + U_j, j = 1..g, into s [nh, >= g+1, F, Dv+1]
-    from u[:, 0] = S_0 and u[:, j] = U_j (u is overwritten); carry = ``_decay_matrix(b)`` [nh, g+1, g+1].
-
-    Blocks of ``_SCAN_BLOCK`` chunks are one small matmul each, S_{j0+1..j1} = D [S_j0; U_{j0+1..j1}]
-    (D a diagonal block of ``carry``), instead of one elementwise op per chunk (whose per-call
-    overhead dominated: each touches only F x (Dv+1) values)."""
-    nh, g = carry.shape[0], carry.shape[1] - 1
+def _scan_forward(u: torch.Tensor, dec: torch.Tensor, s: torch.Tensor) -> None:
+    """Chunk states S_j = d_j S_{j-1} + U_j, j = 1..g, into s [nh, >= g+1, F, Dv+1] from u[:, 0] = S_0
+    and u[:, j] = U_j; dec [nh, g, 1, 1] the chunk decays d_j = exp(b_{j-1} - b_j)."""
     s[:, 0] = u[:, 0]
-    for j0 in range(0, g, _SCAN_BLOCK):
-        j1 = min(j0 + _SCAN_BLOCK, g)
-        u[:, j0] = s[:, j0]  # U_j0 was used by the previous block: its slot takes S_j0
-        _bmm_into(carry[:, j0 + 1 : j1 + 1, j0 : j1 + 1], u[:, j0 : j1 + 1].reshape(nh, j1 - j0 + 1, -1), s[:, j0 + 1 : j1 + 1])
+    for j in range(dec.shape[1]):
+        torch.addcmul(u[:, j + 1], s[:, j], dec[:, j], out=s[:, j + 1])
 
 
-def _scan_backward(u: torch.Tensor, carry: torch.Tensor, ds: torch.Tensor) -> None:
-    """The reverse scan dS_j = G_j + exp(b_j - b_{j+1}) dS_{j+1} into ds[:, 0..g] from u[:, j] = G_j
-    (j < g, the local gradients) and u[:, g] = dS_g (u is overwritten), in blocks like ``_scan_forward``."""
-    nh, g = carry.shape[0], carry.shape[1] - 1
-    back = carry.transpose(1, 2)  # [i, j] = exp(b_i - b_j) for j >= i
+def _scan_backward(u: torch.Tensor, dec: torch.Tensor, ds: torch.Tensor) -> None:
+    """The reverse scan dS_j = G_j + d_{j+1} dS_{j+1} into ds[:, 0..g] from u[:, j] = G_j (j < g, the
+    local gradients) and u[:, g] = dS_g; dec [nh, g, 1, 1] as in ``_scan_forward``."""
+    g = dec.shape[1]
     ds[:, g] = u[:, g]
-    for j1 in range(g, 0, -_SCAN_BLOCK):
-        j0 = max(j1 - _SCAN_BLOCK, 0)
-        u[:, j1] = ds[:, j1]
-        _bmm_into(back[:, j0:j1, j0 : j1 + 1], u[:, j0 : j1 + 1].reshape(nh, j1 - j0 + 1, -1), ds[:, j0:j1])
+    for j in range(g - 1, -1, -1):
+        torch.addcmul(u[:, j], ds[:, j + 1], dec[:, j], out=ds[:, j])
 
 
-def _group_states(kw: torch.Tensor, vg: torch.Tensor, start: torch.Tensor, carry: torch.Tensor, buf: GroupScratch) -> None:
+def _group_states(kw: torch.Tensor, vg: torch.Tensor, start: torch.Tensor, dec: torch.Tensor, buf: GroupScratch) -> None:
     """A group's chunk states into buf.s [nh, >= g+1, F, Dv+1]: buf.s[:, 0] = start (the state before
-    the group), S_c = d_c S_{c-1} + U_c with U_c = sum_s kw_s v_s^T; kw, vg [nh g, C, .], carry
-    the group's ``_decay_matrix`` [nh, g+1, g+1]."""
-    g = carry.shape[1] - 1
+    the group), S_c = d_c S_{c-1} + U_c with U_c = sum_s kw_s v_s^T; kw, vg [nh g, C, .], dec [nh, g, 1, 1]."""
+    g = dec.shape[1]
     buf.u[:, 0] = start
     _bmm_into(kw.transpose(1, 2), vg, buf.u[:, 1 : g + 1])
-    _scan_forward(buf.u, carry, buf.s)
+    _scan_forward(buf.u, dec, buf.s)
 
 
 def _decay_weights(lam: torch.Tensor, m: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -263,7 +238,7 @@ def group_forward(
     m_prev, m_end = bounds[:, :g].reshape(nh * g, 1), bounds[:, 1:].reshape(nh * g, 1)
     kw = kg * torch.exp(lg - m_end).mul_(k_scale).unsqueeze(-1)  # key features scaled to the chunk's end max
     # chunk increments U_c = sum_s exp(kls_s - M_c) k_s v_s^T, then the scan S_c = d_c S_{c-1} + U_c
-    _group_states(kw, vg, start, _decay_matrix(bounds), buf)
+    _group_states(kw, vg, start, dec, buf)
     torch.bmm(qg, buf.s[:, :g, :, :nc].reshape(nh * g, feat, nc), out=ng)  # inter-chunk: q_t S_{c-1}
     if fast:
         # n_t = exp(M_c - m_t) [exp(M_{c-1} - M_c) q_t S_{c-1} + sum_s (q_t . kw_s) v_s]
@@ -300,13 +275,12 @@ def group_backward(
     else:  # "rms": the output does not depend on the k_sum column
         local[..., :nc] = torch.bmm(qg.transpose(1, 2), dn_inter).view(nh, g, feat, nc)
         local[..., nc:] = 0.0
-    carry_matrix = _decay_matrix(bounds)
-    _scan_backward(buf.u, carry_matrix, buf.ds)
+    _scan_backward(buf.u, dec, buf.ds)
     carry.copy_(buf.ds[:, 0])
     d_u = buf.ds[:, 1 : g + 1].reshape(nh * g, feat, dva)  # dL/dS_c = dL/dU_c for this group's chunks
     key_scale = torch.exp(lg - m_end).mul_(k_scale).unsqueeze(-1)  # [nh g, cl, 1]
     kw = kg * key_scale
-    _group_states(kw, vg, start, carry_matrix, buf)
+    _group_states(kw, vg, start, dec, buf)
     torch.bmm(dn_inter, buf.s[:, :g, :, :nc].reshape(nh * g, feat, nc).transpose(1, 2), out=dqg)
     if fast:
         dn_intra = dng * torch.exp(m_end - mg).mul_(q_scale).unsqueeze(-1)
