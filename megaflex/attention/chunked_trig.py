@@ -4,7 +4,8 @@
 phi the random-Fourier map of ``feature_maps/_trig.py``, the CPU twin of ``triton/trig.py``.
 Long sequences (one head per call in ``chunked.py``'s plan) run one sweep per head over the
 chunk groups: per group the features of its q and k rows are computed on the fly into
-cache-sized buffers (``trig_rows``: mm + cos/sin + pair sums + scale), then the group goes
+cache-sized buffers (``trig_rows``: mm + cos/sin + pair sums; the feature scale goes to the group
+functions as q_scale, k_scale), then the group goes
 through ``chunked.group_forward``. Forward keeps only the raw q, k, v, the map's parameters, the
 fp32 numerators (for the normalisation's backward) and the state before each group.
 Backward recomputes each group's features (keeping the projection's cos/sin), runs
