@@ -10,7 +10,13 @@ optimizer update is O(parameters), independent of N, and left out) of the tiny G
 Reported per rank:
 
 * ``peak_rss_mib``: the process's peak resident memory (``ru_maxrss``: Python, torch, the model
-  and the step's activations); ``step_rss_mib`` is what the step added over the RSS before it.
+  and the step's activations); ``step_rss_mib`` is what the step added over the RSS before it
+  (taken after a barrier and a first ``torch.utils.checkpoint`` call, so the communicator's setup
+  and the ~150 MiB of modules that call imports, loaded in DeepSpeed training anyway, are not counted).
+* ``step_tensor_mib``: the peak bytes of live tensors during one more (profiled) step, over those
+  alive before it: the step's memory without the allocator's fragmentation, exact and repeatable.
+* ``memory_fit``: least squares memory = a + b N per CP size for both, with b_CP / (b_1 / CP)
+  (1.0: a CP rank holds exactly 1/CP of the per-token memory of CP=1).
 * ``step_s``: mean wall time of a timed step (the slowest rank's).
 * ``cp_bytes_per_layer``: bytes this rank contributed to the CP all-gathers per layer per step
   (forward state + backward state gradient), counted at the collective; it must not depend on N.
@@ -47,10 +53,27 @@ def _rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def _peak_tensor_mib(step: Any) -> float:
+    """Peak bytes of live CPU tensors during ``step()``, over those alive when it starts: the
+    allocator-independent memory of the step (RSS also counts glibc heap fragmentation)."""
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import Action, MemoryProfile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        step()
+    live = peak = 0
+    for _, action, (key, _), size in MemoryProfile(prof.profiler.kineto_results).timeline:
+        if key.device.type == "cpu" and action != Action.PREEXISTING:  # tensors from before the step are left out
+            live += size if action == Action.CREATE else -size if action == Action.DESTROY else 0
+            peak = max(peak, live)
+    return peak / 2**20
+
+
 def _rank_main(rank: int, cp: int, port: int, model_kw: dict[str, Any], n: int, steps: int, out: "mp.Queue") -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(cp), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
     import torch.distributed as dist
+    import torch.utils.checkpoint
 
     import megaflex.parallel.context_parallel as cp_module
     from megaflex.model.config import ModelConfig
@@ -82,6 +105,11 @@ def _rank_main(rank: int, cp: int, port: int, model_kw: dict[str, Any], n: int, 
         (loss * cp).backward()
         return float(loss.detach())
 
+    dist.barrier()  # the communicator's one-time setup (gloo pairs and buffers) is not the step's memory
+    # torch.utils.checkpoint (used by the CP local state and by activation checkpointing) imports ~900
+    # modules (~150 MiB) on first use; DeepSpeed training has them loaded anyway: load them here in every process
+    x = torch.ones(1, requires_grad=True)
+    torch.utils.checkpoint.checkpoint(torch.exp, x, use_reentrant=False).backward()
     rss_before = _rss_mib()
     loss = step()  # warm-up (allocator, lazily built buffers)
     sent[0] = 0
@@ -92,10 +120,12 @@ def _rank_main(rank: int, cp: int, port: int, model_kw: dict[str, Any], n: int, 
     dist.barrier()
     elapsed = (time.perf_counter() - start) / steps
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    bytes_per_layer = sent[0] // (steps * config.num_layers) if cp > 1 else 0
+    peak_tensors = _peak_tensor_mib(step)  # after the RSS reading: the profiler's own memory is left out
     out.put({
         "rank": rank, "loss": loss, "step_s": elapsed, "peak_rss_mib": round(peak, 1),
-        "step_rss_mib": round(peak - rss_before, 1),
-        "cp_bytes_per_layer": sent[0] // (steps * config.num_layers) if cp > 1 else 0,
+        "step_rss_mib": round(peak - rss_before, 1), "step_tensor_mib": round(peak_tensors, 1),
+        "cp_bytes_per_layer": bytes_per_layer,
     })
     dist.destroy_process_group()
 
@@ -126,15 +156,36 @@ def bench_point(model_kw: dict[str, Any], n: int, cp: int, steps: int) -> dict[s
         "step_s": round(max(r["step_s"] for r in ranks), 3),
         "peak_rss_mib_per_rank": max(r["peak_rss_mib"] for r in ranks),
         "step_rss_mib_per_rank": max(r["step_rss_mib"] for r in ranks),
+        "step_tensor_mib_per_rank": max(r["step_tensor_mib"] for r in ranks),
         "cp_bytes_per_layer": ranks[0]["cp_bytes_per_layer"], "ranks": ranks,
     }
     print(json.dumps({k: v for k, v in point.items() if k != "ranks"}), flush=True)
     return point
 
 
+def fit_memory(points: list[dict[str, Any]]) -> dict[str, Any]:
+    """Least-squares memory = a + b N per CP size and metric (N: tokens of the whole sequence), and
+    b_CP / (b_1 / CP): 1.0 when CP ranks hold exactly 1/CP of CP=1's per-token memory."""
+    fits: dict[str, Any] = {}
+    for metric in ("step_rss_mib_per_rank", "step_tensor_mib_per_rank"):
+        per_cp = {}
+        for cp in sorted({p["cp"] for p in points}):
+            xs, ys = zip(*[(p["seq_len"], p[metric]) for p in points if p["cp"] == cp])
+            if len(set(xs)) < 2:
+                continue
+            mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+            b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+            per_cp[cp] = {"a_mib": round(my - b * mx, 1), "b_kib_per_token": round(b * 1024, 3)}
+        if 1 in per_cp:
+            for cp, fit in per_cp.items():
+                fit["b_over_b1_per_cp"] = round(fit["b_kib_per_token"] / (per_cp[1]["b_kib_per_token"] / cp), 3)
+        fits[metric.removesuffix("_per_rank")] = {str(cp): fit for cp, fit in per_cp.items()}
+    return fits
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[65536, 131072, 262144])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[32768, 65536, 131072, 262144])
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--vocab-size", type=int, default=256)
@@ -165,7 +216,8 @@ def main() -> None:
         long_point = dict(bench_point(long_kw, args.long_length, args.long_cp, 1), model=long_kw)
     result = {
         "command": "python -m evaluation.bench_context_parallel " + " ".join(sys.argv[1:]),
-        "model": model_kw, "steps": args.steps, "points": points, "long_sequence": long_point,
+        "model": model_kw, "steps": args.steps, "points": points, "memory_fit": fit_memory(points),
+        "long_sequence": long_point,
         "note": "2-core CPU shared with other jobs (loaded): timings noisy; gloo ranks on one host",
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -133,6 +133,50 @@ def test_attention_cp_equals_single_rank_chunked(cp: int, n: int, chunk: int) ->
     assert any("omega1" in line and "tau" in line for line in results[0])  # Omega1, Omega2, tau compared
 
 
+def _saved_bytes(fn) -> int:
+    """Bytes of the distinct storages autograd keeps for backward while ``fn()`` runs."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(storages.values())
+
+
+def _long_slice_worker(rank: int, world: int, n: int) -> dict[str, float]:
+    """Slices long enough for the fused CPU trig path, local state over several key blocks: CP equals
+    the single-rank core, and keeps no more for backward than the core on the same slice."""
+    import megaflex.parallel.context_parallel as cp_module
+
+    cp_module._STATE_BLOCK_ELEMENTS = 1 << 12  # blocks of 256 rows: several per slice
+    state = ParallelState.create(context_parallel_size=world)
+    ref = _attention_run("flexformer_n", "rms", 1.0, n, 64, None)
+    got = _attention_run("flexformer_n", "rms", 1.0, n, 64, state)
+    for name in ("out", "q", "k", "v"):
+        want = sequence_slice(ref[name], state.cp_rank, state.cp_size, dim=2)
+        torch.testing.assert_close(got[name], want, atol=ATOL, rtol=RTOL, msg=lambda m: f"{name}: {m}")
+    for name, want in ref["params"].items():
+        torch.testing.assert_close(got["params"][name], want, atol=ATOL, rtol=RTOL, msg=lambda m: f"{name}: {m}")
+    core = AttentionCore("flexformer_n", 2, 8, feature_dim=16, chunk_size=64)
+    q, k, v = (torch.randn(2, 2, n // world, 8, requires_grad=True) for _ in range(3))
+    return {
+        "core": _saved_bytes(lambda: core(q, k, v)),
+        "cp": _saved_bytes(lambda: ContextParallelAttention(core, state)(q, k, v)),
+        "features": 2 * 2 * (n // world) * 16 * 4,  # one [B, H, n, F] fp32 tensor
+    }
+
+
+@pytest.mark.slow
+def test_attention_cp_long_slices_fused_path_and_memory() -> None:
+    # 2 x 2100 tokens: one head per block in the chunked plan, i.e. the fused trig map + chunked form
+    for saved in run_distributed(_long_slice_worker, 2, args=(4200,)):
+        # the CP path keeps what the core keeps, plus O(1) states: not even one [B, H, n, F] tensor more
+        assert saved["core"] <= saved["cp"] < saved["core"] + saved["features"] // 4, saved
+
+
 # ----------------------------------------------------------------------------------------
 # multi process: the GPT
 # ----------------------------------------------------------------------------------------

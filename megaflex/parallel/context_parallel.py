@@ -6,14 +6,15 @@ ranks before it is a fixed-size state, whatever their number of tokens (notation
 
     S_j = sum_{s on rank j} exp(kls_s - M_j) kf_s v_aug_s^T,   M_j = max_{s on rank j} kls_s
 
-1. Each rank computes its local S_j, M_j: one [F, N] x [N, Dv + 1] matmul, no chunk scan.
+1. Each rank computes its local S_j, M_j: [F, n] x [n, Dv + 1] matmuls over blocks of rows, no
+   chunk scan; the keys' features are made per block and remade in backward, never kept.
 2. One all-gather of the packed fp32 (S_j, M_j) over the CP group: B H (F (Dv + 1) + 1) floats
    per rank, independent of N (LASP-2; LASP-1 passes the state around a serial ring instead).
 3. Rank r combines the states before it into its incoming state, rescaled to a common max as
    the recurrent form does:  M_in = max_{j<r} M_j,  S_in = sum_{j<r} exp(M_j - M_in) S_j.
-4. Rank r runs the ordinary chunked attention over its slice from the initial state
-   (S_in, M_in). That form already combines the inter-rank term exp(M_in - m_t) q_t S_in with the
-   local numerator under the running max m_t = max(M_in, max_{s<=t} kls_s) and normalises after
+4. Rank r runs its attention core (the same path as at CP=1: on CPU the fused trig map + chunked
+   form, which keeps no features) over its slice from the initial state (S_in, M_in). That form
+   already combines the inter-rank term exp(M_in - m_t) q_t S_in with the local numerator under the running max m_t = max(M_in, max_{s<=t} kls_s) and normalises after
    combining ("rms" or "denominator"), so the outputs are those of the single-rank chunked form
    up to fp rounding, whatever the key scales.
 
@@ -25,12 +26,18 @@ are replicated over CP ranks, so their gradients are reduced over DP x CP like a
 
 Rank 0 also takes the (empty) incoming state as its initial state, so every CP rank runs the
 backward all-gather of every layer in the same order.
+
+Memory: per rank the CP path keeps what the CP=1 path keeps for its slice (the core's saved
+tensors; k and v are made contiguous once and shared by the core and the local-state blocks),
+plus the O(1) states. Nothing of size N / CP x F lives between forward and backward.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from megaflex.attention import AttentionCore, LinearAttentionState, causal_linear_attention
 from megaflex.attention.base import accumulation_dtype
@@ -67,6 +74,42 @@ def local_state(kf: torch.Tensor, kls: torch.Tensor | None, v: torch.Tensor) -> 
     return torch.cat([kv, k_sum.transpose(-1, -2)], dim=-1), log_max
 
 
+# rows of keys mapped at once by ``mapped_local_state``: about 2^20 feature elements (4 MiB in fp32)
+_STATE_BLOCK_ELEMENTS = 1 << 20
+
+
+def _block_state(feature_map: nn.Module, k: torch.Tensor, v: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    mapped = feature_map(k, offset)
+    return local_state(mapped.features, mapped.log_scale, v)
+
+
+def mapped_local_state(
+    feature_map: nn.Module, k: torch.Tensor, v: torch.Tensor, offset: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``local_state`` of the features ``feature_map(k, offset)``, k [B, H, N, d], v [B, H, N, Dv], without
+    keeping any [B, H, N, F] tensor: the keys are mapped a block of rows at a time, and each block
+    is recomputed in backward (activation checkpointing), so between forward and backward only
+    k and v live (the attention core keeps them too). Blocks are combined like ranks: rescaled
+    to their common max."""
+    batch, heads, n, _ = k.shape
+    rows = max(256, _STATE_BLOCK_ELEMENTS // (batch * heads * feature_map.feature_dim))
+    states, maxes = [], []
+    for start in range(0, n, rows):
+        blocks = (k[:, :, start : start + rows], v[:, :, start : start + rows], offset + start)
+        if torch.is_grad_enabled():
+            s, m = checkpoint(_block_state, feature_map, *blocks, use_reentrant=False)
+        else:
+            s, m = _block_state(feature_map, *blocks)
+        states.append(s)
+        maxes.append(m)
+    if len(states) == 1:
+        return states[0], maxes[0]
+    maxes_all = torch.stack(maxes)  # [blocks, B, H]
+    log_max = maxes_all.amax(dim=0)
+    scale = torch.exp(maxes_all - log_max)  # <= 1
+    return sum(s * w[..., None, None] for s, w in zip(states, scale.unbind(0))), log_max
+
+
 def _incoming_weights(log_maxes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """log_maxes [CP, B, H] -> (M_in [CP, B, H]: max over the ranks before each rank (-inf for rank 0),
     W [CP(r), CP(j), B, H] = exp(M_j - M_in(r)) for j < r, else 0)."""
@@ -100,6 +143,18 @@ class _PrefixState(torch.autograd.Function):
         return torch.einsum("rbh,rbhl->bhl", ctx.w[:, j], grads), None, None
 
 
+def incoming_state(
+    s_local: torch.Tensor, m_local: torch.Tensor, state: ParallelState, offset: int
+) -> LinearAttentionState:
+    """This rank's local state (``local_state``: S [B, H, F, Dv + 1], M [B, H]) -> the state of all
+    tokens before its slice (steps 2-3 above), starting at global position ``offset``."""
+    batch, heads, feat, dv_aug = s_local.shape
+    with torch.autocast(device_type=s_local.device.type, enabled=False):
+        s_in, m_in = _PrefixState.apply(s_local.flatten(2), m_local, state)
+    s_in = s_in.view(batch, heads, feat, dv_aug)
+    return LinearAttentionState(kv=s_in[..., :-1], k_sum=s_in[..., -1], log_max=m_in, offset=offset)
+
+
 def context_parallel_linear_attention(
     qf: torch.Tensor,
     kf: torch.Tensor,
@@ -112,16 +167,12 @@ def context_parallel_linear_attention(
     chunk_size: int = 64,
     eps: float = 1e-6,
 ) -> torch.Tensor:
-    """Causal linear attention of a sequence split over ``state``'s CP group: this rank's slice
-    qf, kf [B, H, n, F], kls [B, H, n] | None, v [B, H, n, Dv] -> out [B, H, n, Dv] (v.dtype),
-    equal to the single-rank form over the whole sequence, restricted to this slice."""
-    batch, heads, _, feat = qf.shape
-    dv = v.shape[-1]
+    """Causal linear attention of a sequence split over ``state``'s CP group, on features: this
+    rank's slice qf, kf [B, H, n, F], kls [B, H, n] | None, v [B, H, n, Dv] -> out [B, H, n, Dv]
+    (v.dtype), equal to the single-rank form over the whole sequence, restricted to this slice.
+    (The model's path, ``ContextParallelAttention``, maps q and k inside the attention core instead.)"""
     with torch.autocast(device_type=qf.device.type, enabled=False):
-        s_local, m_local = local_state(kf, kls, v)
-        s_in, m_in = _PrefixState.apply(s_local.flatten(2), m_local, state)
-        s_in = s_in.view(batch, heads, feat, dv + 1)
-        incoming = LinearAttentionState(kv=s_in[..., :dv], k_sum=s_in[..., dv], log_max=m_in)
+        incoming = incoming_state(*local_state(kf, kls, v), state, offset=0)
     out, _ = causal_linear_attention(
         qf, kf, kls, v, form=form, normalization=normalization, chunk_size=chunk_size, initial_state=incoming, eps=eps
     )
@@ -153,13 +204,15 @@ class ContextParallelAttention:
                 "state/return_state: context parallelism runs whole sequences split over ranks; "
                 "decode (carry states) with context_parallel_size=1"
             )
-        core = self.core
         offset = self.state.cp_rank * q.shape[2]  # global position of this slice's first token
-        q_map, k_map = core.feature_map(q, offset), core.feature_map(k, offset)
-        out = context_parallel_linear_attention(
-            q_map.features, k_map.features, k_map.log_scale, v, self.state,
-            form=core.form, normalization=core.normalization, chunk_size=core.chunk_size, eps=core.eps,
-        )
+        # one contiguous k and v shared with the core (which keeps them for its backward anyway)
+        k, v = k.contiguous(), v.contiguous()
+        with torch.autocast(device_type=q.device.type, enabled=False):
+            s_local, m_local = mapped_local_state(self.core.feature_map, k, v, offset)
+        incoming = incoming_state(s_local, m_local, self.state, offset)
+        # the core's own path (fused trig map on CPU, Triton on CUDA, ...) from the incoming state, as
+        # at CP=1 (a slice of at most core.recurrent_max_tokens tokens takes the recurrent form: same maths)
+        out, _ = self.core(q, k, v, state=incoming)
         return out, None
 
 
