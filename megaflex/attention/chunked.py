@@ -131,23 +131,50 @@ def _pad_tokens(t: torch.Tensor, n_pad: int, value: float = 0.0) -> torch.Tensor
 
 
 def _bmm_into(a: torch.Tensor, b: torch.Tensor, dest: torch.Tensor) -> None:
-    """dest [nh, g, r, c] = bmm(a, b) with a, b [nh * g, ...]: straight into dest when it is one
-    head's chunks (a view), else through a temporary (a block's slice of chunk states
-    [:, j0 : j0 + g] does not flatten to a view)."""
+    """dest [nh, g, ...] = bmm(a, b) viewed as dest's shape (a, b batched as nh * g or nh): straight
+    into dest when it is one head's (a contiguous view), else through a temporary (a block's slice
+    of chunk states [:, j0 : j0 + g] does not flatten to a view)."""
     if dest.shape[0] == 1:
-        torch.bmm(a, b, out=dest[0])
+        torch.bmm(a, b, out=dest[0].view(-1, a.shape[1], b.shape[2]))
     else:
         dest.copy_(torch.bmm(a, b).view(dest.shape))
 
 
-def _group_states(kw: torch.Tensor, vg: torch.Tensor, start: torch.Tensor, decay: torch.Tensor, s_buf: torch.Tensor) -> None:
-    """A group's chunk states into s_buf [nh, >= g+1, F, Dv+1]: s_buf[:, 0] = start (the state before
-    the group), S_c = d_c S_{c-1} + U_c with U_c = sum_s kw_s v_s^T; kw, vg [nh g, C, .], decay [nh, g, 1, 1]."""
-    g = decay.shape[1]
-    s_buf[:, 0] = start
-    _bmm_into(kw.transpose(1, 2), vg, s_buf[:, 1 : g + 1])
-    for j in range(g):
-        s_buf[:, j + 1].addcmul_(s_buf[:, j], decay[:, j])
+class GroupScratch:
+    """Per-thread buffers of one head block's chunk-group sweep, [nh, most + 1, F, Dv+1] each: ``u``
+    (scan inputs: chunk increments, or local state gradients), ``s`` (chunk states) and, for
+    the backward, ``ds`` (state gradients). Index j is chunk c0 + j of the current group."""
+
+    def __init__(self, nh: int, most: int, feat: int, dva: int, like: torch.Tensor, backward: bool) -> None:
+        self.u = like.new_empty(nh, most + 1, feat, dva)
+        self.s = like.new_empty(nh, most + 1, feat, dva)
+        self.ds = like.new_empty(nh, most + 1, feat, dva) if backward else None
+
+
+def _scan_forward(u: torch.Tensor, dec: torch.Tensor, s: torch.Tensor) -> None:
+    """Chunk states S_j = d_j S_{j-1} + U_j, j = 1..g, into s [nh, >= g+1, F, Dv+1] from u[:, 0] = S_0
+    and u[:, j] = U_j; dec [nh, g, 1, 1] the chunk decays d_j = exp(b_{j-1} - b_j)."""
+    s[:, 0] = u[:, 0]
+    for j in range(dec.shape[1]):
+        torch.addcmul(u[:, j + 1], s[:, j], dec[:, j], out=s[:, j + 1])
+
+
+def _scan_backward(u: torch.Tensor, dec: torch.Tensor, ds: torch.Tensor) -> None:
+    """The reverse scan dS_j = G_j + d_{j+1} dS_{j+1} into ds[:, 0..g] from u[:, j] = G_j (j < g, the
+    local gradients) and u[:, g] = dS_g; dec [nh, g, 1, 1] as in ``_scan_forward``."""
+    g = dec.shape[1]
+    ds[:, g] = u[:, g]
+    for j in range(g - 1, -1, -1):
+        torch.addcmul(u[:, j], ds[:, j + 1], dec[:, j], out=ds[:, j])
+
+
+def _group_states(kw: torch.Tensor, vg: torch.Tensor, start: torch.Tensor, dec: torch.Tensor, buf: GroupScratch) -> None:
+    """A group's chunk states into buf.s [nh, >= g+1, F, Dv+1]: buf.s[:, 0] = start (the state before
+    the group), S_c = d_c S_{c-1} + U_c with U_c = sum_s kw_s v_s^T; kw, vg [nh g, C, .], dec [nh, g, 1, 1]."""
+    g = dec.shape[1]
+    buf.u[:, 0] = start
+    _bmm_into(kw.transpose(1, 2), vg, buf.u[:, 1 : g + 1])
+    _scan_forward(buf.u, dec, buf.s)
 
 
 def _decay_weights(lam: torch.Tensor, m: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -195,75 +222,76 @@ def _all_fast(fast: list, hb: slice, c0: int, g: int) -> bool:
 
 def group_forward(
     qg: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, lg: torch.Tensor, mg: torch.Tensor, bounds: torch.Tensor,
-    start: torch.Tensor, dec: torch.Tensor, fast: bool, s_buf: torch.Tensor, ng: torch.Tensor,
+    start: torch.Tensor, dec: torch.Tensor, fast: bool, buf: GroupScratch, ng: torch.Tensor,
+    q_scale: float = 1.0, k_scale: float = 1.0,
 ) -> None:  # fmt: skip
-    """One chunk group of the forward (see ``_ChunkedLinearAttention``): its chunk states into s_buf
-    [nh, >= g+1, F, Dv+1] (s_buf[:, 0] = start) and its fp32 numerators into ng [nh g, cl, nc].
+    """One chunk group of the forward (see ``_ChunkedLinearAttention``): its chunk states into buf.s
+    [nh, >= g+1, F, Dv+1] (buf.s[:, 0] = start) and its fp32 numerators into ng [nh g, cl, nc].
 
     qg, kg [nh g, cl, F], vg [nh g, cl, Dv+1] (ones column last), lg, mg [nh g, cl] key log-scales
     and running max, bounds [nh, g+1] the chunk-boundary maxima M_{c0 .. c0+g}, dec [nh, g, 1, 1]
-    the chunk decays; ``fast``: every chunk of the group may take the factorised path.
+    the chunk decays; ``fast``: every chunk of the group may take the factorised path. The
+    features are q_scale qg and k_scale kg: constant scales ride on the per-row factors for free.
     """
     nh, g = dec.shape[:2]
     cl, feat, nc = qg.shape[1], qg.shape[2], ng.shape[-1]
     m_prev, m_end = bounds[:, :g].reshape(nh * g, 1), bounds[:, 1:].reshape(nh * g, 1)
-    mask = _future_mask(cl, qg.device)
-    kw = kg * torch.exp(lg - m_end).unsqueeze(-1)  # keys scaled to the chunk's end max, [nh g, cl, F]
+    kw = kg * torch.exp(lg - m_end).mul_(k_scale).unsqueeze(-1)  # key features scaled to the chunk's end max
     # chunk increments U_c = sum_s exp(kls_s - M_c) k_s v_s^T, then the scan S_c = d_c S_{c-1} + U_c
-    _group_states(kw, vg, start, dec, s_buf)
-    torch.bmm(qg, s_buf[:, :g, :, :nc].reshape(nh * g, feat, nc), out=ng)  # inter-chunk: q_t S_{c-1}
+    _group_states(kw, vg, start, dec, buf)
+    torch.bmm(qg, buf.s[:, :g, :, :nc].reshape(nh * g, feat, nc), out=ng)  # inter-chunk: q_t S_{c-1}
     if fast:
         # n_t = exp(M_c - m_t) [exp(M_{c-1} - M_c) q_t S_{c-1} + sum_s (q_t . kw_s) v_s]
         ng.mul_(dec.reshape(nh * g, 1, 1))
-        ng.baddbmm_(torch.bmm(qg, kw.transpose(1, 2)).masked_fill_(mask, 0.0), vg[..., :nc])
-        ng.mul_(torch.exp(m_end - mg).unsqueeze(-1))
+        ng.baddbmm_(torch.bmm(qg, kw.transpose(1, 2)).tril_(), vg[..., :nc])
+        ng.mul_(torch.exp(m_end - mg).mul_(q_scale).unsqueeze(-1))
     else:
-        ng.mul_(torch.exp(m_prev - mg).unsqueeze(-1))
-        ng.baddbmm_(torch.bmm(qg, kg.transpose(1, 2)).mul_(_decay_weights(lg, mg, mask)), vg[..., :nc])
+        ng.mul_(torch.exp(m_prev - mg).mul_(q_scale).unsqueeze(-1))
+        weights = torch.bmm(qg, kg.transpose(1, 2)).mul_(_decay_weights(lg, mg, _future_mask(cl, qg.device)))
+        ng.baddbmm_(weights, vg[..., :nc], alpha=q_scale * k_scale)
 
 
 def group_backward(
     qg: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, lg: torch.Tensor, mg: torch.Tensor, bounds: torch.Tensor,
-    start: torch.Tensor, dec: torch.Tensor, fast: bool, dng: torch.Tensor, carry: torch.Tensor,
-    s_buf: torch.Tensor, ds_buf: torch.Tensor,
+    start: torch.Tensor, dec: torch.Tensor, fast: bool, dng: torch.Tensor, carry: torch.Tensor, buf: GroupScratch,
     dqg: torch.Tensor, dkg: torch.Tensor, dvg: torch.Tensor, d_lam_g: torch.Tensor,
+    q_scale: float = 1.0, k_scale: float = 1.0,
 ) -> None:  # fmt: skip
     """One chunk group of the backward, inputs as in ``group_forward``; dng [nh g, cl, nc] the
-    numerator gradients. Writes dqg, dkg [nh g, cl, F], dvg [nh g, cl, Dv], d_lam_g [nh g, cl];
-    ``carry`` [nh, F, Dv+1] is dL/dS at the group's end on entry and at its start on return.
-    s_buf, ds_buf [nh, >= g+1, F, Dv+1] are scratch (recomputed states and their gradients)."""
+    numerator gradients. Writes dqg, dkg [nh g, cl, F] (gradients w.r.t. qg and kg, so already
+    multiplied by q_scale, k_scale), dvg [nh g, cl, Dv], d_lam_g [nh g, cl]; ``carry`` [nh, F, Dv+1]
+    is dL/dS at the group's end on entry and at its start on return. ``buf`` (with ``ds``) is
+    scratch for the recomputed states and their gradients."""
     nh, g = dec.shape[:2]
     cl, feat, nc, dva = qg.shape[1], qg.shape[2], dng.shape[-1], vg.shape[-1]
     dv = dva - 1
     m_prev, m_end = bounds[:, :g].reshape(nh * g, 1), bounds[:, 1:].reshape(nh * g, 1)
-    mask = _future_mask(cl, qg.device)
     # inter-chunk: n_t += exp(M_{c-1} - m_t) q_t S_{c-1}
-    dn_inter = dng * torch.exp(m_prev - mg).unsqueeze(-1)  # [nh g, cl, nc]
-    ds_g = ds_buf[:, :g]
-    ds_buf[:, g] = carry
+    dn_inter = dng * torch.exp(m_prev - mg).mul_(q_scale).unsqueeze(-1)  # [nh g, cl, nc]
+    local = buf.u[:, :g]  # dL/dS_c from the queries that read S_c, then the reverse scan
+    buf.u[:, g] = carry
     if nc == dva:
-        _bmm_into(qg.transpose(1, 2), dn_inter, ds_g)
+        _bmm_into(qg.transpose(1, 2), dn_inter, local)
     else:  # "rms": the output does not depend on the k_sum column
-        ds_g[..., :nc] = torch.bmm(qg.transpose(1, 2), dn_inter).view(nh, g, feat, nc)
-        ds_g[..., nc:] = 0.0
-    for j in range(g - 1, -1, -1):  # reverse scan: dS_j += d_j dS_{j+1}
-        ds_buf[:, j].addcmul_(ds_buf[:, j + 1], dec[:, j])
-    carry.copy_(ds_buf[:, 0])
-    d_u = ds_buf[:, 1 : g + 1].reshape(nh * g, feat, dva)  # dL/dS_c = dL/dU_c for this group's chunks
-    key_scale = torch.exp(lg - m_end).unsqueeze(-1)  # [nh g, cl, 1]
+        local[..., :nc] = torch.bmm(qg.transpose(1, 2), dn_inter).view(nh, g, feat, nc)
+        local[..., nc:] = 0.0
+    _scan_backward(buf.u, dec, buf.ds)
+    carry.copy_(buf.ds[:, 0])
+    d_u = buf.ds[:, 1 : g + 1].reshape(nh * g, feat, dva)  # dL/dS_c = dL/dU_c for this group's chunks
+    key_scale = torch.exp(lg - m_end).mul_(k_scale).unsqueeze(-1)  # [nh g, cl, 1]
     kw = kg * key_scale
-    _group_states(kw, vg, start, dec, s_buf)
-    torch.bmm(dn_inter, s_buf[:, :g, :, :nc].reshape(nh * g, feat, nc).transpose(1, 2), out=dqg)
+    _group_states(kw, vg, start, dec, buf)
+    torch.bmm(dn_inter, buf.s[:, :g, :, :nc].reshape(nh * g, feat, nc).transpose(1, 2), out=dqg)
     if fast:
-        dn_intra = dng * torch.exp(m_end - mg).unsqueeze(-1)
-        weights = torch.bmm(qg, kw.transpose(1, 2)).masked_fill_(mask, 0.0)
+        dn_intra = dng * torch.exp(m_end - mg).mul_(q_scale).unsqueeze(-1)
+        weights = torch.bmm(qg, kw.transpose(1, 2)).tril_()
         torch.bmm(weights.transpose(1, 2), dn_intra[..., :dv], out=dvg)
-        d_w = torch.bmm(dn_intra, vg[..., :nc].transpose(1, 2)).masked_fill_(mask, 0.0)
+        d_w = torch.bmm(dn_intra, vg[..., :nc].transpose(1, 2)).tril_()
         dqg.baddbmm_(d_w, kw)
         torch.bmm(d_w.transpose(1, 2), qg, out=dkg)  # d(kw), scaled to dk below
         dkg.baddbmm_(vg, d_u.transpose(1, 2)).mul_(key_scale)
     else:
-        e = _decay_weights(lg, mg, mask)
+        e = _decay_weights(lg, mg, _future_mask(cl, qg.device)).mul_(q_scale * k_scale)
         weights = torch.bmm(qg, kg.transpose(1, 2)).mul_(e)
         torch.bmm(weights.transpose(1, 2), dng[..., :dv], out=dvg)
         d_w = torch.bmm(dng, vg[..., :nc].transpose(1, 2)).mul_(e)
@@ -316,15 +344,15 @@ class _ChunkedLinearAttention(torch.autograd.Function):
             hb = blocks[b]
             nh = hb.stop - hb.start
             dec_b = decay[hb].view(nh, -1, 1, 1)
-            s_buf = q.new_empty(nh, most + 1, feat, dv + 1)  # s_buf[:, j] = S_{c0 + j}
+            buf = GroupScratch(nh, most, feat, dv + 1, q, backward=False)  # buf.s[:, j] = S_{c0 + j}
             for gi, (sl, g, cl, c0) in enumerate(groups):
                 ng = numer[hb, sl].view(nh * g, cl, nc)
                 group_forward(
                     q[hb, sl].reshape(nh * g, cl, feat), k[hb, sl].reshape(nh * g, cl, feat), v_aug[hb, sl].reshape(nh * g, cl, dv + 1),
                     lam[hb, sl].reshape(nh * g, cl), m[hb, sl].reshape(nh * g, cl), bounds[hb, c0 : c0 + g + 1],
-                    states[hb, gi], dec_b[:, c0 : c0 + g], _all_fast(fast, hb, c0, g), s_buf, ng,
+                    states[hb, gi], dec_b[:, c0 : c0 + g], _all_fast(fast, hb, c0, g), buf, ng,
                 )  # fmt: skip
-                states[hb, gi + 1] = s_buf[:, g]
+                states[hb, gi + 1] = buf.s[:, g]
                 den = ng[..., dv] if nc > dv else None
                 out[hb, sl] = normalize_output(ng[..., :dv], den, normalization, eps).view(nh, g * cl, dv)
 
@@ -359,14 +387,13 @@ class _ChunkedLinearAttention(torch.autograd.Function):
             hb = blocks[b]
             nh = hb.stop - hb.start
             dec_b = decay[hb].view(nh, -1, 1, 1)
-            s_buf = q.new_empty(nh, most + 1, feat, dva)  # s_buf[:, j] = S_{c0 + j}, recomputed
-            ds_buf = q.new_empty(nh, most + 1, feat, dva)  # ds_buf[:, j] = dL/dS_{c0 + j}
+            buf = GroupScratch(nh, most, feat, dva, q, backward=True)  # S_{c0 + j} recomputed, dL/dS_{c0 + j}
             for gi, (sl, g, cl, c0) in reversed(list(enumerate(groups))):
                 dng = _normalize_backward(numer[hb, sl].view(nh * g, cl, nc), d_out[hb, sl].reshape(nh * g, cl, dv), normalization, eps)
                 group_backward(
                     q[hb, sl].reshape(nh * g, cl, feat), k[hb, sl].reshape(nh * g, cl, feat), v_aug[hb, sl].reshape(nh * g, cl, dva),
                     lam[hb, sl].reshape(nh * g, cl), m[hb, sl].reshape(nh * g, cl), bounds[hb, c0 : c0 + g + 1],
-                    states[hb, gi], dec_b[:, c0 : c0 + g], _all_fast(fast, hb, c0, g), dng, carry[hb], s_buf, ds_buf,
+                    states[hb, gi], dec_b[:, c0 : c0 + g], _all_fast(fast, hb, c0, g), dng, carry[hb], buf,
                     dq[hb, sl].view(nh * g, cl, feat), dk[hb, sl].view(nh * g, cl, feat), d_v[hb, sl].view(nh * g, cl, dv),
                     d_lam[hb, sl].view(nh * g, cl),
                 )  # fmt: skip

@@ -4,7 +4,8 @@
 phi the random-Fourier map of ``feature_maps/_trig.py``, the CPU twin of ``triton/trig.py``.
 Long sequences (one head per call in ``chunked.py``'s plan) run one sweep per head over the
 chunk groups: per group the features of its q and k rows are computed on the fly into
-cache-sized buffers (``trig_rows``: mm + cos/sin + pair sums + scale), then the group goes
+cache-sized buffers (``trig_rows``: mm + cos/sin + pair sums; the feature scale goes to the group
+functions as q_scale, k_scale), then the group goes
 through ``chunked.group_forward``. Forward keeps only the raw q, k, v, the map's parameters, the
 fp32 numerators (for the normalisation's backward) and the state before each group.
 Backward recomputes each group's features (keeping the projection's cos/sin), runs
@@ -26,21 +27,24 @@ import torch
 from ._heads import for_each_head
 from .base import LinearAttentionState, accumulation_dtype, normalize_output
 from .chunked import (
-    _groups, _normalize_backward, _plan, _stabiliser, chunked_linear_attention, group_backward, group_forward, unpack_result,
+    GroupScratch, _groups, _normalize_backward, _plan, _stabiliser, chunked_linear_attention, group_backward, group_forward,
+    unpack_result,
 )
-from .feature_maps._trig import trig_d_proj, trig_feature_map, trig_rows
+from .feature_maps._trig import _feature_scale, trig_d_proj, trig_feature_map, trig_rows
 from .validation import validate_linear_attention_inputs
 
 # chunked_linear_attention's plan decides "long" (one head per block); False forces the plain path
 FUSED_TRIG_ENABLED = True
 
 
-def _key_log_scale(k: torch.Tensor, inv_t_rows: torch.Tensor) -> torch.Tensor:
-    """kls = ||k||^2 inv_t [BH, N] from k [BH, N, d], one head at a time (no [BH, N, d] temporary)."""
-    out = k.new_empty(k.shape[:2])
+def _key_log_scale(k: torch.Tensor, inv_t_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(||k||^2, kls = ||k||^2 inv_t), both [BH, N], from k [BH, N, d], one head at a time (no
+    [BH, N, d] temporary); the backward reads ||k||^2 back for d inv_t."""
+    sq, out = k.new_empty(k.shape[:2]), k.new_empty(k.shape[:2])
     for i in range(k.shape[0]):
-        torch.mul((k[i] * k[i]).sum(dim=-1), inv_t_rows[i], out=out[i])
-    return out
+        torch.sum(k[i] * k[i], dim=-1, out=sq[i])  # as the plain map computes it, to the bit
+        torch.mul(sq[i], inv_t_rows[i], out=out[i])
+    return sq, out
 
 
 class _GroupBuffers:
@@ -54,16 +58,17 @@ class _GroupBuffers:
         self.qf, self.kf = new(rows, feat), new(rows, feat)
         self.proj, self.q_cos, self.q_sin, self.k_cos, self.k_sin = (new(rows, p) for _ in range(5))
         self.v_aug = new(rows, dv + 1)
+        self.v_aug[..., dv] = 1.0  # the ones column, set once: ``features`` only rewrites the values
         if backward:
             self.dqf, self.dkf, self.d_lam = new(rows, feat), new(rows, feat), like.new_empty(rows)
 
     def features(self, xq: torch.Tensor, xk: torch.Tensor, v: torch.Tensor, w_t: torch.Tensor, paired: bool) -> None:
-        """Features of a group's rows xq, xk [1, r, d] and v [1, r, Dv] with its ones column."""
+        """Features of a group's rows xq, xk [1, r, d] *without* the feature scale (the group
+        functions take it as q_scale, k_scale) and v [1, r, Dv] with its ones column."""
         r, dv = xq.shape[1], v.shape[-1]
-        trig_rows(xq, w_t, paired, self.proj[:, :r], self.q_cos[:, :r], self.q_sin[:, :r], self.qf[:, :r])
-        trig_rows(xk, w_t, paired, self.proj[:, :r], self.k_cos[:, :r], self.k_sin[:, :r], self.kf[:, :r])
+        trig_rows(xq, w_t, paired, self.proj[:, :r], self.q_cos[:, :r], self.q_sin[:, :r], self.qf[:, :r], 1.0)
+        trig_rows(xk, w_t, paired, self.proj[:, :r], self.k_cos[:, :r], self.k_sin[:, :r], self.kf[:, :r], 1.0)
         self.v_aug[:, :r, :dv] = v
-        self.v_aug[:, :r, dv] = 1.0
 
 
 class _ChunkedTrigAttention(torch.autograd.Function):
@@ -78,8 +83,9 @@ class _ChunkedTrigAttention(torch.autograd.Function):
         feat = p if paired else 2 * p
         c = min(chunk_size, n)
         groups = _groups(n, c, feat)
+        scale = _feature_scale(p, paired)  # features are computed unscaled; the group functions apply it
         inv_rows = inv_t.repeat(bh // heads)  # [BH]: head h of every batch entry
-        lam = _key_log_scale(k, inv_rows)
+        k_sq, lam = _key_log_scale(k, inv_rows)
         m, bounds, decay, fast = _stabiliser(lam, m0, c)
         states = q.new_empty(bh, len(groups) + 1, feat, dv + 1)
         states[:, 0] = s0
@@ -91,7 +97,7 @@ class _ChunkedTrigAttention(torch.autograd.Function):
         def forward_head(b: int) -> None:
             w_t = omega[b % heads].t().unsqueeze(0)  # [1, d, P]
             dec_b = decay[b : b + 1].view(1, -1, 1, 1)
-            s_buf = q.new_empty(1, most + 1, feat, dv + 1)
+            scratch = GroupScratch(1, most, feat, dv + 1, q, backward=False)
             buf = _GroupBuffers(most * c, p, feat, dv, q, backward=False)
             for gi, (sl, g, cl, c0) in enumerate(groups):
                 r = g * cl
@@ -100,14 +106,14 @@ class _ChunkedTrigAttention(torch.autograd.Function):
                 group_forward(
                     buf.qf[0, :r].view(g, cl, feat), buf.kf[0, :r].view(g, cl, feat), buf.v_aug[0, :r].view(g, cl, dv + 1),
                     lam[b, sl].view(g, cl), m[b, sl].view(g, cl), bounds[b : b + 1, c0 : c0 + g + 1],
-                    states[b : b + 1, gi], dec_b[:, c0 : c0 + g], all(fast[b][c0 : c0 + g]), s_buf, ng,
+                    states[b : b + 1, gi], dec_b[:, c0 : c0 + g], all(fast[b][c0 : c0 + g]), scratch, ng, scale, scale,
                 )  # fmt: skip
-                states[b, gi + 1] = s_buf[0, g]
+                states[b, gi + 1] = scratch.s[0, g]
                 den = ng[..., dv] if nc > dv else None
                 out[b, sl] = normalize_output(ng[..., :dv], den, normalization, eps).view(r, dv)
 
         for_each_head(forward_head, bh, q.device)
-        ctx.save_for_backward(q, k, v, omega, inv_t, s0, numer, lam, m, bounds, states)
+        ctx.save_for_backward(q, k, v, omega, inv_t, s0, numer, k_sq, lam, m, bounds, states)
         ctx.meta = (c, heads, groups, decay, fast, paired, normalization, eps)
         log_max = bounds[:, -1].clone()
         ctx.mark_non_differentiable(log_max)
@@ -115,11 +121,12 @@ class _ChunkedTrigAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_out, d_final, _d_log_max):  # type: ignore[override]
-        q, k, v, omega, inv_t, s0, numer, lam, m, bounds, states = ctx.saved_tensors
+        q, k, v, omega, inv_t, s0, numer, k_sq, lam, m, bounds, states = ctx.saved_tensors
         c, heads, groups, decay, fast, paired, normalization, eps = ctx.meta
         bh, n, d = q.shape
         dv, p, feat, nc = v.shape[-1], omega.shape[1], states.shape[2], numer.shape[-1]
         most = max(g for _, g, _, _ in groups)
+        scale = _feature_scale(p, paired)
         inv_rows = inv_t.repeat(bh // heads)
         carry = d_final.clone()
         dq, dk, d_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -130,8 +137,7 @@ class _ChunkedTrigAttention(torch.autograd.Function):
             w = omega[b % heads].unsqueeze(0)  # [1, P, d]
             w_t = w.transpose(1, 2)
             dec_b = decay[b : b + 1].view(1, -1, 1, 1)
-            s_buf = q.new_empty(1, most + 1, feat, dv + 1)
-            ds_buf = q.new_empty(1, most + 1, feat, dv + 1)
+            scratch = GroupScratch(1, most, feat, dv + 1, q, backward=True)
             buf = _GroupBuffers(most * c, p, feat, dv, q, backward=True)
             for gi, (sl, g, cl, c0) in reversed(list(enumerate(groups))):
                 r = g * cl
@@ -143,18 +149,18 @@ class _ChunkedTrigAttention(torch.autograd.Function):
                     buf.qf[0, :r].view(g, cl, feat), buf.kf[0, :r].view(g, cl, feat), buf.v_aug[0, :r].view(g, cl, dv + 1),
                     lam[b, sl].view(g, cl), m[b, sl].view(g, cl), bounds[b : b + 1, c0 : c0 + g + 1],
                     states[b : b + 1, gi], dec_b[:, c0 : c0 + g], all(fast[b][c0 : c0 + g]), dng, carry[b : b + 1],
-                    s_buf, ds_buf, dqf.view(g, cl, feat), dkf.view(g, cl, feat), d_v[b, sl].view(g, cl, dv), d_lam.view(g, cl),
+                    scratch, dqf.view(g, cl, feat), dkf.view(g, cl, feat), d_v[b, sl].view(g, cl, dv), d_lam.view(g, cl), scale, scale,
                 )  # fmt: skip
                 # back through the map: queries (their log-scale is unused), then keys
                 d_proj = buf.proj[:, :r]
-                trig_d_proj(buf.q_cos[:, :r], buf.q_sin[:, :r], dqf, paired, d_proj)
+                trig_d_proj(buf.q_cos[:, :r], buf.q_sin[:, :r], dqf, paired, d_proj, 1.0)
                 torch.bmm(d_proj, w, out=dq[b : b + 1, sl])
                 d_omega[b : b + 1].baddbmm_(d_proj.transpose(1, 2), xq)
-                trig_d_proj(buf.k_cos[:, :r], buf.k_sin[:, :r], dkf, paired, d_proj)
+                trig_d_proj(buf.k_cos[:, :r], buf.k_sin[:, :r], dkf, paired, d_proj, 1.0)
                 torch.bmm(d_proj, w, out=dk[b : b + 1, sl])
                 d_omega[b : b + 1].baddbmm_(d_proj.transpose(1, 2), xk)
                 dk[b, sl].addcmul_(xk[0], (d_lam * (2 * inv_rows[b])).unsqueeze(-1))
-                d_inv[b] += (d_lam * (xk[0] * xk[0]).sum(dim=-1)).sum()
+                d_inv[b] += torch.dot(d_lam, k_sq[b, sl])
 
         for_each_head(backward_head, bh, q.device)
         d_s0 = carry if ctx.needs_input_grad[5] else None
