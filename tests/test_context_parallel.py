@@ -159,7 +159,10 @@ def _long_slice_worker(rank: int, world: int, n: int) -> dict[str, float]:
         want = sequence_slice(ref[name], state.cp_rank, state.cp_size, dim=2)
         torch.testing.assert_close(got[name], want, atol=ATOL, rtol=RTOL, msg=lambda m: f"{name}: {m}")
     for name, want in ref["params"].items():
-        torch.testing.assert_close(got["params"][name], want, atol=ATOL, rtol=RTOL, msg=lambda m: f"{name}: {m}")
+        # fp32 sums over 2 x 2 x 4200 token terms: entries near 0 carry the rounding of the large ones,
+        # so the absolute tolerance is relative to the gradient's scale (max ~400 here)
+        atol = ATOL * float(want.abs().max())
+        torch.testing.assert_close(got["params"][name], want, atol=atol, rtol=RTOL, msg=lambda m: f"{name}: {m}")
     core = AttentionCore("flexformer_n", 2, 8, feature_dim=16, chunk_size=64)
     q, k, v = (torch.randn(2, 2, n // world, 8, requires_grad=True) for _ in range(3))
     return {
