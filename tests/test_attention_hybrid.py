@@ -19,9 +19,12 @@ def make_core(form: str, window: int, conv_size: int, seed: int = 0) -> LocalMix
     core = LocalMixingCore(
         AttentionCore("flexformer_n", HEADS, D, feature_dim=16, form=form, chunk_size=8), window=window, conv_size=conv_size
     )
-    if core.conv_weight is not None:  # leave the identity init: every tap must matter
-        with torch.no_grad():
-            core.conv_weight.copy_(torch.randn(core.conv_weight.shape, generator=torch.Generator().manual_seed(seed + 1)))
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        if core.conv_weight is not None:  # leave the identity init: every tap must matter
+            core.conv_weight.copy_(torch.randn(core.conv_weight.shape, generator=gen))
+        if core.window_mix is not None:  # a different mix per head, not the even init
+            core.window_mix.copy_(torch.randn(core.window_mix.shape, generator=gen))
     return core
 
 
@@ -57,8 +60,25 @@ def test_matches_naive_reference(window, conv_size):
             q, k, v = naive_conv(q, w[:, 0]), naive_conv(k, w[:, 1]), naive_conv(v, w[:, 2])
         want, _ = core.core(q, k, v)
         if window:
-            want = want + naive_window(q, k, v, window)
+            local = naive_window(q, k, v, window)
+            local = local / local.pow(2).mean(-1, keepdim=True).add(core.core.eps).sqrt()  # the core's "rms"
+            mix = torch.sigmoid(core.window_mix)
+            want = (1 - mix) * want + mix * local
     assert rel_err(got, want) < 1e-5
+
+
+def test_window_branch_rms_normalised_and_mix_learns():
+    """At init both branches have unit RMS and weigh 1/2 each; the mix gets a gradient."""
+    core = LocalMixingCore(AttentionCore("flexformer_n", HEADS, D, feature_dim=16, chunk_size=8), window=4)
+    q, k, v = make_qkv(2, HEADS, 13, D, seed=5)
+    v = v * 0.05  # a small v: the local average is small, its normalised branch is not
+    out, _ = core(q, k, v)
+    lin, _ = core.core(q, k, v)
+    local = (2 * out - lin).detach()  # mix = 1/2 at init
+    torch.testing.assert_close(local.pow(2).mean(-1), torch.ones_like(local[..., 0]), atol=0.02, rtol=0)  # eps: ~0.6%
+    out.square().sum().backward()
+    assert core.window_mix.grad is not None and core.window_mix.grad.abs().min() > 0
+    assert "window_mix" in [p.name for p in core.kernel_parameters()]
 
 
 @pytest.mark.parametrize("window,conv_size", CLOSERS)
@@ -145,9 +165,10 @@ def test_bad_arguments_raise():
         make_core("quadratic", 4, 0)(*make_qkv(1, HEADS, 3, D), state=object())
 
 
-def test_reshard_layout_shards_conv_taps_and_kernel_by_heads():
+def test_reshard_layout_shards_conv_taps_window_mix_and_kernel_by_heads():
     from megaflex.parallel.reshard import gpt_layout
 
     layout = gpt_layout(model_config())
     assert layout["blocks.0.attn.core.conv_weight"].partition_dim == 0
+    assert layout["blocks.0.attn.core.window_mix"].partition_dim == 0
     assert layout["blocks.1.attn.core.core.feature_map.tau"].partition_dim == 0

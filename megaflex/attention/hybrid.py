@@ -8,10 +8,13 @@
   core's inputs, i.e. after RoPE (the core is what sees q, k, v; the taps are learned, so they can
   adapt to the rotation of a K-token neighbourhood). Decoding keeps the last K - 1 raw q, k, v.
 * a sliding-window exact softmax branch (``window`` W > 0), as in Based / LoLCATs-style hybrids:
-  ``out = linear(q, k, v) + softmax attention of q_t over keys s in (t - W, t]``, so sharp local
-  attention does not need a sharp kernel. The linear branch still covers every token (its state is
-  unchanged); the model's per-head output gain scales the sum. Decoding keeps the last W - 1 keys
-  and values (a window KV cache).
+  ``out = (1 - g_h) linear(q, k, v) + g_h local``, ``local`` the softmax attention of q_t over keys
+  s in (t - W, t], so sharp local attention does not need a sharp kernel. ``g_h = sigmoid(m_h)`` is
+  a learned per-head mix (init 1/2). With the core's ``rms`` normalisation the local branch is
+  RMS-normalised too: the linear branch then has unit RMS while an average of v starts ~10x
+  smaller, and a plain sum (the first version) left the local branch nearly silent (kernel study
+  v2: no gain, one of three seeds stuck). The linear branch still covers every token (its state is
+  unchanged). Decoding keeps the last W - 1 keys and values (a window KV cache).
 
 Both are position-local and causal, so the result is the same for any linear form (chunked,
 recurrent, quadratic) and for decoding token by token from a ``HybridState`` as for the full
@@ -27,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import KernelParameter, LinearAttentionState
+from .base import KernelParameter, LinearAttentionState, normalize_output
 from .core import AttentionCore
 
 
@@ -59,7 +62,9 @@ class LocalMixingCore(nn.Module):
             raise ValueError("LocalMixingCore: expected window > 0 or conv_size > 0, got both 0")
         self.core, self.window, self.conv_size = core, window, conv_size
         self.num_heads, self.head_dim = core.num_heads, core.head_dim
-        self.conv_weight = None
+        self.conv_weight = self.window_mix = None
+        if window:
+            self.window_mix = nn.Parameter(torch.zeros(core.num_heads, 1, 1))  # heads on dim 0 (TP); sigmoid(0) = 1/2
         if conv_size:
             weight = torch.zeros(core.num_heads, 3, core.head_dim, conv_size)  # heads on dim 0 (TP)
             weight[..., -1] = 1.0  # identity: a no-op at init
@@ -70,8 +75,10 @@ class LocalMixingCore(nn.Module):
         return self.core.feature_map
 
     def kernel_parameters(self) -> list[KernelParameter]:
-        """The convolution taps: main LR, no weight decay (decay pulls them to 0: no q, k, v at all)."""
-        return [] if self.conv_weight is None else [KernelParameter("conv_weight", self.conv_weight, "map_weight")]
+        """The convolution taps and the window mix: main LR, no weight decay (decay would pull the taps
+        to 0, i.e. no q, k, v at all, and the mix logits to an even mix)."""
+        named = (("conv_weight", self.conv_weight), ("window_mix", self.window_mix))
+        return [KernelParameter(name, p, "map_weight") for name, p in named if p is not None]
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: HybridState | None = None, return_state: bool = False
@@ -86,7 +93,10 @@ class LocalMixingCore(nn.Module):
         window_k = window_v = None
         if self.window:
             local, window_k, window_v = self._window_attention(q, k, v, state)
-            out = out + local
+            if self.core.normalization == "rms":
+                local = normalize_output(local, None, "rms", self.core.eps)
+            mix = torch.sigmoid(self.window_mix).to(out.dtype)
+            out = torch.lerp(out, local.to(out.dtype), mix)
         return out, (HybridState(linear_state, window_k, window_v, conv_tail) if return_state else None)
 
     def _convolve(
