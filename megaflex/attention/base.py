@@ -123,7 +123,8 @@ def fp32_inputs(
 
 # Optimisation roles of learnable kernel parameters (``KernelParameter.role``):
 #   "frequencies": random-Fourier frequencies Omega [H, D, d] (own LR multiplier, no weight decay)
-#   "temperature": log-temperature tau [H] (own LR multiplier, no weight decay)
+#   "temperature": per-head scalars: log-temperature tau [H], the hybrid's window-mix logit [H, 1, 1]
+#                  (own LR multiplier, no weight decay)
 #   "map_weight":  a learned projection inside the map (hedgehog's W [H, d, F/2]): main LR, no
 #                  weight decay (decaying it pulls the map towards a constant, i.e. uniform attention)
 KERNEL_ROLES = ("frequencies", "temperature", "map_weight")

@@ -75,10 +75,14 @@ class LocalMixingCore(nn.Module):
         return self.core.feature_map
 
     def kernel_parameters(self) -> list[KernelParameter]:
-        """The convolution taps and the window mix: main LR, no weight decay (decay would pull the taps
-        to 0, i.e. no q, k, v at all, and the mix logits to an even mix)."""
-        named = (("conv_weight", self.conv_weight), ("window_mix", self.window_mix))
-        return [KernelParameter(name, p, "map_weight") for name, p in named if p is not None]
+        """No weight decay for either (decay would pull the taps to 0, i.e. no q, k, v at all, and the
+        mix to an even one). The taps: main LR. The mix logit is a per-head scalar like tau, so it
+        rides on the temperature LR group: at the main LR Adam could move it by ~0.3 over a 300-step
+        run, i.e. the mix could not leave 0.43..0.57 (logged as layerXX/window_mix_*)."""
+        out = [] if self.conv_weight is None else [KernelParameter("conv_weight", self.conv_weight, "map_weight")]
+        if self.window_mix is not None:
+            out.append(KernelParameter("window_mix", self.window_mix, "temperature"))
+        return out
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: HybridState | None = None, return_state: bool = False
