@@ -1,10 +1,9 @@
 """Training with context parallelism under the real launcher (separate ``megaflex.train`` processes).
 
 CP=2 on 2 gloo ranks: a kill -9 mid-run and ``checkpoint.resume=auto`` continue the loss curve bit
-for bit (ZeRO 0 and 1); the same checkpoint resumed with CP=1 on one rank continues with equal
-losses (CP holds no state of its own; only the reduction order differs). Changing the CP size,
-like changing the DP size, needs ZeRO 0 checkpoints: DeepSpeed refuses to repartition ZeRO 1-3
-optimizer states over a different DP x CP world.
+for bit (ZeRO 0 and 1); the same checkpoint resumed with CP=1 x DP=2 on 2 ranks (the same DP x CP
+count, so ZeRO shards load as saved) and with CP=1 on one rank continues with equal losses (CP
+holds no state of its own; only the reduction order differs).
 """
 
 from __future__ import annotations
@@ -43,8 +42,9 @@ def test_cp2_kill_resume_is_bit_exact_and_cp1_resume_matches(tmp_path: Path, zer
     killed = launch(cfg, cp2 + [f"logging.run_dir={crashed}", "fault.sigkill_after_step=13"], world_size=2)
     assert all(rc == -9 for rc in killed.returncodes), killed.output
     assert complete_tags(crashed / "checkpoints") == ["step_00000010"]
-    other = tmp_path / "resumed_cp1"
+    other, same_count = tmp_path / "resumed_cp1", tmp_path / "resumed_cp1_dp2"
     shutil.copytree(crashed, other)
+    shutil.copytree(crashed, same_count)
 
     resumed = launch(cfg, cp2 + [f"logging.run_dir={crashed}", "checkpoint.resume=auto"], world_size=2)
     _ok(resumed)
@@ -53,9 +53,17 @@ def test_cp2_kill_resume_is_bit_exact_and_cp1_resume_matches(tmp_path: Path, zer
     assert _losses(crashed, range(11, 21)) == want  # bit for bit
     assert len(set(want.values())) > 1
 
+    # CP=2 x DP=1 -> CP=1 x DP=2: the same DP x CP count, so the ZeRO shards load as saved.
+    cp1 = [f"parallel.zero_stage={zero}", "parallel.context_parallel_size=1"]
+    dp2 = launch(cfg, cp1 + [f"logging.run_dir={same_count}", "checkpoint.resume=auto"], world_size=2)
+    _ok(dp2)
+    assert "at step 10" in dp2.outputs[0] and "TP 1 x CP 1 x DP 2" in dp2.outputs[0]
+    got = _losses(same_count, range(11, 21))
+    for step, loss in want.items():
+        assert abs(got[step] - loss) <= 1e-5, (step, got[step], loss)
+
     if zero > 0:
         return  # DeepSpeed cannot repartition ZeRO optimizer states over another DP x CP world (as for DP)
-    cp1 = [f"parallel.zero_stage={zero}", "parallel.context_parallel_size=1"]
     single = launch(cfg, cp1 + [f"logging.run_dir={other}", "checkpoint.resume=auto"], world_size=1)
     _ok(single)
     assert "at step 10" in single.outputs[0] and "TP 1 x CP 1 x DP 1" in single.outputs[0]
