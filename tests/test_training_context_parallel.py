@@ -3,7 +3,9 @@
 CP=2 on 2 gloo ranks: a kill -9 mid-run and ``checkpoint.resume=auto`` continue the loss curve bit
 for bit (ZeRO 0 and 1); the same checkpoint resumed with CP=1 x DP=2 on 2 ranks (the same DP x CP
 count, so ZeRO shards load as saved) and with CP=1 on one rank continues with equal losses (CP
-holds no state of its own; only the reduction order differs).
+holds no state of its own; only the reduction order differs). At ZeRO 1 the one-rank resume
+changes the DP x CP count: it is refused with ``checkpoint.zero_universal_resume=false`` and
+otherwise goes through DeepSpeed's universal checkpoint (converted once, repartitioned).
 """
 
 from __future__ import annotations
@@ -62,11 +64,16 @@ def test_cp2_kill_resume_is_bit_exact_and_cp1_resume_matches(tmp_path: Path, zer
     for step, loss in want.items():
         assert abs(got[step] - loss) <= 1e-5, (step, got[step], loss)
 
-    if zero > 0:
-        return  # DeepSpeed cannot repartition ZeRO optimizer states over another DP x CP world (as for DP)
+    if zero > 0:  # DP x CP 2 -> 1: ZeRO shards must be repartitioned (through the universal copy) or refused
+        refused = launch(cfg, cp1 + [f"logging.run_dir={other}", "checkpoint.resume=auto",
+                                     "checkpoint.zero_universal_resume=false"], world_size=1)
+        assert refused.returncodes == [2], refused.output
+        assert "partitioned over DP 1 x CP 2 = 2 ranks, this run has DP 1 x CP 1 = 1" in refused.outputs[0]
+        assert not (other / "checkpoints" / "universal").exists()
     single = launch(cfg, cp1 + [f"logging.run_dir={other}", "checkpoint.resume=auto"], world_size=1)
     _ok(single)
     assert "at step 10" in single.outputs[0] and "TP 1 x CP 1 x DP 1" in single.outputs[0]
+    assert ("through its universal copy" in single.outputs[0]) == (zero > 0)
     got = _losses(other, range(11, 21))
     for step, loss in want.items():
         assert abs(got[step] - loss) <= 1e-5, (step, got[step], loss)
