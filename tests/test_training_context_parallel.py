@@ -6,15 +6,22 @@ count, so ZeRO shards load as saved) and with CP=1 on one rank continues with eq
 holds no state of its own; only the reduction order differs). At ZeRO 1 the one-rank resume
 changes the DP x CP count: it is refused with ``checkpoint.zero_universal_resume=false`` and
 otherwise goes through DeepSpeed's universal checkpoint (converted once, repartitioned).
+
+ZeRO 2 and 3 (fp32): CP=2 on 2 ranks equals CP=1 on one rank step by step on a learnable data
+set; the ZeRO 2 checkpoint resumes at CP=1 on one rank (universal copy), the ZeRO 3 one is refused
+up front. bf16 at ZeRO 2 trains under CP=2.
 """
 
 from __future__ import annotations
 
+import math
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from megaflex.data.indexed import IndexedDatasetBuilder
 from megaflex.training.checkpoint import complete_tags
 from megaflex.training.metrics import read_metrics
 from training_harness import launch, write_config
@@ -77,3 +84,62 @@ def test_cp2_kill_resume_is_bit_exact_and_cp1_resume_matches(tmp_path: Path, zer
     got = _losses(other, range(11, 21))
     for step, loss in want.items():
         assert abs(got[step] - loss) <= 1e-5, (step, got[step], loss)
+
+
+@pytest.fixture(scope="module")
+def pattern_data(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """Indexed data the tiny model learns within a few steps (uniform synthetic tokens cannot fall
+    below ln(vocab)): documents counting up mod 256 from a random start, in steps of 1 to 3."""
+    prefix = tmp_path_factory.mktemp("pattern") / "pattern"
+    rng = np.random.default_rng(0)
+    with IndexedDatasetBuilder(prefix, dtype=np.uint16, vocab_size=256) as builder:
+        for _ in range(300):
+            start, stride = int(rng.integers(256)), int(rng.integers(1, 4))
+            builder.add_document((start + stride * np.arange(200)) % 256)
+    return ["data.source=indexed", f"data.train_path=[{prefix}]", "data.split=98,2,0", "train.eval_iters=1"]
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_cp2_at_zero_2_and_3_equals_cp1_and_resumes_on_another_world(tmp_path: Path, pattern_data: list[str],
+                                                                       zero: int) -> None:
+    cfg = write_config(tmp_path / "cfg.yaml")
+    common = pattern_data + [f"parallel.zero_stage={zero}", "train.train_iters=8", "checkpoint.save_interval=4"]
+    cp1_dir, cp2_dir = tmp_path / "cp1", tmp_path / "cp2"
+    cp1 = launch(cfg, common + ["parallel.context_parallel_size=1", f"logging.run_dir={cp1_dir}"], world_size=1)
+    _ok(cp1)
+    killed = launch(cfg, common + ["parallel.context_parallel_size=2", f"logging.run_dir={cp2_dir}",
+                                   "fault.sigkill_after_step=5"], world_size=2)
+    assert all(rc == -9 for rc in killed.returncodes), killed.output
+    assert "TP 1 x CP 2 x DP 1" in killed.outputs[0] and f"ZeRO {zero}" in killed.outputs[0]
+    want = _losses(cp1_dir, range(1, 9))
+    assert want[8] < want[1] - 0.2  # the model learns: the comparison is not between two flat curves
+    got = _losses(cp2_dir, range(1, 6))
+    for step in got:  # the same global batches; only the reduction order differs
+        assert abs(got[step] - want[step]) <= 1e-5, (step, got[step], want[step])
+
+    # Its step-4 checkpoint (ZeRO shards over DP x CP = 2) resumed with CP=1 on one rank.
+    resumed = launch(cfg, common + ["parallel.context_parallel_size=1", f"logging.run_dir={cp2_dir}"], world_size=1)
+    if zero == 3:  # DeepSpeed's universal copy is not used for ZeRO 3 (see docs/training.md): refused up front
+        assert resumed.returncodes == [2], resumed.output
+        assert "ZeRO 3 optimizer states partitioned over DP 1 x CP 2 = 2 ranks" in resumed.outputs[0]
+        return
+    _ok(resumed)
+    assert "at step 4" in resumed.outputs[0] and "through its universal copy" in resumed.outputs[0]
+    got = _losses(cp2_dir, range(5, 9))
+    for step in got:
+        assert abs(got[step] - want[step]) <= 1e-5, (step, got[step], want[step])
+
+
+def test_bf16_at_zero_2_trains_under_cp2(tmp_path: Path, pattern_data: list[str]) -> None:
+    cfg = write_config(tmp_path / "cfg.yaml")
+    run = tmp_path / "bf16"
+    result = launch(cfg, pattern_data + [
+        "parallel.zero_stage=2", "parallel.context_parallel_size=2", "train.precision=bf16", "train.train_iters=8",
+        "checkpoint.save_interval=0", "checkpoint.save_at_end=false", f"logging.run_dir={run}",
+    ], world_size=2)
+    _ok(result)
+    assert "CP 2" in result.outputs[0] and "bf16" in result.outputs[0]
+    records = read_metrics(run / "metrics.jsonl")
+    losses = [records[s]["loss"] for s in range(1, 9)]
+    assert all(math.isfinite(x) for x in losses) and not any(records[s]["skipped"] for s in range(1, 9))
+    assert losses[-1] < losses[0] - 0.2, losses
