@@ -12,7 +12,7 @@ this module sits at the bottom of the package (it imports nothing from megaflex)
                                    {relative path: {"size": bytes, "sha256": hex}} of every other file
             rng/rank_00000.pt      per-rank RNG states
         .tmp-step_00000015/        a save in progress (or interrupted: ignored, removed by the next save)
-        universal/step_00000010/   DeepSpeed "universal" copy of a ZeRO 1/2 tag (whole fp32 weights and
+        universal/step_00000010/   DeepSpeed "universal" copy of a ZeRO 1-3 tag (whole fp32 weights and
                                    Adam moments per parameter, under zero/), made on the first resume
                                    with another DP x CP count; removed with its tag
 
@@ -230,7 +230,7 @@ def verify_checkpoint(tag_dir: str | Path) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------- universal copies
 def convert_to_universal(tag_dir: str | Path, out_dir: str | Path) -> Path:
-    """Write DeepSpeed's universal form of the ZeRO 1/2 checkpoint ``tag_dir`` to ``out_dir``.
+    """Write DeepSpeed's universal form of the ZeRO 1-3 checkpoint ``tag_dir`` to ``out_dir``.
 
     ZeRO shards are slices of flat buffers cut for one DP x CP count; the universal form holds
     each parameter's whole fp32 weight and optimizer moments (``out_dir/zero/<name>/``), which

@@ -113,9 +113,11 @@ def test_zero_repartition_is_needed_only_for_another_dp_x_cp_count_and_refused_w
     assert not needs_repartition(dict(meta, zero_stage=0), path, 1, 1, 1, 1, universal_allowed=False)
     assert needs_repartition(meta, path, 2, 1, 1, 1, universal_allowed=True)
     assert needs_repartition({"zero_stage": 2, "data_parallel_size": 4}, path, 1, 1, 2, 1, universal_allowed=True)
+    assert needs_repartition(dict(meta, zero_stage=3), path, 3, 1, 1, 1, universal_allowed=True)
     for run, allowed, why in [
         ((1, 1, 1, 1), False, "zero_universal_resume is off"),
-        ((3, 1, 1, 1), True, "ZeRO 1/2 to ZeRO 1/2 only"),
+        ((3, 1, 1, 1), True, "ZeRO 1/2 into ZeRO 1/2 and ZeRO 3 into ZeRO 3 only"),
+        ((0, 1, 1, 1), True, "ZeRO 1/2 into ZeRO 1/2 and ZeRO 3 into ZeRO 3 only"),
         ((1, 1, 1, 2), True, "needs tensor_parallel_size 1"),
     ]:
         with pytest.raises(CheckpointError, match=why) as info:

@@ -127,8 +127,9 @@ def needs_repartition(meta: dict[str, Any], path: Path, zero_stage: int, dp_size
     reason = None
     if not universal_allowed:
         reason = "checkpoint.zero_universal_resume is off"
-    elif saved_stage not in (1, 2) or zero_stage not in (1, 2):
-        reason = f"the universal copy covers ZeRO 1/2 to ZeRO 1/2 only (saved at ZeRO {saved_stage}, this run ZeRO {zero_stage})"
+    elif zero_stage == 0 or (saved_stage == 3) != (zero_stage == 3):
+        reason = (f"the universal copy loads ZeRO 1/2 into ZeRO 1/2 and ZeRO 3 into ZeRO 3 only (saved at ZeRO "
+                  f"{saved_stage}, this run ZeRO {zero_stage})")
     elif tp_size != 1:
         reason = f"the universal copy needs tensor_parallel_size 1 (this run {tp_size}); megaflex records no TP slicing for it"
     if reason is None:
@@ -137,7 +138,7 @@ def needs_repartition(meta: dict[str, Any], path: Path, zero_stage: int, dp_size
         f"checkpoint {path} holds ZeRO {saved_stage} optimizer states partitioned over {saved_text} ranks, this run "
         f"has DP {dp_size} x CP {cp_size} = {current}, and {reason}. Resume with a DP x CP product of {saved} (any CP "
         f"size whose DP x CP is {saved}), or train with parallel.zero_stage=0 (whole states on every rank) when the "
-        "world is to change, or (ZeRO 1/2, TP 1) set checkpoint.zero_universal_resume=true"
+        "world is to change, or (TP 1, the saved ZeRO stage's family) set checkpoint.zero_universal_resume=true"
     )
 
 
@@ -286,10 +287,21 @@ class CheckpointManager:
 
         RNG states are restored when ``load_rng`` and this rank has a file (same world size)."""
         source = universal or path
+        # DeepSpeed 0.19's ZeRO 3 universal load copies param group 0's settings (weight decay,
+        # lr_multiplier, ...) into every group (they are this run's configuration, not state: kept)
+        # and gives every group one shared Adam step tensor (torch increments it in place: unshared).
+        settings = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
         try:
             load_path, _ = engine.load_checkpoint(
                 str(source.parent), tag=source.name, load_optimizer_states=True, load_lr_scheduler_states=False
             )
+            if universal is not None:
+                for group, own in zip(engine.optimizer.param_groups, settings):
+                    group.update(own)
+                base = getattr(engine.optimizer, "optimizer", engine.optimizer)
+                for state in base.state.values():
+                    if torch.is_tensor(state.get("step")):
+                        state["step"] = state["step"].clone()
         except Exception as e:
             raise CheckpointError(f"DeepSpeed could not read the checkpoint {path}: {type(e).__name__}: {e}") from e
         if load_path is None:
