@@ -12,6 +12,9 @@ this module sits at the bottom of the package (it imports nothing from megaflex)
                                    {relative path: {"size": bytes, "sha256": hex}} of every other file
             rng/rank_00000.pt      per-rank RNG states
         .tmp-step_00000015/        a save in progress (or interrupted: ignored, removed by the next save)
+        universal/step_00000010/   DeepSpeed "universal" copy of a ZeRO 1-3 tag (whole fp32 weights and
+                                   Adam moments per parameter, under zero/), made on the first resume
+                                   with another DP x CP count; removed with its tag
 
 A tag is *complete* when its metadata file exists (it is written last, then the folder is
 renamed into place). ``verify_files`` re-checks sizes and SHA-256 sums against the metadata so a
@@ -21,8 +24,10 @@ callers may add keys (e.g. a tokenizer record); only "files" is owned here.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
+import io
 import json
 import os
 import re
@@ -37,6 +42,7 @@ META_FILE = "megaflex.json"
 LATEST_FILE = "latest"
 FILES_KEY = "files"  # the per-file checksum table inside the metadata
 RNG_DIR = "rng"
+UNIVERSAL_DIR = "universal"
 MODEL_STATES = "mp_rank_{:02d}_model_states.pt"
 _HASH_CHUNK = 8 << 20
 
@@ -83,6 +89,11 @@ def tp_rank_files(tag_dir: str | Path, tp_rank: int) -> list[Path]:
 
 def rng_file(tag_dir: str | Path, rank: int) -> Path:
     return Path(tag_dir) / RNG_DIR / f"rank_{rank:05d}.pt"
+
+
+def universal_dir(ckpt_dir: str | Path, tag: str) -> Path:
+    """Where the universal copy of ``tag`` lives (``convert_to_universal``)."""
+    return Path(ckpt_dir) / UNIVERSAL_DIR / tag
 
 
 # ------------------------------------------------------------------------------- tags and `latest`
@@ -215,6 +226,52 @@ def verify_checkpoint(tag_dir: str | Path) -> dict[str, Any]:
     if problems:
         raise CorruptCheckpointError(f"corrupt checkpoint file {problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
     return meta
+
+
+# ------------------------------------------------------------------------------- universal copies
+def convert_to_universal(tag_dir: str | Path, out_dir: str | Path) -> Path:
+    """Write DeepSpeed's universal form of the ZeRO 1-3 checkpoint ``tag_dir`` to ``out_dir``.
+
+    ZeRO shards are slices of flat buffers cut for one DP x CP count; the universal form holds
+    each parameter's whole fp32 weight and optimizer moments (``out_dir/zero/<name>/``), which
+    DeepSpeed's ``checkpoint.load_universal`` repartitions over any count. Done once (in a temp
+    folder renamed into place, so an interrupted conversion is redone); returns ``out_dir``."""
+    import argparse
+
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+    out = Path(out_dir)
+    if out.is_dir():
+        return out
+    tmp = out.with_name(TMP_PREFIX + out.name)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    args = argparse.Namespace(
+        input_folder=str(tag_dir), output_folder=str(tmp), num_extract_workers=1, num_merge_workers=1,
+        keep_temp_folder=False, strict=True,
+        inject_missing_state=True,  # megaflex saves no Megatron-style TP slicing info: TP 1 only
+    )
+    log = io.StringIO()  # its progress bars and prints; shown only when it fails
+    try:
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            ds_to_universal(args)
+    except BaseException as e:
+        raise RuntimeError(f"{type(e).__name__}: {e}; DeepSpeed's output:\n{log.getvalue()[-3000:]}") from e
+    (tmp.parent / "latest_universal").unlink(missing_ok=True)  # DeepSpeed's pointer; megaflex names the tag
+    fsync_tree(tmp)
+    tmp.rename(out)
+    return out
+
+
+def prune_universal(ckpt_dir: str | Path) -> None:
+    """Remove universal copies (and interrupted conversions) whose tag is gone."""
+    root = Path(ckpt_dir) / UNIVERSAL_DIR
+    if not root.is_dir():
+        return
+    keep = set(complete_tags(ckpt_dir))
+    for path in root.iterdir():
+        if path.name not in keep:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------- file system

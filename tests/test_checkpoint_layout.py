@@ -11,10 +11,10 @@ import torch
 
 from evaluation.loading import resolve_checkpoint
 from megaflex.checkpoint_layout import (
-    FILES_KEY, META_FILE, CheckpointError, CorruptCheckpointError, auto_candidates, check_writable, rng_file,
-    tag_for, verify_checkpoint, write_latest, write_meta,
+    FILES_KEY, META_FILE, CheckpointError, CorruptCheckpointError, auto_candidates, check_writable, prune_universal,
+    rng_file, tag_for, universal_dir, verify_checkpoint, write_latest, write_meta,
 )
-from megaflex.training.checkpoint import CheckpointManager, preflight
+from megaflex.training.checkpoint import CheckpointManager, needs_repartition, preflight
 
 
 def _fake_tag(ckpt: Path, step: int, payload: int = 1000) -> Path:
@@ -103,3 +103,34 @@ def test_eval_finds_a_tag_under_a_run_dir(tmp_path: Path) -> None:
     assert resolve_checkpoint(run / "checkpoints", "step_00000005") == run / "checkpoints" / "step_00000005"
     with pytest.raises(ValueError, match=r"tag: 'step_00000007' is not a complete checkpoint .*step_00000010"):
         resolve_checkpoint(run, "step_00000007")
+
+
+def test_zero_repartition_is_needed_only_for_another_dp_x_cp_count_and_refused_with_the_ways_out() -> None:
+    path = Path("ckpt/step_00000010")
+    meta = {"zero_stage": 1, "data_parallel_size": 1, "context_parallel_size": 2}
+    # (stage, DP, CP, TP) of this run: the same DP x CP product or saved ZeRO 0 need nothing.
+    assert not needs_repartition(meta, path, 1, 2, 1, 1, universal_allowed=False)
+    assert not needs_repartition(dict(meta, zero_stage=0), path, 1, 1, 1, 1, universal_allowed=False)
+    assert needs_repartition(meta, path, 2, 1, 1, 1, universal_allowed=True)
+    assert needs_repartition({"zero_stage": 2, "data_parallel_size": 4}, path, 1, 1, 2, 1, universal_allowed=True)
+    assert needs_repartition(dict(meta, zero_stage=3), path, 3, 1, 1, 1, universal_allowed=True)
+    for run, allowed, why in [
+        ((1, 1, 1, 1), False, "zero_universal_resume is off"),
+        ((3, 1, 1, 1), True, "ZeRO 1/2 into ZeRO 1/2 and ZeRO 3 into ZeRO 3 only"),
+        ((0, 1, 1, 1), True, "ZeRO 1/2 into ZeRO 1/2 and ZeRO 3 into ZeRO 3 only"),
+        ((1, 1, 1, 2), True, "needs tensor_parallel_size 1"),
+    ]:
+        with pytest.raises(CheckpointError, match=why) as info:
+            needs_repartition(meta, path, *run, universal_allowed=allowed)
+        text = str(info.value)
+        assert "over DP 1 x CP 2 = 2 ranks" in text and "DP 1 x CP 1 = 1, and" in text and "zero_stage=0" in text
+
+
+def test_universal_copies_are_pruned_with_their_tags(tmp_path: Path) -> None:
+    ckpt = tmp_path / "checkpoints"
+    _fake_tag(ckpt, 10)
+    for step in (5, 10):
+        universal_dir(ckpt, tag_for(step)).mkdir(parents=True)
+    (universal_dir(ckpt, tag_for(15)).with_name(".tmp-" + tag_for(15))).mkdir()  # an interrupted conversion
+    prune_universal(ckpt)
+    assert sorted(p.name for p in (ckpt / "universal").iterdir()) == [tag_for(10)]

@@ -1,19 +1,27 @@
 """Training with context parallelism under the real launcher (separate ``megaflex.train`` processes).
 
 CP=2 on 2 gloo ranks: a kill -9 mid-run and ``checkpoint.resume=auto`` continue the loss curve bit
-for bit (ZeRO 0 and 1); the same checkpoint resumed with CP=1 on one rank continues with equal
-losses (CP holds no state of its own; only the reduction order differs). Changing the CP size,
-like changing the DP size, needs ZeRO 0 checkpoints: DeepSpeed refuses to repartition ZeRO 1-3
-optimizer states over a different DP x CP world.
+for bit (ZeRO 0 and 1); the same checkpoint resumed with CP=1 x DP=2 on 2 ranks (the same DP x CP
+count, so ZeRO shards load as saved) and with CP=1 on one rank continues with equal losses (CP
+holds no state of its own; only the reduction order differs). At ZeRO 1 the one-rank resume
+changes the DP x CP count: it is refused with ``checkpoint.zero_universal_resume=false`` and
+otherwise goes through DeepSpeed's universal checkpoint (converted once, repartitioned).
+
+ZeRO 2 and 3 (fp32): CP=2 on 2 ranks equals CP=1 on one rank step by step on a learnable data
+set, and their checkpoints resume at CP=1 on one rank (universal copy) with the same losses. bf16
+at ZeRO 2 trains under CP=2.
 """
 
 from __future__ import annotations
 
+import math
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from megaflex.data.indexed import IndexedDatasetBuilder
 from megaflex.training.checkpoint import complete_tags
 from megaflex.training.metrics import read_metrics
 from training_harness import launch, write_config
@@ -43,8 +51,9 @@ def test_cp2_kill_resume_is_bit_exact_and_cp1_resume_matches(tmp_path: Path, zer
     killed = launch(cfg, cp2 + [f"logging.run_dir={crashed}", "fault.sigkill_after_step=13"], world_size=2)
     assert all(rc == -9 for rc in killed.returncodes), killed.output
     assert complete_tags(crashed / "checkpoints") == ["step_00000010"]
-    other = tmp_path / "resumed_cp1"
+    other, same_count = tmp_path / "resumed_cp1", tmp_path / "resumed_cp1_dp2"
     shutil.copytree(crashed, other)
+    shutil.copytree(crashed, same_count)
 
     resumed = launch(cfg, cp2 + [f"logging.run_dir={crashed}", "checkpoint.resume=auto"], world_size=2)
     _ok(resumed)
@@ -53,12 +62,80 @@ def test_cp2_kill_resume_is_bit_exact_and_cp1_resume_matches(tmp_path: Path, zer
     assert _losses(crashed, range(11, 21)) == want  # bit for bit
     assert len(set(want.values())) > 1
 
-    if zero > 0:
-        return  # DeepSpeed cannot repartition ZeRO optimizer states over another DP x CP world (as for DP)
+    # CP=2 x DP=1 -> CP=1 x DP=2: the same DP x CP count, so the ZeRO shards load as saved.
     cp1 = [f"parallel.zero_stage={zero}", "parallel.context_parallel_size=1"]
+    dp2 = launch(cfg, cp1 + [f"logging.run_dir={same_count}", "checkpoint.resume=auto"], world_size=2)
+    _ok(dp2)
+    assert "at step 10" in dp2.outputs[0] and "TP 1 x CP 1 x DP 2" in dp2.outputs[0]
+    got = _losses(same_count, range(11, 21))
+    for step, loss in want.items():
+        assert abs(got[step] - loss) <= 1e-5, (step, got[step], loss)
+
+    if zero > 0:  # DP x CP 2 -> 1: ZeRO shards must be repartitioned (through the universal copy) or refused
+        refused = launch(cfg, cp1 + [f"logging.run_dir={other}", "checkpoint.resume=auto",
+                                     "checkpoint.zero_universal_resume=false"], world_size=1)
+        assert refused.returncodes == [2], refused.output
+        assert "partitioned over DP 1 x CP 2 = 2 ranks, this run has DP 1 x CP 1 = 1" in refused.outputs[0]
+        assert not (other / "checkpoints" / "universal").exists()
     single = launch(cfg, cp1 + [f"logging.run_dir={other}", "checkpoint.resume=auto"], world_size=1)
     _ok(single)
     assert "at step 10" in single.outputs[0] and "TP 1 x CP 1 x DP 1" in single.outputs[0]
+    assert ("through its universal copy" in single.outputs[0]) == (zero > 0)
     got = _losses(other, range(11, 21))
     for step, loss in want.items():
         assert abs(got[step] - loss) <= 1e-5, (step, got[step], loss)
+
+
+@pytest.fixture(scope="module")
+def pattern_data(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """Indexed data the tiny model learns within a few steps (uniform synthetic tokens cannot fall
+    below ln(vocab)): documents counting up mod 256 from a random start, in steps of 1 to 3."""
+    prefix = tmp_path_factory.mktemp("pattern") / "pattern"
+    rng = np.random.default_rng(0)
+    with IndexedDatasetBuilder(prefix, dtype=np.uint16, vocab_size=256) as builder:
+        for _ in range(300):
+            start, stride = int(rng.integers(256)), int(rng.integers(1, 4))
+            builder.add_document((start + stride * np.arange(200)) % 256)
+    return ["data.source=indexed", f"data.train_path=[{prefix}]", "data.split=98,2,0", "train.eval_iters=1"]
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_cp2_at_zero_2_and_3_equals_cp1_and_resumes_on_another_world(tmp_path: Path, pattern_data: list[str],
+                                                                       zero: int) -> None:
+    cfg = write_config(tmp_path / "cfg.yaml")
+    common = pattern_data + [f"parallel.zero_stage={zero}", "train.train_iters=8", "checkpoint.save_interval=4"]
+    cp1_dir, cp2_dir = tmp_path / "cp1", tmp_path / "cp2"
+    cp1 = launch(cfg, common + ["parallel.context_parallel_size=1", f"logging.run_dir={cp1_dir}"], world_size=1)
+    _ok(cp1)
+    killed = launch(cfg, common + ["parallel.context_parallel_size=2", f"logging.run_dir={cp2_dir}",
+                                   "fault.sigkill_after_step=5"], world_size=2)
+    assert all(rc == -9 for rc in killed.returncodes), killed.output
+    assert "TP 1 x CP 2 x DP 1" in killed.outputs[0] and f"ZeRO {zero}" in killed.outputs[0]
+    want = _losses(cp1_dir, range(1, 9))
+    assert want[8] < want[1] - 0.2  # the model learns: the comparison is not between two flat curves
+    got = _losses(cp2_dir, range(1, 6))
+    for step in got:  # the same global batches; only the reduction order differs
+        assert abs(got[step] - want[step]) <= 1e-5, (step, got[step], want[step])
+
+    # Its step-4 checkpoint (ZeRO shards over DP x CP = 2) resumed with CP=1 on one rank.
+    resumed = launch(cfg, common + ["parallel.context_parallel_size=1", f"logging.run_dir={cp2_dir}"], world_size=1)
+    _ok(resumed)
+    assert "at step 4" in resumed.outputs[0] and "through its universal copy" in resumed.outputs[0]
+    got = _losses(cp2_dir, range(5, 9))
+    for step in got:
+        assert abs(got[step] - want[step]) <= 1e-5, (step, got[step], want[step])
+
+
+def test_bf16_at_zero_2_trains_under_cp2(tmp_path: Path, pattern_data: list[str]) -> None:
+    cfg = write_config(tmp_path / "cfg.yaml")
+    run = tmp_path / "bf16"
+    result = launch(cfg, pattern_data + [
+        "parallel.zero_stage=2", "parallel.context_parallel_size=2", "train.precision=bf16", "train.train_iters=8",
+        "checkpoint.save_interval=0", "checkpoint.save_at_end=false", f"logging.run_dir={run}",
+    ], world_size=2)
+    _ok(result)
+    assert "CP 2" in result.outputs[0] and "bf16" in result.outputs[0]
+    records = read_metrics(run / "metrics.jsonl")
+    losses = [records[s]["loss"] for s in range(1, 9)]
+    assert all(math.isfinite(x) for x in losses) and not any(records[s]["skipped"] for s in range(1, 9))
+    assert losses[-1] < losses[0] - 0.2, losses

@@ -38,6 +38,7 @@ from megaflex.checkpoint_layout import (  # noqa: F401  (re-exported for callers
     auto_candidates,
     check_writable,
     complete_tags,
+    convert_to_universal,
     data_file_names,
     directory_size,
     file_manifest,
@@ -45,6 +46,7 @@ from megaflex.checkpoint_layout import (  # noqa: F401  (re-exported for callers
     fsync_dir,
     fsync_tree,
     is_out_of_space,
+    prune_universal,
     read_latest,
     read_meta,
     resolve_tag,
@@ -52,6 +54,7 @@ from megaflex.checkpoint_layout import (  # noqa: F401  (re-exported for callers
     stale_tmp_dirs,
     tag_for,
     tmp_dir,
+    universal_dir,
     verify_files,
     write_latest,
     write_meta,
@@ -105,6 +108,38 @@ def check_compatible(meta: dict[str, Any], model_config: dict[str, Any], shapes:
             f"{first}: checkpoint {saved_shapes.get(first, 'absent')} vs config {shapes.get(first, 'absent')}; "
             f"model fields (checkpoint, config): {diff}"
         )
+
+
+def zero_partitions(meta: dict[str, Any]) -> int:
+    """The DP x CP count a checkpoint's ZeRO states are partitioned over (CP: 1 before it existed)."""
+    return meta["data_parallel_size"] * meta.get("context_parallel_size", 1)
+
+
+def needs_repartition(meta: dict[str, Any], path: Path, zero_stage: int, dp_size: int, cp_size: int, tp_size: int,
+                      universal_allowed: bool) -> bool:
+    """Whether resuming ``path`` needs its ZeRO optimizer states repartitioned over another DP x CP
+    count (through the universal copy); a ``CheckpointError`` naming both counts and the ways out
+    when that is not supported. ZeRO 0 states are whole on every rank: never needed."""
+    saved_stage, saved, current = meta.get("zero_stage", 0), zero_partitions(meta), dp_size * cp_size
+    if saved_stage == 0 or saved == current:
+        return False
+    saved_text = f"DP {meta['data_parallel_size']} x CP {meta.get('context_parallel_size', 1)} = {saved}"
+    reason = None
+    if not universal_allowed:
+        reason = "checkpoint.zero_universal_resume is off"
+    elif zero_stage == 0 or (saved_stage == 3) != (zero_stage == 3):
+        reason = (f"the universal copy loads ZeRO 1/2 into ZeRO 1/2 and ZeRO 3 into ZeRO 3 only (saved at ZeRO "
+                  f"{saved_stage}, this run ZeRO {zero_stage})")
+    elif tp_size != 1:
+        reason = f"the universal copy needs tensor_parallel_size 1 (this run {tp_size}); megaflex records no TP slicing for it"
+    if reason is None:
+        return True
+    raise CheckpointError(
+        f"checkpoint {path} holds ZeRO {saved_stage} optimizer states partitioned over {saved_text} ranks, this run "
+        f"has DP {dp_size} x CP {cp_size} = {current}, and {reason}. Resume with a DP x CP product of {saved} (any CP "
+        f"size whose DP x CP is {saved}), or train with parallel.zero_stage=0 (whole states on every rank) when the "
+        "world is to change, or (TP 1, the saved ZeRO stage's family) set checkpoint.zero_universal_resume=true"
+    )
 
 
 # ------------------------------------------------------------------------------- manager
@@ -230,14 +265,43 @@ class CheckpointManager:
             raise CorruptCheckpointError(f"corrupt checkpoint file {problems[0]}{more}")
         return meta
 
-    def load(self, engine: Any, path: Path, tp_tracker: Any | None, load_rng: bool) -> dict[str, Any]:
-        """Collective. Load engine + optimizer states from ``path``; returns its metadata.
+    def universal_copy(self, path: Path) -> Path:
+        """Collective. The universal copy of the ZeRO 1/2 checkpoint ``path`` (beside it, in
+        ``universal/<tag>``), converted by rank 0 on first use."""
+        out = universal_dir(path.parent, path.name)
+        error = None
+        if self.rank == 0:
+            try:
+                convert_to_universal(path, out)
+            except Exception as e:
+                error = e
+        if _any_rank(error is not None):
+            why = f"{type(error).__name__}: {error}" if error is not None else "rank 0 failed"
+            raise CheckpointError(f"converting checkpoint {path} to DeepSpeed's universal form in {out} failed: {why}")
+        return out
+
+    def load(self, engine: Any, path: Path, tp_tracker: Any | None, load_rng: bool,
+             universal: Path | None = None) -> dict[str, Any]:
+        """Collective. Load engine + optimizer states from ``path`` (or its ``universal`` copy: the
+        engine was then built with ``checkpoint.load_universal``); returns its metadata.
 
         RNG states are restored when ``load_rng`` and this rank has a file (same world size)."""
+        source = universal or path
+        # DeepSpeed 0.19's ZeRO 3 universal load copies param group 0's settings (weight decay,
+        # lr_multiplier, ...) into every group (they are this run's configuration, not state: kept)
+        # and gives every group one shared Adam step tensor (torch increments it in place: unshared).
+        settings = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
         try:
             load_path, _ = engine.load_checkpoint(
-                str(path.parent), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=False
+                str(source.parent), tag=source.name, load_optimizer_states=True, load_lr_scheduler_states=False
             )
+            if universal is not None:
+                for group, own in zip(engine.optimizer.param_groups, settings):
+                    group.update(own)
+                base = getattr(engine.optimizer, "optimizer", engine.optimizer)
+                for state in base.state.values():
+                    if torch.is_tensor(state.get("step")):
+                        state["step"] = state["step"].clone()
         except Exception as e:
             raise CheckpointError(f"DeepSpeed could not read the checkpoint {path}: {type(e).__name__}: {e}") from e
         if load_path is None:
@@ -258,6 +322,7 @@ class CheckpointManager:
                 shutil.rmtree(self.ckpt_dir / tag, ignore_errors=True)
         for stale in stale_tmp_dirs(self.ckpt_dir):
             shutil.rmtree(stale, ignore_errors=True)
+        prune_universal(self.ckpt_dir)
 
 
 def _save_rng(path: Path, tp_tracker: Any | None) -> None:

@@ -160,6 +160,10 @@ class CheckpointConfig:
     resume: str = opt("auto", "`auto`: newest complete checkpoint in dir if any; `none`: start fresh; or a checkpoint path/tag")
     save_on_signal: bool = opt(True, "on SIGTERM/SIGINT/SIGUSR1 (preemption) or a dead launcher: save after the current step, exit 75")
     save_at_end: bool = opt(True, "save after the last step")
+    zero_universal_resume: bool = opt(
+        True, "resuming a ZeRO 1-3 checkpoint (TP 1) with another DP x CP product: convert it once to DeepSpeed's "
+        "universal form (<dir>/universal/<tag>) and repartition its optimizer states; off: such a resume is an error",
+    )
     init_from: str | None = opt(
         None, "warm start: a checkpoint folder, checkpoint dir or run dir (any ZeRO stage / TP size) whose weights are "
         "copied into the model at a fresh start (ignored when resuming this run's own checkpoint); recorded in the metadata",

@@ -35,8 +35,10 @@ from megaflex.training.checkpoint import (
     CheckpointManager,
     SignalFlag,
     check_compatible,
+    needs_repartition,
     parameter_shapes,
     preflight,
+    zero_partitions,
 )
 from megaflex.training.config import Config, global_batch_size, parallel_dims, resolve_device, validate_runtime
 from megaflex.data.card import check_same_tokenizer
@@ -146,8 +148,28 @@ def run(cfg: Config, objective: Objective | None = None) -> dict[str, Any]:
     kernel_init = kernel_snapshot(model)  # before ZeRO 3 partitions anything; replaced on resume
     if cfg.parallel.zero_stage == 3:
         _register_zero3_external_parameters(model)
+
+    # ---------------------------------------------------------------- resume checks (before the engine)
+    manager = CheckpointManager(Path(cfg.checkpoint_dir), cfg.checkpoint.keep_last, rank)
+    if cfg.fault.sigkill_during_save_at_step is not None:
+        kill_step = cfg.fault.sigkill_during_save_at_step
+        manager.before_commit = lambda it: _sigkill() if it == kill_step else None
+    resume_path, meta = manager.select_resume(cfg.checkpoint.resume, warn=logger.print)
+    universal, engine_config = None, ds_config
+    if resume_path is not None:
+        check_compatible(meta, cfg.to_dict()["model"], shapes, state.tp_size)
+        check_same_tokenizer(meta.get("tokenizer"), tokenizer, f"checkpoint {resume_path}", "this run's tokenizer/data")
+        _check_optimizer_groups(meta, optimizer, resume_path)
+        if needs_repartition(meta, resume_path, cfg.parallel.zero_stage, dp_size, cp_size, state.tp_size,
+                             cfg.checkpoint.zero_universal_resume):
+            universal = manager.universal_copy(resume_path)
+            logger.print(f"ZeRO states of {resume_path} repartitioned from {zero_partitions(meta)} to "
+                         f"{dp_size * cp_size} DP x CP ranks through its universal copy {universal}")
+            # Only the engine reads it; the recorded ds_config stays the run's own.
+            engine_config = dict(ds_config, checkpoint={"load_universal": True})
+
     engine, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=optimizer, config=ds_config, mpu=DeepSpeedMPU(state), dist_init_required=False
+        model=model, optimizer=optimizer, config=engine_config, mpu=DeepSpeedMPU(state), dist_init_required=False
     )
 
     # ---------------------------------------------------------------- data and resume
@@ -155,18 +177,10 @@ def run(cfg: Config, objective: Objective | None = None) -> dict[str, Any]:
     valid_samples = cfg.train.eval_iters * cfg.train.micro_batch_size * dp_size
     train_data, valid_data = build_datasets(cfg, train_samples, valid_samples, rank)
 
-    manager = CheckpointManager(Path(cfg.checkpoint_dir), cfg.checkpoint.keep_last, rank)
-    if cfg.fault.sigkill_during_save_at_step is not None:
-        kill_step = cfg.fault.sigkill_during_save_at_step
-        manager.before_commit = lambda it: _sigkill() if it == kill_step else None
     iteration, consumed, nonfinite_total = 0, 0, 0
-    resume_path, meta = manager.select_resume(cfg.checkpoint.resume, warn=logger.print)
     if resume_path is not None:
-        check_compatible(meta, cfg.to_dict()["model"], shapes, state.tp_size)
-        check_same_tokenizer(meta.get("tokenizer"), tokenizer, f"checkpoint {resume_path}", "this run's tokenizer/data")
-        _check_optimizer_groups(meta, optimizer, resume_path)
         same_world = meta["world_size"] == state.world_size
-        manager.load(engine, resume_path, tracker, load_rng=same_world)
+        manager.load(engine, resume_path, tracker, load_rng=same_world, universal=universal)
         iteration, consumed = meta["iteration"], meta["consumed_samples"]
         nonfinite_total = meta.get("nonfinite_total", 0)
         init_record = meta.get("init_from")
