@@ -39,7 +39,7 @@ class ModelConfig:
     attention_backend: str = "auto"
     feature_kwargs: dict[str, Any] = field(default_factory=dict)  # extra kwargs of the feature map
     # Optional quality closers of linear attention (megaflex.attention.hybrid; 0 = off):
-    softmax_window: int = 0  # W > 0: add exact softmax attention over the last W tokens
+    softmax_window: int = 0  # W > 0: mix in exact softmax attention over the last W tokens (attention/hybrid.py)
     qkv_conv_size: int = 0  # K > 0: short causal depthwise convolution of q, k, v (K taps)
     mlp: str = "gelu"
     norm: str = "rmsnorm"

@@ -445,7 +445,7 @@ _MODEL_DOCS = {
     "attention_backend": "chunked linear attention implementation: auto (Triton on CUDA, torch on CPU), torch, or triton (on CPU tensors it needs TRITON_INTERPRET=1)",
     "feature_kwargs": "extra keyword arguments of the feature map (flexformer_n: omega_init paper|tied, omega_noise, "
     "min_log_temperature)",
-    "softmax_window": "W > 0: add exact softmax attention over the last W tokens to linear attention (0: off)",
+    "softmax_window": "W > 0: mix exact softmax attention over the last W tokens into linear attention by a learned per-head gate (0: off)",
     "qkv_conv_size": "K > 0: K-tap causal depthwise convolution of q, k, v before linear attention (0: off)",
     "mlp": "gelu or swiglu",
     "norm": "rmsnorm or layernorm",
