@@ -65,7 +65,7 @@ ARMS: dict[str, tuple[list[str], str]] = {
         "one LR for every parameter (kernel LR multipliers 1 instead of 10)",
     ),
     "fn_omega_frozen": (["optimizer.kernel_frequency_lr_multiplier=0"], "Omega frozen at init (tau still learned)"),
-    "fn_hybrid": (["model.softmax_window=64"], "plus exact softmax over the last 64 tokens (attention/hybrid.py)"),
+    "fn_hybrid": (["model.softmax_window=64"], "plus exact softmax over the last 64 tokens, mixed in by a learned per-head gate (attention/hybrid.py)"),
     "fn_qkv_conv": (["model.qkv_conv_size=4"], "plus a 4-tap causal depthwise convolution of q, k, v"),
 }
 ORDERS = ("seeds", "kinds")  # seed-major (a stopped study still has whole seeds) or kind-major
