@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from evaluation.kernel_study import RunSpec, StudyConfig, evaluate_run, prepare_data, train_run
+from evaluation.kernel_study import RunSpec, StudyConfig, evaluate_run, prepare_data, reused_run_data, train_run
 
 DISTILL_ENTRY = "megaflex.distill"  # megaflex-distill's module, run with python -m
 STUDENTS = ("flexformer_n", "performer")
@@ -102,33 +102,19 @@ def distill_overrides(cfg: DistillStudyConfig, student: str, stage: str, teacher
 
 
 def teacher_run(cfg: DistillStudyConfig, seed: int, data: dict[str, Path]) -> Path:
-    """The seed's teacher run dir: reused from ``--teacher-runs`` or trained here."""
+    """The seed's teacher run dir: reused from ``--teacher-runs`` (a finished softmax run of the
+    study's shape, else an error) or trained here."""
     if cfg.teacher_runs is None:
         return train_run(cfg, TEACHER, seed, data)
     run_dir = Path(cfg.teacher_runs) / f"{TEACHER.label}_s{seed}"
-    if not (run_dir / "metrics.jsonl").is_file() or not (run_dir / "checkpoints").is_dir():
-        raise FileNotFoundError(f"--teacher-runs: {run_dir} is not a finished kernel-study run "
-                                f"(expected metrics.jsonl and checkpoints/ for seed {seed})")
+    teacher_data(cfg, run_dir)
     return run_dir
 
 
 def teacher_data(cfg: DistillStudyConfig, run_dir: Path) -> dict[str, Path]:
     """Tokenizer and data of a reused teacher (the students must see its tokenizer), after checking
-    that its model has the study's shape."""
-    from evaluation.loading import resolve_checkpoint
-    from megaflex.checkpoint_layout import read_meta
-
-    config = read_meta(resolve_checkpoint(run_dir / "checkpoints"))["config"]
-    model, wanted = config["model"], {"attention": "softmax", "vocab_size": cfg.vocab_size, "num_layers": cfg.num_layers,
-                                      "hidden_size": cfg.hidden_size, "num_heads": cfg.num_heads}
-    wrong = {k: (model.get(k), v) for k, v in wanted.items() if model.get(k) != v}
-    if config["data"]["seq_len"] != cfg.seq_len:
-        wrong["seq_len"] = (config["data"]["seq_len"], cfg.seq_len)
-    if wrong:
-        raise ValueError(f"--teacher-runs: {run_dir} does not match the study's shape (teacher, study): {wrong}; "
-                         "pass the teacher's shape flags (--vocab-size, --hidden-size, ...)")
-    data = config["data"]
-    return {"tokenizer": Path(data["tokenizer"]), "train": Path(data["train_path"][0]), "valid": Path(data["valid_path"][0])}
+    that it is a finished softmax run of the study's shape."""
+    return reused_run_data(cfg, run_dir, "softmax", "--teacher-runs", "teacher")
 
 
 def trained_tokens(run_dir: Path) -> int:

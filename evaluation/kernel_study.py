@@ -222,6 +222,36 @@ def train_run(
     return run_dir
 
 
+def reused_run_data(
+    cfg: StudyConfig, run_dir: Path, attention: str, flag: str, role: str, steps: int | None = None
+) -> dict[str, Path]:
+    """Tokenizer and data paths of a finished kernel-study run that another experiment reuses
+    (``flag``: the option that named its folder, ``role``: what it is there, for the errors), after
+    checking that its model (and, given ``steps``, its training length) has the experiment's shape."""
+    from evaluation.loading import resolve_checkpoint
+    from megaflex.checkpoint_layout import read_meta
+
+    if not (run_dir / "metrics.jsonl").is_file() or not (run_dir / "checkpoints").is_dir():
+        raise FileNotFoundError(f"{flag}: {run_dir} is not a finished kernel-study run "
+                                f"(expected metrics.jsonl and checkpoints/)")
+    config = read_meta(resolve_checkpoint(run_dir / "checkpoints"))["config"]
+    model = config["model"]
+    wanted = {"attention": attention, "vocab_size": cfg.vocab_size, "num_layers": cfg.num_layers,
+              "hidden_size": cfg.hidden_size, "num_heads": cfg.num_heads}
+    if attention != "softmax":
+        wanted["feature_dim"] = cfg.feature_dim
+    wrong = {k: (model.get(k), v) for k, v in wanted.items() if model.get(k) != v}
+    if config["data"]["seq_len"] != cfg.seq_len:
+        wrong["seq_len"] = (config["data"]["seq_len"], cfg.seq_len)
+    if steps is not None and config["train"]["train_iters"] != steps:
+        wrong["steps"] = (config["train"]["train_iters"], steps)
+    if wrong:
+        raise ValueError(f"{flag}: {run_dir} does not match the study's shape ({role}, study): {wrong}; "
+                         "pass matching flags (--vocab-size, --hidden-size, ..., --steps-a)")
+    data = config["data"]
+    return {"tokenizer": Path(data["tokenizer"]), "train": Path(data["train_path"][0]), "valid": Path(data["valid_path"][0])}
+
+
 # ------------------------------------------------------------------------------- evaluation
 def evaluate_run(
     cfg: StudyConfig, run: RunSpec, seed: int, run_dir: Path, checkpoints: str = "checkpoints"

@@ -2,11 +2,13 @@
 serve on another, and better for Flexformer-N than for Hedgehog (the paper's comparison)?
 
     python -m evaluation.kernel_transfer --steps-a 300 --steps-b 150 --seeds 1 --jobs 2
+    python -m evaluation.kernel_transfer --a-runs KS_WORK/runs --seeds 3 --jobs 2   # A: the kernel study's runs
 
 Per kernel kind (``--kinds``, default flexformer_n and hedgehog) and seed:
 
 * **A**: a GPT trained on domain A, the english-docs train shards (the kernel study's model, data,
-  tokenizer and recipe: ``evaluation.kernel_study``), ``--steps-a`` steps;
+  tokenizer and recipe: ``evaluation.kernel_study``), ``--steps-a`` steps; or, with ``--a-runs``,
+  the kernel study's own finished run ``<kind>_s<seed>`` (checked to have this shape and length);
 * on domain B, WikiText-2, ``--steps-b`` steps each, three arms that differ only in the kernel:
   1. ``transfer``: A's kernel parameters, frozen (``checkpoint.init_from`` = A's checkpoint with
      ``checkpoint.init_parameters=kernel``, ``optimizer.freeze_kernel=true``); the rest trained
@@ -33,6 +35,7 @@ Output in ``--out`` (default ``evaluation/results/kernel_transfer``): ``results.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import shlex
 import sys
 import time
@@ -45,7 +48,7 @@ from typing import Any, Sequence
 import torch
 
 from evaluation.kernel_study import (
-    RunSpec, StudyConfig, evaluate_run, initial_model, load_row, prepare_data, save_row, train_run,
+    RunSpec, StudyConfig, evaluate_run, initial_model, load_row, prepare_data, reused_run_data, save_row, train_run,
 )
 
 KINDS = ("flexformer_n", "hedgehog")
@@ -68,6 +71,7 @@ class TransferConfig:
     steps_b: int = 150
     data_work_dir: str = "work_data/kernel_study"  # tokenizer and A data, shared with the study
     jobs: int = 1  # (kind, seed) chains trained at once, each one process
+    a_runs: str | None = None  # a kernel study's runs/ folder whose <kind>_s<seed> runs are domain A
 
     def config_a(self) -> StudyConfig:
         return replace(self.study, steps=self.steps_a)
@@ -77,14 +81,36 @@ class TransferConfig:
 
 
 # ------------------------------------------------------------------------------- data
+def reused_a_dir(cfg: TransferConfig, kind: str, seed: int) -> Path:
+    """The kernel-study run that is domain A of (kind, seed) under ``--a-runs``."""
+    assert cfg.a_runs is not None
+    return Path(cfg.a_runs) / f"{kind}_s{seed}"
+
+
+def domain_a_data(cfg: TransferConfig) -> dict[str, Path]:
+    """A's tokenizer and data: prepared here, or those of the reused runs (which must share one
+    tokenizer: B is tokenized once with it)."""
+    if cfg.a_runs is None:
+        return prepare_data(replace(cfg.study, work_dir=cfg.data_work_dir))
+    found = {(kind, seed): reused_run_data(cfg.config_a(), reused_a_dir(cfg, kind, seed), kind, "--a-runs", "A run",
+                                           steps=cfg.steps_a)
+             for kind in cfg.kinds for seed in cfg.study.seed_list}
+    tokenizers = {run: hashlib.sha256(d["tokenizer"].read_bytes()).hexdigest() for run, d in found.items()}
+    if len(set(tokenizers.values())) > 1:
+        raise ValueError(f"--a-runs: the runs were trained with different tokenizers: {sorted(tokenizers.items())}")
+    return next(iter(found.values()))
+
+
 def prepare_domains(cfg: TransferConfig) -> tuple[dict[str, Path], dict[str, Path]]:
     """Domain A (the kernel study's data) and domain B: WikiText-2 raw valid, tokenized with A's
     tokenizer, to train on (its "valid" for the trainer's end-of-run loss is the same split: the
     test split is kept for the evaluation only)."""
     from data_prep.preprocess import PreprocessConfig, preprocess
 
-    data_a = prepare_data(replace(cfg.study, work_dir=cfg.data_work_dir))
-    prefix = data_a["tokenizer"].parent / "wikitext2_raw_valid"
+    data_a = domain_a_data(cfg)
+    tokenizer_digest = hashlib.sha256(data_a["tokenizer"].read_bytes()).hexdigest()[:12]
+    prefix = Path(cfg.data_work_dir) / f"wikitext2_raw_valid_tok{tokenizer_digest}"
+    prefix.parent.mkdir(parents=True, exist_ok=True)
     if not Path(str(prefix) + ".idx").is_file():
         source = Path(cfg.study.data_root) / "wikitext-2-raw" / "wiki.valid.raw"
         preprocess(PreprocessConfig(inputs=[str(source)], tokenizer=str(data_a["tokenizer"]), output_prefix=str(prefix),
@@ -143,15 +169,30 @@ def one_run(cfg: StudyConfig, run: RunSpec, seed: int, data: dict[str, Path], re
     return row, True
 
 
+def reused_a_run(cfg: StudyConfig, kind: str, seed: int, a_dir: Path, fresh: bool) -> dict[str, Any]:
+    """The row of a reused A run: stored if it was evaluated from the same folder, else evaluated now."""
+    stored = None if fresh else load_row(cfg, a_run(kind), seed)
+    if stored is not None and stored.get("reused_from") == str(a_dir):
+        return stored
+    t0 = time.perf_counter()
+    row = {**evaluate_run(cfg, a_run(kind), seed, a_dir), "reused_from": str(a_dir)}
+    row["seconds"] = time.perf_counter() - t0  # evaluation only: the training was the kernel study's
+    return row
+
+
 def run_chain(cfg: TransferConfig, kind: str, seed: int, data_a: dict[str, Path], data_b: dict[str, Path],
               command: str, fresh: bool) -> list[dict[str, Any]]:
     """A, then the three B arms of one (kind, seed); one process, each run a training subprocess."""
     cfg_a, cfg_b = cfg.config_a(), cfg.config_b()
     rows = []
-    row, trained_a = one_run(cfg_a, a_run(kind), seed, data_a, fresh)
+    if cfg.a_runs is None:
+        row, trained_a = one_run(cfg_a, a_run(kind), seed, data_a, fresh)
+        a_dir = Path(cfg_a.work_dir) / "runs" / f"{a_run(kind).label}_s{seed}"
+    else:
+        a_dir = reused_a_dir(cfg, kind, seed)
+        row, trained_a = reused_a_run(cfg_a, kind, seed, a_dir, fresh), False
     save_row(cfg_a, a_run(kind), seed, {**row, "domain": "A", "arm": "A"}, command)
     rows.append({**row, "domain": "A", "arm": "A"})
-    a_dir = Path(cfg_a.work_dir) / "runs" / f"{a_run(kind).label}_s{seed}"
     for arm in ARMS:
         run = b_run(kind, arm, a_dir / "checkpoints")
         # a transfer run stands on A's checkpoint: retrained whenever A was
@@ -198,6 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps-b", type=int, default=defaults.steps_b, help="training steps of every arm on B (WikiText-2)")
     p.add_argument("--jobs", type=int, default=1, help="(kind, seed) chains at once (each one process)")
     p.add_argument("--data-work-dir", default=defaults.data_work_dir, help="tokenizer/data cache, shared with the study")
+    p.add_argument("--a-runs", default=None, help="a kernel study's runs/ folder: its <kind>_s<seed> runs are domain A "
+                                                  "(not retrained; --steps-a and the shape flags must match them)")
     p.add_argument("--work-dir", default="work_data/kernel_transfer", help="run folders and checkpoints")
     p.add_argument("--out", default="evaluation/results/kernel_transfer")
     p.add_argument("--data-root", default=defaults.study.data_root)
@@ -227,7 +270,7 @@ def config_from_args(args: argparse.Namespace) -> TransferConfig:
     fields = set(StudyConfig.__dataclass_fields__)
     given = {k: v for k, v in vars(args).items() if v is not None and k in fields}
     study = StudyConfig(**{**given, "kinds": list(kinds), "arms": [], "work_dir": args.work_dir, "out": args.out})
-    return TransferConfig(study, kinds, args.steps_a, args.steps_b, args.data_work_dir, args.jobs)
+    return TransferConfig(study, kinds, args.steps_a, args.steps_b, args.data_work_dir, args.jobs, args.a_runs)
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:

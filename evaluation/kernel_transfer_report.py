@@ -113,7 +113,8 @@ def write_report(cfg: TransferConfig, rows: list[dict[str, Any]], command: str, 
         f"Model: the kernel study's ({study.num_layers} layers, hidden {study.hidden_size}, {study.num_heads} heads, "
         f"feature_dim {study.feature_dim}, vocab {study.vocab_size}, lr {study.lr}, cosine to {study.min_lr}); "
         f"seeds {study.seed_list}; compute {run_seconds / 60:.1f} min (train + evaluate, summed over runs).\n",
-        f"- Domain A: english-docs train, {tokens(cfg.steps_a)}.",
+        f"- Domain A: english-docs train, {tokens(cfg.steps_a)}"
+        f"{f' (the kernel study runs in `{cfg.a_runs}`, not retrained)' if cfg.a_runs else ''}.",
         f"- Domain B: WikiText-2 raw **valid** split to train on (there is no WikiText-2 train split in the shared "
         f"data), {tokens(cfg.steps_b)}; evaluated on WikiText-2 raw **test** "
         f"({'whole set' if not study.eval_tokens else f'first {study.eval_tokens:,} tokens'}), never trained on.\n",
