@@ -25,7 +25,7 @@ from megaflex.training.metrics import read_metrics
 from megaflex.training.weights import (
     init_from_checkpoint, linear_attention_parameter_names, load_model_state, resolve_checkpoint,
 )
-from training_harness import REPO, launch, write_config
+from training_harness import REPO, launch, tokenized_wikitext, write_config
 
 pytestmark = pytest.mark.slow
 DISTILL = "megaflex.distill"
@@ -61,18 +61,7 @@ DISTILL_CONFIG = {
 @pytest.fixture(scope="module")
 def teacher(tmp_path_factory: pytest.TempPathFactory, shared_data: Path) -> Path:
     root = tmp_path_factory.mktemp("distill")
-    data = root / "data"
-    data.mkdir()
-    (data / "train.raw").write_text((shared_data / "wikitext-2-raw" / "wiki.valid.raw").read_text()[:60_000])
-    test = (shared_data / "wikitext-2-raw" / "wiki.test.raw").read_text()
-    (data / "test.raw").write_text(test[: test.index("\n", 6_000) + 1])
-    py = sys.executable
-    subprocess.run([py, "-m", "data_prep.train_tokenizer", "--input", str(data / "train.raw"), "--vocab-size", "512",
-                    "--output-prefix", str(data / "tok")], check=True, cwd=REPO, capture_output=True)
-    for split in ("train", "test"):
-        subprocess.run([py, "-m", "data_prep.preprocess", "--input", str(data / f"{split}.raw"), "--tokenizer",
-                        str(data / "tok.model"), "--output-prefix", str(data / split), "--no-progress"],
-                       check=True, cwd=REPO, capture_output=True)
+    data = tokenized_wikitext(root / "data", shared_data, train_chars=60_000)
     cfg = write_config(root / "teacher.yaml", _teacher_config(data))
     result = launch(cfg, [f"logging.run_dir={root / 'teacher'}"])
     assert result.returncodes == [0], result.output
@@ -187,7 +176,10 @@ def test_bad_input_is_named(teacher: Path, stage1: Path, tmp_path: Path) -> None
     assert out.returncode == 2 and "megaflex-distill: config error: distill.teacher:" in out.stderr, out.stderr
 
 
-def test_finetune_lora_and_full_give_checkpoints_megaflex_eval_reads(teacher: Path, stage1: Path) -> None:
+def test_finetune_lora_and_full_give_checkpoints_megaflex_eval_and_generate_read(
+    teacher: Path, stage1: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from evaluation.generate import main as megaflex_generate
     from evaluation.loading import load_for_eval
     from evaluation.perplexity import run_cli as megaflex_eval
     from megaflex.parallel.lora import add_lora
@@ -219,3 +211,8 @@ def test_finetune_lora_and_full_give_checkpoints_megaflex_eval_reads(teacher: Pa
     for checkpoint in (lora / "merged", full):
         scores = megaflex_eval(["--checkpoint", str(checkpoint), "--data", str(data / "test.raw"), "--context", "64"])
         assert 1.0 < scores["ppl"] < 512, scores
+        capsys.readouterr()
+        assert megaflex_generate(["--checkpoint", str(checkpoint), "--prompt", "The game", "--max-new-tokens", "8",
+                                  "--temperature", "0"]) == 0
+        printed = capsys.readouterr().out
+        assert printed.startswith("The game") and printed[len("The game"):].strip(), printed  # prompt + continuation

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from distributed import run_distributed
+from training_harness import tokenized_wikitext
 from evaluation.eval_data import count_words
 from evaluation.loading import load_for_eval
 
@@ -54,19 +53,7 @@ def _eval_rank(rank: int, world_size: int, args: list[str]) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory, shared_data: Path) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("eval_cli")
-    data = root / "data"
-    data.mkdir()
-    raw = (shared_data / "wikitext-2-raw" / "wiki.valid.raw").read_text(encoding="utf-8")
-    (data / "train.raw").write_text(raw[:150_000], encoding="utf-8")
-    test = (shared_data / "wikitext-2-raw" / "wiki.test.raw").read_text(encoding="utf-8")
-    (data / "test.raw").write_text(test[: test.index("\n", 6_000) + 1], encoding="utf-8")  # whole lines
-    py = sys.executable
-    subprocess.run([py, "-m", "data_prep.train_tokenizer", "--input", str(data / "train.raw"), "--vocab-size", "512",
-                    "--output-prefix", str(data / "tok")], check=True, cwd=REPO, capture_output=True)
-    for split in ("train", "test"):
-        subprocess.run([py, "-m", "data_prep.preprocess", "--input", str(data / f"{split}.raw"), "--tokenizer",
-                        str(data / "tok.model"), "--output-prefix", str(data / split), "--no-progress"],
-                       check=True, cwd=REPO, capture_output=True)
+    data = tokenized_wikitext(root / "data", shared_data, train_chars=150_000)
     out = {"data": data}
     out["z0"] = root / "z0"
     assert run_distributed(_train_rank, 1, args=(_train_args(data, out["z0"], 0, 1),), init_process_group=False) == [0]

@@ -60,6 +60,27 @@ def test_kernel_transfer_arms_freeze_the_right_kernels_and_report_the_drops(shar
     assert [r["wikitext2_test_ppl"] for r in again] == [r["wikitext2_test_ppl"] for r in rows]
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
 
+    # --a-runs: a kernel study's finished runs (named <kind>_s<seed>) are domain A, evaluated, not retrained
+    ks_runs = tmp_path / "kernel_study_runs"
+    ks_runs.mkdir()
+    (ks_runs / "flexformer_n_s1234").symlink_to(runs["flexformer_n", "A"])
+    work2 = tmp_path / "work2"
+    reuse = [*TINY, "--kinds", "flexformer_n", "--a-runs", str(ks_runs), "--data-root", str(shared_data),
+             "--data-work-dir", str(tmp_path / "data"), "--work-dir", str(work2), "--out", str(tmp_path / "out2")]
+    reused = {r["arm"]: r for r in main(reuse)}
+    assert reused["A"]["reused_from"] == str(ks_runs / "flexformer_n_s1234")
+    assert reused["A"]["wikitext2_test_ppl"] == pytest.approx(by["flexformer_n", "A"]["wikitext2_test_ppl"], rel=1e-6)
+    assert not (work2 / "runs" / "flexformer_n_A_s1234").exists()
+    transferred = kernel_state(work2 / "runs" / "flexformer_n_B_transfer_s1234")
+    assert max_abs_diff(transferred, kernel_state(runs["flexformer_n", "A"])) == 0
+    assert "not retrained" in (tmp_path / "out2" / "results.md").read_text()
+    # a reused run of another length, or one that is missing, is refused before any training
+    with pytest.raises(ValueError, match=r"--a-runs: .*flexformer_n_s1234 does not match the study's shape "
+                                         r"\(A run, study\): \{'steps': \(4, 5\)\}"):
+        main([*reuse, "--steps-a", "5"])
+    with pytest.raises(FileNotFoundError, match=r"--a-runs: .*hedgehog_s1234 is not a finished kernel-study run"):
+        main([*reuse, "--kinds", "flexformer_n,hedgehog"])
+
 
 def test_kinds_without_a_learnable_kernel_and_bad_counts_are_refused() -> None:
     with pytest.raises(ValueError, match="--kinds: 'performer' has no learnable kernel"):

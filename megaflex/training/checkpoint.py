@@ -266,7 +266,7 @@ class CheckpointManager:
         return meta
 
     def universal_copy(self, path: Path) -> Path:
-        """Collective. The universal copy of the ZeRO 1/2 checkpoint ``path`` (beside it, in
+        """Collective. The universal copy of the ZeRO 1-3 checkpoint ``path`` (beside it, in
         ``universal/<tag>``), converted by rank 0 on first use."""
         out = universal_dir(path.parent, path.name)
         error = None
