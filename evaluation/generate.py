@@ -129,6 +129,13 @@ class TextStreamer:
         new, self.printed = text[self.printed :], len(text)
         return new
 
+    def flush(self) -> str:
+        """What is still unprinted at the end: the tail of a byte sequence that never became a
+        character (shown as the decoder's replacement characters rather than dropped)."""
+        text = self.decode(self.ids)
+        new, self.printed = text[self.printed :], len(text)
+        return new
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megaflex-generate", description=__doc__.split("\n\n")[0])
@@ -179,7 +186,7 @@ def _generate_cli(args: argparse.Namespace) -> None:
                                  generator=generator, stop_ids=stop_ids):
         sys.stdout.write(streamer.push(int(token[0])))
         sys.stdout.flush()
-    sys.stdout.write("\n")
+    sys.stdout.write(streamer.flush() + "\n")
 
 
 if __name__ == "__main__":

