@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from evaluation.kernel_transfer import initial_kernel_state, kernel_state, main, max_abs_diff
+from evaluation.kernel_transfer import B_METRIC, initial_kernel_state, kernel_state, main, max_abs_diff
 
 TINY = ["--steps-a", "4", "--steps-b", "3", "--max-train-docs", "40", "--vocab-size", "512", "--hidden-size", "32",
         "--num-layers", "2", "--num-heads", "2", "--feature-dim", "16", "--seq-len", "64", "--micro-batch-size", "2",
@@ -87,3 +87,27 @@ def test_kinds_without_a_learnable_kernel_and_bad_counts_are_refused() -> None:
         main(["--kinds", "flexformer_n,performer"])
     with pytest.raises(ValueError, match="--steps-b: expected >= 1, got 0"):
         main(["--steps-b", "0"])
+
+
+def test_findings_claim_only_what_the_seeds_separate() -> None:
+    from evaluation.kernel_transfer_report import findings, summarize
+
+    ppl = {  # B test ppl per (kind, arm): three seeds each
+        ("flexformer_n", "transfer"): [300.0, 295.0, 340.0], ("flexformer_n", "learned_b"): [398.0, 331.0, 297.0],
+        ("flexformer_n", "random"): [427.0, 431.0, 418.0], ("hedgehog", "transfer"): [337.0, 404.0, 395.0],
+        ("hedgehog", "learned_b"): [428.0, 409.0, 361.0], ("hedgehog", "random"): [346.0, 422.0, 400.0],
+    }
+    rows = [{"kind": kind, "arm": arm, "seed": 1234 + i, B_METRIC: v, "english_docs_valid_ppl": 1.0}
+            for (kind, arm), values in ppl.items() for i, v in enumerate(values)]
+    lines = findings(summarize(rows, ("flexformer_n", "hedgehog")))
+    fn, hh, drops, absolute = lines
+    # flexformer_n: transfer vs learned_b overlaps (seed 1236 reverses it); vs random it is 100+ ppl lower on every seed
+    assert "vs the kernel learned on B (not separated by the seeds)" in fn
+    assert "The A kernel against the untrained one: better." in fn
+    assert "against the untrained one: not separated by the seeds." in hh
+    assert "not separated from" not in drops and "not separated by the seeds" in drops
+    assert absolute.startswith("- B test ppl with the A kernel, Flexformer-N 311.7 vs Hedgehog 378.7: lower than Hedgehog's")
+    # one seed: nothing is separated
+    one = findings(summarize([r for r in rows if r["seed"] == 1234], ("flexformer_n", "hedgehog")))
+    assert all("separated by the seeds" in line and "(separated" not in line for line in one[2:])
+    assert "better." not in one[0] and "worse" not in one[0]
