@@ -2,7 +2,7 @@
 serve on another, and better for Flexformer-N than for Hedgehog (the paper's comparison)?
 
     python -m evaluation.kernel_transfer --steps-a 300 --steps-b 150 --seeds 1 --jobs 2
-    python -m evaluation.kernel_transfer --a-runs KS_WORK/runs --seeds 3 --jobs 2   # A: the kernel study's runs
+    python -m evaluation.kernel_transfer --a-runs KS_WORK/runs --steps-b 200 --seeds 3 --jobs 2   # A: the kernel study's runs
 
 Per kernel kind (``--kinds``, default flexformer_n and hedgehog) and seed:
 
