@@ -65,6 +65,13 @@ class DistillStudyConfig(StudyConfig):
     lora_alpha: float = 16.0
     kl_weight: float = 0.0
     max_token_fraction: float = 0.1
+    # W > 0: every student and the scratch run mix exact softmax over the last W tokens into their
+    # linear attention (model.softmax_window, attention/hybrid.py; LoLCATs' sliding window)
+    softmax_window: int = 0
+
+    def student_model_overrides(self) -> list[str]:
+        """Model overrides every student (stage 1; stage 2 inherits its model) and the scratch run get."""
+        return [f"model.softmax_window={self.softmax_window}"] if self.softmax_window else []
 
     def stage_tokens(self) -> int:
         """Tokens of stage 1 + stage 2 (same batch and sequence length as the teacher)."""
@@ -94,7 +101,7 @@ def distill_overrides(cfg: DistillStudyConfig, student: str, stage: str, teacher
     out = [f"distill.teacher={teacher / 'checkpoints'}", f"distill.student_attention={student}"]
     if stage == "stage1":
         out += ["distill.stage=attention_transfer", f"distill.output_mse_weight={cfg.output_mse_weight}",
-                f"distill.weights_ce_weight={cfg.weights_ce_weight}"]
+                f"distill.weights_ce_weight={cfg.weights_ce_weight}", *cfg.student_model_overrides()]
     else:
         out += ["distill.stage=finetune", f"checkpoint.init_from={init_from / 'checkpoints'}",
                 f"distill.lora_rank={cfg.lora_rank}", f"distill.lora_alpha={cfg.lora_alpha}",
@@ -166,8 +173,9 @@ def run_seed(cfg: DistillStudyConfig, seed: int, data: dict[str, Path]) -> list[
             row["tokens_total"] = total
             rows.append(row)
             init_from = run_dir
-    scratch_dir = train_run(recipes["scratch"], SCRATCH, seed, data)
-    rows.append(evaluated(recipes["scratch"], SCRATCH, seed, scratch_dir, stage="scratch", student="flexformer_n"))
+    scratch = RunSpec(SCRATCH.label, SCRATCH.kind, cfg.student_model_overrides())
+    scratch_dir = train_run(recipes["scratch"], scratch, seed, data)
+    rows.append(evaluated(recipes["scratch"], scratch, seed, scratch_dir, stage="scratch", student="flexformer_n"))
     rows[-1]["tokens_total"] = rows[-1]["tokens"]
     for row in rows:
         row["teacher_tokens"] = teacher_tokens
@@ -301,7 +309,8 @@ def write_report(cfg: DistillStudyConfig, rows: list[dict[str, Any]], command: s
         "# Distillation study results\n", f"Command: `{command}`\n",
         f"Seeds {cfg.seed_list}; teacher: softmax, {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} heads, "
         f"vocab {cfg.vocab_size}, {cfg.steps} steps x {cfg.global_batch_size} x {cfg.seq_len} tokens"
-        f"{f' (reused from {cfg.teacher_runs})' if cfg.teacher_runs else ''}; students {cfg.students}, feature_dim "
+        f"{f' (reused from {cfg.teacher_runs})' if cfg.teacher_runs else ''}; students {cfg.students}"
+        f"{f' with model.softmax_window={cfg.softmax_window} (scratch too)' if cfg.softmax_window else ''}, feature_dim "
         f"{cfg.feature_dim}; device {cfg.device}; wall time {seconds / 60:.1f} min.\n",
         f"Stage 1 (attention transfer, kernel parameters + gains only; output MSE weight {cfg.output_mse_weight:g}, "
         f"weights CE weight {cfg.weights_ce_weight:g}): {cfg.stage1_steps} steps, lr {cfg.stage1_lr:g}. Stage 2 "
@@ -321,7 +330,7 @@ def write_report(cfg: DistillStudyConfig, rows: list[dict[str, Any]], command: s
 # ------------------------------------------------------------------------------- CLI
 INT_FLAGS = ("vocab_size", "num_layers", "hidden_size", "num_heads", "feature_dim", "steps", "seq_len",
              "micro_batch_size", "global_batch_size", "warmup", "seed", "seeds", "tokenizer_sentences",
-             "eval_batch_size", "eval_tokens", "max_train_docs", "stage1_steps", "stage2_steps", "lora_rank")
+             "eval_batch_size", "eval_tokens", "max_train_docs", "stage1_steps", "stage2_steps", "lora_rank", "softmax_window")
 FLOAT_FLAGS = ("lr", "min_lr", "stage1_lr", "stage2_lr", "stage_kernel_lr_multiplier", "output_mse_weight", "weights_ce_weight", "kl_weight",
                "lora_alpha", "max_token_fraction")
 
@@ -354,6 +363,11 @@ def config_from_args(args: argparse.Namespace) -> DistillStudyConfig:
             raise ValueError(f"--{name.replace('_', '-')}: expected >= 1, got {values[name]}")
     if values.get("lora_rank", 0) < 0:
         raise ValueError(f"--lora-rank: expected >= 0 (0: full finetune), got {values['lora_rank']}")
+    if values.get("softmax_window", 0) < 0:
+        raise ValueError(f"--softmax-window: expected >= 0 (0: none), got {values['softmax_window']}")
+    if values.get("softmax_window", 0) > 0 and values.get("weights_ce_weight", DistillStudyConfig.weights_ce_weight) > 0:
+        raise ValueError("--softmax-window: the attention-weights loss (--weights-ce-weight) needs students without a "
+                         "window; set one of them to 0")
     return DistillStudyConfig(**values)
 
 

@@ -69,13 +69,18 @@ def test_tiny_study_end_to_end(shared_data: Path, tmp_path: Path) -> None:
                                          r"\(teacher, study\): \{'hidden_size': \(32, 64\)\}"):
         teacher_data(dataclasses.replace(reuse, hidden_size=64), teacher)
     # a second study on that teacher (not retrained): full-parameter stage 2, its own checkpoints evaluated
-    again = main([*TINY, "--seeds", "1", "--students", "flexformer_n", "--teacher-runs", str(runs),
+    # (its students mix in a softmax window: the stage-2 model inherits it from stage 1, scratch has it too)
+    again = main([*TINY, "--seeds", "1", "--students", "flexformer_n", "--softmax-window", "16", "--teacher-runs", str(runs),
                   "--data-root", str(shared_data), "--work-dir", str(tmp_path / "work2"), "--out", str(tmp_path / "out2")])
     assert [r["label"] for r in again] == ["softmax", "flexformer_n_stage1", "flexformer_n_stage2", "flexformer_n_scratch"]
     assert again[0]["english_docs_valid_ppl"] == rows[0]["english_docs_valid_ppl"]  # the same teacher
     assert not (tmp_path / "work2" / "runs" / "softmax_s1234").exists()
     config = read_meta(resolve_checkpoint(tmp_path / "work2" / "runs" / "flexformer_n_stage2_s1234"))["config"]
     assert config["distill"]["lora_rank"] == 0 and config["data"]["tokenizer"] == str(data / "tokenizer.model")
+    assert config["model"]["softmax_window"] == 16 and config["model"]["attention"] == "flexformer_n"
+    scratch = read_meta(resolve_checkpoint(tmp_path / "work2" / "runs" / "flexformer_n_scratch_s1234" / "checkpoints"))
+    assert scratch["config"]["model"]["softmax_window"] == 16
+    assert "with model.softmax_window=16 (scratch too)" in (tmp_path / "out2" / "results.md").read_text()
     for target in results["targets"].values():
         assert target["token_fraction"] == pytest.approx(0.1)
         assert target["beats_scratch"] is None  # one seed: nothing claimed
@@ -130,6 +135,10 @@ def test_bad_settings_fail_before_any_training(tmp_path: Path) -> None:
         main([*TINY, "--steps", "100", "--stage1-steps", "10", "--stage2-steps", "10", *work])
     with pytest.raises(ValueError, match=r"--students: expected linear attention kinds"):
         main([*TINY, "--students", "flexformer_n,softmax", *work])
+    with pytest.raises(ValueError, match=r"--softmax-window: expected >= 0"):
+        main([*TINY, "--softmax-window", "-1", *work])
+    with pytest.raises(ValueError, match=r"--softmax-window: the attention-weights loss \(--weights-ce-weight\) needs"):
+        main([*TINY, "--softmax-window", "16", "--weights-ce-weight", "1", *work])
     with pytest.raises(ValueError, match=r"--stage2-steps: expected >= 1, got 0"):
         main([*TINY, "--stage2-steps", "0", *work])
     with pytest.raises(ValueError, match=r"--lora-rank: expected >= 0"):
