@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from megaflex.training.metrics import read_metrics
-from training_harness import REPO, base_env, free_port, write_config
+from distributed import free_port
+from training_harness import REPO, base_env, write_config
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,6 @@ torch.distributed env vars (gloo on localhost), so a test can let them ``kill -9
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+
+from distributed import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
@@ -37,12 +38,6 @@ TINY = {
 def write_config(path: Path, data: dict | None = None) -> Path:
     path.write_text(yaml.safe_dump(data or TINY))
     return path
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def base_env() -> dict[str, str]:
