@@ -33,19 +33,12 @@ import json
 import multiprocessing as mp
 import os
 import resource
-import socket
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_context_parallel.json"
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _rss_mib() -> float:
@@ -132,9 +125,11 @@ def _rank_main(rank: int, cp: int, port: int, model_kw: dict[str, Any], n: int, 
 
 def bench_point(model_kw: dict[str, Any], n: int, cp: int, steps: int) -> dict[str, Any]:
     """One (N, CP) point on fresh processes: per-rank numbers and the slowest rank's step time."""
+    from megaflex.parallel.rendezvous import free_port
+
     ctx = mp.get_context("spawn")
     queue: mp.Queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, cp, port, model_kw, n, steps, queue)) for r in range(cp)]
     for p in procs:
         p.start()

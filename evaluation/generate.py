@@ -123,16 +123,17 @@ class TextStreamer:
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        text = self.decode(self.ids)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
-            return ""
-        new, self.printed = text[self.printed :], len(text)
-        return new
+        return self._unprinted(wait_for_character=True)
 
     def flush(self) -> str:
         """What is still unprinted at the end: the tail of a byte sequence that never became a
         character (shown as the decoder's replacement characters rather than dropped)."""
+        return self._unprinted(wait_for_character=False)
+
+    def _unprinted(self, wait_for_character: bool) -> str:
         text = self.decode(self.ids)
+        if wait_for_character and text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more
+            return ""
         new, self.printed = text[self.printed :], len(text)
         return new
 

@@ -42,9 +42,8 @@ def summarize(rows: list[dict[str, Any]], kinds: tuple[str, ...]) -> dict[str, d
     return out
 
 
-def arm_stats(s: dict[str, Any], arm: str, metric: str) -> dict[str, Any] | None:
-    """One arm's ``metric`` (B test ppl or a drop) as ``beats`` reads it: mean, std and seed count."""
-    key = metric if metric.endswith("_drop") else f"{arm}_{metric}"
+def stats(s: dict[str, Any], key: str) -> dict[str, Any] | None:
+    """The summary's ``key`` (e.g. ``transfer_drop``, ``random_<B metric>``) as ``beats`` reads it."""
     if f"{key}_mean" not in s:
         return None
     return {"m_mean": s[f"{key}_mean"], "m_std": s.get(f"{key}_std"), "seeds": s["seeds"]}
@@ -62,18 +61,18 @@ def findings(summary: dict[str, dict[str, Any]]) -> list[str]:
     for kind, s in summary.items():
         if "transfer_drop_mean" not in s:
             continue
-        transfer = arm_stats(s, "transfer", B_METRIC)
+        transfer = stats(s, f"transfer_{B_METRIC}")
         lines.append(f"- {kind}: the A kernel (frozen) is {pct(s['transfer_drop_mean'])} vs the kernel learned on B "
-                     f"({separated(transfer, arm_stats(s, 'learned_b', B_METRIC), 'better', 'worse')}); the untrained "
+                     f"({separated(transfer, stats(s, f'learned_b_{B_METRIC}'), 'better', 'worse')}); the untrained "
                      f"kernel (frozen) {pct(s['random_drop_mean'])}. The A kernel against the untrained one: "
-                     f"{separated(transfer, arm_stats(s, 'random', B_METRIC), 'better', 'worse')}.")
+                     f"{separated(transfer, stats(s, f'random_{B_METRIC}'), 'better', 'worse')}.")
     if all(k in summary and "transfer_drop_mean" in summary[k] for k in ("flexformer_n", "hedgehog")):
         fn, hh = summary["flexformer_n"], summary["hedgehog"]
-        verdict = separated(arm_stats(fn, "transfer", "transfer_drop"), arm_stats(hh, "transfer", "transfer_drop"),
+        verdict = separated(stats(fn, "transfer_drop"), stats(hh, "transfer_drop"),
                             "smaller than Hedgehog's (separated by the seeds)", "larger than Hedgehog's (separated by the seeds)")
         lines.append(f"- Transfer drop of Flexformer-N {pct(fn['transfer_drop_mean'])} vs Hedgehog "
                      f"{pct(hh['transfer_drop_mean'])}: {verdict}.")
-        verdict = separated(arm_stats(fn, "transfer", B_METRIC), arm_stats(hh, "transfer", B_METRIC),
+        verdict = separated(stats(fn, f"transfer_{B_METRIC}"), stats(hh, f"transfer_{B_METRIC}"),
                             "lower than Hedgehog's (separated by the seeds)", "higher than Hedgehog's (separated by the seeds)")
         lines.append(f"- B test ppl with the A kernel, Flexformer-N {fn[f'transfer_{B_METRIC}_mean']:.1f} vs Hedgehog "
                      f"{hh[f'transfer_{B_METRIC}_mean']:.1f}: {verdict}.")

@@ -22,42 +22,11 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
-import socket
 import time
 import traceback
 from typing import Any, Callable, Sequence
 
-
-def _ephemeral_port_floor() -> int:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768  # Linux's default
-
-
-def free_port() -> int:
-    """A currently free TCP port on localhost, *below* the kernel's ephemeral range.
-
-    A port from ``bind(0)`` is ephemeral: between closing it here and the rendezvous binding it,
-    a client socket of another test (gloo opens many; two xdist workers run at once) can take it,
-    and the run fails with EADDRINUSE (seen in CI). Ports below the range are never handed out to
-    client sockets; the draw is random (urandom-seeded) so parallel workers rarely pick the same one."""
-    import random
-
-    floor = _ephemeral_port_floor()
-    draw = random.SystemRandom()
-    for _ in range(100):
-        port = draw.randrange(max(1024, floor - 12_000), floor)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # nothing free below the range
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from megaflex.parallel.rendezvous import free_port
 
 
 def _worker(

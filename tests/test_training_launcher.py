@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from megaflex.parallel.rendezvous import free_port
 from megaflex.training.metrics import read_metrics
-from distributed import free_port
 from training_harness import REPO, base_env, write_config
 
 pytestmark = pytest.mark.slow

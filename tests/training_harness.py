@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from distributed import free_port
+from megaflex.parallel.rendezvous import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from megaflex.model.gpt import GPT
 from megaflex.model.kernel_stats import kernel_snapshot
 from megaflex.model.layers import LocalLayers
+from megaflex.parallel.rendezvous import free_port
 from megaflex.training.checkpoint import (
     CheckpointManager,
     SignalFlag,
@@ -61,7 +62,7 @@ def init_distributed(cfg: Config) -> str:
     backend = cfg.parallel.backend if cfg.parallel.backend != "auto" else ("nccl" if device == "cuda" else "gloo")
     if "RANK" not in os.environ:  # plain `python -m megaflex.train`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))  # 29500 may be taken by another job
+        os.environ.setdefault("MASTER_PORT", str(free_port()))  # 29500 may be taken by another job
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     init_deepspeed_distributed(backend)
@@ -357,14 +358,6 @@ def _warm_start(cfg: Config, model: GPT) -> dict[str, Any] | None:
 def _all_reduce(t: torch.Tensor, op: Any, group: Any) -> torch.Tensor:
     dist.all_reduce(t, op=op, group=group)
     return t
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _unclipped_grad_norm(engine: Any) -> float:

@@ -1,17 +1,17 @@
-"""The test helpers' own contracts (they decide whether multi-process tests are reliable)."""
+"""The rendezvous port every single-machine process group starts on (trainer, tests, benchmarks)."""
 
 from __future__ import annotations
 
 import socket
 
-from distributed import _ephemeral_port_floor, free_port
+from megaflex.parallel.rendezvous import ephemeral_port_floor, free_port
 
 
 def test_free_port_is_bindable_and_below_the_ephemeral_range() -> None:
-    floor = _ephemeral_port_floor()
+    floor = ephemeral_port_floor()
     ports = {free_port() for _ in range(20)}
     assert all(1024 <= p < floor for p in ports), (sorted(ports), floor)  # never a client socket's port
-    assert len(ports) > 1  # drawn at random: parallel workers rarely collide
+    assert len(ports) > 1  # drawn at random: concurrent callers rarely collide
     for port in ports:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind(("127.0.0.1", port))
