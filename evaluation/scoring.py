@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
-import torch.distributed as dist
+
+from megaflex.parallel import comm
 
 MODES = ("windows", "sliding", "stateful")
 NUM_BUCKETS = 24  # context buckets (2^(b-1), 2^b]; bucket 23 reaches 4M tokens, enough
@@ -295,15 +296,12 @@ def evaluate(
 
 def all_reduce_result(result: EvalResult, group: Any = None) -> EvalResult:
     """Sum a per-rank result over ``group`` (float64 for NLL, int64 for counts)."""
-    if not dist.is_available() or not dist.is_initialized():
+    if not comm.is_distributed():
         raise ValueError("group: all_reduce_result needs an initialised torch.distributed process group")
-    floats = torch.tensor([result.nll_sum, *result.bucket_nll], dtype=torch.float64)
-    ints = torch.tensor([result.tokens, result.bytes, *result.bucket_tokens], dtype=torch.int64)
-    if dist.get_backend(group) == "nccl":
-        floats, ints = floats.cuda(), ints.cuda()
-    dist.all_reduce(floats, group=group)
-    dist.all_reduce(ints, group=group)
-    floats, ints = floats.cpu().tolist(), ints.cpu().tolist()
+    group = group if group is not None else comm.world_group()  # this function's None: every rank
+    floats = comm.all_reduce(torch.tensor([result.nll_sum, *result.bucket_nll], dtype=torch.float64), "sum", group)
+    ints = comm.all_reduce(torch.tensor([result.tokens, result.bytes, *result.bucket_tokens], dtype=torch.int64), "sum", group)
+    floats, ints = floats.tolist(), ints.tolist()
     return EvalResult(floats[0], int(ints[0]), int(ints[1]), floats[1:], [int(x) for x in ints[2:]])
 
 

@@ -34,6 +34,7 @@ from megaflex.parallel.state import (
     ParallelDims,
     ParallelLayout,
     ParallelState,
+    deepspeed_mpu,
     initialize_parallel_state,
 )
 
@@ -52,6 +53,7 @@ __all__ = [
     "TensorParallelRNGTracker",
     "VocabParallelEmbedding",
     "copy_to_tp_region",
+    "deepspeed_mpu",
     "gather_from_tp_region",
     "initialize_parallel_state",
     "is_tensor_parallel",

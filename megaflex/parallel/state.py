@@ -127,10 +127,13 @@ class ParallelState:
     building a TP-sharded module skeleton (e.g. on the meta device) without any groups.
     """
 
-    def __init__(self, dims: ParallelDims, rank: int, groups: dict[str, tuple[ProcessGroup, list[int]]] | None = None) -> None:
+    def __init__(
+        self, dims: ParallelDims, rank: int, groups: dict[str, tuple[ProcessGroup | None, list[int]]] | None = None
+    ) -> None:
         self.dims = dims
         self.rank = rank
         self.pp_rank, self.dp_rank, self.cp_rank, self.tp_rank = dims.coords(rank)
+        self._communicates = groups is not None
         groups = groups or {}
         self.tp_group, self.tp_ranks = groups.get("tp", (None, dims.tp_groups()[rank // dims.tp_size]))
         self.cp_group, self.cp_ranks = groups.get("cp", (None, [rank]))
@@ -162,8 +165,9 @@ class ParallelState:
 
     @property
     def has_groups(self) -> bool:
-        """False for ``single()``/``detached()`` states, which cannot communicate."""
-        return self.tp_group is not None
+        """False for ``single()``/``detached()`` states, which cannot communicate. (A group of
+        one rank is None either way: collectives over it are skipped, ``megaflex.parallel.comm``.)"""
+        return self._communicates
 
     def __repr__(self) -> str:
         return (
@@ -189,8 +193,11 @@ class ParallelState:
             # The grid arithmetic supports it; the model has no pipeline schedule yet.
             raise NotImplementedError("pipeline_parallel_size > 1 is not implemented yet")
         rank = dist.get_rank()
-        mine: dict[str, tuple[ProcessGroup, list[int]]] = {}
-        # new_group is collective over the whole world: every rank creates every group.
+        mine: dict[str, tuple[ProcessGroup | None, list[int]]] = {}
+        # new_group is collective over the whole world: every rank creates every group, in the same
+        # order. Groups of one rank are None (nothing to talk to; at TP = CP = 1 they would be 4W
+        # communicators), and a rank set shared by two kinds (dp and dp_cp when CP = 1) is built once.
+        made: dict[tuple[int, ...], ProcessGroup] = {}
         for kind, groups in (
             ("tp", dims.tp_groups()),
             ("cp", dims.cp_groups()),
@@ -200,7 +207,11 @@ class ParallelState:
             ("mp", dims.mp_groups()),
         ):
             for ranks in groups:
-                group = dist.new_group(ranks)
+                group = None
+                if len(ranks) > 1:
+                    if tuple(ranks) not in made:
+                        made[tuple(ranks)] = dist.new_group(ranks)
+                    group = made[tuple(ranks)]
                 if rank in ranks:
                     mine[kind] = (group, ranks)
         return cls(dims, rank, mine)
@@ -249,10 +260,22 @@ class DeepSpeedMPU:
     reduction, grad-norm reduction over model-parallel ranks and checkpoint naming. The
     "model parallel" group is Megatron's tp x pp group; DeepSpeed's "data parallel" group is
     DP x CP (CP ranks hold identical parameters, so ZeRO partitions and reduces over both).
+
+    DeepSpeed passes every group it gets straight to torch.distributed, where None is the world:
+    a group of one rank (None in ``ParallelState``) is handed over as a group of this rank alone,
+    built on first use with group-local synchronisation (the other ranks take no part).
     """
 
     def __init__(self, state: ParallelState) -> None:
         self.state = state
+        self._alone: ProcessGroup | None = None
+
+    def _real(self, group: ProcessGroup | None) -> ProcessGroup | None:
+        if group is not None or not self.state.has_groups:
+            return group
+        if self._alone is None:
+            self._alone = dist.new_group([self.state.rank], use_local_synchronization=True)
+        return self._alone
 
     # tensor parallel
     def get_tensor_model_parallel_rank(self) -> int:
@@ -262,7 +285,7 @@ class DeepSpeedMPU:
         return self.state.tp_size
 
     def get_tensor_model_parallel_group(self) -> ProcessGroup | None:
-        return self.state.tp_group
+        return self._real(self.state.tp_group)
 
     def get_tensor_model_parallel_src_rank(self) -> int:
         """Global rank of TP rank 0 in this rank's TP group (broadcast source)."""
@@ -276,7 +299,7 @@ class DeepSpeedMPU:
         return self.state.tp_size * self.state.pp_size
 
     def get_model_parallel_group(self) -> ProcessGroup | None:
-        return self.state.mp_group
+        return self._real(self.state.mp_group)
 
     # data parallel (DP x CP: every rank holding the same parameter shard)
     def get_data_parallel_rank(self) -> int:
@@ -286,7 +309,7 @@ class DeepSpeedMPU:
         return self.state.dp_size * self.state.cp_size
 
     def get_data_parallel_group(self) -> ProcessGroup | None:
-        return self.state.dp_cp_group
+        return self._real(self.state.dp_cp_group)
 
     def get_data_parallel_group_ranks(self) -> list[int]:
         return list(self.state.dp_cp_ranks)
@@ -299,4 +322,13 @@ class DeepSpeedMPU:
         return self.state.pp_size
 
     def get_pipeline_model_parallel_group(self) -> ProcessGroup | None:
-        return self.state.pp_group
+        return self._real(self.state.pp_group)
+
+
+def deepspeed_mpu(state: ParallelState) -> DeepSpeedMPU | None:
+    """What to pass as ``deepspeed.initialize(mpu=...)``: None without model parallelism.
+
+    DeepSpeed all-reduces gradient norms over ``mpu.get_model_parallel_group()`` without checking
+    its size, and a group of one rank is None here (which torch reads as the world). At TP = PP = 1
+    DeepSpeed needs no mpu: its data-parallel group is then the world, which is DP x CP."""
+    return DeepSpeedMPU(state) if state.tp_size * state.pp_size > 1 else None

@@ -59,6 +59,7 @@ from megaflex.checkpoint_layout import (  # noqa: F401  (re-exported for callers
     write_latest,
     write_meta,
 )
+from megaflex.parallel import comm
 
 
 # ------------------------------------------------------------------------------- RNG states
@@ -204,8 +205,7 @@ class CheckpointManager:
         part = file_manifest(tmp, data_file_names(tmp)[self.rank::world])
         if world == 1:
             return part
-        parts: list[dict[str, dict[str, Any]]] = [{} for _ in range(world)]
-        dist.all_gather_object(parts, part)
+        parts = comm.all_gather_objects(part, comm.world_group())
         return {name: entry for p in parts for name, entry in sorted(p.items())}
 
     def _save_failed(self, iteration: int, tmp: Path, error: BaseException | None) -> CheckpointError:
@@ -257,8 +257,7 @@ class CheckpointManager:
         names = sorted(meta.get(FILES_KEY) or {})
         problems = verify_files(path, meta, names[self.rank::world])
         if world > 1:
-            gathered: list[list[str]] = [[] for _ in range(world)]
-            dist.all_gather_object(gathered, problems)
+            gathered = comm.all_gather_objects(problems, comm.world_group())
             problems = sorted(p for part in gathered for p in part)
         if problems:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
@@ -340,11 +339,7 @@ def _barrier() -> None:
 
 
 def _any_rank(flag: bool) -> bool:
-    if not _distributed():
-        return flag
-    t = torch.tensor(float(flag))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t > 0)
+    return comm.any_rank(flag, comm.world_group())
 
 
 def preflight(ckpt_dir: Path, num_params: int) -> str | None:

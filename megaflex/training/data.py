@@ -177,10 +177,80 @@ def micro_batches(
     cp_rank: int = 0, cp_size: int = 1,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's next ``count`` micro-batches after ``consumed_samples`` (all ranks together),
-    cut to CP rank ``cp_rank``'s slice of the sequence."""
-    sampler = PretrainingSampler(len(dataset), consumed_samples, micro, dp_rank, dp_size)
-    for _, indices in zip(range(count), sampler):
-        ids, labels = get_batch(dataset, indices, device)
-        if cp_size > 1:
-            ids, labels = sequence_slice(ids, cp_rank, cp_size), sequence_slice(labels, cp_rank, cp_size)
-        yield ids, labels
+    cut to CP rank ``cp_rank``'s slice of the sequence, on ``device``.
+
+    Prepared one ahead on a background thread (reading, stacking, pinning) and copied with
+    ``non_blocking`` from pinned memory on CUDA, so neither the read nor the copy waits on the
+    step in flight; the order is that of the sampler either way."""
+
+    def host_batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        sampler = PretrainingSampler(len(dataset), consumed_samples, micro, dp_rank, dp_size)
+        for _, indices in zip(range(count), sampler):
+            ids, labels = get_batch(dataset, indices, "cpu")
+            if cp_size > 1:
+                ids = sequence_slice(ids, cp_rank, cp_size).contiguous()
+                labels = sequence_slice(labels, cp_rank, cp_size).contiguous()
+            yield ids, labels
+
+    return Prefetcher(host_batches(), device)
+
+
+class Prefetcher:
+    """Iterate CPU tensor tuples from ``source``, ``depth`` ahead on a daemon thread, delivered on
+    ``device``: pinned memory and non-blocking copies when ``device`` is CUDA (pinning off on the
+    CPU). An exception in ``source`` (e.g. a ``DataError``) is raised by ``next`` in order."""
+
+    _END = object()
+
+    def __init__(self, source: Iterator[tuple[torch.Tensor, ...]], device: str, depth: int = 2) -> None:
+        import queue
+        import threading
+
+        self.device = torch.device(device)
+        self._pin = self.device.type == "cuda"
+        self._queue: Any = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._fill, args=(source,), daemon=True, name="batch-prefetch")
+        self._thread.start()
+
+    def _fill(self, source: Iterator[tuple[torch.Tensor, ...]]) -> None:
+        try:
+            for item in source:
+                if self._pin:
+                    item = tuple(t.pin_memory() for t in item)
+                if not self._put(item):
+                    return
+        except BaseException as e:  # handed to the consumer, raised there
+            self._put(e)
+            return
+        self._put(self._END)
+
+    def _put(self, item: Any) -> bool:
+        import queue
+
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def __iter__(self) -> "Prefetcher":
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, ...]:
+        item = self._queue.get()
+        if item is self._END:
+            self._queue.put(self._END)  # stay exhausted
+            raise StopIteration
+        if isinstance(item, BaseException):
+            raise item
+        return tuple(t.to(self.device, non_blocking=self._pin) for t in item)
+
+    def close(self) -> None:
+        """Stop the reader thread (it also stops on its own after the last batch)."""
+        self._stop.set()
+
+    def __del__(self) -> None:
+        self._stop.set()

@@ -34,10 +34,10 @@ import math
 from typing import Any, Iterable, Mapping
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from megaflex.attention import named_kernel_parameters
+from megaflex.parallel import comm
 from megaflex.training.config import Config
 
 KERNEL_GROUPS = {"frequencies": "kernel_frequencies", "temperature": "kernel_temperature"}
@@ -127,10 +127,8 @@ class SkippableAdamW(torch.optim.AdamW):
             return None
         if self.check_finite:
             grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-            bad = torch.stack([(~torch.isfinite(g)).any() for g in grads]).any().float() if grads else torch.zeros(())
-            if dist.is_initialized():
-                dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-            self.skipped_nonfinite_grad = bool(bad > 0)
+            bad = torch.stack([(~torch.isfinite(g)).any() for g in grads]).any() if grads else False
+            self.skipped_nonfinite_grad = comm.any_rank(bad, comm.world_group())
             if self.skipped_nonfinite_grad:
                 return None
         return super().step(closure)

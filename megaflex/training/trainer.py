@@ -31,6 +31,7 @@ import torch.distributed as dist
 from megaflex.model.gpt import GPT
 from megaflex.model.kernel_stats import kernel_snapshot
 from megaflex.model.layers import LocalLayers
+from megaflex.parallel import comm
 from megaflex.parallel.rendezvous import free_port
 from megaflex.training.checkpoint import (
     CheckpointManager,
@@ -90,7 +91,7 @@ def run(cfg: Config, objective: Objective | None = None) -> dict[str, Any]:
 
     from megaflex.attention import redraw_random_features
     from megaflex.parallel import (
-        DeepSpeedMPU, ParallelState, TensorParallelLayers, mark_head_sharded_params, model_parallel_seed,
+        ParallelState, TensorParallelLayers, deepspeed_mpu, mark_head_sharded_params, model_parallel_seed,
     )
 
     device = init_distributed(cfg)
@@ -170,7 +171,7 @@ def run(cfg: Config, objective: Objective | None = None) -> dict[str, Any]:
             engine_config = dict(ds_config, checkpoint={"load_universal": True})
 
     engine, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=optimizer, config=engine_config, mpu=DeepSpeedMPU(state), dist_init_required=False
+        model=model, optimizer=optimizer, config=engine_config, mpu=deepspeed_mpu(state), dist_init_required=False
     )
 
     # ---------------------------------------------------------------- data and resume
@@ -179,6 +180,7 @@ def run(cfg: Config, objective: Objective | None = None) -> dict[str, Any]:
     train_data, valid_data = build_datasets(cfg, train_samples, valid_samples, rank)
 
     iteration, consumed, nonfinite_total = 0, 0, 0
+    skipped_loss = False
     if resume_path is not None:
         same_world = meta["world_size"] == state.world_size
         manager.load(engine, resume_path, tracker, load_rng=same_world, universal=universal)
@@ -211,47 +213,58 @@ def run(cfg: Config, objective: Objective | None = None) -> dict[str, Any]:
         logger.print(f"saved checkpoint {path}")
 
     # ---------------------------------------------------------------- loop
+    # Host reads of device values (each one waits for the GPU): one per step in this loop, the
+    # step's agreed flags (any rank's non-finite loss, a caught signal) before the update; the
+    # losses, sums and the gradient norm stay on the device until a step is logged (and fp32
+    # runs read the gradient norm per step: nothing else there notices a non-finite one).
     signals = SignalFlag(cfg.checkpoint.save_on_signal)
     fpt = flops_per_token(cfg.model, cfg.data.seq_len, num_params)
     peak_tflops = device_peak_tflops(cfg.logging.peak_tflops, device)
     tokens_per_step = gbs * cfg.data.seq_len
-    in_a_row, last_saved = 0, iteration
-    dp_group = state.dp_group
+    last_saved = iteration
+    guard = NonFiniteGuard(cfg.train.max_nonfinite_in_a_row, nonfinite_total, cfg.checkpoint_dir)
+    dp_group, everyone = state.dp_group, comm.world_group()
     # ZeRO 0 in fp32 has no DeepSpeed optimizer wrapper that records the gradient norm.
     plain_fp32 = cfg.parallel.zero_stage == 0 and cfg.train.precision == "fp32"
     own_grad_norm = None
     stop_reason = "done"
     t_last = time.time()
+    train_batches = micro_batches(
+        train_data, consumed, cfg.train.micro_batch_size, grad_accum * (cfg.train.train_iters - iteration),
+        state.dp_rank, dp_size, device, state.cp_rank, cp_size,
+    )
+    zero = torch.zeros((), dtype=torch.float64, device=device)
     while iteration < cfg.train.train_iters:
         engine.train()
         lr = lr_at(cfg, iteration)
         set_lr(engine.optimizer, lr)
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        loss_sum, bad = zero.clone(), zero.clone()
         extra_sums: dict[str, torch.Tensor] = {}
-        bad = torch.zeros((), dtype=torch.float64)
         inject_nan = (iteration + 1) in cfg.fault.nan_loss_at_steps and rank == 0
-        for ids, labels in micro_batches(
-            train_data, consumed, cfg.train.micro_batch_size, grad_accum, state.dp_rank, dp_size, device,
-            state.cp_rank, cp_size,
-        ):
+        skipped_before, stop_signal = engine_skipped_steps(engine), 0
+        for _ in range(grad_accum):
+            ids, labels = next(train_batches)
             if objective is None:
                 loss = engine(ids, labels).loss
             else:
                 loss, extras = objective.loss(engine, ids, labels)
                 for key, value in extras.items():
-                    extra_sums[key] = extra_sums.get(key, 0.0) + value.detach().double().cpu()
+                    extra_sums[key] = extra_sums.get(key, zero) + value.detach().double()
             if inject_nan:
                 loss = loss + float("nan")
             finite = torch.isfinite(loss.detach())
-            bad += (~finite).double().cpu()
-            loss_sum += torch.where(finite, loss.detach(), 0.0).double().cpu()
+            bad += (~finite).double()
+            loss_sum += torch.where(finite, loss.detach(), 0.0).double()
             # Masked, not dropped: every rank must run the same backward/step sequence. The loss is the
             # whole sequence's but each CP rank differentiates its own slice's share; DeepSpeed averages
             # gradients over DP x CP, so x CP turns that average into the sum over the slices.
             engine.backward(torch.where(finite, loss, torch.zeros_like(loss)) * cp_size)
             if engine.is_gradient_accumulation_boundary():
-                # Decided on every rank alike before the update (the last micro-batch is the boundary).
-                skipped_loss = bool(_all_reduce(bad.clone(), dist.ReduceOp.MAX, None) > 0)
+                # Decided on every rank alike before the update (the last micro-batch is the boundary);
+                # a caught signal travels in the same read and stops the run after this step.
+                flags = torch.stack([bad, torch.tensor(float(signals.signum or 0), dtype=torch.float64, device=device)])
+                skipped_loss, stop_signal = (int(v) for v in comm.all_reduce(flags, "max", everyone).tolist())
+                skipped_loss = skipped_loss > 0
                 if hasattr(optimizer, "skip"):
                     optimizer.skip = skipped_loss
                 if plain_fp32:  # DeepSpeed clips here without keeping the norm: measure it before the step
@@ -260,35 +273,19 @@ def run(cfg: Config, objective: Objective | None = None) -> dict[str, Any]:
         if hasattr(optimizer, "skip"):
             optimizer.skip = False
         grad_norm = own_grad_norm if plain_fp32 else engine.get_global_grad_norm()
-        grad_norm = float(grad_norm) if grad_norm is not None else None
-        skipped = (
-            skipped_loss
-            or (grad_norm is not None and not math.isfinite(grad_norm))
-            or getattr(optimizer, "skipped_nonfinite_grad", False)
-        )
-        loss_avg = float(_all_reduce(loss_sum, dist.ReduceOp.SUM, dp_group)) / (grad_accum * dp_size)
-        extra_avg = {
-            k: float(_all_reduce(v, dist.ReduceOp.SUM, dp_group)) / (grad_accum * dp_size) for k, v in sorted(extra_sums.items())
-        }
+        engine_skipped = engine_skipped_steps(engine) > skipped_before  # overflow: DeepSpeed discarded the step
+        # DeepSpeed checks bf16/fp16 gradients itself (a skip above); in fp32 only the norm tells.
+        grad_bad = cfg.train.precision == "fp32" and grad_norm is not None and not math.isfinite(float(grad_norm))
+        reason = skip_reason(skipped_loss, engine_skipped, grad_bad or getattr(optimizer, "skipped_nonfinite_grad", False))
         iteration += 1
         consumed += gbs
         redraw_random_features(engine.module, iteration)  # Performer redraws (deterministic in the step)
-
+        skipped = reason is not None
         if skipped:
-            in_a_row += 1
-            nonfinite_total += 1
-            logger.print(
-                f"step {iteration}: non-finite {'loss' if skipped_loss else 'gradient norm'}; step skipped "
-                f"({in_a_row} in a row, {nonfinite_total} in total)"
-            )
-            if in_a_row >= cfg.train.max_nonfinite_in_a_row:
-                raise NonFiniteAbort(
-                    f"aborting at step {iteration}: {in_a_row} consecutive steps had a non-finite loss or gradient "
-                    f"norm (train.max_nonfinite_in_a_row={cfg.train.max_nonfinite_in_a_row}); lower train.lr, raise "
-                    f"schedule.warmup_iters or check the data; resume from the last checkpoint in {cfg.checkpoint_dir}"
-                )
+            logger.print(guard.record(iteration, reason))  # raises NonFiniteAbort after too many in a row
         else:
-            in_a_row = 0
+            guard.record(iteration, None)
+        nonfinite_total = guard.total
 
         if cfg.logging.kernel_stats_interval and iteration % cfg.logging.kernel_stats_interval == 0:
             kernel = _kernel_statistics(engine, cfg.parallel.zero_stage, kernel_probe, kernel_init)
@@ -300,13 +297,17 @@ def run(cfg: Config, objective: Objective | None = None) -> dict[str, Any]:
             steps = cfg.logging.log_interval if iteration % cfg.logging.log_interval == 0 else 1
             tok_s = tokens_per_step * steps / elapsed
             tflops = fpt * tok_s / state.world_size / 1e12
+            # One read for every logged value: the step's loss and named sums, summed over DP.
+            names = sorted(extra_sums)
+            sums = comm.all_reduce(torch.stack([loss_sum, *(extra_sums[k] for k in names)]), "sum", dp_group)
+            loss_avg, *extra_values = (v / (grad_accum * dp_size) for v in sums.tolist())
             record = {
                 "kind": "train", "step": iteration, "loss": loss_avg if not skipped_loss else float("nan"),
                 "ppl": math.exp(min(loss_avg, 50.0)) if not skipped_loss else float("nan"), "lr": lr,
-                "grad_norm": grad_norm, "tokens_per_s": tok_s, "tflops_per_device": tflops,
-                "consumed_samples": consumed, "tokens": consumed * cfg.data.seq_len,
+                "grad_norm": None if grad_norm is None else float(grad_norm), "tokens_per_s": tok_s,
+                "tflops_per_device": tflops, "consumed_samples": consumed, "tokens": consumed * cfg.data.seq_len,
                 "skipped": skipped, "nonfinite_total": nonfinite_total,
-                "memory_mb": peak_memory_mb(device), **extra_avg,
+                "memory_mb": peak_memory_mb(device), **dict(zip(names, extra_values)),
             }
             if peak_tflops:
                 record["mfu"] = tflops / peak_tflops
@@ -320,10 +321,10 @@ def run(cfg: Config, objective: Objective | None = None) -> dict[str, Any]:
         if cfg.fault.sigkill_after_step == iteration:
             dist.barrier()  # rank 0 has logged the step
             _sigkill()
-        got_signal = _all_reduce(torch.tensor(float(signals.signum or 0)), dist.ReduceOp.MAX, None)
-        if got_signal > 0:
-            stop_reason = f"signal {signal.Signals(int(got_signal)).name}"
+        if stop_signal > 0:
+            stop_reason = f"signal {signal.Signals(stop_signal).name}"
             break
+    train_batches.close()
 
     if (stop_reason != "done" or cfg.checkpoint.save_at_end) and last_saved != iteration:
         save(iteration)
@@ -355,26 +356,60 @@ def _warm_start(cfg: Config, model: GPT) -> dict[str, Any] | None:
     return {"path": str(source), "parameters": c.init_parameters, "copied": len(copied)}
 
 
-def _all_reduce(t: torch.Tensor, op: Any, group: Any) -> torch.Tensor:
-    dist.all_reduce(t, op=op, group=group)
-    return t
+def engine_skipped_steps(engine: Any) -> int:
+    """DeepSpeed's count of optimizer steps it discarded (fp16 loss-scale or bf16 overflow)."""
+    return int(getattr(engine, "skipped_steps", 0))
 
 
-def _unclipped_grad_norm(engine: Any) -> float:
-    """Global L2 norm of the (data-parallel averaged) gradients before clipping, counted as
-    DeepSpeed's ``clip_grad_norm_`` counts it: TP-sharded parameters on every TP rank,
-    replicated ones on TP rank 0 only. Collective over the model-parallel group."""
+def skip_reason(nonfinite_loss: bool, engine_skipped: bool, nonfinite_grad: bool) -> str | None:
+    """Why a step was skipped (None: it was applied), most telling cause first."""
+    if nonfinite_loss:
+        return "non-finite loss"
+    if engine_skipped:
+        return "gradient overflow (DeepSpeed skipped the update)"
+    if nonfinite_grad:
+        return "non-finite gradient norm"
+    return None
+
+
+class NonFiniteGuard:
+    """Counts skipped steps: ``limit`` in a row abort the run (``NonFiniteAbort``)."""
+
+    def __init__(self, limit: int, total: int = 0, checkpoint_dir: str = "") -> None:
+        self.limit, self.total, self.in_a_row, self.checkpoint_dir = limit, total, 0, checkpoint_dir
+
+    def record(self, iteration: int, reason: str | None) -> str:
+        """Account step ``iteration`` (skipped when ``reason``); returns the line to log."""
+        if reason is None:
+            self.in_a_row = 0
+            return ""
+        self.in_a_row += 1
+        self.total += 1
+        if self.in_a_row >= self.limit:
+            raise NonFiniteAbort(
+                f"aborting at step {iteration}: {self.in_a_row} consecutive steps had a non-finite loss or gradient "
+                f"(last: {reason}; train.max_nonfinite_in_a_row={self.limit}); lower train.lr, raise "
+                f"schedule.warmup_iters or check the data; resume from the last checkpoint in {self.checkpoint_dir}"
+            )
+        return f"step {iteration}: {reason}; step skipped ({self.in_a_row} in a row, {self.total} in total)"
+
+
+def _unclipped_grad_norm(engine: Any) -> torch.Tensor:
+    """Global L2 norm (a device scalar) of the (data-parallel averaged) gradients before
+    clipping, counted as DeepSpeed's ``clip_grad_norm_`` counts it: TP-sharded parameters on
+    every TP rank, replicated ones on TP rank 0 only. Collective over the model-parallel group."""
     from deepspeed.runtime.utils import is_model_parallel_parameter
 
     mpu = engine.mpu
     first_tp_rank = mpu is None or mpu.get_model_parallel_rank() == 0
-    squares = torch.zeros((), dtype=torch.float64)
-    for p in engine.module.parameters():
-        if p.grad is not None and (first_tp_rank or is_model_parallel_parameter(p)):
-            squares += p.grad.detach().double().pow(2).sum().cpu()
+    squares = [
+        p.grad.detach().double().pow(2).sum() for p in engine.module.parameters()
+        if p.grad is not None and (first_tp_rank or is_model_parallel_parameter(p))
+    ]
+    total = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64)
     if mpu is not None:
-        dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=mpu.get_model_parallel_group())
-    return float(squares.sqrt())
+        total = comm.all_reduce(total, "sum", mpu.get_model_parallel_group())
+    return total.sqrt()
 
 
 def _sigkill() -> None:
@@ -456,16 +491,16 @@ def _kernel_statistics(
 def evaluate(cfg: Config, engine: Any, dataset: Any, state: Any, device: str) -> float:
     """Mean validation loss over ``train.eval_iters`` micro-batches per data-parallel rank."""
     engine.eval()
-    total = torch.zeros((), dtype=torch.float64)
+    total = torch.zeros((), dtype=torch.float64, device=device)
     batches = micro_batches(
         dataset, 0, cfg.train.micro_batch_size, cfg.train.eval_iters, state.dp_rank, state.dp_size, device,
         state.cp_rank, state.cp_size,
     )
     for ids, labels in batches:
-        total += engine(ids, labels).loss.double().cpu()
+        total += engine(ids, labels).loss.double()
     engine.train()
-    total = _all_reduce(total, dist.ReduceOp.SUM, state.dp_group)
-    return float(total) / (cfg.train.eval_iters * state.dp_size)
+    total = comm.all_reduce(total, "sum", state.dp_group)
+    return total.item() / (cfg.train.eval_iters * state.dp_size)
 
 
 def _log_validation(cfg: Config, engine: Any, dataset: Any, state: Any, device: str, step: int, logger: MetricsLogger) -> float:

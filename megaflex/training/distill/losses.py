@@ -20,9 +20,10 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from megaflex.parallel import comm
 
 _TINY = 1e-12  # floor of the student's weights inside the log (non-positive maps can give 0 or less)
 
@@ -106,8 +107,6 @@ def logits_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor, labels
 def tp_sum(local: torch.Tensor, group: Any) -> torch.Tensor:
     """The sum of ``local`` over the TP group as a value, with ``local``'s own gradient: each
     rank differentiates only its heads' share, which is all its own parameters receive anyway."""
-    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+    if comm.group_size(group) == 1:
         return local
-    total = local.detach().clone()
-    dist.all_reduce(total, group=group)
-    return local + (total - local.detach())
+    return local + (comm.reduced(local, "sum", group) - local.detach())
