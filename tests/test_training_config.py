@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from megaflex.model.config import ModelConfig
@@ -116,6 +117,27 @@ def test_deepspeed_config_is_generated(tiny: Path) -> None:
     json.dumps(ds)  # serialisable as the JSON DeepSpeed reads
 
 
+@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
+def test_bf16_reduces_and_accumulates_gradients_in_fp32(tiny: Path, zero_stage: int) -> None:
+    from deepspeed.runtime.config import get_communication_data_type
+    from deepspeed.runtime.constants import DATA_TYPES, GRAD_ACCUM_DTYPE
+
+    cfg = load_config([tiny], [f"parallel.zero_stage={zero_stage}", "train.precision=bf16"])
+    ds = deepspeed_config(cfg, dp_size=2)
+    assert get_communication_data_type(ds) == torch.float32  # read with DeepSpeed's own key names
+    # DeepSpeed 0.19 rejects fp32 accumulation of bf16 gradients at ZeRO 0 ("unsupported mix")
+    assert ds.get(DATA_TYPES, {}).get(GRAD_ACCUM_DTYPE) == (None if zero_stage == 0 else "fp32")
+    fp32 = deepspeed_config(load_config([tiny], [f"parallel.zero_stage={zero_stage}"]), dp_size=2)
+    assert "communication_data_type" not in fp32 and DATA_TYPES not in fp32
+
+
+@pytest.mark.parametrize("on_cuda", [False, True])
+def test_offloaded_optimizer_pins_host_memory_on_cuda(tiny: Path, on_cuda: bool) -> None:
+    cfg = load_config([tiny], ["parallel.zero_stage=2", "parallel.zero_offload_optimizer=true"])
+    offload = deepspeed_config(cfg, dp_size=1, on_cuda=on_cuda)["zero_optimization"]["offload_optimizer"]
+    assert offload == {"device": "cpu", "pin_memory": on_cuda}
+
+
 def test_lr_schedule_warmup_cosine_linear(tiny: Path) -> None:
     cfg = load_config([tiny], ["train.lr=1.0", "schedule.warmup_iters=4", "schedule.min_lr=0.1", "train.train_iters=14"])
     assert [lr_at(cfg, i) for i in range(4)] == [0.25, 0.5, 0.75, 1.0]
@@ -175,6 +197,22 @@ def test_cli_reports_config_errors(tiny: Path) -> None:
     )
     assert out.returncode == 2
     assert "config error: unknown config key 'train.nope' (from command line)" in out.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine where CUDA is unusable")
+def test_train_device_cuda_without_cuda_is_one_error_line(tiny: Path, tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "megaflex.train", "--config", str(tiny), "train.device=cuda",
+         f"logging.run_dir={tmp_path / 'run'}"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 2, out.stderr[-3000:]
+    errors = [line for line in out.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert "config error: train.device (from command line): cuda requested but CUDA is unusable: " in errors[0]
+    cause = "is a CPU-only build (torch.version.cuda is None)" if torch.version.cuda is None else "is_available() is False"
+    assert cause in errors[0]
+    assert not (tmp_path / "run").exists()  # stopped before any rank set anything up
 
 
 def test_reference_documents_every_field() -> None:

@@ -144,7 +144,9 @@ class TrainConfig:
     fp16_hysteresis: int = opt(2, "fp16: overflows tolerated before the scale shrinks")
     fp16_min_loss_scale: float = opt(1.0, "fp16: lower bound of the loss scale")
     seed: int = opt(1234, "seed of parameters, data order and dropout")
-    device: Literal["auto", "cpu", "cuda"] = opt("auto", "where to train (auto: cuda when available)")
+    device: Literal["auto", "cpu", "cuda"] = opt(
+        "auto", "where to train (auto: cuda when available; cuda: unusable CUDA is an error naming the cause)"
+    )
     eval_interval: int = opt(0, "run validation every this many steps (0: only at the end, if valid_path is set)")
     eval_iters: int = opt(10, "validation micro-batches per rank per evaluation")
     max_nonfinite_in_a_row: int = opt(5, "abort after this many consecutive steps with non-finite loss or grad norm")
@@ -191,6 +193,9 @@ class FaultConfig:
     """Fault injection, for tests of skipping and crash recovery. Leave unset in real runs."""
 
     nan_loss_at_steps: list[int] = opt([], "make rank 0's loss NaN at these steps (tests the non-finite skip)")
+    inf_grad_at_steps: list[int] = opt(
+        [], "make rank 0's gradients infinite (its loss stays finite) at these steps (tests DeepSpeed's overflow skip)"
+    )
     sigkill_after_step: int | None = opt(None, "every rank kill -9s itself after this step is logged")
     sigkill_during_save_at_step: int | None = opt(
         None, "every rank kill -9s itself in the save at this step, after the shards are written but before the commit"
@@ -380,8 +385,30 @@ def validate_runtime(cfg: Config, world_size: int, has_cuda: bool) -> None:
         raise _bad(cfg, "train.precision", "fp16 needs a GPU (dynamic loss scaling on CPU is unsupported); use bf16 or fp32")
     if cfg.parallel.backend == "nccl" and device != "cuda":
         raise _bad(cfg, "parallel.backend", "nccl needs CUDA; use gloo or auto on CPU")
-    if t.device == "cuda" and not has_cuda:
-        raise _bad(cfg, "train.device", "cuda requested but no CUDA device is available")
+    check_device(cfg, has_cuda)
+
+
+def cuda_unusable_reason() -> str | None:
+    """Why torch cannot use CUDA here, or None when it can."""
+    import os
+
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    if torch.version.cuda is None:
+        return (f"torch {torch.__version__} is a CPU-only build (torch.version.cuda is None); "
+                "install a CUDA build of torch (launch/setup_env.sh)")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return (f"torch.cuda.is_available() is False with torch {torch.__version__} built for CUDA {torch.version.cuda}: "
+            "no GPU visible or the driver is missing or too old (nvidia-smi)"
+            + (f"; CUDA_VISIBLE_DEVICES={visible!r}" if visible is not None else ""))
+
+
+def check_device(cfg: Config, has_cuda: bool) -> None:
+    """ConfigError when ``train.device`` is cuda and CUDA is unusable (never a silent CPU run)."""
+    if cfg.train.device == "cuda" and not has_cuda:
+        raise _bad(cfg, "train.device", f"cuda requested but CUDA is unusable: {cuda_unusable_reason() or 'unknown'}")
 
 
 def parallel_dims(cfg: Config, world_size: int) -> ParallelDims:

@@ -18,7 +18,7 @@ def gradient_accumulation_steps(cfg: Config, dp_size: int) -> int:
     return global_batch_size(cfg, dp_size) // (cfg.train.micro_batch_size * dp_size)
 
 
-def deepspeed_config(cfg: Config, dp_size: int, cp_size: int = 1) -> dict[str, Any]:
+def deepspeed_config(cfg: Config, dp_size: int, cp_size: int = 1, on_cuda: bool = False) -> dict[str, Any]:
     """The ``config`` dict for ``deepspeed.initialize`` for a data-parallel size ``dp_size``.
 
     DeepSpeed's data-parallel group is DP x CP (``DeepSpeedMPU``) and it checks
@@ -42,7 +42,8 @@ def deepspeed_config(cfg: Config, dp_size: int, cp_size: int = 1) -> dict[str, A
             stage3_gather_16bit_weights_on_model_save=False,
         )
     if p.zero_offload_optimizer:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+        # Pinned host buffers make the offloaded optimizer's copies asynchronous (CUDA only).
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": on_cuda}
     config: dict[str, Any] = {
         "train_batch_size": global_batch_size(cfg, dp_size) * cp_size,
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
@@ -68,6 +69,13 @@ def deepspeed_config(cfg: Config, dp_size: int, cp_size: int = 1) -> dict[str, A
     if t.precision == "bf16":
         # Skip (do not apply) steps whose gradients are inf/NaN, as fp16 does.
         config["bf16"]["check_grad_overflow"] = True
+        # Reduce gradients in fp32, and accumulate the micro-batches in fp32 (bf16 keeps 8 bits:
+        # 32 micro-batch sums lose the small ones). DeepSpeed 0.19 takes fp32 accumulation with
+        # ZeRO 1-3 only (ZeRO 1 then runs its BF16_Optimizer); at ZeRO 0 it rejects the mix, so
+        # there gradients accumulate in bf16 (and are reduced in fp32).
+        config["communication_data_type"] = "fp32"
+        if p.zero_stage >= 1:
+            config["data_types"] = {"grad_accum_dtype": "fp32"}
     return config
 
 

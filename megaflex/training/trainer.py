@@ -42,7 +42,9 @@ from megaflex.training.checkpoint import (
     preflight,
     zero_partitions,
 )
-from megaflex.training.config import Config, global_batch_size, parallel_dims, resolve_device, validate_runtime
+from megaflex.training.config import (
+    Config, check_device, global_batch_size, parallel_dims, resolve_device, validate_runtime,
+)
 from megaflex.data.card import check_same_tokenizer
 from megaflex.training.data import build_datasets, check_data_tokenizer, micro_batches
 from megaflex.training.deepspeed_config import (
@@ -58,6 +60,7 @@ class NonFiniteAbort(RuntimeError):
 
 def init_distributed(cfg: Config) -> str:
     """Initialise torch.distributed through DeepSpeed; returns the device ("cpu"/"cuda")."""
+    check_device(cfg, torch.cuda.is_available())  # before anything touches CUDA
     has_cuda = torch.cuda.is_available() and cfg.train.device != "cpu"
     device = resolve_device(cfg, has_cuda)
     backend = cfg.parallel.backend if cfg.parallel.backend != "auto" else ("nccl" if device == "cuda" else "gloo")
@@ -120,7 +123,7 @@ def run(cfg: Config, objective: Objective | None = None) -> dict[str, Any]:
     optimizer = build_optimizer(cfg, model, device)
     if cfg.parallel.zero_stage == 0 and cfg.train.precision == "fp32" and hasattr(optimizer, "skip"):
         optimizer.check_finite = True  # no ZeRO/bf16 wrapper checks the gradients here
-    ds_config = deepspeed_config(cfg, dp_size, cp_size)
+    ds_config = deepspeed_config(cfg, dp_size, cp_size, on_cuda=device == "cuda")
     grad_accum = gradient_accumulation_steps(cfg, dp_size)
     gbs = global_batch_size(cfg, dp_size)
 
@@ -241,6 +244,7 @@ def run(cfg: Config, objective: Objective | None = None) -> dict[str, Any]:
         loss_sum, bad = zero.clone(), zero.clone()
         extra_sums: dict[str, torch.Tensor] = {}
         inject_nan = (iteration + 1) in cfg.fault.nan_loss_at_steps and rank == 0
+        inject_inf_grad = (iteration + 1) in cfg.fault.inf_grad_at_steps and rank == 0
         skipped_before, stop_signal = engine_skipped_steps(engine), 0
         for _ in range(grad_accum):
             ids, labels = next(train_batches)
@@ -252,6 +256,8 @@ def run(cfg: Config, objective: Objective | None = None) -> dict[str, Any]:
                     extra_sums[key] = extra_sums.get(key, zero) + value.detach().double()
             if inject_nan:
                 loss = loss + float("nan")
+            if inject_inf_grad:
+                loss = _InfiniteGradient.apply(loss)
             finite = torch.isfinite(loss.detach())
             bad += (~finite).double()
             loss_sum += torch.where(finite, loss.detach(), 0.0).double()
@@ -354,6 +360,18 @@ def _warm_start(cfg: Config, model: GPT) -> dict[str, Any] | None:
         return None
     copied, source = init_from_checkpoint(model, c.init_from, c.init_parameters)
     return {"path": str(source), "parameters": c.init_parameters, "copied": len(copied)}
+
+
+class _InfiniteGradient(torch.autograd.Function):
+    """Fault injection: identity forward, infinite gradient backward (a finite loss that overflows)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return grad * float("inf")
 
 
 def engine_skipped_steps(engine: Any) -> int:
