@@ -99,8 +99,9 @@ class LocalMixingCore(nn.Module):
             local, window_k, window_v = self._window_attention(q, k, v, state)
             if self.core.normalization == "rms":
                 local = normalize_output(local, None, "rms", self.core.eps)
-            mix = torch.sigmoid(self.window_mix).to(out.dtype)
-            out = torch.lerp(out, local.to(out.dtype), mix)
+            # in fp32 whatever the module's dtype: a bf16 mix moves in steps of 1/256 around 1/2
+            mix = torch.sigmoid(self.window_mix.float())
+            out = torch.lerp(out.float(), local.float(), mix).to(out.dtype)
         return out, (HybridState(linear_state, window_k, window_v, conv_tail) if return_state else None)
 
     def _convolve(

@@ -21,15 +21,24 @@ class RotaryEmbedding(nn.Module):
         if head_dim % 2 != 0:
             raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
         self.head_dim = head_dim
-        # Not persistent: derived from (head_dim, theta), so checkpoints stay free of it.
+        # A plain attribute, not a buffer: derived from (head_dim, theta), so checkpoints stay free
+        # of it, and module casts (``model.to(torch.bfloat16)``, DeepSpeed before 0.19.2 casting
+        # buffers) never round it: bf16 would move the frequencies by up to 0.4%.
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self._inv_freq = inv_freq.float()
+
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        """[d/2] fp32 rotation frequencies theta^(-2i/d), whatever the module's dtype."""
+        return self._inv_freq
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """q, k [B, H, N, d] -> rotated q, k at absolute positions offset .. offset + N - 1."""
         n = q.shape[-2]
+        if self._inv_freq.device != q.device:  # follows the activations (module.to moves no plain attribute)
+            self._inv_freq = self._inv_freq.to(q.device)
         positions = torch.arange(offset, offset + n, device=q.device, dtype=torch.float32)
-        angles = torch.outer(positions, self.inv_freq.to(q.device))  # [N, d/2]
+        angles = torch.outer(positions, self._inv_freq)  # [N, d/2]
         cos, sin = angles.cos(), angles.sin()
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
