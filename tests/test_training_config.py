@@ -17,6 +17,7 @@ from megaflex.model.gpt import GPT
 from megaflex.training.checkpoint import CheckpointError, check_compatible, find_resume_path, parameter_shapes
 from megaflex.training.config import ConfigError, load_config, reference_markdown, validate_runtime
 from megaflex.training.deepspeed_config import deepspeed_config
+from megaflex.training.metrics import peak_tflops_of
 from megaflex.training.optim import lr_at, param_groups
 from training_harness import REPO, TINY
 
@@ -129,6 +130,15 @@ def test_bf16_reduces_and_accumulates_gradients_in_fp32(tiny: Path, zero_stage: 
     assert ds.get(DATA_TYPES, {}).get(GRAD_ACCUM_DTYPE) == (None if zero_stage == 0 else "fp32")
     fp32 = deepspeed_config(load_config([tiny], [f"parallel.zero_stage={zero_stage}"]), dp_size=2)
     assert "communication_data_type" not in fp32 and DATA_TYPES not in fp32
+
+
+@pytest.mark.parametrize("name, peak", [
+    ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H100 NVL", 835.0),
+    ("NVIDIA H200", 989.0), ("NVIDIA H200 NVL", 835.0), ("NVIDIA GH200 480GB", 989.0),
+    ("NVIDIA A100-SXM4-80GB", 312.0), ("Tesla T4", None),
+])
+def test_mfu_peak_per_gpu_variant(name: str, peak: float | None) -> None:
+    assert peak_tflops_of(name) == peak
 
 
 @pytest.mark.parametrize("on_cuda", [False, True])

@@ -65,6 +65,13 @@ class _CopyToTP(torch.autograd.Function):
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, state: ParallelState) -> torch.Tensor:
+        if state.tp_size > 1 and x.is_contiguous() and not x.is_leaf and x._base is None:
+            # A fresh partial result (a matmul's output): reduced in place, no activation-sized
+            # copy. Should anything have saved it for backward, autograd's version check raises.
+            _check_groups(state)
+            ctx.mark_dirty(x)
+            dist.all_reduce(x, group=state.tp_group)
+            return x
         return _all_reduce(x, state)
 
     @staticmethod

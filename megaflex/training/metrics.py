@@ -24,8 +24,13 @@ import torch
 from megaflex.attention import feature_dim_of
 from megaflex.model.config import ModelConfig
 
-# Dense bf16 peak TFLOP/s per device, for MFU when logging.peak_tflops is unset.
-PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "A10G": 125.0, "L4": 121.0, "V100": 125.0}
+# For MFU when logging.peak_tflops is unset: dense bf16 tensor-core peaks per GPU (NVIDIA
+# datasheets, without sparsity), matched against torch.cuda.get_device_name() in order: the PCIe
+# and NVL variants (lower clocks and power) before their family name. "H100 80GB HBM3" is SXM.
+PEAK_TFLOPS = (
+    ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H200 NVL", 835.0), ("GH200", 989.0), ("H200", 989.0),
+    ("H100", 989.0), ("A100", 312.0), ("A10G", 125.0), ("L4", 121.0), ("V100", 125.0),
+)
 
 
 def read_metrics(path: str | Path, kind: str = "train") -> dict[int, dict[str, Any]]:
@@ -76,11 +81,13 @@ def device_peak_tflops(configured: float | None, device: str) -> float | None:
     if configured is not None:
         return configured
     if device == "cuda" and torch.cuda.is_available():
-        name = torch.cuda.get_device_name()
-        for key, value in PEAK_TFLOPS.items():
-            if key in name:
-                return value
+        return peak_tflops_of(torch.cuda.get_device_name())
     return None
+
+
+def peak_tflops_of(device_name: str) -> float | None:
+    """The known dense bf16 peak of a GPU named like ``torch.cuda.get_device_name()``, else None."""
+    return next((value for key, value in PEAK_TFLOPS if key in device_name), None)
 
 
 class MetricsLogger:
