@@ -7,13 +7,16 @@ from __future__ import annotations
 import copy
 import math
 
+import pytest
 import torch
+import torch.nn.functional as F
 
 from megaflex.attention import AttentionCore
 from megaflex.attention.base import normalize_output
 from megaflex.attention.feature_maps.flexformer_n import FlexformerNFeatureMap
 from megaflex.attention.hybrid import LocalMixingCore
 from megaflex.model import GPT, ModelConfig
+from megaflex.model.cross_entropy import blockwise_cross_entropy
 from megaflex.model.rope import RotaryEmbedding
 
 HEADS, D = 4, 16
@@ -77,3 +80,23 @@ def test_window_mix_in_fp32_with_bf16_parameters() -> None:
     bf16_mix = torch.lerp(linear, local.to(linear.dtype), torch.sigmoid(core.window_mix))
     assert not torch.equal(out, bf16_mix)  # the bf16 mix (steps of 1/256 near 1/2) is measurably different
     assert math.isclose(mix.view(-1)[0].item(), 1 / (1 + math.exp(-0.010009765625)), rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_blockwise_cross_entropy_equals_the_full_fp32_copy(dtype: torch.dtype, label_smoothing: float) -> None:
+    g = torch.Generator().manual_seed(0)
+    padded = (3 * torch.randn(2, 13, 40, generator=g)).to(dtype)  # 37 real classes + padding columns
+    labels = torch.randint(0, 37, (2, 13), generator=g)
+    mine = padded.clone().requires_grad_(True)
+    ref = padded.clone().requires_grad_(True)
+    weights = torch.rand(2, 13, generator=g)
+    got = blockwise_cross_entropy(mine[..., :37], labels, label_smoothing, block_rows=5)  # 26 rows: 6 blocks
+    want = F.cross_entropy(ref[..., :37].float().reshape(-1, 37), labels.reshape(-1), reduction="none",
+                           label_smoothing=label_smoothing).view(2, 13)
+    assert got.dtype == torch.float32 and torch.equal(got, want)  # per row the same fp32 computation
+    (got * weights).sum().backward()
+    (want * weights).sum().backward()
+    assert mine.grad.dtype == dtype and torch.equal(mine.grad[..., 37:], torch.zeros_like(mine.grad[..., 37:]))
+    tol = 1e-6 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(mine.grad.float(), ref.grad.float(), atol=tol, rtol=tol)

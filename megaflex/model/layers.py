@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megaflex.model.cross_entropy import blockwise_cross_entropy
+
 InitMethod = Callable[[torch.Tensor], None]
 
 
@@ -126,11 +128,8 @@ class LocalLayers:
     def cross_entropy(
         self, logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, label_smoothing: float = 0.0
     ) -> torch.Tensor:
-        logits = logits[..., :vocab_size].float()
-        loss = F.cross_entropy(
-            logits.reshape(-1, vocab_size), labels.reshape(-1), reduction="none", label_smoothing=label_smoothing
-        )
-        return loss.view(labels.shape)
+        # fp32 a block of rows at a time: no fp32 copy of every logit (megaflex.model.cross_entropy)
+        return blockwise_cross_entropy(logits[..., :vocab_size], labels, label_smoothing)
 
     def gather_logits(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         return logits[..., :vocab_size]
