@@ -99,3 +99,25 @@ def test_no_host_read_per_micro_batch_and_few_per_step(tmp_path: Path) -> None:
     # DeepSpeed's bf16 optimizer adds its own overflow / norm checks.
     assert ours == [1] * (STEPS - 1), f"megaflex's device-to-host reads per step: {ours}"
     assert max(per_step) <= 4, f"device-to-host reads per step (with DeepSpeed's): {per_step}"
+
+
+def test_prefetcher_keeps_order_and_raises_in_place() -> None:
+    import torch
+
+    from megaflex.data.indexed import DataError
+    from megaflex.training.data import Prefetcher
+
+    def source():
+        for i in range(5):
+            if i == 3:
+                raise DataError("sample 3: token id 999 >= vocab_size 256")
+            yield torch.full((2,), i), torch.full((2,), -i)
+
+    batches = Prefetcher(source(), "cpu")
+    got = [next(batches)[0].tolist() for _ in range(3)]
+    assert got == [[0, 0], [1, 1], [2, 2]]
+    with pytest.raises(DataError, match="sample 3"):
+        next(batches)
+    done = Prefetcher(iter([(torch.zeros(1),)]), "cpu")
+    assert len(list(done)) == 1 and list(done) == []  # exhausted stays exhausted
+    done.close()
