@@ -11,15 +11,23 @@
 # GPU mode (MEGAFLEX_GPU=1, or `--gpu` when run as a script): torch from MEGAFLEX_TORCH_INDEX (default
 # PyPI, whose Linux wheel is a CUDA build), which must be a CUDA build; then `.[gpu]`, which pins no
 # triton, so the triton that torch's wheel pins (torch 2.13.0: triton==3.7.1) is the one installed.
+# The mode sticks to the venv: later `source launch/setup_env.sh` (train.sh, sbatch) keep it.
 # A failed install stops with pip's own error above the "[setup]" line, never hidden.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${MEGAFLEX_VENV:-$repo/.venv}"
 torch_spec="${MEGAFLEX_TORCH:-torch==2.13.0}"
 python_bin="${PYTHON:-python3}"
-gpu_mode="${MEGAFLEX_GPU:-0}"
+stamp="$venv/.megaflex-installed"
+gpu_mode="${MEGAFLEX_GPU:-}"
 # `--gpu` only when executed: a sourcing script's own arguments are not ours.
 if [ "${BASH_SOURCE[0]}" = "$0" ] && [ "${1:-}" = "--gpu" ]; then gpu_mode=1; fi
+if [ -z "$gpu_mode" ]; then
+  # Unset: the mode this venv was installed in, so that launch/train.sh sourcing this script on a
+  # GPU node keeps the GPU install (MEGAFLEX_GPU=0 switches back to the CPU/test install).
+  gpu_mode=0
+  if [ -f "$stamp" ] && [[ "$(cat "$stamp")" == *" gpu" ]]; then gpu_mode=1; fi
+fi
 extra=dev
 [ "$gpu_mode" = 1 ] && extra=gpu
 
@@ -37,9 +45,8 @@ if [ ! -x "$venv/bin/python" ]; then
   echo "[setup] creating virtual environment at $venv"
   "$python_bin" -m venv "$venv"
 fi
-stamp="$venv/.megaflex-installed"
 want="$(cat "$repo/pyproject.toml" | sha256sum | cut -c1-16) $torch_spec"
-[ "$gpu_mode" = 1 ] && want="$want gpu ${MEGAFLEX_TORCH_INDEX:-pypi}"
+[ "$gpu_mode" = 1 ] && want="$want gpu"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   echo "[setup] environment up to date ($venv)"
 else

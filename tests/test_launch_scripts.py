@@ -79,8 +79,10 @@ def test_setup_gpu_mode_takes_torch_from_the_named_index_and_the_gpu_extra(tmp_p
     assert megaflex_call == ["install", "-q", "-e", f"{REPO}[gpu]", "torch==2.13.0"]
     assert any("torch.version.cuda" in " ".join(c) for c in calls(log, "python"))
     assert "MALLOC_MMAP_MAX_=unset" in proc.stdout  # glibc heap settings are for CPU nodes only
-    cpu, _ = run_setup(tmp_path)  # switching mode reinstalls (the stamp records the mode)
-    assert cpu.returncode == 0 and calls(log, "pip")[-1][3] == f"{REPO}[dev]"
+    again, _ = run_setup(tmp_path)  # the mode sticks to the venv: train.sh's `source` keeps the GPU install
+    assert "environment up to date" in again.stdout and "MALLOC_MMAP_MAX_=unset" in again.stdout
+    cpu, _ = run_setup(tmp_path, MEGAFLEX_GPU="0")  # asked for: the CPU/test install
+    assert cpu.returncode == 0 and len(calls(log, "pip")) == 4 and calls(log, "pip")[-1][3] == f"{REPO}[dev]"
 
 
 def test_setup_shows_a_failed_resolution_and_stops(tmp_path):
