@@ -102,7 +102,7 @@ def kernel_sweep(stage: Stage) -> dict[str, Any]:
                 row.update(status="error", error=repr(err)[:400])
             result["rows"].append(row)
             stage.emit(result)
-        del x, grad
+        x = grad = None  # free this shape's tensors before the next one
         if device == "cuda":
             torch.cuda.empty_cache()
     result["int32_probe"] = int32_probe(stage)
