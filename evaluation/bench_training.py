@@ -34,7 +34,7 @@ def bench_cell(config: str, zero: int, precision: str, world: int, steps: int, s
         overrides = [
             "data.source=synthetic", "data.tokenizer=null", f"data.seq_len={seq_len}", f"train.micro_batch_size={micro}",
             f"train.global_batch_size={micro * world}", f"train.train_iters={steps}", "schedule.warmup_iters=0",
-            f"parallel.zero_stage={zero}", f"train.precision={precision}", "train.eval_interval=0",
+            f"parallel.zero_stage={zero}", f"train.precision={precision}", "train.eval_interval=0", "train.device=cpu",
             "checkpoint.save_interval=0", "checkpoint.save_at_end=false", "checkpoint.resume=none",
             "logging.tensorboard=false", "logging.kernel_stats_interval=0", f"logging.run_dir={tmp}/run",
         ]

@@ -8,9 +8,13 @@
 #                             bash launch/train.sh --config ...   (what launch/slurm.sbatch runs via srun)
 #
 # Everything after the script name goes to megaflex-train (configs and key=value overrides).
-# Environment: NPROC (ranks per node, default: GPUs, else 1), HOSTFILE, NO_SSH, NODE_RANK (default
-# $SLURM_NODEID, else 0), MASTER_ADDR (default: first host of the hostfile / localhost), MASTER_PORT
-# (default 29500), OMP_NUM_THREADS (default 1 per rank on CPU, 4 on GPU), NCCL_* are passed through,
+# Device: the configs' train.device (cpu | cuda | auto). A node with NVIDIA GPUs that torch cannot use
+# (CPU-only torch, driver mismatch, CUDA_VISIBLE_DEVICES='') is an error naming the cause; CPU ranks
+# (gloo) run on a node without GPUs, or anywhere with train.device=cpu.
+# Environment: NPROC (ranks per node, default: GPUs, else 1), CUDA_VISIBLE_DEVICES (one machine: the
+# ranks use those GPUs, the first NPROC of them), HOSTFILE, NO_SSH, NODE_RANK (default $SLURM_NODEID,
+# else 0), MASTER_ADDR (default: first host of the hostfile / localhost), MASTER_PORT (default 29500),
+# OMP_NUM_THREADS (default 1 per rank on CPU, 4 on GPU), NCCL_* are passed through,
 # MEGAFLEX_SKIP_SETUP=1 uses the current environment instead of launch/setup_env.sh.
 #
 # Signals: SIGTERM/SIGINT/SIGUSR1 to this script are forwarded to the rank processes (the deepspeed
@@ -22,11 +26,13 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 [ -n "${MEGAFLEX_SKIP_SETUP:-}" ] || source "$repo/launch/setup_env.sh"
 cd "$repo"
 port="${MASTER_PORT:-29500}"
-if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-  gpus="$(python -c 'import torch; print(torch.cuda.device_count())')"
+# "cuda <GPUs>" or "cpu 0" from the configs' train.device; a node whose GPUs torch cannot use stops
+# here with the cause (exit 2), it never falls back to CPU unless train.device=cpu asks for it.
+probe="$(python launch/resolve_device.py "$@")"   # set -e: its exit status 2 ends the script
+read -r device gpus <<< "$probe"
+if [ "$device" = cuda ]; then
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"
 else
-  gpus=0
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
   export DS_ACCELERATOR=cpu
 fi
@@ -43,6 +49,18 @@ if [ -n "${HOSTFILE:-}" ]; then
     # One launcher per node, each starting its own ranks (no pdsh/ssh).
     launcher+=(--no_ssh --node_rank "${NODE_RANK:-${SLURM_NODEID:-0}}")
   fi
+elif [ "$gpus" -gt 0 ] && [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
+  # --num_gpus would make deepspeed ignore CUDA_VISIBLE_DEVICES and take GPUs 0..N-1: name the
+  # visible ones (the first NPROC of them) instead; deepspeed hands each rank its own.
+  IFS=, read -ra visible <<< "$CUDA_VISIBLE_DEVICES"
+  for id in "${visible[@]}"; do
+    [[ "$id" =~ ^[0-9]+$ ]] || { echo "error: CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES: the deepspeed launcher takes GPU indices, not '$id'" >&2; exit 2; }
+  done
+  if [ "$nproc" -gt "${#visible[@]}" ]; then
+    echo "error: NPROC=$nproc but CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES shows ${#visible[@]} GPUs" >&2
+    exit 2
+  fi
+  launcher=(deepspeed --include "localhost:$(IFS=,; echo "${visible[*]:0:nproc}")" --master_port "$port")
 else
   launcher=(deepspeed --num_gpus "$nproc" --master_port "$port")
 fi

@@ -2,7 +2,7 @@
 
 The default GPU path is megaflex's own Triton kernels (``attention/triton/``, chosen by
 ``attention_backend="auto"`` on CUDA tensors). This module is kept as an alternative and as the
-comparison in ``evaluation/gpu_check.py``'s layer benchmark. NOT a dependency and never used on
+comparison in ``evaluation/gpu_check``'s kernel sweep. NOT a dependency and never used on
 CPU: ``install()`` registers it with ``core.register_fused_backend`` (then preferred by "auto" on
 CUDA) only when CUDA and ``fla`` (``pip install megaflex[gpu]``) are importable. The kernel
 itself has not been run in this repository's CI (no GPU there); the mapping below is tested on

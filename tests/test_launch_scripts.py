@@ -1,0 +1,209 @@
+"""The launch scripts' own decisions, with stub ``pip``/``python``/``deepspeed``/``srun`` binaries that
+record their arguments: launch/setup_env.sh (CPU and GPU installs, a failed resolution shown and
+fatal, malloc settings off GPU nodes), launch/train.sh (CUDA_VISIBLE_DEVICES respected, no silent CPU
+fallback) and launch/slurm.sbatch (srun flags, NCCL variable, log path). tests/test_launch_docs.py
+runs the documented lines through the real launcher."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+ON_GPU_NODE = any(Path("/dev").glob("nvidia[0-9]*"))
+
+
+def write_stubs(bin_dir: Path, stubs: dict[str, str]) -> None:
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    for name, body in stubs.items():
+        (bin_dir / name).write_text("#!/usr/bin/env bash\n" + body)
+        (bin_dir / name).chmod(0o755)
+
+
+def calls(log: Path, program: str) -> list[list[str]]:
+    """The argument lists a stub recorded ("program arg ..." lines)."""
+    if not log.exists():
+        return []
+    return [shlex.split(line)[1:] for line in log.read_text().splitlines() if line.startswith(program + " ")]
+
+
+# --------------------------------------------------------------------------------------------
+# launch/setup_env.sh
+# --------------------------------------------------------------------------------------------
+PIP = (
+    'echo "pip $(printf "%q " "$@")" >> "$STUB_LOG"\n'
+    "echo \"WARNING: Location 'file:///opt/pypi/simple/x/' is ignored: it is neither a file nor a directory.\"\n"
+    'if [ -n "${STUB_PIP_FAIL:-}" ] && [[ " $* " == *" -e "* ]]; then\n'
+    '  echo "ERROR: Cannot install megaflex because these package versions have conflicting dependencies." >&2\n'
+    '  echo "ERROR: ResolutionImpossible: torch 2.13.0 depends on triton==3.7.1" >&2; exit 1\nfi\n'
+)
+# exit 3 for the GPU-mode check means "a CPU-only torch"; every other call succeeds
+PYTHON = 'echo "python $(printf "%q " "$@")" >> "$STUB_LOG"\n[[ "$*" == *torch.version.cuda* ]] && exit "${STUB_TORCH_CPU_ONLY:-0}"\nexit 0\n'
+
+
+def run_setup(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess, Path]:
+    venv = tmp_path / "venv"
+    write_stubs(venv / "bin", {"pip": PIP, "python": PYTHON})
+    log = tmp_path / "stub.log"
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "MEGAFLEX_"))}
+    clean.update(MEGAFLEX_VENV=str(venv), STUB_LOG=str(log), **env)
+    script = 'source launch/setup_env.sh; echo "MALLOC_MMAP_MAX_=${MALLOC_MMAP_MAX_:-unset}"'
+    proc = subprocess.run(["bash", "-c", script], cwd=REPO, env=clean, capture_output=True, text=True, timeout=60)
+    return proc, log
+
+
+def test_setup_cpu_installs_the_dev_extra_and_sets_malloc_off_gpu_nodes(tmp_path):
+    proc, log = run_setup(tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    torch_call, megaflex_call = calls(log, "pip")
+    assert torch_call == ["install", "-q", "torch==2.13.0"]
+    assert megaflex_call == ["install", "-q", "-e", f"{REPO}[dev]", "torch==2.13.0"]
+    assert "is ignored" not in proc.stdout + proc.stderr  # the only noise filtered
+    assert ("MALLOC_MMAP_MAX_=unset" if ON_GPU_NODE else "MALLOC_MMAP_MAX_=0") in proc.stdout
+    again, _ = run_setup(tmp_path)  # idempotent: the stamp matches, nothing installed
+    assert "environment up to date" in again.stdout and len(calls(log, "pip")) == 2
+
+
+def test_setup_gpu_mode_takes_torch_from_the_named_index_and_the_gpu_extra(tmp_path):
+    index = "https://download.pytorch.org/whl/cu128"
+    proc, log = run_setup(tmp_path, MEGAFLEX_GPU="1", MEGAFLEX_TORCH_INDEX=index)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    torch_call, megaflex_call = calls(log, "pip")
+    assert torch_call == ["install", "-q", "--index-url", index, "torch==2.13.0"]
+    assert megaflex_call == ["install", "-q", "-e", f"{REPO}[gpu]", "torch==2.13.0"]
+    assert any("torch.version.cuda" in " ".join(c) for c in calls(log, "python"))
+    assert "MALLOC_MMAP_MAX_=unset" in proc.stdout  # glibc heap settings are for CPU nodes only
+    again, _ = run_setup(tmp_path)  # the mode sticks to the venv: train.sh's `source` keeps the GPU install
+    assert "environment up to date" in again.stdout and "MALLOC_MMAP_MAX_=unset" in again.stdout
+    cpu, _ = run_setup(tmp_path, MEGAFLEX_GPU="0")  # asked for: the CPU/test install
+    assert cpu.returncode == 0 and len(calls(log, "pip")) == 4 and calls(log, "pip")[-1][3] == f"{REPO}[dev]"
+
+
+def test_setup_shows_a_failed_resolution_and_stops(tmp_path):
+    proc, log = run_setup(tmp_path, MEGAFLEX_GPU="1", STUB_PIP_FAIL="1")
+    assert proc.returncode == 1
+    assert "ResolutionImpossible: torch 2.13.0 depends on triton==3.7.1" in proc.stdout + proc.stderr
+    assert "pip's error is above" in proc.stderr
+    assert "MALLOC_MMAP_MAX_" not in proc.stdout  # the sourcing shell stopped too
+    assert not (tmp_path / "venv" / ".megaflex-installed").exists()
+
+
+def test_setup_gpu_mode_refuses_a_cpu_only_torch(tmp_path):
+    proc, log = run_setup(tmp_path, MEGAFLEX_GPU="1", STUB_TORCH_CPU_ONLY="3")
+    assert proc.returncode == 1
+    assert "CPU-only build" in proc.stderr and "MEGAFLEX_TORCH_INDEX" in proc.stderr
+    assert len(calls(log, "pip")) == 1  # megaflex[gpu] is not installed on top of it
+
+
+def test_pyproject_gpu_extra_leaves_triton_to_torch():
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    assert not any(req.startswith("triton") for req in extras["gpu"])
+    assert "triton==3.9.0" in extras["dev"]  # the interpreter tests' pin stays in the CPU extra
+    assert "deepspeed>=0.19.2" in project["dependencies"]
+
+
+# --------------------------------------------------------------------------------------------
+# launch/train.sh
+# --------------------------------------------------------------------------------------------
+DEEPSPEED = 'echo "deepspeed $(printf "%q " "$@")" >> "$STUB_LOG"\necho "env DS_ACCELERATOR=${DS_ACCELERATOR:-} OMP_NUM_THREADS=${OMP_NUM_THREADS:-}" >> "$STUB_LOG"\n'
+
+
+def run_train_sh(tmp_path: Path, args: list[str], gpus: int | None = None, **env: str) -> tuple[subprocess.CompletedProcess, Path]:
+    """launch/train.sh with a recording ``deepspeed``; ``gpus`` set: the device probe answers
+    "cuda <gpus>" (this machine has none), otherwise the real probe runs."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "stub.log"
+    stubs = {"deepspeed": DEEPSPEED}
+    if gpus is not None:
+        stubs["python"] = f'[ "$1" = launch/resolve_device.py ] && {{ echo "cuda {gpus}"; exit 0; }}\nexec {sys.executable} "$@"\n'
+    write_stubs(bin_dir, stubs)
+    base = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "NPROC", "HOSTFILE", "DS_ACCELERATOR", "OMP_NUM_THREADS")}
+    base.update(PATH=f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}", MEGAFLEX_SKIP_SETUP="1",
+                STUB_LOG=str(log), PYTHONPATH=str(REPO), **env)  # fmt: skip
+    proc = subprocess.run(["bash", "launch/train.sh", *args], cwd=REPO, env=base, capture_output=True, text=True, timeout=120)
+    return proc, log
+
+
+def test_train_sh_respects_cuda_visible_devices(tmp_path):
+    proc, log = run_train_sh(tmp_path, ["--config", "configs/tiny.yaml"], gpus=3, CUDA_VISIBLE_DEVICES="2,3,5")
+    assert proc.returncode == 0, proc.stderr
+    (argv,) = calls(log, "deepspeed")
+    assert "--num_gpus" not in argv  # it would make deepspeed take GPUs 0..N-1
+    assert argv[argv.index("--include") + 1] == "localhost:2,3,5"
+    assert argv[argv.index("--module") + 1 :] == ["megaflex.train", "--config", "configs/tiny.yaml"]
+    assert "OMP_NUM_THREADS=4" in log.read_text() and "DS_ACCELERATOR= " in log.read_text()
+
+
+def test_train_sh_takes_the_first_nproc_visible_gpus(tmp_path):
+    proc, log = run_train_sh(tmp_path, ["--config", "configs/tiny.yaml"], gpus=3, CUDA_VISIBLE_DEVICES="2,3,5", NPROC="2")
+    assert proc.returncode == 0, proc.stderr
+    (argv,) = calls(log, "deepspeed")
+    assert argv[argv.index("--include") + 1] == "localhost:2,3"
+
+
+def test_train_sh_refuses_more_ranks_than_visible_gpus(tmp_path):
+    proc, log = run_train_sh(tmp_path, ["--config", "configs/tiny.yaml"], gpus=1, CUDA_VISIBLE_DEVICES="1", NPROC="4")
+    assert proc.returncode == 2 and "NPROC=4" in proc.stderr and not calls(log, "deepspeed")
+
+
+def test_train_sh_without_cuda_visible_devices_counts_gpus(tmp_path):
+    proc, log = run_train_sh(tmp_path, ["--config", "configs/tiny.yaml"], gpus=4)
+    assert proc.returncode == 0, proc.stderr
+    (argv,) = calls(log, "deepspeed")
+    assert argv[argv.index("--num_gpus") + 1] == "4" and "--include" not in argv
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine where CUDA is unusable")
+def test_train_sh_refuses_a_gpu_config_without_usable_cuda(tmp_path):
+    proc, log = run_train_sh(tmp_path, ["--config", "configs/flexformer_n_41m.yaml"])
+    assert proc.returncode == 2
+    assert "error: train.device is cuda but CUDA is unusable" in proc.stderr and "train.device=cpu" in proc.stderr
+    assert not calls(log, "deepspeed")  # no silent CPU/gloo run
+    cpu, log = run_train_sh(tmp_path, ["--config", "configs/flexformer_n_41m.yaml", "train.device=cpu"], NPROC="2")
+    assert cpu.returncode == 0, cpu.stderr
+    (argv,) = calls(log, "deepspeed")
+    assert argv[argv.index("--num_gpus") + 1] == "2" and "DS_ACCELERATOR=cpu OMP_NUM_THREADS=1" in log.read_text()
+
+
+# --------------------------------------------------------------------------------------------
+# launch/slurm.sbatch
+# --------------------------------------------------------------------------------------------
+SRUN = 'echo "srun $(printf "%q " "$@")" >> "$STUB_LOG"\necho "env TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-} NCCL_ASYNC_ERROR_HANDLING=${NCCL_ASYNC_ERROR_HANDLING:-unset}" >> "$STUB_LOG"\n'
+SCONTROL = 'for ((i = 0; i < SLURM_JOB_NUM_NODES; i++)); do echo "node$i"; done\n'
+
+
+def test_sbatch_passes_cpus_per_task_and_the_current_nccl_variable(tmp_path):
+    bin_dir, log = tmp_path / "bin", tmp_path / "stub.log"
+    write_stubs(bin_dir, {"srun": SRUN, "scontrol": SCONTROL})
+    job = f"test{os.getpid()}"
+    env = {k: v for k, v in os.environ.items() if "NCCL" not in k}
+    env.update(PATH=f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}", STUB_LOG=str(log),
+               MEGAFLEX_SKIP_SETUP="1", SLURM_JOB_NUM_NODES="2", SLURM_JOB_NODELIST="node[0-1]", SLURM_JOB_ID=job,
+               SLURM_GPUS_PER_NODE="h100:8", SLURM_CPUS_PER_TASK="48", SLURM_SUBMIT_DIR=str(REPO))  # fmt: skip
+    try:
+        proc = subprocess.run(["bash", "launch/slurm.sbatch", "--config", "configs/tiny.yaml"], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+    finally:
+        (REPO / "runs" / f"hostfile-{job}").unlink(missing_ok=True)
+    assert proc.returncode == 0, proc.stderr
+    (argv,) = calls(log, "srun")
+    assert "--cpus-per-task=48" in argv and "--ntasks-per-node=1" in argv
+    assert argv[-4:] == ["bash", "launch/train.sh", "--config", "configs/tiny.yaml"]
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING=1 NCCL_ASYNC_ERROR_HANDLING=unset" in log.read_text()
+
+
+def test_sbatch_directives_come_first_and_the_log_needs_no_folder():
+    lines = (REPO / "launch" / "slurm.sbatch").read_text().splitlines()
+    first_command = next(i for i, line in enumerate(lines) if line.strip() and not line.startswith("#"))
+    directives = [line for line in lines if line.startswith("#SBATCH")]
+    assert all(lines.index(d) < first_command for d in directives)  # sbatch stops reading at a command
+    (output,) = [re.split(r"[=\s]+", d)[2] for d in directives if d.startswith("#SBATCH --output")]
+    assert "/" not in output  # Slurm opens it before the script could create a folder
