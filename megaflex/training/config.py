@@ -388,27 +388,13 @@ def validate_runtime(cfg: Config, world_size: int, has_cuda: bool) -> None:
     check_device(cfg, has_cuda)
 
 
-def cuda_unusable_reason() -> str | None:
-    """Why torch cannot use CUDA here, or None when it can."""
-    import os
-
-    import torch
-
-    if torch.cuda.is_available():
-        return None
-    if torch.version.cuda is None:
-        return (f"torch {torch.__version__} is a CPU-only build (torch.version.cuda is None); "
-                "install a CUDA build of torch (launch/setup_env.sh)")
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return (f"torch.cuda.is_available() is False with torch {torch.__version__} built for CUDA {torch.version.cuda}: "
-            "no GPU visible or the driver is missing or too old (nvidia-smi)"
-            + (f"; CUDA_VISIBLE_DEVICES={visible!r}" if visible is not None else ""))
-
-
 def check_device(cfg: Config, has_cuda: bool) -> None:
     """ConfigError when ``train.device`` is cuda and CUDA is unusable (never a silent CPU run)."""
     if cfg.train.device == "cuda" and not has_cuda:
-        raise _bad(cfg, "train.device", f"cuda requested but CUDA is unusable: {cuda_unusable_reason() or 'unknown'}")
+        from megaflex.parallel.launcher_env import cuda_unusable_reason
+
+        reason = cuda_unusable_reason() or "torch.cuda.is_available() is False"
+        raise _bad(cfg, "train.device", f"cuda requested but CUDA is unusable: {reason} (train.device=cpu trains on CPU)")
 
 
 def parallel_dims(cfg: Config, world_size: int) -> ParallelDims:

@@ -61,16 +61,12 @@ def main(argv: list[str] | None = None) -> int:
 def execute(prog: str, cfg: Any, objective: Any = None) -> int:
     """Run the trainer on every rank and map its failures to the exit statuses above."""
     from megaflex.data.indexed import DataError
-    from megaflex.parallel.launcher_env import LaunchEnvError, apply_launcher_env, cuda_unusable_reason
+    from megaflex.parallel.launcher_env import LaunchEnvError, apply_launcher_env
 
     try:  # srun / mpirun without RANK: this process's rank from the launcher, before torch.distributed
         apply_launcher_env()
     except LaunchEnvError as e:
         print(f"{prog}: launch error: {e}", file=sys.stderr)
-        return EXIT_CONFIG
-    if cfg.train.device == "cuda" and (reason := cuda_unusable_reason()) is not None:
-        print(f"{prog}: config error: train.device is cuda but CUDA is unusable: {reason} "
-              "(train.device=cpu trains on CPU)", file=sys.stderr)  # fmt: skip
         return EXIT_CONFIG
     from megaflex.training.checkpoint import CheckpointError
     from megaflex.training.trainer import NonFiniteAbort, run, shutdown
