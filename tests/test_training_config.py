@@ -130,6 +130,9 @@ def test_bf16_reduces_and_accumulates_gradients_in_fp32(tiny: Path, zero_stage: 
     assert ds.get(DATA_TYPES, {}).get(GRAD_ACCUM_DTYPE) == (None if zero_stage == 0 else "fp32")
     fp32 = deepspeed_config(load_config([tiny], [f"parallel.zero_stage={zero_stage}"]), dp_size=2)
     assert "communication_data_type" not in fp32 and DATA_TYPES not in fp32
+    plain = deepspeed_config(load_config([tiny], [f"parallel.zero_stage={zero_stage}", "train.precision=bf16",
+                                                  "train.grad_accum_dtype=bf16"]), dp_size=2)  # fmt: skip
+    assert get_communication_data_type(plain) == torch.bfloat16  # the ablation arm: DeepSpeed's plain bf16
 
 
 @pytest.mark.parametrize("name, peak", [

@@ -45,7 +45,7 @@ def _spawn(name: str, args: argparse.Namespace, work: Path, report_path: Path) -
     if args.dry_run:
         env["TRITON_INTERPRET"] = "1"  # CPU tensors: the kernels run in Triton's interpreter
     cmd = [sys.executable, "-m", "evaluation.gpu_check", "--run-stage", name, "--result", str(result_path),
-           "--work-dir", str(work / name), "--report", str(report_path), "--fp32-accum-override", args.fp32_accum_override]  # fmt: skip
+           "--work-dir", str(work / name), "--report", str(report_path)]  # fmt: skip
     if args.dry_run:
         cmd.append("--dry-run")
     (work / name).mkdir(parents=True, exist_ok=True)
@@ -81,8 +81,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stages", nargs="+", choices=list(STAGES), default=list(STAGES))
     ap.add_argument("--work-dir", type=Path, default=None, help="run directories and checkpoints (default: a temporary folder)")
     ap.add_argument("--timeout-scale", type=float, default=1.0, help="multiply every stage's timeout")
-    ap.add_argument("--fp32-accum-override", default="train.grad_accum_dtype=fp32",
-                    help="the trainer override for fp32 gradient accumulation under bf16 (precision_41m)")
     ap.add_argument("--run-stage", choices=list(STAGES), help=argparse.SUPPRESS)
     ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--report", type=Path, help=argparse.SUPPRESS)
@@ -90,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.run_stage:  # inside a stage's subprocess
         previous = json.loads(args.report.read_text()).get("stages", {}) if args.report and args.report.exists() else {}
         run_stage(args.run_stage, args.dry_run, args.work_dir, args.result,
-                  {"previous": previous, "fp32_accum_override": args.fp32_accum_override})  # fmt: skip
+                  {"previous": previous})  # fmt: skip
         return 0
     if not args.dry_run:
         from megaflex.parallel.launcher_env import cuda_unusable_reason

@@ -21,9 +21,6 @@ from typing import Any
 from evaluation.gpu_check.common import REPO, Stage, base_overrides, learnable_tokens, run_trainer, throughput
 
 ZERO1 = str(REPO / "configs" / "zero" / "zero1.yaml")
-# The config key of fp32 gradient accumulation under bf16 (issue 20, point 3); overridable with
-# --fp32-accum-override when the trainer names it differently.
-FP32_ACCUM_OVERRIDE = "train.grad_accum_dtype=fp32"
 
 
 def _shape(stage: Stage, config_name: str) -> tuple[str, list[str], list[str]]:
@@ -102,9 +99,8 @@ def precision_41m(stage: Stage) -> dict[str, Any]:
     prefix = learnable_tokens(stage.work_dir / "tokens" / "learnable", vocab, tokens_needed // 128 + 64, 128)
     data = ["data.source=indexed", f"data.train_path=[{prefix}]", "data.valid_path=[]", "data.split=98,2,0",
             "data.tokenizer=null", "train.eval_iters=1", f"logging.kernel_stats_interval={max(1, steps // 10)}"]  # fmt: skip
-    accum = stage.options.get("fp32_accum_override", FP32_ACCUM_OVERRIDE)
-    variants = {"fp32": ["train.precision=fp32"], "bf16": ["train.precision=bf16"],
-                "bf16_fp32_accum": ["train.precision=bf16", accum]}  # fmt: skip
+    variants = {"fp32": ["train.precision=fp32"], "bf16": ["train.precision=bf16", "train.grad_accum_dtype=bf16"],
+                "bf16_fp32_accum": ["train.precision=bf16", "train.grad_accum_dtype=fp32"]}  # fmt: skip
     result: dict[str, Any] = {"config": Path(config).name, "steps": steps, "global_batch": gbs, "runs": {}}
     for name, extra in variants.items():
         over = base_overrides(seq, micro, gbs, steps, "bf16", stage.dry_run) + data + extra  # later keys win

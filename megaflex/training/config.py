@@ -139,6 +139,9 @@ class TrainConfig:
     )
     grad_clip: float = opt(1.0, "clip the global gradient norm to this (0: off)")
     precision: Literal["fp32", "bf16", "fp16"] = opt("fp32", "parameter/activation precision (fp16: GPU only, dynamic loss scaling)")
+    grad_accum_dtype: Literal["fp32", "bf16"] = opt(
+        "fp32", "bf16 runs: dtype of micro-batch gradient accumulation and reduction (bf16: DeepSpeed's plain behaviour, an ablation)"
+    )
     fp16_initial_scale_power: int = opt(16, "fp16: initial loss scale 2^this")
     fp16_loss_scale_window: int = opt(1000, "fp16: steps without overflow before the scale grows")
     fp16_hysteresis: int = opt(2, "fp16: overflows tolerated before the scale shrinks")

@@ -73,9 +73,10 @@ def deepspeed_config(cfg: Config, dp_size: int, cp_size: int = 1, on_cuda: bool 
         # 32 micro-batch sums lose the small ones). DeepSpeed 0.19 takes fp32 accumulation with
         # ZeRO 1-3 only (ZeRO 1 then runs its BF16_Optimizer); at ZeRO 0 it rejects the mix, so
         # there gradients accumulate in bf16 (and are reduced in fp32).
-        config["communication_data_type"] = "fp32"
+        # train.grad_accum_dtype=bf16 keeps DeepSpeed's plain bf16 behaviour (gpu_check's ablation arm).
+        config["communication_data_type"] = t.grad_accum_dtype
         if p.zero_stage >= 1:
-            config["data_types"] = {"grad_accum_dtype": "fp32"}
+            config["data_types"] = {"grad_accum_dtype": t.grad_accum_dtype}
     return config
 
 
