@@ -197,6 +197,9 @@ class FaultConfig:
 
     nan_loss_at_steps: list[int] = opt([], "make rank 0's loss NaN at these steps (tests the non-finite skip)")
     sigkill_after_step: int | None = opt(None, "every rank kill -9s itself after this step is logged")
+    sigstop_last_rank_after_step: int | None = opt(
+        None, "the last rank SIGSTOPs itself after this step (a frozen peer: tests parallel.timeout_minutes)"
+    )
     sigkill_during_save_at_step: int | None = opt(
         None, "every rank kill -9s itself in the save at this step, after the shards are written but before the commit"
     )
