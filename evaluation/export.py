@@ -28,7 +28,7 @@ from typing import Any, Sequence
 import torch
 import yaml
 
-from megaflex.output_dirs import OutputDirError, apply_umask, claim_output_dir, training_run_owner
+from megaflex.output_dirs import OutputDirError, apply_umask, claim_output_dir, snapshot, training_run_owner
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -63,6 +63,7 @@ def export_checkpoint(
         raise ValueError(f"--tokenizer: sentencepiece model {tok_path!r} not found (from "
                          f"{'--tokenizer' if tokenizer else 'the checkpoint config data.tokenizer'}); pass --tokenizer PATH")
     out = claim_output_dir(hf_out, "--hf-out", overwrite)
+    before = snapshot(out)
     model_config = loaded.model.config
     hf_tok = save_tokenizer(tok_path, out, model_max_length=model_config.max_seq_len)
     special = dict(bos_token_id=hf_tok.bos_token_id, eos_token_id=hf_tok.eos_token_id, pad_token_id=hf_tok.pad_token_id)
@@ -78,7 +79,7 @@ def export_checkpoint(
     write_remote_code(out)
     evals = [json.loads(Path(p).read_text()) for p in eval_json]
     (out / "README.md").write_text(model_card(loaded.config, loaded.meta, loaded.path, dtype, evals), encoding="utf-8")
-    apply_umask(out)
+    apply_umask(out, before)
     return out
 
 
@@ -99,7 +100,7 @@ def import_hf(hf_dir: str | os.PathLike, megaflex_out: str | os.PathLike, overwr
                              f"checkpoint folder ({owner}); only megaflex-train writes there: choose a new directory")
     config = FlexformerConfig.from_pretrained(src)  # ValueError naming a bad field of config.json
     check_weight_files(src)
-    claim_output_dir(megaflex_out, "--megaflex-out", overwrite)
+    before = snapshot(claim_output_dir(megaflex_out, "--megaflex-out", overwrite))
     model = FlexformerForCausalLM.from_pretrained(src, config=config, dtype=torch.float32)
     run_config = dict(config.megaflex_run_config or {})
     run_config["model"] = config.to_model_config().to_dict()
@@ -123,7 +124,7 @@ def import_hf(hf_dir: str | os.PathLike, megaflex_out: str | os.PathLike, overwr
     }
     layout.write_meta(tag_dir, meta)  # with the checksums of every file written above
     layout.write_latest(megaflex_out, tag_dir.name)
-    apply_umask(megaflex_out)
+    apply_umask(megaflex_out, before)
     return tag_dir
 
 

@@ -66,12 +66,22 @@ def current_umask() -> int:
     return mask
 
 
-def apply_umask(root: str | os.PathLike) -> None:
-    """Give every file under ``root`` the mode a plain ``open(..., "w")`` would have had
-    (0o666 & ~umask; directories 0o777 & ~umask): writers that go through ``mkstemp`` leave 0600."""
-    mask = current_umask()
+def snapshot(root: str | os.PathLike) -> dict[Path, tuple[int, int]]:
+    """(inode, mtime) of every path under ``root``: what ``apply_umask`` must leave alone."""
     root = Path(root)
-    for path in [root, *root.rglob("*")]:
+    if not root.is_dir():
+        return {}
+    return {p: (st.st_ino, st.st_mtime_ns) for p in root.rglob("*") if not p.is_symlink() for st in [p.stat()]}
+
+
+def apply_umask(root: str | os.PathLike, before: dict[Path, tuple[int, int]]) -> None:
+    """Give every file written under ``root`` since ``before = snapshot(root)`` the mode a plain
+    ``open(..., "w")`` would have had (0o666 & ~umask; directories 0o777 & ~umask): safetensors
+    writes through a temp file and leaves 0600. Files that were there and unchanged keep theirs."""
+    mask = current_umask()
+    for path in Path(root).rglob("*"):
         if path.is_symlink():
             continue
-        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
+        st = path.stat()
+        if before.get(path) != (st.st_ino, st.st_mtime_ns):
+            os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)

@@ -255,18 +255,22 @@ def test_export_never_writes_where_it_does_not_own(exported: dict[str, Path], tm
     users = tmp_path / "users_dir"
     users.mkdir()
     (users / "README.md").write_text("mine")
+    (users / "notes.txt").write_text("also mine")
+    (users / "notes.txt").chmod(0o600)
     argv = ["--checkpoint", str(exported["run"]), "--hf-out", str(users)]
-    assert "--hf-out " + str(users) + ": the directory is not empty (holds README.md); pass --overwrite" \
+    assert "--hf-out " + str(users) + ": the directory is not empty (holds README.md, notes.txt); pass --overwrite" \
         in _export_error(argv, capsys)
-    assert (users / "README.md").read_text() == "mine" and sorted(p.name for p in users.iterdir()) == ["README.md"]
+    assert (users / "README.md").read_text() == "mine" and sorted(p.name for p in users.iterdir()) == ["README.md", "notes.txt"]
     old_umask = os.umask(0o027)
     try:
         assert export_main(argv + ["--overwrite"]) == 0
     finally:
         os.umask(old_umask)
     assert (users / "README.md").read_text() != "mine"
-    for path in users.rglob("*"):  # the user's umask, not mkstemp's 0600
-        assert path.stat().st_mode & 0o777 == (0o750 if path.is_dir() else 0o640), path
+    assert (users / "notes.txt").stat().st_mode & 0o777 == 0o600  # not written: left as it was
+    for path in users.rglob("*"):  # what the export wrote: the user's umask, not safetensors' 0600
+        if path.name != "notes.txt":
+            assert path.stat().st_mode & 0o777 == (0o750 if path.is_dir() else 0o640), path
     # a training run's checkpoint folder (or its run dir) is refused even with --overwrite
     for target in (exported["run"] / "checkpoints", exported["run"]):
         before = sorted(p.name for p in target.iterdir())

@@ -72,9 +72,13 @@ def parallel_groups(state: Any) -> list[Any]:
 
 def describe_failure(error: BaseException) -> str | None:
     """One line naming rank, step and collective when ``error`` is a failed collective, else None."""
-    if not isinstance(error, (RuntimeError, getattr(dist, "DistError", RuntimeError))):
+    if not isinstance(error, RuntimeError):  # torch's DistError family included
         return None
     text = str(error).lower()
+    from_a_backend = isinstance(error, getattr(dist, "DistError", ())) or any(
+        name in text for name in ("gloo", "nccl", "c10d", "processgroup"))
+    if not from_a_backend:
+        return None
     timed_out = any(m in text for m in _TIMEOUT_MARKERS)
     if not timed_out and not any(m in text for m in _PEER_GONE_MARKERS):
         return None
