@@ -323,6 +323,9 @@ CASES: dict[str, Case] = {
         covered_by="tests/test_training_hardening.py::test_a_second_run_on_a_live_run_dir_exits_2_and_a_stale_lock_is_taken_over"),
     "resuming with another ZeRO stage (0 <-> 1/2 <-> 3; 1 <-> 2 loads)": Case(
         _resume_other_stage, "was saved with ZeRO stage 1, this run has parallel.zero_stage=3", slow=True),
+    "resuming with another `train.precision` (fp32 <-> bf16)": Case(
+        lambda w, t, c: train(w["config"], f"logging.run_dir={_copy_run(w, t)}", "train.precision=bf16", "train.train_iters=3"),
+        "was saved with train.precision=fp32, this run has bf16", slow=True),
     "resuming a weights-only checkpoint (`megaflex-export --from-hf`)": Case(
         _resume_weights_only, "holds weights only (written by megaflex-export --from-hf", slow=True),
     "`latest` holds undecodable bytes": Case(_undecodable_latest, "the quick"),

@@ -24,9 +24,10 @@ def _family(stage: int) -> set[int]:
     return next(f for f in _STAGE_FAMILIES if stage in f)
 
 
-def check_resume_layout(meta: dict[str, Any], path: Path, zero_stage: int) -> None:
-    """``CheckpointError`` when this run (at ``zero_stage``) cannot load the engine states of
-    checkpoint ``path`` as recorded in ``meta`` (megaflex records no pipeline stages: it has none)."""
+def check_resume_layout(meta: dict[str, Any], path: Path, zero_stage: int, precision: str) -> None:
+    """``CheckpointError`` when this run (at ``zero_stage`` and ``precision``) cannot load the
+    engine states of checkpoint ``path`` as recorded in ``meta`` (megaflex records no pipeline
+    stages: it has none)."""
     warm_start = (f"start a new run from its weights: checkpoint.init_from={path} checkpoint.resume=none with a new "
                   "logging.run_dir (or checkpoint.dir); the optimizer state starts fresh")
     if "deepspeed_config" not in meta:
@@ -39,4 +40,13 @@ def check_resume_layout(meta: dict[str, Any], path: Path, zero_stage: int) -> No
             f"checkpoint {path} was saved with ZeRO stage {saved_stage}, this run has parallel.zero_stage={zero_stage}; "
             f"DeepSpeed cannot load ZeRO {saved_stage} optimizer states into ZeRO {zero_stage} (only 1 <-> 2 convert). "
             f"Resume with parallel.zero_stage={saved_stage}, or {warm_start}"
+        )
+    saved_precision = meta.get("precision", precision)
+    if saved_precision != precision:
+        # DeepSpeed keeps other optimizer states per precision (bf16: its own fp32 master copies
+        # and files; fp32 ZeRO 0: none); it fails with a KeyError or a missing file otherwise.
+        raise CheckpointError(
+            f"checkpoint {path} was saved with train.precision={saved_precision}, this run has {precision}; DeepSpeed "
+            f"cannot load {saved_precision} optimizer states into a {precision} run. Resume with "
+            f"train.precision={saved_precision}, or {warm_start}"
         )
