@@ -16,7 +16,8 @@ import sys
 
 import numpy as np
 
-from megaflex.data.indexed import IndexedDataset, IndexedDatasetError, data_file_path
+from megaflex.data.card import read_data_card
+from megaflex.data.indexed import DataError, IndexedDataset, IndexedDatasetError, data_file_path
 
 
 def length_histogram(lengths: np.ndarray) -> list[tuple[int, int, int]]:
@@ -35,8 +36,11 @@ def max_token_id(ds: IndexedDataset, chunk: int = 1 << 24) -> int:
 
 
 def inspect(prefix: str, verify: bool = False, tokenizer: str | None = None, sample_tokens: int = 64) -> dict:
-    """Summary dict; raises IndexedDatasetError on an inconsistency."""
+    """Summary dict; raises IndexedDatasetError (a DataError) on an inconsistency, DataError for a
+    data card that describes another .idx (``verify``)."""
     ds = IndexedDataset(prefix, verify=verify)
+    if verify:
+        read_data_card(prefix)  # checks that the card describes this .idx
     lengths = ds.sequence_lengths
     info: dict = {
         "prefix": prefix, "dtype": str(ds.dtype), "sequences": len(ds), "documents": ds.num_documents,
@@ -70,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     try:
         info = inspect(a.prefix, a.verify, a.tokenizer, a.sample_tokens)
-    except (IndexedDatasetError, FileNotFoundError) as e:
+    except (DataError, FileNotFoundError) as e:  # IndexedDatasetError included
         print(f"INCONSISTENT: {e}", file=sys.stderr)
         return 1
     if a.json:

@@ -28,6 +28,8 @@ from typing import Any, Sequence
 import torch
 import yaml
 
+from megaflex.output_dirs import OutputDirError, apply_umask, claim_output_dir, snapshot, training_run_owner
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -39,11 +41,14 @@ def export_checkpoint(
     tag: str | None = None,
     tokenizer: str | None = None,
     eval_json: Sequence[str | os.PathLike] = (),
+    overwrite: bool = False,
 ) -> Path:
-    """Write the HF directory of ``checkpoint`` (folder, checkpoint.dir or run dir) to ``hf_out``."""
+    """Write the HF directory of ``checkpoint`` (folder, checkpoint.dir or run dir) to ``hf_out``
+    (a new or empty directory unless ``overwrite``)."""
     from transformers import GenerationConfig
 
     from evaluation.loading import load_for_eval
+    from megaflex.data.tokenizer import Tokenizer
     from megaflex.hf import FlexformerConfig, FlexformerForCausalLM
     from megaflex.hf.remote_code import AUTO_MAP, write_remote_code
     from megaflex.hf.tokenizer import save_tokenizer
@@ -57,13 +62,14 @@ def export_checkpoint(
     if not Path(tok_path).is_file():
         raise ValueError(f"--tokenizer: sentencepiece model {tok_path!r} not found (from "
                          f"{'--tokenizer' if tokenizer else 'the checkpoint config data.tokenizer'}); pass --tokenizer PATH")
-    out = Path(hf_out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = claim_output_dir(hf_out, "--hf-out", overwrite)
+    before = snapshot(out)
     model_config = loaded.model.config
     hf_tok = save_tokenizer(tok_path, out, model_max_length=model_config.max_seq_len)
     special = dict(bos_token_id=hf_tok.bos_token_id, eos_token_id=hf_tok.eos_token_id, pad_token_id=hf_tok.pad_token_id)
     config = FlexformerConfig.from_model_config(model_config, megaflex_run_config=loaded.config,
-                                               megaflex_iteration=loaded.meta.get("iteration"), **special)
+                                               megaflex_iteration=loaded.meta.get("iteration"),
+                                               tokenizer_vocab_size=Tokenizer(tok_path).vocab_size, **special)
     config.auto_map = dict(AUTO_MAP)
     model = FlexformerForCausalLM(config)
     model.model.load_state_dict(loaded.model.state_dict(), strict=True)
@@ -73,11 +79,13 @@ def export_checkpoint(
     write_remote_code(out)
     evals = [json.loads(Path(p).read_text()) for p in eval_json]
     (out / "README.md").write_text(model_card(loaded.config, loaded.meta, loaded.path, dtype, evals), encoding="utf-8")
+    apply_umask(out, before)
     return out
 
 
-def import_hf(hf_dir: str | os.PathLike, megaflex_out: str | os.PathLike) -> Path:
-    """Write the model of HF directory ``hf_dir`` as a megaflex checkpoint under ``megaflex_out``."""
+def import_hf(hf_dir: str | os.PathLike, megaflex_out: str | os.PathLike, overwrite: bool = False) -> Path:
+    """Write the model of HF directory ``hf_dir`` as a megaflex checkpoint under ``megaflex_out``
+    (a new or empty directory unless ``overwrite``; never a training run's checkpoint folder)."""
     from megaflex.hf import FlexformerConfig, FlexformerForCausalLM
     from megaflex.hf.tokenizer import SP_CARD_FILE, SP_MODEL_FILE
     from megaflex import checkpoint_layout as layout
@@ -86,7 +94,13 @@ def import_hf(hf_dir: str | os.PathLike, megaflex_out: str | os.PathLike) -> Pat
     src = Path(hf_dir)
     if not (src / "config.json").is_file():
         raise ValueError(f"--from-hf: expected a Hugging Face model directory with config.json, got {os.fspath(hf_dir)!r}")
+    owner = training_run_owner(megaflex_out)
+    if owner is not None:
+        raise OutputDirError(f"--megaflex-out {os.fspath(megaflex_out)}: refusing to write into a training run's "
+                             f"checkpoint folder ({owner}); only megaflex-train writes there: choose a new directory")
     config = FlexformerConfig.from_pretrained(src)  # ValueError naming a bad field of config.json
+    check_weight_files(src)
+    before = snapshot(claim_output_dir(megaflex_out, "--megaflex-out", overwrite))
     model = FlexformerForCausalLM.from_pretrained(src, config=config, dtype=torch.float32)
     run_config = dict(config.megaflex_run_config or {})
     run_config["model"] = config.to_model_config().to_dict()
@@ -110,7 +124,27 @@ def import_hf(hf_dir: str | os.PathLike, megaflex_out: str | os.PathLike) -> Pat
     }
     layout.write_meta(tag_dir, meta)  # with the checksums of every file written above
     layout.write_latest(megaflex_out, tag_dir.name)
+    apply_umask(megaflex_out, before)
     return tag_dir
+
+
+def check_weight_files(hf_dir: Path) -> None:
+    """ValueError naming the first missing weight file of an HF directory (a single
+    ``model.safetensors`` / ``pytorch_model.bin``, or every shard its index lists)."""
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index = hf_dir / index_name
+        if index.is_file():
+            try:
+                shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise ValueError(f"--from-hf: {index} is not a valid weight index ({type(e).__name__}: {e})") from None
+            missing = [name for name in shards if not (hf_dir / name).is_file()]
+            if missing:
+                raise ValueError(f"--from-hf: shard {hf_dir / missing[0]} listed in {index.name} is missing"
+                                 + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+            return
+    if not any((hf_dir / name).is_file() for name in ("model.safetensors", "pytorch_model.bin")):
+        raise ValueError(f"--from-hf: {hf_dir} holds no weights (model.safetensors, pytorch_model.bin or a sharded index)")
 
 
 def model_card(run_config: dict[str, Any], meta: dict[str, Any], path: Path, dtype: str,
@@ -156,24 +190,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None, help="sentencepiece .model (default: data.tokenizer of the run)")
     p.add_argument("--eval-json", nargs="*", default=[], help="megaflex-eval --json results for the model card")
     p.add_argument("--from-hf", default=None, help="Hugging Face model directory to convert back (import)")
-    p.add_argument("--megaflex-out", default=None, help="checkpoint.dir to write the imported model into")
+    p.add_argument("--megaflex-out", default=None, help="new checkpoint.dir to write the imported model into "
+                   "(never a training run's)")
+    p.add_argument("--overwrite", action="store_true", help="write into a non-empty --hf-out / --megaflex-out")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``megaflex-export``."""
+    """Entry point of ``megaflex-export``: 0 when written, 2 on bad input (one ``error:`` line)."""
+    from evaluation.loading import USER_ERRORS
+
     p = build_parser()
     args = p.parse_args(argv)
     if args.from_hf:
         if not args.megaflex_out or args.checkpoint or args.hf_out:
             p.error("--from-hf DIR needs --megaflex-out OUT (and no --checkpoint/--hf-out)")
-        print(f"wrote {import_hf(args.from_hf, args.megaflex_out)}")
-    else:
-        if not args.checkpoint or not args.hf_out:
-            p.error("export needs --checkpoint RUN_OR_CKPT and --hf-out DIR (or --from-hf DIR --megaflex-out OUT)")
-        out = export_checkpoint(args.checkpoint, args.hf_out, dtype=args.dtype, tag=args.tag,
-                                tokenizer=args.tokenizer, eval_json=args.eval_json)
-        print(f"wrote {out}")
+    elif not args.checkpoint or not args.hf_out:
+        p.error("export needs --checkpoint RUN_OR_CKPT and --hf-out DIR (or --from-hf DIR --megaflex-out OUT)")
+    try:
+        if args.from_hf:
+            out = import_hf(args.from_hf, args.megaflex_out, overwrite=args.overwrite)
+        else:
+            out = export_checkpoint(args.checkpoint, args.hf_out, dtype=args.dtype, tag=args.tag,
+                                    tokenizer=args.tokenizer, eval_json=args.eval_json, overwrite=args.overwrite)
+    except USER_ERRORS as e:
+        print(f"megaflex-export: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
     return 0
 
 

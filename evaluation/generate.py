@@ -40,6 +40,18 @@ class SamplingConfig:
         return self.temperature == 0
 
 
+def mask_beyond_vocab(logits: torch.Tensor, vocab_limit: int | None) -> torch.Tensor:
+    """``logits`` [..., V] with every id >= ``vocab_limit`` (the tokenizer's vocabulary, when the
+    model's is padded beyond it) set to -inf, so no sampler can pick an id the tokenizer lacks."""
+    if vocab_limit is None or vocab_limit >= logits.shape[-1]:
+        return logits
+    if vocab_limit < 1:
+        raise ValueError(f"vocab_limit: expected a positive int, got {vocab_limit!r}")
+    logits = logits.clone()
+    logits[..., vocab_limit:] = float("-inf")
+    return logits
+
+
 def sample_next(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None = None) -> torch.Tensor:
     """Next token ids [B] from fp32 ``logits`` [B, V] (greedy, temperature, top-k, top-p)."""
     if sampling.greedy:
@@ -68,12 +80,14 @@ def generate_tokens(
     *,
     generator: torch.Generator | None = None,
     stop_ids: Sequence[int] = (),
+    vocab_limit: int | None = None,
 ) -> Iterator[torch.Tensor]:
     """Yield next-token ids [B] one at a time, continuing ``prompt`` [B, N] with carried state.
 
     Logits go through ``model.gather_logits`` (full vocabulary, padding removed, gathered over
-    tensor-parallel ranks) when the model has it. Stops after ``max_new_tokens`` or once every
-    row has produced one of ``stop_ids``.
+    tensor-parallel ranks) when the model has it; ids >= ``vocab_limit`` (the tokenizer's
+    vocabulary size) are never produced. Stops after ``max_new_tokens`` or once every row has
+    produced one of ``stop_ids``.
     """
     sampling = sampling or SamplingConfig()
     if prompt.dim() != 2 or prompt.shape[1] < 1:
@@ -91,7 +105,7 @@ def generate_tokens(
         done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=device)
         stop = torch.tensor(list(stop_ids), dtype=torch.long, device=device)
         for _ in range(max_new_tokens):
-            token = sample_next(logits.float(), sampling, generator)  # [B]
+            token = sample_next(mask_beyond_vocab(logits.float(), vocab_limit), sampling, generator)  # [B]
             yield token
             done |= torch.isin(token, stop)
             if bool(done.all()):
@@ -158,9 +172,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``megaflex-generate``: exit status 0 after streaming the continuation of
     ``--prompt`` to stdout, 2 on bad input (message on stderr)."""
     args = build_parser().parse_args(argv)
+    from evaluation.loading import USER_ERRORS
+
     try:
         _generate_cli(args)
-    except (ValueError, FileNotFoundError) as e:  # DataError / TokenizerMismatchError included
+    except USER_ERRORS as e:  # DataError / TokenizerMismatchError / CheckpointError included
         print(f"megaflex-generate: error: {e}", file=sys.stderr)
         return 2
     return 0
@@ -183,8 +199,8 @@ def _generate_cli(args: argparse.Namespace) -> None:
     stop_ids = [loaded.eod_id] if args.stop_at_eos and loaded.eod_id is not None else []
     streamer = TextStreamer(loaded.tokenizer.decode, prompt[0].tolist())
     sys.stdout.write(prompt_text)
-    for token in generate_tokens(loaded.model, prompt, args.max_new_tokens, sampling,
-                                 generator=generator, stop_ids=stop_ids):
+    for token in generate_tokens(loaded.model, prompt, args.max_new_tokens, sampling, generator=generator,
+                                 stop_ids=stop_ids, vocab_limit=loaded.tokenizer.vocab_size):
         sys.stdout.write(streamer.push(int(token[0])))
         sys.stdout.flush()
     sys.stdout.write(streamer.flush() + "\n")

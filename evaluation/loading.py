@@ -17,11 +17,16 @@ from typing import Any
 
 import torch
 
+from megaflex.checkpoint_layout import CheckpointError
 from megaflex.model.config import ModelConfig
 from megaflex.model.gpt import GPT
 from megaflex.training.weights import load_checkpoint_weights, resolve_checkpoint
 
-__all__ = ["LoadedCheckpoint", "load_for_eval", "resolve_checkpoint"]  # resolve_checkpoint: re-exported
+__all__ = ["USER_ERRORS", "LoadedCheckpoint", "load_for_eval", "resolve_checkpoint"]  # resolve_checkpoint: re-exported
+
+# What the evaluation commands report as one `error:` line with exit status 2: bad arguments,
+# data (DataError, TokenizerMismatchError are ValueErrors), missing files, unusable checkpoints.
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, CheckpointError)
 
 
 @dataclass

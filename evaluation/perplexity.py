@@ -143,9 +143,11 @@ def plot_results(results: dict[str, Any], path: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``megaflex-eval``: exit status 0 (results printed / written), 2 on bad input."""
+    from evaluation.loading import USER_ERRORS
+
     try:
         run_cli(argv)
-    except (ValueError, FileNotFoundError) as e:  # DataError / TokenizerMismatchError / SourceError included
+    except USER_ERRORS as e:  # DataError / TokenizerMismatchError / SourceError / CheckpointError included
         print(f"megaflex-eval: error: {e}", file=sys.stderr)
         return 2
     return 0

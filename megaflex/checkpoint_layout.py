@@ -107,10 +107,16 @@ def complete_tags(ckpt_dir: str | Path) -> list[str]:
 
 
 def read_latest(ckpt_dir: str | Path) -> str | None:
+    """The tag ``latest`` names (None without the file); ``CorruptCheckpointError`` when it is not
+    a UTF-8 text line."""
     pointer = Path(ckpt_dir) / LATEST_FILE
     if not pointer.is_file():
         return None
-    return pointer.read_text().strip() or None
+    try:
+        return pointer.read_bytes().decode("utf-8").strip() or None
+    except UnicodeDecodeError as e:
+        raise CorruptCheckpointError(f"corrupt checkpoint file {pointer}: not a tag name (invalid UTF-8 byte "
+                                     f"{e.object[e.start]:#04x} at byte {e.start})") from None
 
 
 def write_latest(ckpt_dir: str | Path, tag: str) -> None:
@@ -123,7 +129,10 @@ def auto_candidates(ckpt_dir: str | Path) -> list[Path]:
     complete tag newest first (the fall-backs when a newer one turns out to be corrupt)."""
     root = Path(ckpt_dir)
     tags = complete_tags(root)[::-1]
-    pointed = read_latest(root)
+    try:
+        pointed = read_latest(root)
+    except CorruptCheckpointError:
+        pointed = None  # a damaged pointer: the complete tags, newest first, are the candidates
     if pointed in tags:
         tags.remove(pointed)
         tags.insert(0, pointed)

@@ -108,3 +108,21 @@ def test_streamer_flush_prints_a_trailing_incomplete_character() -> None:
     assert streamer.flush() == "\ufffd"  # the end of generation shows it instead of dropping it
     assert streamer.flush() == ""
 
+
+
+def test_ids_beyond_the_tokenizer_vocabulary_are_never_sampled() -> None:
+    # the model's vocabulary (97) may exceed the tokenizer's (padded configs): those ids decode to nothing
+    model = tiny_gpt(seed=3, init_std=0.5)
+    prompt = torch.tensor([[1, 2, 3]])
+    limit = 40
+    free = SamplingConfig(temperature=2.0)
+    unmasked = generate(model, prompt, 60, free, generator=torch.Generator().manual_seed(0))
+    assert int(unmasked.max()) >= limit  # without the mask these ids do come up
+    for seed in range(3):
+        masked = generate(model, prompt, 60, free, generator=torch.Generator().manual_seed(seed), vocab_limit=limit)
+        assert int(masked.max()) < limit
+    greedy = generate(model, prompt, 20, SamplingConfig(temperature=0), vocab_limit=limit)
+    with torch.no_grad():
+        full = torch.cat([prompt, greedy[:, :-1]], dim=1)
+        logits = model.gather_logits(model(full).logits)[:, prompt.shape[1] - 1 :, :limit]
+    assert torch.equal(logits.argmax(dim=-1), greedy)  # greedy = argmax over the tokenizer's ids only

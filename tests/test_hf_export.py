@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
+from failure_helpers import one_error_line
 from evaluation.export import export_checkpoint, import_hf
 from evaluation.export import main as export_main
 from evaluation.loading import load_for_eval
@@ -188,15 +190,24 @@ def test_lm_eval_local_task_perplexity_matches_megaflex_eval(exported: dict[str,
     assert lm["bits_per_byte,none"] == pytest.approx(ours["bits_per_byte"], rel=1e-3)
 
 
+def _export_error(argv: list[str], capsys: pytest.CaptureFixture) -> str:
+    """megaflex-export's one `error:` line for ``argv`` (exit status 2, no traceback)."""
+    capsys.readouterr()
+    assert export_main(argv) == 2
+    return one_error_line(capsys.readouterr().err, "megaflex-export")
+
+
 @pytest.mark.slow
-def test_clear_errors(exported: dict[str, Path], tmp_path: Path) -> None:
+def test_clear_errors(exported: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     empty = tmp_path / "no_model"
     empty.mkdir()
-    with pytest.raises(ValueError, match="checkpoint: expected a checkpoint folder"):
-        export_main(["--checkpoint", str(empty), "--hf-out", str(tmp_path / "x")])
-    with pytest.raises(ValueError, match="--tokenizer: sentencepiece model .*missing.model.* not found"):
-        export_main(["--checkpoint", str(exported["run"]), "--hf-out", str(tmp_path / "y"),
-                     "--tokenizer", str(tmp_path / "missing.model")])
+    assert "checkpoint: expected a checkpoint folder" in _export_error(
+        ["--checkpoint", str(empty), "--hf-out", str(tmp_path / "x")], capsys)
+    assert re.search("--tokenizer: sentencepiece model .*missing.model.* not found", _export_error(
+        ["--checkpoint", str(exported["run"]), "--hf-out", str(tmp_path / "y"), "--tokenizer", str(tmp_path / "missing.model")],
+        capsys))
+    assert "tag: 'step_00000099' is not a complete checkpoint" in _export_error(
+        ["--checkpoint", str(exported["run"]), "--tag", "step_00000099", "--hf-out", str(tmp_path / "t")], capsys)
     with pytest.raises(ValueError, match="--from-hf: expected a Hugging Face model directory"):
         import_hf(empty, tmp_path / "z")
     bad = tmp_path / "bad_hf"
@@ -206,3 +217,70 @@ def test_clear_errors(exported: dict[str, Path], tmp_path: Path) -> None:
     (bad / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="attention must be one of .*'mystery'"):
         import_hf(bad, tmp_path / "z")
+    no_shard = tmp_path / "no_shard"
+    shutil.copytree(exported["hf"], no_shard)
+    (no_shard / "model.safetensors").unlink()
+    assert "holds no weights" in _export_error(["--from-hf", str(no_shard), "--megaflex-out", str(tmp_path / "w")], capsys)
+    (no_shard / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors"}}))
+    assert "shard " + str(no_shard / "model-00001-of-00002.safetensors") + " listed in model.safetensors.index.json is missing" \
+        in _export_error(["--from-hf", str(no_shard), "--megaflex-out", str(tmp_path / "w")], capsys)
+    assert not (tmp_path / "w").exists()  # refused before anything was written
+
+
+@pytest.mark.slow
+def test_truncated_checkpoint_metadata_is_one_error_line(exported: dict[str, Path], tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture) -> None:
+    from evaluation.generate import main as generate_main
+    from evaluation.perplexity import main as eval_main
+
+    run = tmp_path / "run"
+    shutil.copytree(exported["run"] / "checkpoints", run)
+    tag = next(p for p in run.iterdir() if p.name.startswith("step_"))
+    meta = tag / "megaflex.json"
+    meta.write_bytes(meta.read_bytes()[:200])
+    for prog, main, argv in (
+        ("megaflex-export", export_main, ["--checkpoint", str(run), "--hf-out", str(tmp_path / "hf")]),
+        ("megaflex-generate", generate_main, ["--checkpoint", str(tag), "--prompt", PROMPT]),
+        ("megaflex-eval", eval_main, ["--checkpoint", str(tag), "--data", str(exported["data"] / "train.raw")]),
+    ):
+        capsys.readouterr()
+        assert main(argv) == 2, prog
+        err = one_error_line(capsys.readouterr().err, prog)
+        assert err.startswith(f"{prog}: error: corrupt checkpoint file {meta}: not valid JSON"), err
+
+
+@pytest.mark.slow
+def test_export_never_writes_where_it_does_not_own(exported: dict[str, Path], tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture) -> None:
+    users = tmp_path / "users_dir"
+    users.mkdir()
+    (users / "README.md").write_text("mine")
+    (users / "notes.txt").write_text("also mine")
+    (users / "notes.txt").chmod(0o600)
+    argv = ["--checkpoint", str(exported["run"]), "--hf-out", str(users)]
+    assert "--hf-out " + str(users) + ": the directory is not empty (holds README.md, notes.txt); pass --overwrite" \
+        in _export_error(argv, capsys)
+    assert (users / "README.md").read_text() == "mine" and sorted(p.name for p in users.iterdir()) == ["README.md", "notes.txt"]
+    old_umask = os.umask(0o027)
+    try:
+        assert export_main(argv + ["--overwrite"]) == 0
+    finally:
+        os.umask(old_umask)
+    assert (users / "README.md").read_text() != "mine"
+    assert (users / "notes.txt").stat().st_mode & 0o777 == 0o600  # not written: left as it was
+    for path in users.rglob("*"):  # what the export wrote: the user's umask, not safetensors' 0600
+        if path.name != "notes.txt":
+            assert path.stat().st_mode & 0o777 == (0o750 if path.is_dir() else 0o640), path
+    # a training run's checkpoint folder (or its run dir) is refused even with --overwrite
+    for target in (exported["run"] / "checkpoints", exported["run"]):
+        before = sorted(p.name for p in target.iterdir())
+        err = _export_error(["--from-hf", str(exported["hf"]), "--megaflex-out", str(target), "--overwrite"], capsys)
+        assert "refusing to write into a training run's checkpoint folder" in err
+        assert sorted(p.name for p in target.iterdir()) == before
+    back = tmp_path / "back"
+    assert export_main(["--from-hf", str(exported["hf"]), "--megaflex-out", str(back)]) == 0
+    assert "--megaflex-out " + str(back) + ": the directory is not empty" in _export_error(
+        ["--from-hf", str(exported["hf"]), "--megaflex-out", str(back)], capsys)
+    assert export_main(["--from-hf", str(exported["hf"]), "--megaflex-out", str(back), "--overwrite"]) == 0
+    config = json.loads((exported["hf"] / "config.json").read_text())
+    assert config["tokenizer_vocab_size"] == 512 and config["vocab_size"] >= 512

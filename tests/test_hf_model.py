@@ -132,3 +132,22 @@ def test_unknown_attention_kind_in_config_json(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(text)
     with pytest.raises(ValueError, match=r"config.json.*attention must be one of .*flash_kernel_9000"):
         AutoConfig.from_pretrained(tmp_path)
+
+
+def test_ids_beyond_tokenizer_vocab_size_are_masked(tmp_path: Path) -> None:
+    model = _model("flexformer_n")
+    limit = 150  # the tokenizer's vocabulary; the model's is VOCAB = 203 (a padded config)
+    model.config.tokenizer_vocab_size = limit
+    ids = torch.randint(0, limit, (2, 9), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        logits = model(ids, use_cache=False).logits
+    assert logits.shape[-1] == VOCAB and bool(torch.isneginf(logits[..., limit:]).all())
+    assert bool(torch.isfinite(logits[..., :limit]).all())
+    torch.manual_seed(0)
+    sampled = model.generate(ids, max_new_tokens=30, do_sample=True, temperature=3.0, eos_token_id=None, pad_token_id=0)
+    assert int(sampled[:, 9:].max()) < limit
+    model.save_pretrained(tmp_path)  # the field travels in config.json
+    again = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert again.config.tokenizer_vocab_size == limit
+    with pytest.raises(ValueError, match="tokenizer_vocab_size must be an int in \\[1, vocab_size"):
+        FlexformerConfig.from_model_config(model.model.config, tokenizer_vocab_size=VOCAB + 1)

@@ -15,7 +15,8 @@ import yaml
 from megaflex.model.config import ModelConfig
 from megaflex.model.gpt import GPT
 from megaflex.training.checkpoint import CheckpointError, check_compatible, find_resume_path, parameter_shapes
-from megaflex.training.config import ConfigError, load_config, reference_markdown, validate_runtime
+from megaflex.training.config import FLOAT_RANGES, Config, ConfigError, load_config, reference_markdown, validate_runtime
+from megaflex.training.config_loader import float_fields
 from megaflex.training.deepspeed_config import deepspeed_config
 from megaflex.training.metrics import peak_tflops_of
 from megaflex.training.optim import lr_at, param_groups
@@ -63,7 +64,8 @@ def test_files_merge_in_order_then_overrides(tmp_path: Path, tiny: Path) -> None
         ("schedule.min_lr=1.0", "expected <= train.lr"),
         ("train.micro_batch_size=0", "train.micro_batch_size (from command line): expected a positive integer, got 0"),
         ("data.source=indexed", "data.train_path (from defaults): data.source is 'indexed' but no training data"),
-        ("model.hidden_size=66", "model (from"),
+        ("model.hidden_size=66", "model.hidden_size (from command line): hidden_size (66) must be divisible"),
+        ("model.feature_dim=33", "model.feature_dim (from command line): feature_dim of attention='flexformer_n'"),
     ],
 )
 def test_rejected_configs_name_key_source_and_allowed(tiny: Path, override: str, needle: str) -> None:
@@ -81,6 +83,60 @@ def test_errors_name_the_file(tmp_path: Path, tiny: Path) -> None:
         load_config([bad])
     with pytest.raises(ConfigError, match="does not exist"):
         load_config([tmp_path / "missing.yaml"])
+
+
+FLOAT_KEYS = float_fields(Config)
+
+
+def _override(key: str, value: str) -> str:
+    return f"{key}=[{value}]" if key == "data.train_weights" else f"{key}={value}"
+
+
+def test_every_float_field_has_a_range() -> None:
+    assert len(FLOAT_KEYS) >= 20 and "train.lr" in FLOAT_KEYS and "model.norm_eps" in FLOAT_KEYS
+    missing = sorted(set(FLOAT_KEYS) - set(FLOAT_RANGES))
+    assert not missing, f"float config fields without a range in megaflex.training.config.FLOAT_RANGES: {missing}"
+    assert not set(FLOAT_RANGES) - set(FLOAT_KEYS), "FLOAT_RANGES names keys that are not float fields"
+
+
+@pytest.mark.parametrize("key", FLOAT_KEYS)
+def test_every_float_field_refuses_non_finite_and_out_of_range(tiny: Path, tmp_path: Path, key: str) -> None:
+    rule = FLOAT_RANGES[key]
+    outside = [".nan", ".inf", "-.inf"]
+    if rule.low is not None:
+        outside.append(str(rule.low if rule.low_open else rule.low - 1))
+    if rule.high is not None:
+        outside.append(str(rule.high if rule.high_open else rule.high + 1))
+    for value in outside:
+        with pytest.raises(ConfigError) as e:
+            load_config([tiny], [_override(key, value)])
+        assert f"config key '{key}" in str(e.value) and "(from command line): expected a finite float" in str(e.value)
+        assert rule.describe() in str(e.value)
+    section, name = key.split(".")
+    in_file = write(tmp_path, "bad.yaml", {section: {name: [float("nan")] if key == "data.train_weights" else float("inf")}})
+    with pytest.raises(ConfigError, match=rf"'{key}.*\(from {in_file}\)"):
+        load_config([tiny, in_file])
+
+
+def test_float_defaults_are_in_range(tiny: Path) -> None:
+    cfg = load_config([tiny])
+    for key in FLOAT_KEYS:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        for v in value if isinstance(value, list) else [value] if value is not None else []:
+            assert math.isfinite(v) and FLOAT_RANGES[key].contains(v), (key, v)
+
+
+def test_all_zero_blend_weights_are_refused(tiny: Path) -> None:
+    with pytest.raises(ConfigError, match=r"data.train_weights \(from command line\): expected at least one weight > 0"):
+        load_config([tiny], ["data.source=indexed", "data.train_path=[a,b]", "data.train_weights=[0,0]"])
+
+
+def test_self_referential_yaml_alias_is_a_config_error(tmp_path: Path, tiny: Path) -> None:
+    loop = tmp_path / "loop.yaml"
+    loop.write_text("train: &t\n  lr: 0.1\n  again: *t\n")
+    with pytest.raises(ConfigError, match=rf"{loop}: self-referential YAML alias at key 'train.again'"):
+        load_config([tiny, loop])
 
 
 def test_runtime_combinations(tiny: Path) -> None:

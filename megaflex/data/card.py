@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from megaflex.data.indexed import DataError
+from megaflex.data.indexed import DataError, index_file_path
 
 DATA_CARD_KIND = "megaflex-data"
 
@@ -60,9 +60,13 @@ def data_card_path(prefix: str | os.PathLike) -> Path:
 
 
 def write_data_card(prefix: str | os.PathLike, tokenizer: dict[str, Any], **info: Any) -> Path:
-    """Write ``PREFIX.card.json``: the tokenizer record plus ``info`` (documents, tokens, inputs...)."""
+    """Write ``PREFIX.card.json``: the tokenizer record plus ``info`` (documents, tokens, inputs...)
+    and the size and sha256 of ``PREFIX.idx`` (so a card left beside another .idx is noticed)."""
     path = data_card_path(prefix)
     card = {"kind": DATA_CARD_KIND, "tokenizer": tokenizer, **info}
+    idx = Path(index_file_path(prefix))
+    if idx.is_file():
+        card.update(idx_size=idx.stat().st_size, idx_sha256=file_sha256(idx))
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(card, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, path)
@@ -80,7 +84,31 @@ def read_data_card(prefix: str | os.PathLike) -> dict[str, Any] | None:
         raise DataError(f"{path}: unreadable data card ({e}); delete it or re-run data_prep.preprocess") from None
     if not isinstance(card, dict) or card.get("kind") != DATA_CARD_KIND:
         raise DataError(f"{path}: not a megaflex data card (expected \"kind\": \"{DATA_CARD_KIND}\")")
+    _check_card_describes_the_idx(card, path, Path(index_file_path(prefix)))
     return card
+
+
+def _check_card_describes_the_idx(card: dict[str, Any], path: Path, idx: Path) -> None:
+    """DataError when the card was written for another ``.idx`` than the one beside it (a card left
+    from another preprocessing run); cards from before the idx record are compared by documents."""
+    if not idx.is_file():
+        return
+    stale = None
+    if "idx_sha256" in card:
+        size = idx.stat().st_size
+        if card.get("idx_size") != size:
+            stale = f"it describes an .idx of {card.get('idx_size')} bytes, {idx} has {size}"
+        elif card["idx_sha256"] != file_sha256(idx):
+            stale = f"its .idx sha256 {str(card['idx_sha256'])[:12]} differs from that of {idx}"
+    elif isinstance(card.get("documents"), int):
+        from megaflex.data.indexed import IndexedDataset
+
+        documents = IndexedDataset(idx.with_suffix("")).num_documents
+        if documents != card["documents"]:
+            stale = f"it describes {card['documents']} documents, {idx} holds {documents}"
+    if stale:
+        raise DataError(f"{path}: a data card from another preprocessing run ({stale}); re-run data_prep.preprocess "
+                        "(with --overwrite) or delete the card if the data is right")
 
 
 def data_tokenizer(prefix: str | os.PathLike) -> dict[str, Any] | None:

@@ -32,7 +32,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from megaflex.data.indexed import IndexedDataset
+from megaflex.data.indexed import DataError, IndexedDataset
 
 SPLIT_NAMES = ("train", "valid", "test")
 INDEX_VERSION = 1  # bump when the index algorithm changes, invalidating every cache
@@ -170,9 +170,10 @@ class GPTDataset:
         self.split = parse_split(split)
         lo, hi = split_ranges(len(self.indexed), self.split)[split_name]
         if hi <= lo:
-            raise ValueError(
+            raise DataError(
                 f"split: the {split_name!r} split of {self.indexed.prefix} has zero documents "
-                f"(split {split!r} over {len(self.indexed)} documents)"
+                f"(split {split!r} over {len(self.indexed)} documents); raise its weight in data.split"
+                + (" or give data.valid_path" if split_name == "valid" else "")
             )
         self.doc_range = (lo, hi)
         self.description = {

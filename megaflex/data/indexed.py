@@ -22,6 +22,7 @@ a memory-mapped read must never silently return bytes that belong to something e
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import struct
@@ -54,6 +55,31 @@ class DataError(ValueError):
 
 class IndexedDatasetError(DataError):
     """A ``.bin``/``.idx`` pair is missing, corrupt or inconsistent."""
+
+
+def why_not_a_file(path: str | os.PathLike) -> str:
+    """Why ``path`` is not a readable regular file: a directory, a symbolic-link loop, a broken
+    link, something else (a socket, a device) or simply absent."""
+    if os.path.islink(path):
+        try:
+            os.stat(path)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                return "is a symbolic link loop (the link points back to itself through other links)"
+            return f"is a broken symbolic link to {os.readlink(path)!r}"
+    if os.path.isdir(path):
+        return "is a directory, not a file"
+    if os.path.exists(path):
+        return "is not a regular file"
+    return "file not found"
+
+
+def _directory_hint(prefix: str | os.PathLike) -> str:
+    if not os.path.isdir(prefix):
+        return ""
+    pairs = sorted(n[:-4] for n in os.listdir(prefix) if n.endswith(".idx"))[:3]
+    return (f"; {os.fspath(prefix)} is a directory: give the path of the data without its extension"
+            + (f", e.g. {os.path.join(prefix, pairs[0])}" if pairs else ""))
 
 
 def index_file_path(prefix: str | os.PathLike) -> str:
@@ -116,7 +142,7 @@ class IndexedDataset:
         idx_path, bin_path = index_file_path(self.prefix), data_file_path(self.prefix)
         for p in (idx_path, bin_path):
             if not os.path.isfile(p):
-                raise IndexedDatasetError(f"{p}: file not found (prefix {self.prefix!r})")
+                raise IndexedDatasetError(f"{p}: {why_not_a_file(p)} (prefix {self.prefix!r}{_directory_hint(self.prefix)})")
         idx_size = os.path.getsize(idx_path)
         if idx_size < HEADER_SIZE:
             raise IndexedDatasetError(f"{idx_path}: {idx_size} bytes is shorter than the {HEADER_SIZE}-byte header")

@@ -54,6 +54,9 @@ class FlexformerConfig(PreTrainedConfig):
     # The megaflex run config the weights were trained with (model card, round trip), or None.
     megaflex_run_config: dict | None = None
     megaflex_iteration: int | None = None  # training iterations of those weights
+    # The tokenizer's vocabulary when vocab_size is padded beyond it: logits of ids >= this are
+    # -inf, so generate() never emits an id the tokenizer cannot decode (None: no padding known).
+    tokenizer_vocab_size: int | None = None
     # megaflex's tied output matrix is the embedding itself (no second parameter), so
     # transformers' own weight tying stays off.
     tie_word_embeddings: bool = False
@@ -68,6 +71,10 @@ class FlexformerConfig(PreTrainedConfig):
         except ValueError as err:
             raise ValueError(f"FlexformerConfig (config.json): {err}") from None
         self.ffn_hidden_size = model_config.ffn_hidden_size
+        limit = self.tokenizer_vocab_size
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or not 0 < limit <= self.vocab_size):
+            raise ValueError(f"FlexformerConfig (config.json): tokenizer_vocab_size must be an int in [1, vocab_size "
+                             f"({self.vocab_size})] or null, got {limit!r}")
         super().__post_init__(**kwargs)
 
     def to_model_config(self) -> ModelConfig:

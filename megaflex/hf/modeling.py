@@ -149,6 +149,9 @@ class FlexformerForCausalLM(PreTrainedModel, GenerationMixin):
         out = self.model(input_ids, state=state, return_state=bool(use_cache))
         hidden_logits = out.logits if not logits_to_keep else out.logits[:, -logits_to_keep:]
         logits = self.model.gather_logits(hidden_logits)  # [B, N, vocab_size]
+        limit = self.config.tokenizer_vocab_size
+        if limit is not None and limit < logits.shape[-1]:  # ids the tokenizer lacks are never predicted
+            logits = logits.masked_fill(torch.arange(logits.shape[-1], device=logits.device) >= limit, float("-inf"))
         loss = None
         if labels is not None:
             targets = labels[:, 1:].to(logits.device)

@@ -96,6 +96,27 @@ class ModelConfig:
                 raise ValueError(f"{name} must be 0 for attention='softmax' (it closes linear attention's gaps), got {value}")
         if self.attention == "softmax" and self.feature_kwargs:
             raise ValueError(f"feature_kwargs must be empty for attention='softmax', got {sorted(self.feature_kwargs)}")
+        self._check_feature_map()
+
+    def _check_feature_map(self) -> None:
+        """Build the feature map once (a few kB, the global RNG untouched) so that everything it
+        rejects (an odd feature_dim of a trig map, unknown or bad feature_kwargs) is a config error
+        here instead of a traceback where the model is built."""
+        import torch
+
+        from megaflex.attention.feature_maps import FEATURE_MAPS, build_feature_map
+
+        if self.attention not in FEATURE_MAPS:
+            return
+        try:
+            with torch.random.fork_rng(devices=[]):
+                build_feature_map(self.attention, self.num_heads, self.head_dim, self.feature_dim, **self.feature_kwargs)
+        except (TypeError, ValueError) as e:
+            message = str(e)
+            if message.startswith("kwargs: "):
+                message = message[len("kwargs: "):]
+            key = "feature_dim" if message.startswith("feature_dim") else "feature_kwargs"
+            raise ValueError(f"{key} of attention={self.attention!r}: {message.removeprefix(key + ': ')}") from None
 
     @property
     def head_dim(self) -> int:

@@ -212,7 +212,10 @@ class CheckpointManager:
         """Remove the partial save; a CheckpointError that says why (disk full named as such)."""
         full = error is not None and is_out_of_space(error, self.ckpt_dir)  # before freeing space
         shutil.rmtree(tmp, ignore_errors=True)
-        kept = read_latest(self.ckpt_dir)
+        try:
+            kept = read_latest(self.ckpt_dir)
+        except CorruptCheckpointError:
+            kept = None
         kept_text = f"the previous checkpoint {self.ckpt_dir / kept} is kept" if kept else "no earlier checkpoint exists"
         if full:
             reason = f"no space left on {self.ckpt_dir}"

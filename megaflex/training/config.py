@@ -24,6 +24,7 @@ from megaflex.model.config import ModelConfig
 from megaflex.parallel.state import ParallelDims
 from megaflex.training.config_loader import (
     ConfigError,
+    Range,
     Source,
     field_docs,
     load_dataclass,
@@ -80,6 +81,10 @@ class ParallelConfig:
     zero3_prefetch_bucket_size: int = opt(50_000_000, "elements of parameters prefetched ahead (stage 3)")
     zero3_param_persistence_threshold: int = opt(100_000, "parameters smaller than this stay unpartitioned (stage 3)")
     backend: Literal["auto", "nccl", "gloo"] = opt("auto", "torch.distributed backend (auto: nccl with CUDA, else gloo)")
+    timeout_minutes: float = opt(
+        10.0, "collective timeout: a peer silent this long (hung, stopped, dead NIC) makes every rank exit naming "
+        "the step and the collective (fractions allowed, e.g. 0.1 in tests); torch's default is 30",
+    )
 
 
 @dataclass
@@ -200,6 +205,9 @@ class FaultConfig:
         [], "make rank 0's gradients infinite (its loss stays finite) at these steps (tests DeepSpeed's overflow skip)"
     )
     sigkill_after_step: int | None = opt(None, "every rank kill -9s itself after this step is logged")
+    sigstop_last_rank_after_step: int | None = opt(
+        None, "the last rank SIGSTOPs itself after this step (a frozen peer: tests parallel.timeout_minutes)"
+    )
     sigkill_during_save_at_step: int | None = opt(
         None, "every rank kill -9s itself in the save at this step, after the shards are written but before the commit"
     )
@@ -262,6 +270,25 @@ class Config:
 
 SECTIONS = ("model", "data", "parallel", "optimizer", "schedule", "train", "checkpoint", "logging", "fault", "distill")
 
+_POSITIVE, _NON_NEGATIVE, _FRACTION = Range(0.0, low_open=True), Range(0.0), Range(0.0, 1.0)
+# The range of every float key, checked (with finiteness) by the loader as each value is read;
+# tests/test_training_config.py fails for a float field missing here.
+FLOAT_RANGES: dict[str, Range] = {
+    "model.norm_eps": _POSITIVE, "model.hidden_dropout": _FRACTION, "model.attention_dropout": _FRACTION,
+    "model.rope_theta": _POSITIVE, "model.init_std": _POSITIVE,
+    "data.train_weights": _NON_NEGATIVE,
+    "parallel.timeout_minutes": _POSITIVE,
+    "optimizer.beta1": _FRACTION, "optimizer.beta2": _FRACTION, "optimizer.eps": _POSITIVE,
+    "optimizer.weight_decay": _NON_NEGATIVE,
+    "optimizer.kernel_frequency_lr_multiplier": _NON_NEGATIVE,
+    "optimizer.kernel_temperature_lr_multiplier": _NON_NEGATIVE,
+    "schedule.min_lr": _NON_NEGATIVE,
+    "train.lr": _POSITIVE, "train.grad_clip": _NON_NEGATIVE, "train.fp16_min_loss_scale": _POSITIVE,
+    "logging.peak_tflops": _POSITIVE,
+    "distill.output_mse_weight": _NON_NEGATIVE, "distill.weights_ce_weight": _NON_NEGATIVE,
+    "distill.kl_weight": _NON_NEGATIVE, "distill.lora_alpha": _POSITIVE,
+}
+
 
 def load_config(paths: list[str | Path], overrides: list[str] | None = None) -> Config:
     """Load, merge and statically validate a run config (raises ``ConfigError``)."""
@@ -285,7 +312,7 @@ def config_from_sources(sources: list[Source]) -> Config:
             break
     else:
         raise ConfigError(f"no 'model' section in {', '.join(s.origin for s in sources)}; every run needs one")
-    cfg, origins = load_dataclass(Config, sources)
+    cfg, origins = load_dataclass(Config, sources, FLOAT_RANGES)
     cfg.origins = origins
     validate(cfg)
     return cfg
@@ -311,16 +338,10 @@ def validate(cfg: Config) -> None:
     non_negative = {
         "train.eval_interval": t.eval_interval, "checkpoint.save_interval": c.save_interval,
         "schedule.warmup_iters": s.warmup_iters, "logging.kernel_stats_interval": lg.kernel_stats_interval,
-        "train.grad_clip": t.grad_clip, "optimizer.weight_decay": cfg.optimizer.weight_decay,
-        "schedule.min_lr": s.min_lr,
-        "optimizer.kernel_frequency_lr_multiplier": cfg.optimizer.kernel_frequency_lr_multiplier,
-        "optimizer.kernel_temperature_lr_multiplier": cfg.optimizer.kernel_temperature_lr_multiplier,
     }
     for key, value in non_negative.items():
         if value < 0:
             raise _bad(cfg, key, f"expected >= 0, got {value}")
-    if not t.lr > 0:
-        raise _bad(cfg, "train.lr", f"expected > 0, got {t.lr}")
     if p.zero_stage not in (0, 1, 2, 3):
         raise _bad(cfg, "parallel.zero_stage", f"expected one of 0, 1, 2, 3, got {p.zero_stage}")
     if p.zero_offload_optimizer and p.zero_stage == 0:
@@ -358,10 +379,8 @@ def validate(cfg: Config) -> None:
                 f"({cfg.model.qkv_conv_size}) set (they need the previous rank's tokens), got {p.context_parallel_size}",
             )
     dc = cfg.distill
-    for key, value in {"distill.output_mse_weight": dc.output_mse_weight, "distill.weights_ce_weight": dc.weights_ce_weight,
-                       "distill.kl_weight": dc.kl_weight, "distill.lora_rank": dc.lora_rank}.items():
-        if value < 0:
-            raise _bad(cfg, key, f"expected >= 0, got {value}")
+    if dc.lora_rank < 0:
+        raise _bad(cfg, "distill.lora_rank", f"expected >= 0, got {dc.lora_rank}")
     if dc.weights_window < 1:
         raise _bad(cfg, "distill.weights_window", f"expected a positive integer, got {dc.weights_window}")
     if d.source == "indexed" and not d.train_path:
@@ -371,6 +390,8 @@ def validate(cfg: Config) -> None:
             cfg, "data.train_weights",
             f"expected one weight per data.train_path entry ({len(d.train_path)}), got {len(d.train_weights)}",
         )
+    if d.train_weights and not any(w > 0 for w in d.train_weights):
+        raise _bad(cfg, "data.train_weights", f"expected at least one weight > 0 (they are >= 0), got {d.train_weights}")
 
 
 def validate_runtime(cfg: Config, world_size: int, has_cuda: bool) -> None:

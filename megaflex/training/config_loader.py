@@ -9,6 +9,8 @@ came from (file path or ``command line``) and what is allowed when something is 
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import types
 import typing
 from pathlib import Path
@@ -19,6 +21,37 @@ import yaml
 
 class ConfigError(ValueError):
     """A configuration value, key or combination that cannot be used."""
+
+
+class _OutOfRange(ConfigError):
+    """A number of the right type outside its key's range (not retried as another type of a union)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """Allowed values of a float key (every float key must also be finite)."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False  # low itself excluded
+    high_open: bool = True  # high itself excluded
+
+    def contains(self, value: float) -> bool:
+        if self.low is not None and (value < self.low or (self.low_open and value == self.low)):
+            return False
+        return self.high is None or (value < self.high or (not self.high_open and value == self.high))
+
+    def describe(self) -> str:
+        if self.low is not None and self.high is not None:
+            return f"a finite float in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+        if self.low is not None:
+            return f"a finite float {'>' if self.low_open else '>='} {self.low:g}"
+        if self.high is not None:
+            return f"a finite float {'<' if self.high_open else '<='} {self.high:g}"
+        return "a finite float"
+
+
+FINITE = Range()
 
 
 @dataclasses.dataclass
@@ -46,7 +79,25 @@ def read_yaml(path: str | Path) -> Source:
         raise ConfigError(f"{path}: malformed YAML{where}: {problem}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of sections at the top level, got {type(data).__name__}")
+    cycle = _self_reference(data, "", ())
+    if cycle is not None:
+        raise ConfigError(f"{path}: self-referential YAML alias at key {cycle!r} (an alias inside the node it names)")
     return Source(data, str(path))
+
+
+def _self_reference(node: Any, key: str, ancestors: tuple[int, ...]) -> str | None:
+    """Dotted key of the first node that contains itself (``a: &x {b: *x}``), else None."""
+    if not isinstance(node, (dict, list)):
+        return None
+    if id(node) in ancestors:
+        return key or "(top level)"
+    ancestors = ancestors + (id(node),)
+    items = node.items() if isinstance(node, dict) else enumerate(node)
+    for k, v in items:
+        found = _self_reference(v, f"{key}.{k}" if key and isinstance(node, dict) else (f"{key}[{k}]" if key else str(k)), ancestors)
+        if found is not None:
+            return found
+    return None
 
 
 def parse_overrides(overrides: list[str]) -> Source:
@@ -68,16 +119,40 @@ def parse_overrides(overrides: list[str]) -> Source:
     return Source(data, "command line")
 
 
-def load_dataclass(cls: type, sources: list[Source]) -> tuple[Any, dict[str, str]]:
+def load_dataclass(
+    cls: type, sources: list[Source], float_ranges: dict[str, Range] | None = None
+) -> tuple[Any, dict[str, str]]:
     """Build ``cls`` (a dataclass, possibly nested) from ``sources`` merged in order.
 
-    Returns the instance and ``origins``: dotted key -> the source that last set it.
+    Every float value must be finite and inside ``float_ranges[dotted key]`` (list items use their
+    list's key), checked before any dataclass sees it. Returns the instance and ``origins``:
+    dotted key -> the source that last set it.
     """
     merged: dict[str, Any] = {}
     origins: dict[str, str] = {}
     for src in sources:
         _merge(merged, origins, src.data, src.origin, prefix="")
-    return _build(cls, merged, origins, prefix=""), origins
+    return _build(cls, merged, origins, "", dict(float_ranges or {})), origins
+
+
+def float_fields(cls: type, prefix: str = "") -> list[str]:
+    """Dotted keys of every float-typed field of ``cls`` and its nested dataclasses
+    (``float``, ``float | None``, ``list[float]``), for tables of ranges and their tests."""
+    keys = []
+    hints = get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("internal"):
+            continue
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            keys += float_fields(tp, f"{prefix}{f.name}.")
+        elif _mentions_float(tp):
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
+def _mentions_float(tp: Any) -> bool:
+    return tp is float or any(_mentions_float(a) for a in get_args(tp))
 
 
 def to_dict(obj: Any) -> Any:
@@ -133,7 +208,7 @@ def _record(origins: dict, value: Any, origin: str, path: str) -> None:
             _record(origins, v, origin, f"{path}.{k}")
 
 
-def _build(cls: type, data: Any, origins: dict, prefix: str) -> Any:
+def _build(cls: type, data: Any, origins: dict, prefix: str, ranges: dict[str, Range]) -> Any:
     where = origins.get(prefix.rstrip("."), "defaults")
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix.rstrip('.')} (from {where}): expected a mapping (section), got {data!r}")
@@ -149,24 +224,32 @@ def _build(cls: type, data: Any, origins: dict, prefix: str) -> Any:
     kwargs = {}
     for name, value in data.items():
         key = f"{prefix}{name}"
-        kwargs[name] = _coerce(hints[name], value, key, origins)
+        kwargs[name] = _coerce(hints[name], value, key, origins, ranges)
     try:
         return cls(**kwargs)
     except ConfigError:
         raise
     except (TypeError, ValueError) as e:
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'} (from {where}): {e}") from e
+        # A dataclass's own check names its field first ("feature_dim must be ..."): report that
+        # key's source (a command-line override of a key of a file's section came from the command line).
+        named = re.match(r"\w+", str(e))
+        if named and named.group(0) in fields and f"{prefix}{named.group(0)}" in origins:
+            key = f"{prefix}{named.group(0)}"
+            raise ConfigError(f"{key} (from {origins[key]}): {e}") from None
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} (from {where}): {e}") from None
 
 
-def _coerce(tp: Any, value: Any, key: str, origins: dict) -> Any:
+def _coerce(tp: Any, value: Any, key: str, origins: dict, ranges: dict[str, Range]) -> Any:
     """Check ``value`` against annotation ``tp``; return it (ints widened to float, nested built)."""
     origin = get_origin(tp)
     if dataclasses.is_dataclass(tp):
-        return _build(tp, value, origins, prefix=key + ".")
+        return _build(tp, value, origins, key + ".", ranges)
     if origin in (Union, types.UnionType):
         for option in get_args(tp):
             try:
-                return _coerce(option, value, key, origins)
+                return _coerce(option, value, key, origins, ranges)
+            except _OutOfRange:
+                raise
             except ConfigError:
                 continue
         _fail(tp, value, key, origins)
@@ -178,10 +261,13 @@ def _coerce(tp: Any, value: Any, key: str, origins: dict) -> Any:
         (inner,) = get_args(tp) or (Any,)
         if not isinstance(value, list):
             _fail(tp, value, key, origins)
-        return [_coerce(inner, v, f"{key}[{i}]", origins) for i, v in enumerate(value)]
+        return [_coerce(inner, v, f"{key}[{i}]", origins, ranges) for i, v in enumerate(value)]
     if origin in (dict, typing.Dict):
         if not isinstance(value, dict):
             _fail(tp, value, key, origins)
+        for name, item in value.items():  # free-form mappings (feature_kwargs): floats must still be finite
+            if isinstance(item, float) and not math.isfinite(item):
+                raise ConfigError(f"config key '{key}.{name}' (from {_origin_of(key, origins)}): expected a finite float, got {item!r}")
         return dict(value)
     if tp is Any:
         return value
@@ -198,14 +284,18 @@ def _coerce(tp: Any, value: Any, key: str, origins: dict) -> Any:
             return value
         _fail(tp, value, key, origins)
     if tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "3e-4" (no dot) as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads "3e-4" (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        _fail(tp, value, key, origins)
+        if number is None:
+            _fail(tp, value, key, origins)
+        _check_range(number, key, origins, ranges)
+        return number
     if tp is str:
         if isinstance(value, str):
             return value
@@ -213,6 +303,12 @@ def _coerce(tp: Any, value: Any, key: str, origins: dict) -> Any:
     if isinstance(tp, type) and isinstance(value, tp):
         return value
     _fail(tp, value, key, origins)
+
+
+def _check_range(value: float, key: str, origins: dict, ranges: dict[str, Range]) -> None:
+    rule = ranges.get(key.split("[", 1)[0], FINITE)
+    if not (math.isfinite(value) and rule.contains(value)):
+        raise _OutOfRange(f"config key {key!r} (from {_origin_of(key, origins)}): expected {rule.describe()}, got {value!r}")
 
 
 def _fail(tp: Any, value: Any, key: str, origins: dict) -> typing.NoReturn:

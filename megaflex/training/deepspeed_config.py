@@ -8,6 +8,8 @@ the learning rate itself each step, so the DeepSpeed config has no "optimizer"/"
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 from typing import Any
 
 from megaflex.training.config import Config, global_batch_size
@@ -80,7 +82,7 @@ def deepspeed_config(cfg: Config, dp_size: int, cp_size: int = 1, on_cuda: bool 
     return config
 
 
-def init_deepspeed_distributed(backend: str) -> None:
+def init_deepspeed_distributed(backend: str, timeout: "timedelta | None" = None) -> None:
     """``deepspeed.init_distributed`` without DeepSpeed's CPU shared-memory all-reduce op.
 
     On a CPU accelerator DeepSpeed compiles ``deepspeed_shm_comm`` (about 30 s of C++ on first
@@ -97,4 +99,7 @@ def init_deepspeed_distributed(backend: str) -> None:
 
     if os.environ.get("MEGAFLEX_DS_SHM_COMM") != "1":
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # cached dict; see deepspeed.ops
-    deepspeed.init_distributed(dist_backend=backend)
+    if timeout is None:
+        deepspeed.init_distributed(dist_backend=backend)
+    else:  # the start-up (rendezvous) timeout; collectives get theirs from collective_timeout.apply_timeout
+        deepspeed.init_distributed(dist_backend=backend, timeout=timeout)

@@ -69,6 +69,8 @@ def execute(prog: str, cfg: Any, objective: Any = None) -> int:
         print(f"{prog}: launch error: {e}", file=sys.stderr)
         return EXIT_CONFIG
     from megaflex.training.checkpoint import CheckpointError
+    from megaflex.training.collective_timeout import describe_failure
+    from megaflex.training.run_lock import release_held
     from megaflex.training.trainer import NonFiniteAbort, run, shutdown
 
     clean = False
@@ -87,7 +89,14 @@ def execute(prog: str, cfg: Any, objective: Any = None) -> int:
     except NonFiniteAbort as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return EXIT_NONFINITE
+    except Exception as e:
+        message = describe_failure(e)  # a hung or vanished peer: one line naming step and collective
+        if message is None:
+            raise
+        print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+        return EXIT_ERROR
     finally:
+        release_held()
         shutdown(clean)
     return EXIT_DONE if summary["stop_reason"] == "done" else EXIT_PREEMPTED
 

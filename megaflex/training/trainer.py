@@ -42,6 +42,7 @@ from megaflex.training.checkpoint import (
     preflight,
     zero_partitions,
 )
+from megaflex.training.collective_timeout import apply_timeout, parallel_groups, progress, rendezvous_timeout
 from megaflex.training.config import (
     Config, check_device, global_batch_size, parallel_dims, resolve_device, validate_runtime,
 )
@@ -52,6 +53,8 @@ from megaflex.training.deepspeed_config import (
 )
 from megaflex.training.metrics import MetricsLogger, device_peak_tflops, flops_per_token, peak_memory_mb
 from megaflex.training.optim import build_optimizer, group_summary, lr_at, set_lr
+from megaflex.training.resume_compat import check_resume_layout
+from megaflex.training.run_lock import hold_run_lock
 
 
 class NonFiniteAbort(RuntimeError):
@@ -69,7 +72,7 @@ def init_distributed(cfg: Config) -> str:
         os.environ.setdefault("MASTER_PORT", str(free_port()))  # 29500 may be taken by another job
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    init_deepspeed_distributed(backend)
+    init_deepspeed_distributed(backend, rendezvous_timeout(cfg.parallel.timeout_minutes))
     validate_runtime(cfg, dist.get_world_size(), has_cuda)
     return device
 
@@ -100,6 +103,8 @@ def run(cfg: Config, objective: Objective | None = None) -> dict[str, Any]:
     device = init_distributed(cfg)
     tokenizer = check_data_tokenizer(cfg)  # recorded with checkpoints; raises DataError at start
     state = ParallelState.create(parallel_dims(cfg, dist.get_world_size()))
+    apply_timeout(cfg.parallel.timeout_minutes, parallel_groups(state))
+    hold_run_lock(Path(cfg.logging.run_dir))  # before anything is written to the run directory
     rank, dp_size, cp_size = dist.get_rank(), state.dp_size, state.cp_size
     is_main = rank == 0
     run_dir = Path(cfg.logging.run_dir)
@@ -162,6 +167,7 @@ def run(cfg: Config, objective: Objective | None = None) -> dict[str, Any]:
     resume_path, meta = manager.select_resume(cfg.checkpoint.resume, warn=logger.print)
     universal, engine_config = None, ds_config
     if resume_path is not None:
+        check_resume_layout(meta, resume_path, cfg.parallel.zero_stage, cfg.train.precision)
         check_compatible(meta, cfg.to_dict()["model"], shapes, state.tp_size)
         check_same_tokenizer(meta.get("tokenizer"), tokenizer, f"checkpoint {resume_path}", "this run's tokenizer/data")
         _check_optimizer_groups(meta, optimizer, resume_path)
@@ -202,6 +208,7 @@ def run(cfg: Config, objective: Objective | None = None) -> dict[str, Any]:
         kernel_probe = next(micro_batches(valid_data or train_data, 0, min(2, cfg.train.micro_batch_size), 1, 0, 1, device))[0]
 
     def save(step: int) -> None:
+        progress.at(step, "checkpoint save")
         meta = {
             "iteration": step, "consumed_samples": consumed, "nonfinite_total": nonfinite_total,
             "world_size": state.world_size, "tensor_parallel_size": state.tp_size, "data_parallel_size": dp_size,
@@ -246,6 +253,7 @@ def run(cfg: Config, objective: Objective | None = None) -> dict[str, Any]:
         inject_nan = (iteration + 1) in cfg.fault.nan_loss_at_steps and rank == 0
         inject_inf_grad = (iteration + 1) in cfg.fault.inf_grad_at_steps and rank == 0
         skipped_before, stop_signal = engine_skipped_steps(engine), 0
+        progress.at(iteration + 1, "forward/backward (ZeRO gradient reduction) and optimizer step")
         for _ in range(grad_accum):
             ids, labels = next(train_batches)
             if objective is None:
@@ -268,6 +276,7 @@ def run(cfg: Config, objective: Objective | None = None) -> dict[str, Any]:
             if engine.is_gradient_accumulation_boundary():
                 # Decided on every rank alike before the update (the last micro-batch is the boundary);
                 # a caught signal travels in the same read and stops the run after this step.
+                progress.at(iteration + 1, "the step's flag all_reduce (non-finite loss, stop signal)")
                 flags = torch.stack([bad, torch.tensor(float(signals.signum or 0), dtype=torch.float64, device=device)])
                 skipped_loss, stop_signal = (int(v) for v in comm.all_reduce(flags, "max", everyone).tolist())
                 skipped_loss = skipped_loss > 0
@@ -305,6 +314,7 @@ def run(cfg: Config, objective: Objective | None = None) -> dict[str, Any]:
             tflops = fpt * tok_s / state.world_size / 1e12
             # One read for every logged value: the step's loss and named sums, summed over DP.
             names = sorted(extra_sums)
+            progress.at(iteration, "the loss all_reduce")
             sums = comm.all_reduce(torch.stack([loss_sum, *(extra_sums[k] for k in names)]), "sum", dp_group)
             loss_avg, *extra_values = (v / (grad_accum * dp_size) for v in sums.tolist())
             record = {
@@ -320,13 +330,15 @@ def run(cfg: Config, objective: Objective | None = None) -> dict[str, Any]:
             logger.log(record)
 
         if cfg.train.eval_interval and iteration % cfg.train.eval_interval == 0 and valid_data is not None:
-            _log_validation(cfg, engine, valid_data, state, device, iteration, logger)
+            _log_validation(cfg, engine, valid_data, state, device, iteration, logger, signals)
         if cfg.checkpoint.save_interval and iteration % cfg.checkpoint.save_interval == 0:
             save(iteration)
             last_saved = iteration
         if cfg.fault.sigkill_after_step == iteration:
             dist.barrier()  # rank 0 has logged the step
             _sigkill()
+        if cfg.fault.sigstop_last_rank_after_step == iteration and rank == dist.get_world_size() - 1:
+            os.kill(os.getpid(), signal.SIGSTOP)  # a frozen peer: the others' next collective times out
         if stop_signal > 0:
             stop_reason = f"signal {signal.Signals(stop_signal).name}"
             break
@@ -339,7 +351,7 @@ def run(cfg: Config, objective: Objective | None = None) -> dict[str, Any]:
     valid_loss = None
     evaluated_last = bool(cfg.train.eval_interval) and iteration % cfg.train.eval_interval == 0
     if stop_reason == "done" and valid_data is not None and not evaluated_last:
-        valid_loss = _log_validation(cfg, engine, valid_data, state, device, iteration, logger)
+        valid_loss = _log_validation(cfg, engine, valid_data, state, device, iteration, logger, signals)
     logger.print(
         f"training stopped ({stop_reason}) at step {iteration}; metrics {run_dir / 'metrics.jsonl'}, "
         f"TensorBoard {run_dir / 'tensorboard'}, checkpoints {cfg.checkpoint_dir}"
@@ -506,23 +518,34 @@ def _kernel_statistics(
 
 
 @torch.no_grad()
-def evaluate(cfg: Config, engine: Any, dataset: Any, state: Any, device: str) -> float:
-    """Mean validation loss over ``train.eval_iters`` micro-batches per data-parallel rank."""
+def evaluate(cfg: Config, engine: Any, dataset: Any, state: Any, device: str, signals: Any = None) -> float | None:
+    """Mean validation loss over ``train.eval_iters`` micro-batches per data-parallel rank; None
+    when a stop signal (``signals.signum``, agreed over all ranks per batch) cuts it short."""
     engine.eval()
+    progress.at(progress.step, "validation")
     total = torch.zeros((), dtype=torch.float64, device=device)
     batches = micro_batches(
         dataset, 0, cfg.train.micro_batch_size, cfg.train.eval_iters, state.dp_rank, state.dp_size, device,
         state.cp_rank, state.cp_size,
     )
     for ids, labels in batches:
+        if signals is not None:  # preempted: save promptly instead of finishing the pass
+            signum = torch.tensor(float(signals.signum or 0), device=device)
+            if comm.all_reduce(signum, "max", comm.world_group()).item() > 0:
+                engine.train()
+                return None
         total += engine(ids, labels).loss.double()
     engine.train()
     total = comm.all_reduce(total, "sum", state.dp_group)
     return total.item() / (cfg.train.eval_iters * state.dp_size)
 
 
-def _log_validation(cfg: Config, engine: Any, dataset: Any, state: Any, device: str, step: int, logger: MetricsLogger) -> float:
-    loss = evaluate(cfg, engine, dataset, state, device)
+def _log_validation(cfg: Config, engine: Any, dataset: Any, state: Any, device: str, step: int, logger: MetricsLogger,
+                    signals: Any = None) -> float | None:
+    loss = evaluate(cfg, engine, dataset, state, device, signals)
+    if loss is None:
+        logger.print(f"validation at step {step} stopped by a signal (not logged)")
+        return None
     logger.log({"kind": "valid", "step": step, "loss": loss, "ppl": math.exp(min(loss, 50.0))})
     return loss
 

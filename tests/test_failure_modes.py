@@ -1,0 +1,385 @@
+"""The failure-modes tables of docs/training.md, row by row.
+
+Every row has an entry in ``CASES`` (and every entry a row): either a case run here, which must
+exit with the status the row documents ("exit N" in the row, else the table's "exits with status
+N"; 0 when it documents none) and print exactly one ``error:`` line and no traceback when it
+fails, or the test elsewhere that covers the row (launcher, signal and disk-full faults need
+multi-process set-ups of their own). Commands whose errors come before any process group run
+in-process; trainer faults run as one tiny ``megaflex.train`` process each (marked slow).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import yaml
+
+from failure_helpers import one_error_line
+from training_harness import PYTHON, REPO, TINY, base_env, deepspeed_launcher, write_config
+
+DOC = REPO / "docs" / "training.md"
+TEXT = "".join(f"line {i}: the quick brown fox {i % 7} jumps over the lazy dog number {i * 13 % 101}\n" for i in range(400))
+
+
+# ------------------------------------------------------------------------------- the docs tables
+@dataclass
+class Row:
+    table: str
+    fault: str
+    happens: str
+    status: int  # documented exit status (0 when none is documented)
+
+
+def documented_rows() -> list[Row]:
+    section = DOC.read_text().split("\n## Failure modes\n", 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for part in section.split("\n### ")[1:]:
+        title, _, body = part.partition("\n")
+        preamble = body.split("\n|", 1)[0]
+        default = re.search(r"exits with status (\d+)", preamble)
+        for line in body.splitlines():
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if not line.startswith("| ") or len(cells) != 3 or cells[0] == "fault" or set(cells[0]) <= set("-"):
+                continue
+            status = re.search(r"\bexits? (\d+)", cells[1])
+            code = int(status.group(1)) if status else int(default.group(1)) if default else 0
+            rows.append(Row(title.strip(), cells[0], cells[1], code))
+    return rows
+
+
+ROWS = {row.fault: row for row in documented_rows()}
+
+
+# ------------------------------------------------------------------------------- running commands
+@dataclass
+class Outcome:
+    prog: str
+    returncode: int
+    stderr: str
+
+
+def in_process(prog: str, main: Callable[[list[str]], int], argv: list[str], capsys: pytest.CaptureFixture) -> Outcome:
+    capsys.readouterr()
+    rc = main(argv)
+    return Outcome(prog, rc, capsys.readouterr().err)
+
+
+def subprocess_run(prog: str, cmd: list[str], env: dict[str, str] | None = None) -> Outcome:
+    env = env or base_env()
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        env.pop(key, None)
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    return Outcome(prog, done.returncode, done.stderr + done.stdout)
+
+
+def train(cfg: Path, *overrides: str) -> Outcome:
+    return subprocess_run("megaflex-train", [PYTHON, "-m", "megaflex.train", "--config", str(cfg), *overrides])
+
+
+def train_in_process(argv: list[str], capsys: pytest.CaptureFixture) -> Outcome:
+    from megaflex.training.train import main
+
+    return in_process("megaflex-train", main, argv, capsys)
+
+
+def export(argv: list[str], capsys: pytest.CaptureFixture) -> Outcome:
+    from evaluation.export import main
+
+    return in_process("megaflex-export", main, argv, capsys)
+
+
+def generate(argv: list[str], capsys: pytest.CaptureFixture) -> Outcome:
+    from evaluation.generate import main
+
+    return in_process("megaflex-generate", main, argv, capsys)
+
+
+# ------------------------------------------------------------------------------- shared set-up
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A 300-piece tokenizer, a 2-step ZeRO 1 run with it (model vocabulary 512: padded beyond the
+    tokenizer's), its HF export, and a small indexed dataset."""
+    from data_prep.train_tokenizer import TokenizerTrainConfig, train_tokenizer
+    from evaluation.export import export_checkpoint
+    from test_data_faults import write_docs
+
+    root = tmp_path_factory.mktemp("failure_modes")
+    (root / "text.txt").write_text(TEXT)
+    tok = train_tokenizer(TokenizerTrainConfig(inputs=[str(root / "text.txt")], vocab_size=300,
+                                               output_prefix=str(root / "tok")))
+    config = copy.deepcopy(TINY)
+    config["model"]["vocab_size"] = 512
+    config["data"]["tokenizer"] = str(tok)
+    config["train"].update(train_iters=2)
+    config["schedule"].update(warmup_iters=0)
+    config["checkpoint"].update(save_interval=0)
+    config["logging"].update(kernel_stats_interval=0, run_dir=str(root / "run"))
+    cfg = write_config(root / "config.yaml", config)
+    result = train(cfg, "parallel.zero_stage=1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    export_checkpoint(root / "run", root / "hf")
+    write_docs(root / "docs", 20, 200)
+    return {"root": root, "config": cfg, "tok": Path(tok), "run": root / "run", "ckpt": root / "run" / "checkpoints",
+            "tag": root / "run" / "checkpoints" / "step_00000002", "hf": root / "hf", "docs": root / "docs"}
+
+
+def _copy_run(world: dict[str, Path], tmp_path: Path) -> Path:
+    run = tmp_path / "run"
+    shutil.copytree(world["run"], run)
+    return run
+
+
+def _indexed_config(world: dict[str, Path], tmp_path: Path, **data: object) -> Path:
+    config = yaml.safe_load(world["config"].read_text())
+    config["data"] = {"source": "indexed", "seq_len": 64, "train_path": [str(world["docs"])], **data}
+    config["model"]["vocab_size"] = 512
+    config["logging"]["run_dir"] = str(tmp_path / "run")
+    return write_config(tmp_path / "indexed.yaml", config)
+
+
+# ------------------------------------------------------------------------------- the cases
+# Each case: (world, tmp_path, capsys) -> Outcome; `expect` is a substring of its error line (or,
+# for a case that succeeds, of its output).
+@dataclass
+class Case:
+    run: Callable[[dict[str, Path], Path, pytest.CaptureFixture], Outcome] | None = None
+    expect: str = ""
+    covered_by: str = ""  # "tests/file.py::test_name" when another test runs this row
+    slow: bool = False
+
+
+def _yaml_alias(world, tmp_path, capsys):
+    loop = tmp_path / "loop.yaml"
+    loop.write_text("train: &t\n  lr: 0.1\n  again: *t\n")
+    return train_in_process(["--config", str(world["config"]), str(loop)], capsys)
+
+
+def _malformed_yaml(world, tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [1, 2\n")
+    return train_in_process(["--config", str(bad)], capsys)
+
+
+def _blend_zero(world, tmp_path, capsys):
+    return train_in_process(["--config", str(world["config"]), "data.source=indexed", "data.train_path=[a,b]",
+                             "data.train_weights=[0,0]"], capsys)
+
+
+def _stale_card(world, tmp_path, capsys):
+    from data_prep.inspect import main as inspect_main
+    from test_data_faults import write_docs
+
+    from megaflex.data.card import write_data_card
+
+    write_docs(tmp_path / "a", 20, 200, seed=1)
+    write_data_card(tmp_path / "a", {"sha256": "x", "vocab_size": 300, "path": "tok"}, documents=20)
+    write_docs(tmp_path / "a", 25, 200, seed=2)  # re-made without its card
+    assert inspect_main([str(tmp_path / "a"), "--verify"]) == 1
+    assert "a data card from another preprocessing run" in capsys.readouterr().err
+    config = _indexed_config(world, tmp_path, train_path=[str(tmp_path / "a")], tokenizer=None)
+    return train(config)
+
+
+def _symlink_loop(world, tmp_path, capsys):
+    for ext in ("bin", "idx"):
+        os.symlink(f"b.{ext}", tmp_path / f"a.{ext}")
+        os.symlink(f"a.{ext}", tmp_path / f"b.{ext}")
+    from megaflex.data import IndexedDataset, IndexedDatasetError
+
+    (tmp_path / "dir.idx").mkdir()
+    with pytest.raises(IndexedDatasetError, match="dir.idx: is a directory, not a file"):
+        IndexedDataset(tmp_path / "dir")
+    return train(_indexed_config(world, tmp_path, train_path=[str(tmp_path / "a")], tokenizer=None))
+
+
+def _resume_other_stage(world, tmp_path, capsys):
+    run = _copy_run(world, tmp_path)
+    return train(world["config"], f"logging.run_dir={run}", "parallel.zero_stage=3", "train.train_iters=3")
+
+
+def _resume_weights_only(world, tmp_path, capsys):
+    assert export(["--from-hf", str(world["hf"]), "--megaflex-out", str(tmp_path / "imported")], capsys).returncode == 0
+    return train(world["config"], f"logging.run_dir={tmp_path / 'run'}", f"checkpoint.dir={tmp_path / 'imported'}",
+                 "parallel.zero_stage=0", "train.train_iters=3")
+
+
+def _undecodable_latest(world, tmp_path, capsys):
+    run = _copy_run(world, tmp_path)
+    (run / "checkpoints" / "latest").write_bytes(b"\xff\xfe\x00step")
+    return generate(["--checkpoint", str(run), "--prompt", "the quick", "--max-new-tokens", "3"], capsys)
+
+
+def _padded_vocab_generation(world, tmp_path, capsys):
+    return generate(["--checkpoint", str(world["run"]), "--prompt", "the quick brown", "--max-new-tokens", "200",
+                     "--temperature", "3.0", "--seed", "1"], capsys)
+
+
+def _truncated_meta(world, tmp_path, capsys):
+    run = _copy_run(world, tmp_path)
+    meta = run / "checkpoints" / "step_00000002" / "megaflex.json"
+    meta.write_bytes(meta.read_bytes()[:100])
+    return generate(["--checkpoint", str(meta.parent), "--prompt", "the quick"], capsys)
+
+
+def _missing_shard(world, tmp_path, capsys):
+    hf = tmp_path / "hf"
+    shutil.copytree(world["hf"], hf)
+    (hf / "model.safetensors").rename(hf / "model-00001-of-00002.safetensors")
+    (hf / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    return export(["--from-hf", str(hf), "--megaflex-out", str(tmp_path / "out")], capsys)
+
+
+def _non_empty_out(world, tmp_path, capsys):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "README.md").write_text("mine")
+    return export(["--checkpoint", str(world["run"]), "--hf-out", str(tmp_path / "mine")], capsys)
+
+
+def _unwritable_checkpoint_dir(world, tmp_path, capsys):
+    (tmp_path / "a_file").write_text("x")
+    return train(world["config"], f"logging.run_dir={tmp_path / 'run'}", f"checkpoint.dir={tmp_path / 'a_file' / 'ck'}")
+
+
+def _damaged_shard(world, tmp_path, capsys):
+    run = _copy_run(world, tmp_path)
+    shard = next((run / "checkpoints" / "step_00000002").glob("*optim_states.pt"))
+    shard.write_bytes(shard.read_bytes()[:1000])
+    return generate(["--checkpoint", str(shard.parent), "--prompt", "the quick"], capsys)
+
+
+def _deepspeed_dash_m(world, tmp_path, capsys):
+    env = base_env()
+    env["LOCAL_SIZE"] = "1"
+    env["PATH"] = str(Path(PYTHON).parent) + os.pathsep + env["PATH"]
+    return subprocess_run("deepspeed", [deepspeed_launcher(), "--num_gpus", "1", "-m", "megaflex.train", "--config",
+                                        str(world["config"])], env)
+
+
+CASES: dict[str, Case] = {
+    # --- Launch and checkpoint faults
+    "`-m megaflex.train` given to deepspeed": Case(_deepspeed_dash_m, "unrecognized arguments: -m", slow=True),
+    "checkpoint dir not writable (or not a directory)": Case(
+        _unwritable_checkpoint_dir, "is not writable: Not a directory", slow=True),
+    "little free space in the checkpoint dir": Case(
+        covered_by="tests/test_checkpoint_layout.py::test_unwritable_checkpoint_dir_is_refused_and_low_space_warned"),
+    "disk full during a save": Case(
+        covered_by="tests/test_training_faults.py::test_disk_full_during_save_keeps_the_previous_checkpoint"),
+    "truncated/damaged shard, RNG file or `megaflex.json`": Case(_damaged_shard, "bytes, expected"),
+    "kill -9 / power loss during a save": Case(
+        covered_by="tests/test_training_resume.py::test_kill_during_save_keeps_previous_checkpoint"),
+    "SIGTERM/SIGINT/SIGUSR1 to `launch/train.sh`": Case(
+        covered_by="tests/test_training_faults.py::test_sigterm_reaches_the_ranks_which_save_and_exit"),
+    "SIGTERM to the `deepspeed` runner itself (or `timeout deepspeed ...`)": Case(
+        covered_by="tests/test_training_faults.py::test_sigterm_reaches_the_ranks_which_save_and_exit"),
+    "Ctrl-C in a terminal": Case(covered_by="tests/test_training_resume.py::test_sigterm_saves_and_stops"),
+    "Slurm preemption / time limit": Case(covered_by="tests/test_launch_docs.py::test_documented_launch_line_runs"),
+    "`megaflex-eval --checkpoint RUN_DIR --tag step_N`": Case(
+        covered_by="tests/test_checkpoint_layout.py::test_eval_finds_a_tag_under_a_run_dir"),
+    # --- Data and tokenizer faults
+    "corrupt `.idx` (pointers shifted or inconsistent with the sizes, last pointer + size ≠ `.bin` length, bad document index)":
+        Case(covered_by="tests/test_training_data_faults.py::test_training_on_shifted_pointers_fails_at_start_naming_the_file"),
+    "token ids ≥ `model.vocab_size` in the data": Case(
+        covered_by="tests/test_data_faults.py::test_token_ids_beyond_the_vocabulary_fail_on_open"),
+    "`model.vocab_size` smaller than `data.tokenizer`'s (or the data card's) vocabulary": Case(
+        lambda w, t, c: train(w["config"], f"logging.run_dir={t / 'run'}", "model.vocab_size=256"),
+        "is smaller than the vocabulary of", slow=True),
+    "`data.tokenizer` names a missing file": Case(
+        lambda w, t, c: train(w["config"], f"logging.run_dir={t / 'run'}", f"data.tokenizer={t / 'missing.model'}"),
+        "tokenizer model", slow=True),
+    "`data.tokenizer` is not the tokenizer the data was made with (data card)": Case(
+        covered_by="tests/test_data_faults.py::test_training_start_checks_tokenizer_file_vocab_and_data_cards"),
+    "resuming a checkpoint made with another tokenizer": Case(
+        covered_by="tests/test_training_data_faults.py::test_checkpoint_records_the_tokenizer_and_resume_refuses_another"),
+    "`megaflex-eval` / `megaflex-generate` with another tokenizer (`--tokenizer`) or on data tokenized with another one":
+        Case(covered_by="tests/test_data_faults.py::test_eval_refuses_a_tokenizer_or_data_other_than_the_checkpoints"),
+    "malformed or binary YAML config": Case(_malformed_yaml, "malformed YAML (line 2, column 1)"),
+    "truncated sample-index cache (`index_cache/*.npy`)": Case(
+        covered_by="tests/test_data_faults.py::test_truncated_sample_index_cache_is_rebuilt_with_a_warning"),
+    "`data.cache_dir` unset": Case(
+        covered_by="tests/test_data_faults.py::test_training_caches_sample_indices_next_to_the_data_by_default"),
+    # --- Config, run-directory, resume, export and generation faults
+    "non-finite or out-of-range float in the config (`train.lr=.inf`, `optimizer.beta1=1.5`, `optimizer.eps=.nan`, any float key)":
+        Case(lambda w, t, c: train_in_process(["--config", str(w["config"]), "optimizer.beta1=1.5"], c),
+             "config key 'optimizer.beta1' (from command line): expected a finite float in [0, 1), got 1.5"),
+    "blend weights (`data.train_weights`) all zero": Case(_blend_zero, "expected at least one weight > 0"),
+    "`model.feature_dim` odd for a trig feature map (or unknown `feature_kwargs`)": Case(
+        lambda w, t, c: train_in_process(["--config", str(w["config"]), "model.feature_dim=33"], c),
+        "model.feature_dim (from command line): feature_dim of attention='flexformer_n'"),
+    "self-referential YAML alias (`a: &x {b: *x}`)": Case(_yaml_alias, "self-referential YAML alias at key 'train.again'"),
+    "a second run on a run directory a live run holds": Case(
+        covered_by="tests/test_training_hardening.py::test_a_second_run_on_a_live_run_dir_exits_2_and_a_stale_lock_is_taken_over"),
+    "a stale `run.lock` (its process is gone, same host)": Case(
+        covered_by="tests/test_training_hardening.py::test_a_second_run_on_a_live_run_dir_exits_2_and_a_stale_lock_is_taken_over"),
+    "resuming with another ZeRO stage (0 <-> 1/2 <-> 3; 1 <-> 2 loads)": Case(
+        _resume_other_stage, "was saved with ZeRO stage 1, this run has parallel.zero_stage=3", slow=True),
+    "resuming with another `train.precision` (fp32 <-> bf16)": Case(
+        lambda w, t, c: train(w["config"], f"logging.run_dir={_copy_run(w, t)}", "train.precision=bf16", "train.train_iters=3"),
+        "was saved with train.precision=fp32, this run has bf16", slow=True),
+    "resuming a weights-only checkpoint (`megaflex-export --from-hf`)": Case(
+        _resume_weights_only, "holds weights only (written by megaflex-export --from-hf", slow=True),
+    "`latest` holds undecodable bytes": Case(_undecodable_latest, "the quick"),
+    "`data.split` leaves the validation split no documents": Case(
+        lambda w, t, c: train(_indexed_config(w, t, split="999,1,0", tokenizer=None)),
+        "the 'valid' split of", slow=True),
+    "a directory, a symbolic-link loop or a broken link given as data": Case(
+        _symlink_loop, "a.idx: is a symbolic link loop", slow=True),
+    "a data card left from another preprocessing run beside a different `.idx`": Case(
+        _stale_card, "a data card from another preprocessing run", slow=True),
+    "`model.vocab_size` larger than the tokenizer's vocabulary (padded)": Case(_padded_vocab_generation, "the quick brown"),
+    "one rank hung or frozen (SIGSTOP, dead NIC)": Case(
+        covered_by="tests/test_training_hardening.py::test_a_frozen_peer_makes_the_others_exit_naming_step_and_collective"),
+    "SIGTERM/SIGINT/SIGUSR1 during a long validation pass": Case(
+        covered_by="tests/test_training_hardening.py::test_sigterm_during_a_long_validation_saves_promptly"),
+    "`megaflex-export --hf-out DIR` (or `--megaflex-out DIR`) into a non-empty directory": Case(
+        _non_empty_out, "the directory is not empty (holds README.md); pass --overwrite"),
+    "`megaflex-export --from-hf … --megaflex-out` a training run's checkpoint folder or run directory": Case(
+        lambda w, t, c: export(["--from-hf", str(w["hf"]), "--megaflex-out", str(w["ckpt"]), "--overwrite"], c),
+        "refusing to write into a training run's checkpoint folder (it holds the training checkpoint"),
+    "`megaflex-export --tag` of a missing step": Case(
+        lambda w, t, c: export(["--checkpoint", str(w["run"]), "--tag", "step_00000007", "--hf-out", str(t / "o")], c),
+        "tag: 'step_00000007' is not a complete checkpoint"),
+    "`megaflex-export --from-hf DIR` with a missing weight shard": Case(
+        _missing_shard, "model-00002-of-00002.safetensors listed in model.safetensors.index.json is missing"),
+    "truncated `megaflex.json` read by `megaflex-eval`/`megaflex-generate`/`megaflex-export`": Case(
+        _truncated_meta, "megaflex.json: not valid JSON"),
+}
+
+
+def test_every_documented_row_has_a_case_and_every_case_a_row() -> None:
+    assert len(ROWS) >= 40 and {r.table for r in ROWS.values()} >= {"Launch and checkpoint faults",
+                                                                     "Data and tokenizer faults"}
+    assert sorted(set(ROWS) - set(CASES)) == [], "docs/training.md rows without a case in tests/test_failure_modes.py"
+    assert sorted(set(CASES) - set(ROWS)) == [], "cases in tests/test_failure_modes.py without a docs/training.md row"
+    for fault, case in CASES.items():
+        assert (case.run is None) != (not case.covered_by), fault
+        if case.covered_by:
+            path, name = case.covered_by.split("::")
+            assert re.search(rf"^def {name}\(", (REPO / path).read_text(), re.M), f"{fault}: {case.covered_by} not found"
+
+
+RUNNABLE = [pytest.param(fault, id=re.sub(r"\W+", "-", fault)[:60].strip("-"), marks=[pytest.mark.slow] if case.slow else [])
+            for fault, case in CASES.items() if case.run is not None]
+
+
+@pytest.mark.parametrize("fault", RUNNABLE)
+def test_documented_fault(fault: str, world: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    row, case = ROWS[fault], CASES[fault]
+    outcome = case.run(world, tmp_path, capsys)
+    assert outcome.returncode == row.status, f"{fault}: exit {outcome.returncode}, documented {row.status}\n" \
+                                             f"{outcome.stderr[-3000:]}"
+    if row.status == 0:
+        assert "Traceback" not in outcome.stderr and "error:" not in outcome.stderr, outcome.stderr[-3000:]
+        return
+    line = one_error_line(outcome.stderr, outcome.prog)
+    assert case.expect in line, f"{fault}: {case.expect!r} not in {line!r}"
