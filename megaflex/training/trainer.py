@@ -280,6 +280,7 @@ def run(cfg: Config, objective: Objective | None = None) -> dict[str, Any]:
                 flags = torch.stack([bad, torch.tensor(float(signals.signum or 0), dtype=torch.float64, device=device)])
                 skipped_loss, stop_signal = (int(v) for v in comm.all_reduce(flags, "max", everyone).tolist())
                 skipped_loss = skipped_loss > 0
+                progress.at(iteration + 1, "optimizer step (ZeRO gradient reduction)")
                 if hasattr(optimizer, "skip"):
                     optimizer.skip = skipped_loss
                 if plain_fp32:  # DeepSpeed clips here without keeping the norm: measure it before the step
