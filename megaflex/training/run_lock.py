@@ -21,6 +21,8 @@ from typing import Callable
 
 import torch.distributed as dist
 
+from megaflex.parallel import comm
+
 from megaflex.training.config_loader import ConfigError
 
 LOCK_FILE = "run.lock"
@@ -121,9 +123,6 @@ def hold_run_lock(run_dir: Path, warn: Callable[[str], None] = print) -> None:
             acquire(run_dir, warn)
         except ConfigError as e:
             error = str(e)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [error]
-        dist.broadcast_object_list(box, src=0)
-        error = box[0]
+    error = comm.all_gather_objects(error, comm.world_group())[0]  # rank 0's verdict, on every rank
     if error is not None:
         raise ConfigError(error)
