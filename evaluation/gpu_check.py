@@ -1,6 +1,6 @@
 """GPU acceptance of the Triton attention path, in one command (<= 10 minutes on one GPU). Not a test.
 
-    python -m evaluation.gpu_check [--json evaluation/results/gpu_check.json] [--dry-run | --device cpu]
+    python -m evaluation.gpu_check [--json docs/results/gpu_check.json] [--dry-run | --device cpu]
                                    [--sections kernels layer train_step train_real]
 
 Sections (each records its own errors, so one failure never hides the others):

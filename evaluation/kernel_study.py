@@ -9,7 +9,7 @@ trains one small GPT per run: every attention kind with the project's default re
 the kernel LR multipliers off, Omega frozen, the sliding softmax window). Everything else is identical: data, token budget,
 optimizer, schedule, and for one seed also the data order and the initialisation of every shared
 weight. Each run is evaluated on the english-docs valid split and on WikiText-2 test; results go
-to ``--out`` (default ``evaluation/results/kernel_study``):
+to ``--out`` (default ``docs/results/kernel_study``):
 
 * ``results.json`` / ``results.md``: per run and seed, and mean +- std over seeds per kind/arm:
   perplexity and bits per byte on both sets, training tokens/s, final tau per layer, relative
@@ -99,7 +99,7 @@ class StudyConfig:
     seeds: int = 3  # seeds seed, seed + 1, ...
     data_root: str = os.environ.get("MEGAFLEX_DATA", str(REPO.parent / "shared" / "data"))
     work_dir: str = "work_data/kernel_study"
-    out: str = "evaluation/results/kernel_study"
+    out: str = "docs/results/kernel_study"
     device: str = "cpu"
     preset: str = "cpu"
     # model (equal for every kind; linear kinds add their small feature-map parameters)

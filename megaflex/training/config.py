@@ -104,7 +104,7 @@ class OptimizerConfig:
     kernel_temperature_lr_multiplier: float = opt(
         10.0,
         "LR of the kernel temperature (Flexformer-N's tau; role 'temperature') = this x the scheduled LR. "
-        "Default 10 for both (single-seed pilot, evaluation/results/kernel_pilot: 10 beat 1 on both eval sets with both inits; 30 was much worse)",
+        "Default 10 for both (single-seed pilot, docs/results/kernel_pilot: 10 beat 1 on both eval sets with both inits; 30 was much worse)",
     )
     freeze_kernel: bool = opt(
         False,
