@@ -46,6 +46,7 @@ from megaflex.attention import LinearAttentionState  # noqa: E402
 from megaflex.attention.feature_maps._trig import trig_feature_map_reference  # noqa: E402
 from megaflex.attention.quadratic import quadratic_linear_attention  # noqa: E402
 from megaflex.attention.triton import trig_linear_attention, triton_linear_attention  # noqa: E402
+from megaflex.parallel.rendezvous import free_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SECTIONS = ("kernels", "layer", "train_step", "train_real")
@@ -256,7 +257,7 @@ def bench_layer(small: bool, device: str) -> dict[str, Any]:
 def _trainer(config: str, overrides: list[str], run_dir: Path, device: str, timeout: float) -> dict[str, Any]:
     """One-rank ``megaflex.train`` run; its train records from metrics.jsonl (or the error)."""
     env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", LOCAL_SIZE="1",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000), PYTHONUNBUFFERED="1")  # fmt: skip
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), PYTHONUNBUFFERED="1")  # fmt: skip
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     if device == "cpu":
         env["DS_ACCELERATOR"] = "cpu"

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
 from megaflex.attention import FEATURE_MAP_KINDS, LinearAttentionState, build_feature_map, causal_linear_attention
 from megaflex.attention.base import FeatureMap
 
 LINEAR_KINDS = FEATURE_MAP_KINDS
-CHUNKED_AVAILABLE = importlib.util.find_spec("megaflex.attention.chunked") is not None
-# forms the suite compares; "chunked" joins as soon as megaflex/attention/chunked.py exists
-AVAILABLE_FORMS = ("quadratic", "recurrent") + (("chunked",) if CHUNKED_AVAILABLE else ())
+AVAILABLE_FORMS = ("quadratic", "recurrent", "chunked")  # the forms the suite compares
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:

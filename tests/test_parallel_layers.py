@@ -16,7 +16,7 @@ from distributed import run_distributed
 from megaflex.model.layers import LocalLayers, normal_init, pad_vocab_size
 from megaflex.parallel import (
     DeepSpeedMPU,
-    ParallelLayout,
+    ParallelDims,
     ParallelState,
     TensorParallelLayers,
     TensorParallelRNGTracker,
@@ -36,7 +36,7 @@ ATOL = 1e-6
 # single process
 # ----------------------------------------------------------------------------------------
 def test_layout_megatron_order() -> None:
-    layout = ParallelLayout(world_size=8, tp_size=2, pp_size=2)
+    layout = ParallelDims(world_size=8, tp_size=2, pp_size=2)
     assert layout.dp_size == 2
     assert layout.tp_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert layout.dp_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
@@ -51,9 +51,9 @@ def test_layout_megatron_order() -> None:
 
 def test_layout_rejects_tp_not_dividing_world() -> None:
     with pytest.raises(ValueError, match=r"tensor_parallel_size.*world size 4.*got 3"):
-        ParallelLayout(world_size=4, tp_size=3)
+        ParallelDims(world_size=4, tp_size=3)
     with pytest.raises(ValueError, match="tp_size"):
-        ParallelLayout(world_size=4, tp_size=0)
+        ParallelDims(world_size=4, tp_size=0)
 
 
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])

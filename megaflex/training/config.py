@@ -263,11 +263,6 @@ def load_config(paths: list[str | Path], overrides: list[str] | None = None) -> 
     return config_from_sources(sources)
 
 
-def config_from_dict(data: dict[str, Any], origin: str = "dict") -> Config:
-    """Build a config from one nested mapping (e.g. the resolved config of a checkpoint)."""
-    return config_from_sources([Source(data, origin)])
-
-
 def config_from_sources(sources: list[Source]) -> Config:
     for src in sources:
         if "origins" in src.data:
