@@ -146,11 +146,11 @@ def test_training_start_checks_tokenizer_file_vocab_and_data_cards(toks: dict[st
     preprocess(PreprocessConfig([str(toks["text"])], str(toks["a"]), str(tmp_path / "d"), progress=False))
     prefix = [str(tmp_path / "d")]
     cfg = tiny_cfg(tmp_path, train_path=prefix, tokenizer=str(tmp_path / "nope.model"))
-    with pytest.raises(DataError, match=r"data.tokenizer \(from test config\): tokenizer model .*nope.model not found"):
+    with pytest.raises(DataError, match=r"data.tokenizer \(from .*config.yaml\): tokenizer model .*nope.model not found"):
         training_data.check_data_tokenizer(cfg)
     cfg = tiny_cfg(tmp_path, train_path=prefix, tokenizer=str(toks["a"]))
     cfg.model.vocab_size = 200
-    with pytest.raises(DataError, match=r"model.vocab_size \(from test config\): 200 is smaller than .* \(300 tokens\)"):
+    with pytest.raises(DataError, match=r"model.vocab_size \(from .*config.yaml\): 200 is smaller than .* \(300 tokens\)"):
         training_data.check_data_tokenizer(cfg)
     cfg = tiny_cfg(tmp_path, train_path=prefix)  # no data.tokenizer: the data card's vocabulary counts
     cfg.model.vocab_size = 200
