@@ -56,3 +56,34 @@ def attend(
         fq.features, fk.features, fk.log_scale, v, form=form, normalization=normalization,
         chunk_size=chunk_size, initial_state=state, eps=eps,
     )
+
+
+def attention_steps(n: int, feat: int, dv: int, log_scale_spread: float = 0.0, head_dim: int = 0) -> float:
+    """Rounding-error growth (``steps`` of tests/numerics.py) of a feature map + causal linear
+    attention and its backward: sums over the n tokens (plus a carried state), the feat features,
+    the dv values (rms) and the head_dim inputs of the map, forward and backward, and the exp
+    arguments kls_s - m_t, which carry their spread x u of absolute error."""
+    return 2 * (n + 1 + feat + dv + head_dim) + log_scale_spread
+
+
+def log_scale_spread(*log_scales: torch.Tensor | None) -> float:
+    """A bound on |kls_s - m_t| over every exp argument: twice the largest |log-scale| given."""
+    return 2 * max((ls.detach().double().abs().max().item() for ls in log_scales if ls is not None and ls.numel()), default=0.0)
+
+
+def form_steps(fmap: FeatureMap, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extra_tokens: int = 0) -> float:
+    """``attention_steps`` of ``attend(fmap, q, k, v)`` (plus ``extra_tokens`` carried in a state)."""
+    with torch.no_grad():
+        fq, fk = fmap(q, 0), fmap(k, 0)
+    return attention_steps(
+        q.shape[2] + extra_tokens, fk.features.shape[-1], v.shape[-1], log_scale_spread(fq.log_scale, fk.log_scale),
+        q.shape[-1],
+    )
+
+
+def map_steps(x: torch.Tensor, omega: torch.Tensor) -> float:
+    """Error growth (tests/numerics.py) of the trig map and its backward: head_dim-term projections
+    and norms, cos/sin of projections up to max |x . omega| (absolute error |arg| u), pair sums and
+    the scale; x's gradient sums over the P rows, omega's / inv_t's over every (batch, token)."""
+    projection = torch.einsum("bhnd,hpd->bhnp", x.detach().double(), omega.detach().double()).abs().max().item()
+    return 2 * (x.shape[-1] + omega.shape[1] + x.shape[0] * x.shape[2] + 4) + 2 * projection
