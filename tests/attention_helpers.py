@@ -61,9 +61,11 @@ def attend(
 def attention_steps(n: int, feat: int, dv: int, log_scale_spread: float = 0.0, head_dim: int = 0) -> float:
     """Rounding-error growth (``steps`` of tests/numerics.py) of a feature map + causal linear
     attention and its backward: sums over the n tokens (plus a carried state), the feat features,
-    the dv values (rms) and the head_dim inputs of the map, forward and backward, and the exp
-    arguments kls_s - m_t, which carry their spread x u of absolute error."""
-    return 2 * (n + 1 + feat + dv + head_dim) + log_scale_spread
+    the dv values (rms) and the head_dim inputs of the map, and the exp arguments, which carry
+    their size x u of absolute error: the chunked forms split exp(kls_s - m_t) into up to three
+    factors (within the chunk, chunk to chunk, the carried state's rescale), each with an argument
+    up to the log-scales' spread; all of it forward and again in the backward's recomputation."""
+    return 2 * (n + 1 + feat + dv + head_dim + 3 * log_scale_spread)
 
 
 def log_scale_spread(*log_scales: torch.Tensor | None) -> float:

@@ -22,6 +22,7 @@ from megaflex.attention import LinearAttentionState, NORMALIZATIONS  # noqa: E40
 from megaflex.attention.feature_maps._trig import trig_feature_map_reference  # noqa: E402
 from megaflex.attention.quadratic import quadratic_linear_attention  # noqa: E402
 from megaflex.attention.triton import kernel_chunk, trig_linear_attention, triton_linear_attention  # noqa: E402
+from attention_helpers import attention_steps, log_scale_spread  # noqa: E402
 from numerics import assert_close, assert_close_to_reference, fp32_steps_in  # noqa: E402
 
 pytestmark = pytest.mark.numerics
@@ -34,12 +35,6 @@ CHUNKS = (16, 64)
 # whose steps are negligible next to one u16 (2^13 x smaller).
 FP16_STEPS = 8
 
-
-def attention_steps(n: int, feat: int, dv: int, log_scale_spread: float) -> float:
-    """Error growth of linear attention and its backward: sums over the n tokens (plus the carried
-    state), the feat features and the dv values (rms), forward and backward, and the exp
-    arguments kls_s - m_t, which carry their spread x u of absolute error."""
-    return 2 * (n + 1 + feat + dv) + log_scale_spread
 
 
 def _inputs(n, feat, dv, *, normalization, with_state, key_scale, dtype, values=None, seed=0):
@@ -86,15 +81,6 @@ def _flatten(result):
     return {"out": out, "state.kv": state.kv, "state.k_sum": state.k_sum, **{f"d{k}": g for k, g in grads.items()}}
 
 
-def _log_scale_spread(kls: torch.Tensor, state: LinearAttentionState | None) -> float:
-    """Bound on |kls_s - m_t| over every exp argument: twice the largest |log-scale| (keys' and
-    the carried state's log_max)."""
-    largest = kls.detach().abs().max().item()
-    if state is not None:
-        largest = max(largest, state.log_max.detach().abs().max().item())
-    return 2 * largest
-
-
 def _compare(got, want, exact, *, steps, dtype=torch.float32):
     """``got`` (Triton) vs ``exact`` (the quadratic form in fp64), conditioning measured by ``want``
     (the quadratic form at the same precision): tests/numerics.py. Gradients that are exactly 0 in
@@ -116,7 +102,7 @@ def _run_core(fn, n, chunk, normalization, with_state, key_scale, dtype, values=
     if fn is triton_linear_attention:
         kwargs["chunk_size"] = chunk
     out, new_state = fn(leaves["qf"], leaves["kf"], leaves["kls"], leaves["v"], **kwargs)
-    steps = attention_steps(n, 16, 16, _log_scale_spread(leaves["kls"], state))
+    steps = attention_steps(n, 16, 16, log_scale_spread(leaves["kls"], None if state is None else state.log_max))
     return out, new_state, _loss_and_grads(out, new_state, leaves), steps
 
 
@@ -215,7 +201,7 @@ def test_segments_with_carried_state_equal_one_shot():
     )
     # both within the rounding bound of the exact result (tests/numerics.py); key scales x30 make the
     # exp arguments' rounding (their spread x u) the largest part
-    steps = attention_steps(70, 16, 16, _log_scale_spread(kls, None))
+    steps = attention_steps(70, 16, 16, log_scale_spread(kls))
     assert_close(torch.cat([first, second], dim=2), whole, steps=steps, floor=1.0, name="segments")
     assert_close(last_state.kv, whole_state.kv, steps=steps, floor=1.0, name="state.kv")
     assert last_state.offset == whole_state.offset == 70
