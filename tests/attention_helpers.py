@@ -74,13 +74,19 @@ def log_scale_spread(*log_scales: torch.Tensor | None) -> float:
 
 
 def form_steps(fmap: FeatureMap, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extra_tokens: int = 0) -> float:
-    """``attention_steps`` of ``attend(fmap, q, k, v)`` (plus ``extra_tokens`` carried in a state)."""
+    """``attention_steps`` of ``attend(fmap, q, k, v)`` (plus ``extra_tokens`` carried in a state);
+    a trig map's cos/sin arguments x . omega carry their size x u too (forward and backward)."""
     with torch.no_grad():
         fq, fk = fmap(q, 0), fmap(k, 0)
-    return attention_steps(
+        projection = 0.0
+        if hasattr(fmap, "trig_spec"):
+            omega = fmap.trig_spec()[0].double()
+            projection = max(torch.einsum("bhnd,hpd->bhnp", x.double(), omega).abs().max().item() for x in (q, k))
+    steps = attention_steps(
         q.shape[2] + extra_tokens, fk.features.shape[-1], v.shape[-1], log_scale_spread(fq.log_scale, fk.log_scale),
         q.shape[-1],
     )
+    return steps + 2 * projection
 
 
 def map_steps(x: torch.Tensor, omega: torch.Tensor) -> float:

@@ -86,11 +86,11 @@ ATTENTION_CASES = [
 
 def _attention_run(
     kind: str, normalization: str, key_scale: float, n: int, chunk: int, state: ParallelState | None,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype = torch.float32, form: str = "chunked",
 ):
     """Outputs and gradients of one core on the whole sequence (state None) or this CP rank's slice."""
     torch.manual_seed(0)
-    core = AttentionCore(kind, 2, 8, feature_dim=16, normalization=normalization, chunk_size=chunk, max_seq_len=n)
+    core = AttentionCore(kind, 2, 8, feature_dim=16, normalization=normalization, chunk_size=chunk, max_seq_len=n, form=form)
     core.to(dtype)
     gen = torch.Generator().manual_seed(1)
     q, k, v, weight = (torch.randn(2, 2, n, 8, generator=gen).to(dtype) for _ in range(4))
@@ -111,19 +111,27 @@ def _attention_run(
     return {"out": out.detach(), "q": q.grad, "k": k.grad, "v": v.grad, "params": params, "steps": steps}
 
 
-def _assert_cp_equals_single_rank(got: dict, ref: dict, state: ParallelState, dtype: torch.dtype, case: object) -> None:
+def _assert_cp_equals_single_rank(
+    got: dict, ref: dict, state: ParallelState, dtype: torch.dtype, case: object, plain: dict | None = None
+) -> None:
     """This rank's slice of the outputs and input gradients, and the CP-summed parameter gradients,
     within the rounding bound of the single-rank run (gradients on the largest one's scale: an entry
-    near 0 carries the rounding of its large terms)."""
+    near 0 carries the rounding of its large terms). ``plain``: the single-rank quadratic form, whose
+    difference from ``ref`` measures the conditioning (signed trig features under "denominator")."""
     steps = max(got["steps"], ref["steps"])
-    wants = {name: sequence_slice(ref[name], state.cp_rank, state.cp_size, dim=2) for name in ("out", "q", "k", "v")}
+
+    def rank_slice(result: dict, name: str) -> torch.Tensor:
+        return sequence_slice(result[name], state.cp_rank, state.cp_size, dim=2)
+
+    wants = {name: rank_slice(ref, name) for name in ("out", "q", "k", "v")}
     terms = max(normwise_scale(g) for g in [*wants.values(), *ref["params"].values()][1:])
-    assert_close(got["out"], wants["out"], steps=steps, dtype=dtype, name=f"{case} out")
-    for name in ("q", "k", "v"):
-        assert_close(got[name], wants[name], steps=steps, dtype=dtype, floor=terms, name=f"{case} {name}")
+    for name in ("out", "q", "k", "v"):
+        assert_close(got[name], wants[name], steps=steps, dtype=dtype, floor=0.0 if name == "out" else terms,
+                     plain=None if plain is None else rank_slice(plain, name), name=f"{case} {name}")
     assert ref["params"].keys() == got["params"].keys()
     for name, want in ref["params"].items():
-        assert_close(got["params"][name], want, steps=steps, dtype=dtype, floor=terms, name=f"{case} {name}")
+        assert_close(got["params"][name], want, steps=steps, dtype=dtype, floor=terms,
+                     plain=None if plain is None else plain["params"][name], name=f"{case} {name}")
 
 
 def _attention_worker(rank: int, world: int, n: int, chunk: int) -> list[str]:
@@ -133,7 +141,8 @@ def _attention_worker(rank: int, world: int, n: int, chunk: int) -> list[str]:
         kind, normalization, key_scale, dtype = case
         ref = _attention_run(kind, normalization, key_scale, n, chunk, None, dtype)
         got = _attention_run(kind, normalization, key_scale, n, chunk, state, dtype)
-        _assert_cp_equals_single_rank(got, ref, state, dtype, case)
+        plain = _attention_run(kind, normalization, key_scale, n, chunk, None, dtype, form="quadratic")
+        _assert_cp_equals_single_rank(got, ref, state, dtype, case, plain)
         checked.append(f"{case}: out q k v {sorted(ref['params'])}")
     return checked
 
