@@ -30,13 +30,14 @@ Invalid UTF-8 raises :class:`SourceError` with file and line, unless ``errors="r
 from __future__ import annotations
 
 import gzip
-import hashlib
 import io
 import itertools
 import json
 import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
+
+from megaflex.hashing import sha256_file
 
 DOC_MODES = ("auto", "wikitext", "line", "paragraph", "file")
 
@@ -279,11 +280,3 @@ def fingerprint(spec: str) -> dict:
     if isinstance(files, str) and os.path.isfile(files):
         out["sha256"] = sha256_file(files)
     return out
-
-
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()

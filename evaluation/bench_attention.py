@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_JSON = REPO / "evaluation" / "results" / "bench_attention.json"
+DEFAULT_JSON = REPO / "docs" / "results" / "bench_attention.json"
 IMPLS = ("softmax", "flexformer_n", "flexformer_s", "performer")
 HEADS, HEAD_DIM, FEATURE_DIM = 8, 64, 128
 # glibc malloc: never mmap (then munmap) large blocks, never trim the heap. PyTorch's CPU

@@ -22,7 +22,7 @@ Reported per rank:
   (forward state + backward state gradient), counted at the collective; it must not depend on N.
 
 Then one step of a ``--long-length`` (1,048,576) token sequence on ``--long-cp`` ranks of a smaller
-model with activation checkpointing. Results go to evaluation/results/bench_context_parallel.json.
+model with activation checkpointing. Results go to docs/results/bench_context_parallel.json.
 CPU timings on a shared machine are noisy: compare CP=1 and CP=2 measured in the same run.
 """
 
@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).resolve().parent / "results" / "bench_context_parallel.json"
+RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results" / "bench_context_parallel.json"
 
 
 def _rss_mib() -> float:

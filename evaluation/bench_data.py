@@ -1,6 +1,6 @@
 """Data-pipeline benchmark (not a test): preprocessing throughput, index build, sample reads.
 
-    python -m evaluation.bench_data [--out evaluation/results/bench_data.json] [--quick]
+    python -m evaluation.bench_data [--out docs/results/bench_data.json] [--quick]
 
 1. Preprocessing MB/s and tokens/s on english-docs (62 MB JSONL) with 1 and 2 processes, using a
    BPE tokenizer trained on a sample of it (``--vocab-size``).
@@ -153,7 +153,7 @@ def bench_reads(prefix: str, seq_len: int, n: int = 2000) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=str(REPO / "evaluation/results/bench_data.json"))
+    ap.add_argument("--out", default=str(REPO / "docs/results/bench_data.json"))
     ap.add_argument("--vocab-size", type=int, default=16000)
     ap.add_argument("--docs", type=int, default=10_000_000)
     ap.add_argument("--tokens", type=int, default=1_000_000_000)

@@ -17,7 +17,7 @@ bounded by about 1 + (KV cache bytes) / (weight bytes) on a memory-bound machine
 shares one read of the weights across sequences while each sequence reads its own KV cache, which
 is where a constant-size state pays off most.
 
-Writes ``decode.json`` and ``decode.png`` under ``--out`` (default ``evaluation/results``).
+Writes ``decode.json`` and ``decode.png`` under ``--out`` (default ``docs/results``).
 Not a test: timings depend on the machine.
 """
 
@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--real-prefill", action="store_true", help="prefill all context tokens for real (slow)")
     add_model_arguments(p)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--out", default="evaluation/results")
+    p.add_argument("--out", default="docs/results")
     return p
 
 

@@ -4,7 +4,7 @@
     python -m evaluation.bench_model --seq-lens 1024,2048 --steps 2     # quick
     python -m evaluation.bench_model --seq-lens 256,512 --batch-size 8 --hidden-size 128 \
         --vocab-size 4096 --steps 5 --rounds 3 --threads 1 \
-        --out evaluation/results/model_kernel_shape                      # the kernel-study shape
+        --out docs/results/model_kernel_shape                      # the kernel-study shape
 
 Each (kind, sequence length) runs in a fresh subprocess (so peak memory is its own): one
 training step (forward, backward, AdamW) untimed, then ``--steps`` timed ones of ``--batch-size``
@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_arguments(p)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per (kind, seq_len) run")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--out", default="evaluation/results")
+    p.add_argument("--out", default="docs/results")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--kind", default=None, help=argparse.SUPPRESS)
     p.add_argument("--seq-len", type=int, default=None, help=argparse.SUPPRESS)

@@ -1,7 +1,7 @@
 """Training throughput and peak memory per ZeRO stage and precision (CPU by default). Not a test.
 
     python evaluation/bench_training.py [--configs tiny 41m] [--zero 0 1 2 3] [--precision fp32 bf16]
-                                        [--world-size 2] [--steps 6] [--out evaluation/results/bench_training.json]
+                                        [--world-size 2] [--steps 6] [--out docs/results/bench_training.json]
 
 Each cell launches the real trainer (``python -m megaflex.train``) on ``--world-size`` local gloo
 ranks with synthetic tokens (no data files needed) and reads tokens/s (median of the steps after
@@ -64,7 +64,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--micro-batch", type=int, default=4)
-    ap.add_argument("--out", default=str(REPO / "evaluation" / "results" / "bench_training.json"))
+    ap.add_argument("--out", default=str(REPO / "docs" / "results" / "bench_training.json"))
     args = ap.parse_args()
 
     rows = []

@@ -17,7 +17,7 @@ Per seed (seed-major: a stopped study still has whole seeds):
 Stages 1 and 2 together may use at most ``--max-token-fraction`` (10%) of the teacher's tokens.
 Every model is evaluated like the kernel study's runs (``kernel_study.evaluate_run``: english-docs
 valid and WikiText-2 test, windows of the training length). Output in ``--out`` (default
-``evaluation/results/distill``): ``results.json``, ``results.md`` (mean +- std over seeds, tokens
+``docs/results/distill``): ``results.json``, ``results.md`` (mean +- std over seeds, tokens
 as a fraction of the teacher's, the issue's targets checked) and ``ppl_vs_tokens.png``.
 """
 
@@ -48,7 +48,7 @@ class DistillStudyConfig(StudyConfig):
     """The kernel study's shape and data (``StudyConfig``: the teacher's recipe) plus the stages."""
 
     work_dir: str = "work_data/distill_study"
-    out: str = "evaluation/results/distill"
+    out: str = "docs/results/distill"
     students: list[str] = field(default_factory=lambda: list(STUDENTS))
     teacher_runs: str | None = None  # a kernel study's runs/ folder holding softmax_s{seed}
     stage1_steps: int = 10

@@ -7,7 +7,7 @@ Flexformer-N's ``omega_init``. Same model, data and evaluation as ``evaluation.k
 (its functions, shorter runs on the first 1500 train documents); every run sets both options
 explicitly, so the grid does not depend on the current defaults. Single seed: a pilot, not a
 result (the study's seed noise on valid ppl was about +-2.7%). Output: ``results.json`` /
-``results.md`` / plots in ``--out`` (default ``evaluation/results/kernel_pilot``).
+``results.md`` / plots in ``--out`` (default ``docs/results/kernel_pilot``).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--eval-tokens", type=int, default=100_000)
     p.add_argument("--parallel", type=int, default=2, help="training processes at once")
     p.add_argument("--work-dir", default="work_data/kernel_pilot")
-    p.add_argument("--out", default="evaluation/results/kernel_pilot")
+    p.add_argument("--out", default="docs/results/kernel_pilot")
     args = p.parse_args(argv)
     cfg = StudyConfig(kinds=["flexformer_n"], arms=[], seeds=1, steps=args.steps, max_train_docs=args.max_train_docs,
                       tokenizer_sentences=100_000, eval_tokens=args.eval_tokens, work_dir=args.work_dir, out=args.out)

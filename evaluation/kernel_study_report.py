@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import torch
 
-from evaluation.kernel_study import LEARNED_SPECTRUM, StudyConfig
+from evaluation.kernel_study_config import ARMS, LEARNED_SPECTRUM, StudyConfig
 
 METRICS = ("english_docs_valid_ppl", "wikitext2_test_ppl")
 EVAL_SETS = {"english_docs_valid_ppl": "english-docs valid", "wikitext2_test_ppl": "WikiText-2 test"}
@@ -128,8 +128,6 @@ def write_report(
             row[key] = s.get(f"{key}_mean")
         table.append(row)
     columns = ["run", "seeds", *METRICS, "omega_rel_change", "tau_per_layer", "negative_fraction", "effective_keys"]
-    from evaluation.kernel_study import ARMS
-
     arms = "".join(f"- `{a}`: {ARMS[a][1]} ({', '.join(ARMS[a][0])})\n" for a in cfg.arms)
     status = ("All runs of the study are in.\n" if not missing else
               f"**Partial report: {len(missing)} of {len(missing) + len(rows)} runs missing** (continue with the "

@@ -27,7 +27,7 @@ arms of one seed share the seed: the same non-kernel init and the same data orde
 Reported per kind: B test perplexity of each arm (mean +- std over seeds) and the drop of
 ``transfer`` and ``random`` relative to ``learned_b`` (ppl ratio - 1); A's own numbers; and a check
 that the frozen kernels stayed what they should be (max |diff| to A's kernel / to the init).
-Output in ``--out`` (default ``evaluation/results/kernel_transfer``): ``results.json``,
+Output in ``--out`` (default ``docs/results/kernel_transfer``): ``results.json``,
 ``results.md``, ``transfer.png`` (bars). Rows are stored per run like the kernel study's
 (``<out>/runs``, fingerprinted), so an interrupted experiment continues where it stopped.
 """
@@ -35,12 +35,11 @@ Output in ``--out`` (default ``evaluation/results/kernel_transfer``): ``results.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import shlex
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any, Sequence
@@ -50,34 +49,9 @@ import torch
 from evaluation.kernel_study import (
     RunSpec, StudyConfig, evaluate_run, initial_model, load_row, prepare_data, reused_run_data, save_row, train_run,
 )
-
-KINDS = ("flexformer_n", "hedgehog")
-ARMS = {
-    "transfer": "kernel learned on A (english-docs), frozen; the rest trained from scratch on B",
-    "learned_b": "kernel learned on B directly (ordinary training on B)",
-    "random": "untrained kernel (the map's fresh init), frozen; the rest trained on B",
-}
-FROZEN = ["optimizer.freeze_kernel=true"]
-B_METRIC = "wikitext2_test_ppl"
-
-
-@dataclass
-class TransferConfig:
-    """The experiment: the kernel study's model/recipe (``study``) with A and B step counts."""
-
-    study: StudyConfig
-    kinds: tuple[str, ...] = KINDS
-    steps_a: int = 300
-    steps_b: int = 150
-    data_work_dir: str = "work_data/kernel_study"  # tokenizer and A data, shared with the study
-    jobs: int = 1  # (kind, seed) chains trained at once, each one process
-    a_runs: str | None = None  # a kernel study's runs/ folder whose <kind>_s<seed> runs are domain A
-
-    def config_a(self) -> StudyConfig:
-        return replace(self.study, steps=self.steps_a)
-
-    def config_b(self) -> StudyConfig:
-        return replace(self.study, steps=self.steps_b)
+from evaluation.kernel_transfer_config import ARMS, B_METRIC, FROZEN, TransferConfig
+from evaluation.kernel_transfer_report import write_report
+from megaflex.hashing import sha256_file
 
 
 # ------------------------------------------------------------------------------- data
@@ -95,7 +69,7 @@ def domain_a_data(cfg: TransferConfig) -> dict[str, Path]:
     found = {(kind, seed): reused_run_data(cfg.config_a(), reused_a_dir(cfg, kind, seed), kind, "--a-runs", "A run",
                                            steps=cfg.steps_a)
              for kind in cfg.kinds for seed in cfg.study.seed_list}
-    tokenizers = {run: hashlib.sha256(d["tokenizer"].read_bytes()).hexdigest() for run, d in found.items()}
+    tokenizers = {run: sha256_file(d["tokenizer"]) for run, d in found.items()}
     if len(set(tokenizers.values())) > 1:
         raise ValueError(f"--a-runs: the runs were trained with different tokenizers: {sorted(tokenizers.items())}")
     return next(iter(found.values()))
@@ -108,7 +82,7 @@ def prepare_domains(cfg: TransferConfig) -> tuple[dict[str, Path], dict[str, Pat
     from data_prep.preprocess import PreprocessConfig, preprocess
 
     data_a = domain_a_data(cfg)
-    tokenizer_digest = hashlib.sha256(data_a["tokenizer"].read_bytes()).hexdigest()[:12]
+    tokenizer_digest = sha256_file(data_a["tokenizer"])[:12]
     prefix = Path(cfg.data_work_dir) / f"wikitext2_raw_valid_tok{tokenizer_digest}"
     prefix.parent.mkdir(parents=True, exist_ok=True)
     if not Path(str(prefix) + ".idx").is_file():
@@ -212,8 +186,6 @@ def run_chain(cfg: TransferConfig, kind: str, seed: int, data_a: dict[str, Path]
 
 def run_transfer(cfg: TransferConfig, command: str, fresh: bool = False) -> list[dict[str, Any]]:
     """Every (kind, seed) chain, ``cfg.jobs`` at once; writes the report; returns the rows."""
-    from evaluation.kernel_transfer_report import write_report
-
     start = time.perf_counter()
     data_a, data_b = prepare_domains(cfg)
     chains = [(kind, seed) for seed in cfg.study.seed_list for kind in cfg.kinds]
@@ -242,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--a-runs", default=None, help="a kernel study's runs/ folder: its <kind>_s<seed> runs are domain A "
                                                   "(not retrained; --steps-a and the shape flags must match them)")
     p.add_argument("--work-dir", default="work_data/kernel_transfer", help="run folders and checkpoints")
-    p.add_argument("--out", default="evaluation/results/kernel_transfer")
+    p.add_argument("--out", default="docs/results/kernel_transfer")
     p.add_argument("--data-root", default=defaults.study.data_root)
     p.add_argument("--fresh", action="store_true", help="retrain runs whose row is stored with the same fingerprint")
     for name in ("vocab_size", "num_layers", "hidden_size", "num_heads", "feature_dim", "seq_len", "micro_batch_size",

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from evaluation.kernel_study_report import beats, mean_std
-from evaluation.kernel_transfer import ARMS, B_METRIC, TransferConfig
+from evaluation.kernel_transfer_config import ARMS, B_METRIC, TransferConfig
 
 A_METRIC = "english_docs_valid_ppl"
 DROP_ARMS = ("transfer", "random")

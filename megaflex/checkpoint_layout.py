@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import io
 import json
 import os
@@ -36,6 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterable
 
+from megaflex.hashing import sha256_file
+
 TAG_RE = re.compile(r"^step_(\d{8,})$")
 TMP_PREFIX = ".tmp-"
 META_FILE = "megaflex.json"
@@ -44,7 +45,6 @@ FILES_KEY = "files"  # the per-file checksum table inside the metadata
 RNG_DIR = "rng"
 UNIVERSAL_DIR = "universal"
 MODEL_STATES = "mp_rank_{:02d}_model_states.pt"
-_HASH_CHUNK = 8 << 20
 
 
 class CheckpointError(RuntimeError):
@@ -191,14 +191,6 @@ def data_file_names(tag_dir: str | Path) -> list[str]:
     root = Path(tag_dir)
     return sorted(p.relative_to(root).as_posix() for p in root.rglob("*")
                   if p.is_file() and p.name != META_FILE and ".tmp" not in p.name)
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def file_manifest(tag_dir: str | Path, names: Iterable[str] | None = None) -> dict[str, dict[str, Any]]:

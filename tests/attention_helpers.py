@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
 from megaflex.attention import FEATURE_MAP_KINDS, LinearAttentionState, build_feature_map, causal_linear_attention
 from megaflex.attention.base import FeatureMap
 
 LINEAR_KINDS = FEATURE_MAP_KINDS
-CHUNKED_AVAILABLE = importlib.util.find_spec("megaflex.attention.chunked") is not None
-# forms the suite compares; "chunked" joins as soon as megaflex/attention/chunked.py exists
-AVAILABLE_FORMS = ("quadratic", "recurrent") + (("chunked",) if CHUNKED_AVAILABLE else ())
+AVAILABLE_FORMS = ("quadratic", "recurrent", "chunked")  # the forms the suite compares
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -60,3 +56,42 @@ def attend(
         fq.features, fk.features, fk.log_scale, v, form=form, normalization=normalization,
         chunk_size=chunk_size, initial_state=state, eps=eps,
     )
+
+
+def attention_steps(n: int, feat: int, dv: int, log_scale_spread: float = 0.0, head_dim: int = 0) -> float:
+    """Rounding-error growth (``steps`` of tests/numerics.py) of a feature map + causal linear
+    attention and its backward: sums over the n tokens (plus a carried state), the feat features,
+    the dv values (rms) and the head_dim inputs of the map, and the exp arguments, which carry
+    their size x u of absolute error: the chunked forms split exp(kls_s - m_t) into up to three
+    factors (within the chunk, chunk to chunk, the carried state's rescale), each with an argument
+    up to the log-scales' spread; all of it forward and again in the backward's recomputation."""
+    return 2 * (n + 1 + feat + dv + head_dim + 3 * log_scale_spread)
+
+
+def log_scale_spread(*log_scales: torch.Tensor | None) -> float:
+    """A bound on |kls_s - m_t| over every exp argument: twice the largest |log-scale| given."""
+    return 2 * max((ls.detach().double().abs().max().item() for ls in log_scales if ls is not None and ls.numel()), default=0.0)
+
+
+def form_steps(fmap: FeatureMap, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extra_tokens: int = 0) -> float:
+    """``attention_steps`` of ``attend(fmap, q, k, v)`` (plus ``extra_tokens`` carried in a state);
+    a trig map's cos/sin arguments x . omega carry their size x u too (forward and backward)."""
+    with torch.no_grad():
+        fq, fk = fmap(q, 0), fmap(k, 0)
+        projection = 0.0
+        if hasattr(fmap, "trig_spec"):
+            omega = fmap.trig_spec()[0].double()
+            projection = max(torch.einsum("bhnd,hpd->bhnp", x.double(), omega).abs().max().item() for x in (q, k))
+    steps = attention_steps(
+        q.shape[2] + extra_tokens, fk.features.shape[-1], v.shape[-1], log_scale_spread(fq.log_scale, fk.log_scale),
+        q.shape[-1],
+    )
+    return steps + 2 * projection
+
+
+def map_steps(x: torch.Tensor, omega: torch.Tensor) -> float:
+    """Error growth (tests/numerics.py) of the trig map and its backward: head_dim-term projections
+    and norms, cos/sin of projections up to max |x . omega| (absolute error |arg| u), pair sums and
+    the scale; x's gradient sums over the P rows, omega's / inv_t's over every (batch, token)."""
+    projection = torch.einsum("bhnd,hpd->bhnp", x.detach().double(), omega.detach().double()).abs().max().item()
+    return 2 * (x.shape[-1] + omega.shape[1] + x.shape[0] * x.shape[2] + 4) + 2 * projection

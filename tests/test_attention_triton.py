@@ -22,20 +22,19 @@ from megaflex.attention import LinearAttentionState, NORMALIZATIONS  # noqa: E40
 from megaflex.attention.feature_maps._trig import trig_feature_map_reference  # noqa: E402
 from megaflex.attention.quadratic import quadratic_linear_attention  # noqa: E402
 from megaflex.attention.triton import kernel_chunk, trig_linear_attention, triton_linear_attention  # noqa: E402
+from attention_helpers import attention_steps, log_scale_spread  # noqa: E402
+from numerics import assert_close, assert_close_to_reference, fp32_steps_in  # noqa: E402
+
+pytestmark = pytest.mark.numerics
 
 LENGTHS = (1, 31, 64, 65, 200)
 CHUNKS = (16, 64)
-TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3}
+# Rounding steps per fp16 value on the way (see tests/numerics.py): fp16 inputs are exact in the
+# fp64 reference; the kernels round the exp weights / probabilities and each output or gradient
+# to fp16 (one u16 each, on the chain of the forward and the backward) and accumulate in fp32,
+# whose steps are negligible next to one u16 (2^13 x smaller).
+FP16_STEPS = 8
 
-
-def _close(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
-    """Normwise: max|got - want| <= tol * max(max|want|, 1) (gradients that are exactly 0 in
-    exact arithmetic, e.g. dq at N = 1 under rms, are compared on the scale of 1)."""
-    assert got.shape == want.shape and got.dtype == want.dtype, (name, got.shape, want.shape, got.dtype, want.dtype)
-    assert torch.isfinite(got).all(), f"{name}: non-finite values"
-    err = (got.double() - want.double()).abs().max().item()
-    scale = max(want.double().abs().max().item(), 1.0)
-    assert err <= tol * scale, f"{name}: max error {err:.3e} > {tol:.1e} x {scale:.3e}"
 
 
 def _inputs(n, feat, dv, *, normalization, with_state, key_scale, dtype, values=None, seed=0):
@@ -78,22 +77,21 @@ def _loss_and_grads(out, state, leaves, seed=1):
 
 
 def _flatten(result):
-    out, state, grads = result
+    out, state, grads = result[:3]
     return {"out": out, "state.kv": state.kv, "state.k_sum": state.k_sum, **{f"d{k}": g for k, g in grads.items()}}
 
 
-def _compare(got, want, exact, tol):
-    """``got`` (Triton) vs ``want`` (the quadratic form at the same precision) and ``exact`` (the
-    quadratic form in fp64): Triton's error w.r.t. fp64 may exceed ``tol`` only as far as the
-    reference's own rounding error does (with key scales x100 rms outputs can be ill-conditioned)."""
-    torch.testing.assert_close(got[1].log_max.double(), exact[1].log_max, rtol=1e-6, atol=1e-6)
+def _compare(got, want, exact, *, steps, dtype=torch.float32):
+    """``got`` (Triton) vs ``exact`` (the quadratic form in fp64), conditioning measured by ``want``
+    (the quadratic form at the same precision): tests/numerics.py. Gradients that are exactly 0 in
+    exact arithmetic (e.g. dq at N = 1 under rms) are compared on the scale of 1 (their terms')."""
+    # log_max: a max of fp32 log-scales (given, or computed by the trig map: exact[3] fp32 steps)
+    assert_close_to_reference(got[1].log_max, want[1].log_max, exact[1].log_max, steps=exact[3], floor=1.0, name="log_max")
     assert got[1].offset == exact[1].offset
     got, want, exact = _flatten(got), _flatten(want), _flatten(exact)
     for name, ref in exact.items():
         assert got[name].dtype == want[name].dtype, (name, got[name].dtype, want[name].dtype)
-        scale = max(ref.abs().max().item(), 1.0)
-        reference_error = (want[name].double() - ref).abs().max().item() / scale
-        _close(name, got[name].double(), ref, tol + 10 * reference_error)
+        assert_close_to_reference(got[name], want[name], ref, steps=steps, dtype=dtype, floor=1.0, name=name)
 
 
 def _run_core(fn, n, chunk, normalization, with_state, key_scale, dtype, values=None):
@@ -104,7 +102,8 @@ def _run_core(fn, n, chunk, normalization, with_state, key_scale, dtype, values=
     if fn is triton_linear_attention:
         kwargs["chunk_size"] = chunk
     out, new_state = fn(leaves["qf"], leaves["kf"], leaves["kls"], leaves["v"], **kwargs)
-    return out, new_state, _loss_and_grads(out, new_state, leaves)
+    steps = attention_steps(n, 16, 16, log_scale_spread(leaves["kls"], None if state is None else state.log_max))
+    return out, new_state, _loss_and_grads(out, new_state, leaves), steps
 
 
 # key scales x100 run with a carried state (its log_max then matters too); 60 cases in all
@@ -114,12 +113,12 @@ def _run_core(fn, n, chunk, normalization, with_state, key_scale, dtype, values=
 @pytest.mark.parametrize("n", LENGTHS)
 def test_core_kernels_match_quadratic_fp32(n, chunk, normalization, with_state, key_scale):
     args = (n, chunk, normalization, with_state, key_scale)
+    exact = _run_core(quadratic_linear_attention, *args, torch.float64)
     _compare(
         _run_core(triton_linear_attention, *args, torch.float32),
         _run_core(quadratic_linear_attention, *args, torch.float32),
-        _run_core(quadratic_linear_attention, *args, torch.float64),
-        # exp arguments kls_s - m_t carry |kls| x 2^-24 absolute rounding, which rms can amplify
-        TOLERANCE[torch.float32] * (1 + key_scale / 5),
+        exact,
+        steps=exact[3],
     )
 
 
@@ -128,10 +127,12 @@ def test_core_kernels_match_quadratic_fp32(n, chunk, normalization, with_state, 
 @pytest.mark.parametrize("n,chunk", [(1, 16), (65, 16), (200, 64)])
 def test_core_kernels_match_quadratic_fp16(n, chunk, normalization, with_state):
     args = (n, chunk, normalization, with_state, 100.0)
-    out, state, grads = _run_core(triton_linear_attention, *args, torch.float16)
-    assert out.dtype == torch.float16 and state.kv.dtype == torch.float32  # fp32 state whatever the input
+    got = _run_core(triton_linear_attention, *args, torch.float16)
+    assert got[0].dtype == torch.float16 and got[1].kv.dtype == torch.float32  # fp32 state whatever the input
     exact = _run_core(quadratic_linear_attention, *args, torch.float64, values=torch.float16)
-    _compare((out, state, grads), _run_core(quadratic_linear_attention, *args, torch.float16), exact, TOLERANCE[torch.float16])
+    # fp32 accumulation: its steps (exact[3]) x u32, in units of u16
+    steps = FP16_STEPS + fp32_steps_in(torch.float16, exact[3])
+    _compare(got, _run_core(quadratic_linear_attention, *args, torch.float16), exact, steps=steps, dtype=torch.float16)
 
 
 def _run_trig(use_triton, n, chunk, paired, normalization, with_state, temperature_scale, dtype, values=None):
@@ -155,7 +156,14 @@ def _run_trig(use_triton, n, chunk, paired, normalization, with_state, temperatu
         qf, _ = trig_feature_map_reference(q, omega, inv_t, paired=paired)
         kf, kls = trig_feature_map_reference(k, omega, inv_t, paired=paired)
         out, new_state = quadratic_linear_attention(qf, kf, kls, leaves["v"], **options)
-    return out, new_state, _loss_and_grads(out, new_state, grads_of)
+    # the map adds d-term projections (omega . q) whose cos/sin arguments, and the log-scales
+    # ||k||^2 inv_t, carry their own size x u
+    with torch.no_grad():
+        projections = torch.einsum("bhnd,hrd->bhnr", torch.cat([q, k], dim=2).double(), omega.double()).abs().max().item()
+        log_scales = (k.double().pow(2).sum(-1) * inv_t.double()[:, None]).abs().max().item()
+    spread = 2 * max(log_scales, 0.0 if state is None else state.log_max.detach().abs().max().item())
+    steps = attention_steps(n, rows if paired else 2 * rows, 8, spread) + 2 * (d + projections)
+    return out, new_state, _loss_and_grads(out, new_state, grads_of), steps
 
 
 @pytest.mark.parametrize("normalization", NORMALIZATIONS)
@@ -166,24 +174,17 @@ def _run_trig(use_triton, n, chunk, paired, normalization, with_state, temperatu
 def test_trig_path_matches_reference_fp32(n, chunk, with_state, temperature_scale, paired, normalization):
     # temperature_scale 100: key log-scales ||k||^2 inv_t ~ 100 x larger (the stabiliser keeps every exp <= 1)
     args = (n, chunk, paired, normalization, with_state, temperature_scale)
-    _compare(
-        _run_trig(True, *args, torch.float32),
-        _run_trig(False, *args, torch.float32),
-        _run_trig(False, *args, torch.float64),
-        TOLERANCE[torch.float32] * (1 + temperature_scale / 5),  # see the core test
-    )
+    exact = _run_trig(False, *args, torch.float64)
+    _compare(_run_trig(True, *args, torch.float32), _run_trig(False, *args, torch.float32), exact, steps=exact[3])
 
 
 @pytest.mark.parametrize("paired", [True, False])
 @pytest.mark.parametrize("n,chunk", [(31, 16), (65, 64)])
 def test_trig_path_matches_reference_fp16(n, chunk, paired):
     args = (n, chunk, paired, "rms", True, 100.0)
-    _compare(
-        _run_trig(True, *args, torch.float16),
-        _run_trig(False, *args, torch.float16),
-        _run_trig(False, *args, torch.float64, values=torch.float16),
-        TOLERANCE[torch.float16],
-    )
+    exact = _run_trig(False, *args, torch.float64, values=torch.float16)
+    steps = FP16_STEPS + fp32_steps_in(torch.float16, exact[3])
+    _compare(_run_trig(True, *args, torch.float16), _run_trig(False, *args, torch.float16), exact, steps=steps, dtype=torch.float16)
 
 
 def test_chunk_lengths_round_to_powers_of_two_within_dot_limits():
@@ -198,8 +199,11 @@ def test_segments_with_carried_state_equal_one_shot():
     second, last_state = triton_linear_attention(
         qf[:, :, 37:], kf[:, :, 37:], kls[:, :, 37:], v[:, :, 37:], chunk_size=16, initial_state=state
     )
-    _close("segments", torch.cat([first, second], dim=2), whole, 1e-5)
-    _close("state.kv", last_state.kv, whole_state.kv, 1e-5)
+    # both within the rounding bound of the exact result (tests/numerics.py); key scales x30 make the
+    # exp arguments' rounding (their spread x u) the largest part
+    steps = attention_steps(70, 16, 16, log_scale_spread(kls))
+    assert_close(torch.cat([first, second], dim=2), whole, steps=steps, floor=1.0, name="segments")
+    assert_close(last_state.kv, whole_state.kv, steps=steps, floor=1.0, name="state.kv")
     assert last_state.offset == whole_state.offset == 70
 
 

@@ -25,9 +25,9 @@ from megaflex.parallel import (
     sequence_slice,
 )
 from megaflex.parallel.reshard import gpt_layout, load_state_dict_checked, merge_shards, split_state_dict
+from attention_helpers import form_steps
+from numerics import assert_close, gpt_steps, normwise_scale
 from test_parallel_model import CONFIGS, _reference
-
-ATOL, RTOL = 1e-5, 1e-4
 
 
 # ----------------------------------------------------------------------------------------
@@ -86,17 +86,20 @@ ATTENTION_CASES = [
 
 def _attention_run(
     kind: str, normalization: str, key_scale: float, n: int, chunk: int, state: ParallelState | None,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype = torch.float32, form: str = "chunked",
 ):
     """Outputs and gradients of one core on the whole sequence (state None) or this CP rank's slice."""
     torch.manual_seed(0)
-    core = AttentionCore(kind, 2, 8, feature_dim=16, normalization=normalization, chunk_size=chunk, max_seq_len=n)
+    core = AttentionCore(kind, 2, 8, feature_dim=16, normalization=normalization, chunk_size=chunk, max_seq_len=n, form=form)
     core.to(dtype)
     gen = torch.Generator().manual_seed(1)
     q, k, v, weight = (torch.randn(2, 2, n, 8, generator=gen).to(dtype) for _ in range(4))
     k = k * key_scale
     if state is not None:
         q, k, v, weight = (sequence_slice(t, state.cp_rank, state.cp_size, dim=2) for t in (q, k, v, weight))
+    # error growth (tests/numerics.py) on the whole sequence, plus the CP ranks' state combination;
+    # parameters' gradients sum over every (batch, head, token) position
+    steps = form_steps(core.feature_map, q, k, v) + 2 * (q[..., 0].numel() + (1 if state is None else state.cp_size))
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     attend = core if state is None else ContextParallelAttention(core, state)
     out, _ = attend(q, k, v)
@@ -105,7 +108,30 @@ def _attention_run(
     if state is not None:
         for g in params.values():
             dist.all_reduce(g, group=state.cp_group)
-    return {"out": out.detach(), "q": q.grad, "k": k.grad, "v": v.grad, "params": params}
+    return {"out": out.detach(), "q": q.grad, "k": k.grad, "v": v.grad, "params": params, "steps": steps}
+
+
+def _assert_cp_equals_single_rank(
+    got: dict, ref: dict, state: ParallelState, dtype: torch.dtype, case: object, plain: dict | None = None
+) -> None:
+    """This rank's slice of the outputs and input gradients, and the CP-summed parameter gradients,
+    within the rounding bound of the single-rank run (gradients on the largest one's scale: an entry
+    near 0 carries the rounding of its large terms). ``plain``: the single-rank quadratic form, whose
+    difference from ``ref`` measures the conditioning (signed trig features under "denominator")."""
+    steps = max(got["steps"], ref["steps"])
+
+    def rank_slice(result: dict, name: str) -> torch.Tensor:
+        return sequence_slice(result[name], state.cp_rank, state.cp_size, dim=2)
+
+    wants = {name: rank_slice(ref, name) for name in ("out", "q", "k", "v")}
+    terms = max(normwise_scale(g) for g in [*wants.values(), *ref["params"].values()][1:])
+    for name in ("out", "q", "k", "v"):
+        assert_close(got[name], wants[name], steps=steps, dtype=dtype, floor=0.0 if name == "out" else terms,
+                     plain=None if plain is None else rank_slice(plain, name), name=f"{case} {name}")
+    assert ref["params"].keys() == got["params"].keys()
+    for name, want in ref["params"].items():
+        assert_close(got["params"][name], want, steps=steps, dtype=dtype, floor=terms,
+                     plain=None if plain is None else plain["params"][name], name=f"{case} {name}")
 
 
 def _attention_worker(rank: int, world: int, n: int, chunk: int) -> list[str]:
@@ -115,12 +141,8 @@ def _attention_worker(rank: int, world: int, n: int, chunk: int) -> list[str]:
         kind, normalization, key_scale, dtype = case
         ref = _attention_run(kind, normalization, key_scale, n, chunk, None, dtype)
         got = _attention_run(kind, normalization, key_scale, n, chunk, state, dtype)
-        for name in ("out", "q", "k", "v"):
-            want = sequence_slice(ref[name], state.cp_rank, state.cp_size, dim=2)
-            torch.testing.assert_close(got[name], want, atol=ATOL, rtol=RTOL, msg=lambda m: f"{case} {name}: {m}")
-        assert ref["params"].keys() == got["params"].keys()
-        for name, want in ref["params"].items():
-            torch.testing.assert_close(got["params"][name], want, atol=ATOL, rtol=RTOL, msg=lambda m: f"{case} {name}: {m}")
+        plain = _attention_run(kind, normalization, key_scale, n, chunk, None, dtype, form="quadratic")
+        _assert_cp_equals_single_rank(got, ref, state, dtype, case, plain)
         checked.append(f"{case}: out q k v {sorted(ref['params'])}")
     return checked
 
@@ -155,14 +177,8 @@ def _long_slice_worker(rank: int, world: int, n: int) -> dict[str, float]:
     state = ParallelState.create(context_parallel_size=world)
     ref = _attention_run("flexformer_n", "rms", 1.0, n, 64, None)
     got = _attention_run("flexformer_n", "rms", 1.0, n, 64, state)
-    for name in ("out", "q", "k", "v"):
-        want = sequence_slice(ref[name], state.cp_rank, state.cp_size, dim=2)
-        torch.testing.assert_close(got[name], want, atol=ATOL, rtol=RTOL, msg=lambda m: f"{name}: {m}")
-    for name, want in ref["params"].items():
-        # fp32 sums over 2 x 2 x 4200 token terms: entries near 0 carry the rounding of the large ones,
-        # so the absolute tolerance is relative to the gradient's scale (max ~400 here)
-        atol = ATOL * float(want.abs().max())
-        torch.testing.assert_close(got["params"][name], want, atol=atol, rtol=RTOL, msg=lambda m: f"{name}: {m}")
+    # fp32 sums over 2 x 2 x 4200 token terms (counted in the steps)
+    _assert_cp_equals_single_rank(got, ref, state, torch.float32, "long slices")
     core = AttentionCore("flexformer_n", 2, 8, feature_dim=16, chunk_size=64)
     q, k, v = (torch.randn(2, 2, n // world, 8, requires_grad=True) for _ in range(3))
     return {
@@ -214,16 +230,22 @@ def test_gpt_context_parallel_equals_single_rank(tp: int, cp: int) -> None:
     per_rank = run_distributed(_gpt_worker, tp * cp, args=(tp, cp, refs))
     for i, ref in enumerate(refs):
         n = SEQ // cp
+        config = ModelConfig(**ref["config"])
+        # the loss also sums over the tokens and the vocabulary (log-sum-exp); gradients also over
+        # every (batch, token) position, all on the largest gradient's scale; the CP ranks' sums add cp
+        steps = gpt_steps(config, SEQ) + SEQ + config.vocab_size + cp
+        grad_steps = gpt_steps(config, SEQ, backward=True) + 2 * (ref["ids"].numel() + config.vocab_size + cp)
+        terms = max(normwise_scale(g) for g in ref["grads"].values())
         for res in (r[i] for r in per_rank):
-            torch.testing.assert_close(res["loss"], ref["loss"], atol=ATOL, rtol=RTOL)
+            assert_close(res["loss"], ref["loss"], steps=steps, name="loss")
             want = ref["logits"][:, res["cp_rank"] * n : (res["cp_rank"] + 1) * n]
-            torch.testing.assert_close(res["logits"], want, atol=ATOL, rtol=RTOL)
+            assert_close(res["logits"], want, steps=steps, name="logits")
         layout = gpt_layout(ModelConfig(**ref["config"]))
         shards = sorted((r[i] for r in per_rank if r[i]["cp_rank"] == 0), key=lambda r: r["tp_rank"])
         grads = merge_shards([s["grads"] for s in shards], {k: layout[k] for k in ref["grads"]})
         assert grads.keys() == ref["grads"].keys()
         for name, want in ref["grads"].items():
-            torch.testing.assert_close(grads[name], want, atol=2e-5, rtol=RTOL, msg=lambda m: f"{name}: {m}")
+            assert_close(grads[name], want, steps=grad_steps, floor=terms, name=name)
 
 
 def test_gpt_under_cp_refuses_softmax() -> None:

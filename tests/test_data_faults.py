@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 from data_prep.preprocess import PreprocessConfig, preprocess
 from data_prep.sources import SourceError, iter_documents
@@ -30,10 +31,10 @@ from megaflex.data import (
     build_datasets,
     read_data_card,
 )
-from megaflex.data.card import file_sha256
 from megaflex.data.indexed import HEADER_SIZE
+from megaflex.hashing import sha256_file
 from megaflex.training import data as training_data
-from megaflex.training.config import ConfigError, config_from_dict, load_config
+from megaflex.training.config import ConfigError, load_config
 from training_harness import REPO, TINY
 
 TEXT = "".join(f"line {i}: the quick brown fox {i % 7} jumps over the lazy dog number {i * 13 % 101}\n" for i in range(400))
@@ -80,7 +81,9 @@ def tiny_cfg(tmp_path: Path, **data: object):
     cfg["model"]["vocab_size"] = 512  # > the 300-token test tokenizers
     cfg["data"] = {"source": "indexed", "seq_len": 16, **data}
     cfg["logging"] = {**cfg["logging"], "run_dir": str(tmp_path / "run")}
-    return config_from_dict(cfg, "test config")
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return load_config([path])
 
 
 # ---------------------------------------------------------------------------- item 2: structure
@@ -129,7 +132,7 @@ def test_preprocess_writes_a_data_card_with_the_tokenizer_identity(toks: dict[st
     preprocess(PreprocessConfig([str(toks["text"])], str(toks["a"]), str(tmp_path / "d"), progress=False, docs_per_shard=150))
     for shard in ("d_00000", "d_00001"):
         card = read_data_card(tmp_path / shard)
-        assert card["tokenizer"]["sha256"] == file_sha256(toks["a"])
+        assert card["tokenizer"]["sha256"] == sha256_file(toks["a"])
         assert card["tokenizer"]["vocab_size"] == Tokenizer(toks["a"]).vocab_size == 300
     r = run_cli("data_prep.merge", "--input", str(tmp_path / "d_00000"), str(tmp_path / "d_00001"),
                 "--output-prefix", str(tmp_path / "m"))
@@ -143,11 +146,11 @@ def test_training_start_checks_tokenizer_file_vocab_and_data_cards(toks: dict[st
     preprocess(PreprocessConfig([str(toks["text"])], str(toks["a"]), str(tmp_path / "d"), progress=False))
     prefix = [str(tmp_path / "d")]
     cfg = tiny_cfg(tmp_path, train_path=prefix, tokenizer=str(tmp_path / "nope.model"))
-    with pytest.raises(DataError, match=r"data.tokenizer \(from test config\): tokenizer model .*nope.model not found"):
+    with pytest.raises(DataError, match=r"data.tokenizer \(from .*config.yaml\): tokenizer model .*nope.model not found"):
         training_data.check_data_tokenizer(cfg)
     cfg = tiny_cfg(tmp_path, train_path=prefix, tokenizer=str(toks["a"]))
     cfg.model.vocab_size = 200
-    with pytest.raises(DataError, match=r"model.vocab_size \(from test config\): 200 is smaller than .* \(300 tokens\)"):
+    with pytest.raises(DataError, match=r"model.vocab_size \(from .*config.yaml\): 200 is smaller than .* \(300 tokens\)"):
         training_data.check_data_tokenizer(cfg)
     cfg = tiny_cfg(tmp_path, train_path=prefix)  # no data.tokenizer: the data card's vocabulary counts
     cfg.model.vocab_size = 200
@@ -261,11 +264,11 @@ def test_preprocess_and_train_tokenizer_refuse_to_overwrite(toks: dict[str, Path
     preprocess(PreprocessConfig([text], str(toks["a"]), out, progress=False))
     with pytest.raises(FileExistsError, match=r"d.bin, .*d.idx, .*d.card.json already exist"):
         preprocess(PreprocessConfig([text], str(toks["b"]), out, progress=False))
-    assert read_data_card(out)["tokenizer"]["sha256"] == file_sha256(toks["a"])  # untouched
+    assert read_data_card(out)["tokenizer"]["sha256"] == sha256_file(toks["a"])  # untouched
     r = run_cli("data_prep.preprocess", "--input", text, "--tokenizer", str(toks["b"]), "--output-prefix", out,
                 "--no-progress", "--overwrite")
     assert r.returncode == 0, r.stderr
-    assert read_data_card(out)["tokenizer"]["sha256"] == file_sha256(toks["b"])
+    assert read_data_card(out)["tokenizer"]["sha256"] == sha256_file(toks["b"])
     preprocess(PreprocessConfig([text], str(toks["a"]), str(tmp_path / "s"), docs_per_shard=150, progress=False))
     with pytest.raises(FileExistsError, match=r"s_00000.bin"):  # shards count as outputs too
         preprocess(PreprocessConfig([text], str(toks["a"]), str(tmp_path / "s"), docs_per_shard=100, progress=False))

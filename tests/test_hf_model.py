@@ -17,7 +17,10 @@ from evaluation.generate import SamplingConfig, generate
 from megaflex.attention import ATTENTION_KINDS
 from megaflex.hf import FlexformerCache, FlexformerConfig, FlexformerForCausalLM
 from megaflex.model.config import ModelConfig
+from numerics import assert_close, gpt_steps
 from transformers import AutoConfig, AutoModelForCausalLM
+
+pytestmark = pytest.mark.numerics
 
 VOCAB = 203  # odd, and not a multiple of the 128 padding
 
@@ -41,7 +44,7 @@ def test_auto_model_logits_equal_megaflex_for_every_kind(kind: str, tmp_path: Pa
         reference = model.model.gather_logits(model.model(ids).logits)  # megaflex's own GPT
         logits = loaded(ids).logits
     assert logits.shape == (2, 21, VOCAB)
-    torch.testing.assert_close(logits, reference, atol=1e-5, rtol=0)
+    assert_close(logits, reference, steps=gpt_steps(model.model.config, 21))
 
 
 @pytest.mark.parametrize("kind", ["flexformer_n", "softmax", "cosformer"])
@@ -61,7 +64,7 @@ def test_cache_continues_the_sequence(kind: str) -> None:
         assert _state_numel(first.cache) > state_size
     else:  # ... the recurrent state of linear attention does not: O(1) memory per token
         assert _state_numel(first.cache) == state_size
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-4, rtol=1e-4)
+    assert_close(torch.cat(steps, dim=1), full, steps=gpt_steps(model.model.config, 23))
 
 
 def _state_numel(cache: FlexformerCache) -> int:
@@ -108,7 +111,9 @@ def test_beam_search_reorders_the_state() -> None:
     with torch.no_grad():
         logp = model(out.sequences, use_cache=False).logits.log_softmax(-1)
     fresh = logp[:, 4:-1].gather(-1, out.sequences[:, 5:, None]).squeeze(-1).sum(-1)
-    torch.testing.assert_close(out.sequences_scores, fresh, atol=1e-4, rtol=1e-4)
+    # the model on 11 tokens, log-softmax over the vocabulary, the 6 log-probs' sum
+    steps = gpt_steps(model.model.config, 11) + model.model.config.vocab_size + 6
+    assert_close(out.sequences_scores, fresh, steps=steps, floor=logp.abs().max().item())
     assert len({tuple(s) for s in out.sequences.tolist()}) == 3
 
 
@@ -117,7 +122,8 @@ def test_labels_loss_and_padding_errors() -> None:
     ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(6))
     out = model(ids, labels=ids, use_cache=False)
     per_token = model.model(ids[:, :-1], labels=ids[:, 1:]).loss
-    torch.testing.assert_close(out.loss, per_token, atol=1e-6, rtol=1e-6)
+    # the same forward and loss, but for the mean over 20 tokens (and the log-softmax's vocab sum)
+    assert_close(out.loss, per_token, steps=gpt_steps(model.model.config, 11) + model.model.config.vocab_size + 20)
     right_padded = torch.ones_like(ids)
     right_padded[0, -3:] = 0
     model(ids, attention_mask=right_padded)  # accepted: pads come after every real token

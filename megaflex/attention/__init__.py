@@ -4,7 +4,8 @@ All tensors are [B, H, N, d]. See ``core.py`` for the maths shared by every form
 ``feature_maps/`` for the maps. Public API:
 
 * ``build_feature_map(kind, num_heads, head_dim, feature_dim, **kwargs)``
-* ``causal_linear_attention(qf, kf, kls, v, *, form, normalization, chunk_size, initial_state, eps)``
+* ``causal_linear_attention(qf, kf, kls, v, *, form, normalization, chunk_size, initial_state, eps, backend)``
+  (``backend``: auto | torch | triton, the chunked form's implementation)
 * ``AttentionCore(kind, num_heads, head_dim, ...)``: the module the model uses
 * ``softmax_attention`` / ``KVCache``: exact baseline
 * ``redraw_random_features(module, step)``: Performer redraws, call once per optimiser step

@@ -83,14 +83,8 @@ def _chunked_impl(on_cuda: bool, backend: str = "auto") -> LinearAttentionFn:
         from .triton import triton_linear_attention
 
         return triton_linear_attention
-    try:
-        from .chunked import chunked_linear_attention
-    except ModuleNotFoundError as err:  # only "chunked.py missing", not errors inside it
-        if err.name != f"{__package__}.chunked":
-            raise
-        raise NotImplementedError(
-            "form='chunked': megaflex/attention/chunked.py is not available; use form='recurrent' or 'quadratic'"
-        ) from None
+    from .chunked import chunked_linear_attention
+
     return chunked_linear_attention
 
 

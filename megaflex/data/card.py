@@ -14,13 +14,13 @@ with another.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
 from typing import Any
 
 from megaflex.data.indexed import DataError, index_file_path
+from megaflex.hashing import sha256_file
 
 DATA_CARD_KIND = "megaflex-data"
 
@@ -29,17 +29,9 @@ class TokenizerMismatchError(DataError):
     """Two records of the tokenizer (data card, checkpoint, the tokenizer in use) disagree."""
 
 
-def file_sha256(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def tokenizer_record(model_path: str | os.PathLike, vocab_size: int) -> dict[str, Any]:
     """``{"sha256", "vocab_size", "path"}`` of a tokenizer model file."""
-    return {"sha256": file_sha256(model_path), "vocab_size": int(vocab_size), "path": os.path.abspath(model_path)}
+    return {"sha256": sha256_file(model_path), "vocab_size": int(vocab_size), "path": os.path.abspath(model_path)}
 
 
 def check_same_tokenizer(expected: dict | None, actual: dict | None, expected_from: str, actual_from: str) -> None:

@@ -23,7 +23,6 @@ a memory-mapped read must never silently return bytes that belong to something e
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import struct
 from array import array
@@ -31,6 +30,8 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
+
+from megaflex.hashing import sha256_file
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -304,11 +305,7 @@ class IndexedDataset:
     def index_sha256(self) -> str:
         """sha256 of the ``.idx`` file (cached): identifies everything sample indices depend on."""
         if getattr(self, "_idx_sha256", None) is None:
-            h = hashlib.sha256()
-            with open(index_file_path(self.prefix), "rb") as f:
-                while chunk := f.read(1 << 22):
-                    h.update(chunk)
-            self._idx_sha256 = h.hexdigest()
+            self._idx_sha256 = sha256_file(index_file_path(self.prefix))
         return self._idx_sha256
 
     def __getstate__(self) -> dict:

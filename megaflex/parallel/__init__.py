@@ -8,7 +8,6 @@ Layering: this package may import ``megaflex.attention`` and ``megaflex.model`` 
 
 from megaflex.parallel.context_parallel import (
     ContextParallelAttention,
-    context_parallel_linear_attention,
     sequence_slice,
     sequence_sum,
 )
@@ -32,7 +31,6 @@ from megaflex.parallel.random import TensorParallelRNGTracker, model_parallel_se
 from megaflex.parallel.state import (
     DeepSpeedMPU,
     ParallelDims,
-    ParallelLayout,
     ParallelState,
     deepspeed_mpu,
     initialize_parallel_state,
@@ -41,12 +39,10 @@ from megaflex.parallel.state import (
 __all__ = [
     "ContextParallelAttention",
     "ParallelDims",
-    "context_parallel_linear_attention",
     "sequence_slice",
     "sequence_sum",
     "ColumnParallelLinear",
     "DeepSpeedMPU",
-    "ParallelLayout",
     "ParallelState",
     "RowParallelLinear",
     "TensorParallelLayers",

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from megaflex.attention import AttentionCore, LinearAttentionState, causal_linear_attention
+from megaflex.attention import AttentionCore, LinearAttentionState
 from megaflex.attention.base import accumulation_dtype
 from megaflex.parallel.state import ParallelState
 
@@ -153,30 +153,6 @@ def incoming_state(
         s_in, m_in = _PrefixState.apply(s_local.flatten(2), m_local, state)
     s_in = s_in.view(batch, heads, feat, dv_aug)
     return LinearAttentionState(kv=s_in[..., :-1], k_sum=s_in[..., -1], log_max=m_in, offset=offset)
-
-
-def context_parallel_linear_attention(
-    qf: torch.Tensor,
-    kf: torch.Tensor,
-    kls: torch.Tensor | None,
-    v: torch.Tensor,
-    state: ParallelState,
-    *,
-    form: str = "chunked",
-    normalization: str = "rms",
-    chunk_size: int = 64,
-    eps: float = 1e-6,
-) -> torch.Tensor:
-    """Causal linear attention of a sequence split over ``state``'s CP group, on features: this
-    rank's slice qf, kf [B, H, n, F], kls [B, H, n] | None, v [B, H, n, Dv] -> out [B, H, n, Dv]
-    (v.dtype), equal to the single-rank form over the whole sequence, restricted to this slice.
-    (The model's path, ``ContextParallelAttention``, maps q and k inside the attention core instead.)"""
-    with torch.autocast(device_type=qf.device.type, enabled=False):
-        incoming = incoming_state(*local_state(kf, kls, v), state, offset=0)
-    out, _ = causal_linear_attention(
-        qf, kf, kls, v, form=form, normalization=normalization, chunk_size=chunk_size, initial_state=incoming, eps=eps
-    )
-    return out
 
 
 class ContextParallelAttention:

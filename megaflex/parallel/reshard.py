@@ -49,9 +49,6 @@ class ShardSpec:
     partition_dim: int | None = None  # None: replicated (identical on every rank)
     vocab_size: int | None = None  # set for vocabulary-padded tensors (partition_dim 0)
 
-    def to_json(self) -> dict[str, int | None]:
-        return {"partition_dim": self.partition_dim, "vocab_size": self.vocab_size}
-
 
 Layout = dict[str, ShardSpec]
 
@@ -123,14 +120,6 @@ def _probe_tp(config: ModelConfig) -> int:
         if config.num_heads % tp == 0 and config.ffn_hidden_size % tp == 0:
             return tp
     return 1
-
-
-def layout_to_json(layout: Layout) -> dict[str, dict[str, int | None]]:
-    return {name: spec.to_json() for name, spec in layout.items()}
-
-
-def layout_from_json(data: Mapping[str, Mapping[str, int | None]]) -> Layout:
-    return {name: ShardSpec(spec["partition_dim"], spec["vocab_size"]) for name, spec in data.items()}
 
 
 # ------------------------------------------------------------------------------- merge / split
@@ -235,14 +224,6 @@ def export_safetensors(state_dict: Mapping[str, torch.Tensor], config: Any, out_
     save_file(tensors, str(out / SAFETENSORS_FILE), metadata={"format": "pt", "tensor_parallel_size": "1"})
     (out / CONFIG_FILE).write_text(json.dumps(_config_dict(config), indent=1) + "\n")
     return out / SAFETENSORS_FILE
-
-
-def load_safetensors(out_dir: str | Path) -> tuple[StateDict, dict[str, Any]]:
-    """Inverse of ``export_safetensors``: (state dict, config dict)."""
-    from safetensors.torch import load_file
-
-    path = Path(out_dir)
-    return load_file(str(path / SAFETENSORS_FILE)), json.loads((path / CONFIG_FILE).read_text())
 
 
 # ------------------------------------------------------------------------------- CLI

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megaflex.model.layers import check_model_fit
+from megaflex.parallel.rendezvous import free_port
 
 ProcessGroup = dist.ProcessGroup
 
@@ -113,8 +114,6 @@ class ParallelDims:
         """Model-parallel groups (tp x pp): all ranks that together hold one model replica."""
         return self._groups_varying(0, 3)
 
-
-ParallelLayout = ParallelDims  # the name before context parallelism
 
 
 class ParallelState:
@@ -244,7 +243,7 @@ def initialize_parallel_state(
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if "RANK" not in os.environ:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", "29500")
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

@@ -268,8 +268,9 @@ class CheckpointManager:
         return meta
 
     def universal_copy(self, path: Path) -> Path:
-        """Collective. The universal copy of the ZeRO 1-3 checkpoint ``path`` (beside it, in
-        ``universal/<tag>``), converted by rank 0 on first use."""
+        """Collective. The universal copy of the ZeRO 1, 2 or 3 checkpoint ``path`` (beside it, in
+        ``universal/<tag>``), converted by rank 0 on first use; it loads into the same ZeRO family
+        (1/2 into 1/2, 3 into 3) at TP 1 only (``needs_repartition`` rejects the rest)."""
         out = universal_dir(path.parent, path.name)
         error = None
         if self.rank == 0:

@@ -109,7 +109,7 @@ class OptimizerConfig:
     kernel_temperature_lr_multiplier: float = opt(
         10.0,
         "LR of the kernel temperature (Flexformer-N's tau; role 'temperature') = this x the scheduled LR. "
-        "Default 10 for both (single-seed pilot, evaluation/results/kernel_pilot: 10 beat 1 on both eval sets with both inits; 30 was much worse)",
+        "Default 10 for both (single-seed pilot, docs/results/kernel_pilot: 10 beat 1 on both eval sets with both inits; 30 was much worse)",
     )
     freeze_kernel: bool = opt(
         False,
@@ -296,11 +296,6 @@ def load_config(paths: list[str | Path], overrides: list[str] | None = None) -> 
         raise ConfigError("--config: expected at least one YAML file, got none")
     sources = [read_yaml(p) for p in paths] + [parse_overrides(list(overrides or []))]
     return config_from_sources(sources)
-
-
-def config_from_dict(data: dict[str, Any], origin: str = "dict") -> Config:
-    """Build a config from one nested mapping (e.g. the resolved config of a checkpoint)."""
-    return config_from_sources([Source(data, origin)])
 
 
 def config_from_sources(sources: list[Source]) -> Config:

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
         print(f"megaflex-train: config error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     return execute("megaflex-train", cfg)
 
 

@@ -19,7 +19,7 @@ Design choices:
     cross term then also estimates the softmax kernel (up to the small noise), so the map starts at
     the softmax estimator without the floor, and the noise breaks the O1 <-> O2 symmetry.
   Both draw the same number of random values, so the rest of the model's init is unchanged.
-  Default ``"paper"``: in the single-seed pilot (evaluation/results/kernel_pilot) ``"tied"`` was
+  Default ``"paper"``: in the single-seed pilot (docs/results/kernel_pilot) ``"tied"`` was
   better on english-docs valid but worse on WikiText-2 test, so the default stays until the
   kernel study's ``fn_tied_init`` arm settles it over seeds.
 * tau init log(2 sqrt d): the softmax temperature.

@@ -1,0 +1,101 @@
+"""The kernel study's configuration: kinds, Flexformer-N arms, presets, ``RunSpec`` and
+``StudyConfig`` (shared by the study, its report and the studies built on it)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from megaflex.training.config import OptimizerConfig
+
+REPO = Path(__file__).resolve().parents[1]
+_PROJECT_OPTIMIZER = OptimizerConfig()
+KINDS = ("softmax", "flexformer_n", "flexformer_s", "performer", "elu", "cosformer", "hedgehog")
+LEARNED_SPECTRUM = {"flexformer_n": ("omega1", "omega2"), "flexformer_s": ("omega",)}
+# Flexformer-N arms: (overrides of the default recipe, what they test)
+ARMS: dict[str, tuple[list[str], str]] = {
+    "fn_paper_init": (["model.feature_kwargs={omega_init: paper}"], "independent Omega1, Omega2 (the paper's init)"),
+    "fn_tied_init": (["model.feature_kwargs={omega_init: tied}"], "Omega2 = Omega1 + noise (no uniform floor)"),
+    "fn_kernel_lr_off": (
+        ["optimizer.kernel_frequency_lr_multiplier=1", "optimizer.kernel_temperature_lr_multiplier=1"],
+        "one LR for every parameter (kernel LR multipliers 1 instead of 10)",
+    ),
+    "fn_omega_frozen": (["optimizer.kernel_frequency_lr_multiplier=0"], "Omega frozen at init (tau still learned)"),
+    "fn_hybrid": (["model.softmax_window=64"], "plus exact softmax over the last 64 tokens, mixed in by a learned per-head gate (attention/hybrid.py)"),
+    "fn_qkv_conv": (["model.qkv_conv_size=4"], "plus a 4-tap causal depthwise convolution of q, k, v"),
+}
+ORDERS = ("seeds", "kinds")  # seed-major (a stopped study still has whole seeds) or kind-major
+# StudyConfig fields that select runs or name places, not what a run computes: not fingerprinted
+NOT_FINGERPRINTED = ("kinds", "arms", "seeds", "data_root", "work_dir", "out")
+DEFAULT_ARMS = ("fn_tied_init", "fn_kernel_lr_off", "fn_omega_frozen", "fn_hybrid")  # fn_paper_init = the default
+# model/training shapes per preset (the rest of StudyConfig is shared)
+PRESETS: dict[str, dict[str, Any]] = {
+    "cpu": {},
+    "41m": dict(vocab_size=32000, num_layers=8, hidden_size=512, num_heads=8, feature_dim=128, seq_len=1024,
+                micro_batch_size=16, global_batch_size=64, steps=2000, lr=6e-4, min_lr=6e-5, warmup=200,
+                eval_tokens=0, eval_batch_size=16, tokenizer_sentences=1_000_000),
+}
+
+
+@dataclass
+class RunSpec:
+    """One training run of the study: ``label`` names the kind or arm, ``overrides`` go to the trainer."""
+
+    label: str
+    kind: str
+    overrides: list[str] = field(default_factory=list)
+
+
+@dataclass
+class StudyConfig:
+    """Everything that defines the study; all runs share it except their kind/arm overrides and seed."""
+
+    kinds: list[str] = field(default_factory=lambda: list(KINDS))
+    arms: list[str] = field(default_factory=lambda: list(DEFAULT_ARMS))
+    seeds: int = 3  # seeds seed, seed + 1, ...
+    data_root: str = os.environ.get("MEGAFLEX_DATA", str(REPO.parent / "shared" / "data"))
+    work_dir: str = "work_data/kernel_study"
+    out: str = "docs/results/kernel_study"
+    device: str = "cpu"
+    preset: str = "cpu"
+    # model (equal for every kind; linear kinds add their small feature-map parameters)
+    vocab_size: int = 4096
+    num_layers: int = 4
+    hidden_size: int = 128
+    num_heads: int = 4
+    feature_dim: int = 64
+    # training
+    steps: int = 300
+    seq_len: int = 256
+    micro_batch_size: int = 8
+    global_batch_size: int = 16
+    lr: float = 2e-3
+    min_lr: float = 2e-4
+    warmup: int = 50
+    seed: int = 1234
+    # the project's default recipe (configs/tiny.yaml, the base config of every run, sets both to 1)
+    kernel_frequency_lr_multiplier: float = _PROJECT_OPTIMIZER.kernel_frequency_lr_multiplier
+    kernel_temperature_lr_multiplier: float = _PROJECT_OPTIMIZER.kernel_temperature_lr_multiplier
+    # data / evaluation
+    max_train_docs: int | None = None  # None: both english-docs train shards
+    tokenizer_sentences: int = 200_000
+    eval_tokens: int = 200_000  # cap per evaluation set (first N tokens; 0: the whole set)
+    eval_batch_size: int = 16
+
+    @property
+    def tokens_per_run(self) -> int:
+        return self.steps * self.global_batch_size * self.seq_len
+
+    @property
+    def seed_list(self) -> list[int]:
+        return [self.seed + i for i in range(self.seeds)]
+
+    @property
+    def kernel_stats_interval(self) -> int:
+        return max(1, self.steps // 20)
+
+    def runs(self) -> list[RunSpec]:
+        """The kinds with the default recipe, then the arms."""
+        return [RunSpec(k, k) for k in self.kinds] + [RunSpec(a, "flexformer_n", list(ARMS[a][0])) for a in self.arms]

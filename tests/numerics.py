@@ -1,0 +1,136 @@
+"""Rounding-error bounds for the suite's numerical comparisons (not a test module).
+
+A tolerance that encodes one CPU's rounding fails on another: OpenBLAS (numpy, hence Triton's
+interpreter) and ATen pick different kernels per CPU family, which sum in different orders and
+fuse multiply-adds differently. So every comparison of two computations of the same quantity is
+bounded by what floating point allows for *any* summation order, not by what one machine gave:
+
+    |computed - exact| <= steps * u * scale           (first-order forward-error bound)
+
+* ``u``: the unit roundoff of the precision the computation runs in (fp32: 2^-24);
+* ``steps``: the relative-error growth of the computation, the sum of its parts: a length-n sum or
+  dot product contributes n (Higham's gamma_n ~ n u, which holds for every summation order), an
+  exp(x) contributes |x| (its argument carries |x| u absolute error, e.g. the key log-scale
+  spread in linear attention), each further elementwise operation 1;
+* ``scale``: the magnitude the error is relative to, max |exact| (normwise), floored where a
+  quantity can be 0 in exact arithmetic while its terms are not (e.g. gradients of a normalised
+  output), since the rounding error then scales with the terms, not with the result.
+
+Two fp32 computations of the same quantity (two forms, segments vs one shot, TP vs single rank)
+each lie within the bound of the exact value, so they differ by at most twice it
+(``assert_close``).
+
+A normwise bound cannot see an ill-conditioned result: under rms or denominator normalisation a
+sum of signed terms can cancel, and its rounding error is then relative to the terms, not to the
+result. Where that happens (kernels with signed features, key scales x100) the kernel is checked
+against an fp64 reference with the conditioning measured rather than guessed
+(``assert_close_to_reference``): the error of a plain same-precision reference form (torch's
+quadratic form, no OpenBLAS involved) vs fp64 carries it, and the kernel may exceed the normwise
+bound by at most ``CONDITIONING_FACTOR`` times that error.
+
+Bit-exact claims (resume, determinism on one machine) use ``torch.equal``, not this module.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+UNIT_ROUNDOFF = {
+    torch.float64: 2.0**-53,
+    torch.float32: 2.0**-24,
+    torch.float16: 2.0**-11,
+    torch.bfloat16: 2.0**-8,
+}
+
+
+CONDITIONING_FACTOR = 10.0
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    return UNIT_ROUNDOFF[dtype]
+
+
+def error_bound(steps: float, scale: float = 1.0, dtype: torch.dtype = torch.float32) -> float:
+    """``steps * u(dtype) * scale``: the largest forward error of a computation whose relative
+    error grows by ``steps`` unit roundoffs (see the module docstring for how to count them)."""
+    return steps * unit_roundoff(dtype) * scale
+
+
+def normwise_scale(exact: torch.Tensor, floor: float = 0.0) -> float:
+    """max |exact|, at least ``floor``."""
+    return max(exact.detach().double().abs().max().item() if exact.numel() else 0.0, floor)
+
+
+def max_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    assert got.shape == want.shape, (got.shape, want.shape)
+    return (got.detach().double() - want.detach().double()).abs().max().item() if got.numel() else 0.0
+
+
+def fp32_steps_in(dtype: torch.dtype, steps: float) -> float:
+    """``steps`` of fp32 rounding expressed in unit roundoffs of ``dtype`` (fp32 accumulation
+    inside a lower-precision computation)."""
+    return steps * unit_roundoff(torch.float32) / unit_roundoff(dtype)
+
+
+def assert_close(
+    got: torch.Tensor,
+    want: torch.Tensor,
+    *,
+    steps: float,
+    dtype: torch.dtype = torch.float32,
+    floor: float = 0.0,
+    plain: torch.Tensor | None = None,
+    name: str = "",
+) -> None:
+    """``got`` and ``want`` compute the same quantity in ``dtype`` with error growth ``steps``:
+    each within ``error_bound`` of the exact value, so they differ by at most twice it. The scale
+    is max |want|, at least ``floor``. ``plain``: a third computation of it in another form, for
+    ill-conditioned problems without a more precise reference (fp64 inputs): the bound grows by
+    ``CONDITIONING_FACTOR`` x max |plain - want| (the conditioning, measured)."""
+    assert torch.isfinite(got).all() and torch.isfinite(want).all(), f"{name}: non-finite values"
+    bound = 2 * error_bound(steps, normwise_scale(want, floor), dtype)
+    if plain is not None:
+        bound += CONDITIONING_FACTOR * max_error(plain, want)
+    err = max_error(got, want)
+    assert err <= bound, f"{name}: max error {err:.3e} > bound {bound:.3e} (2 x {steps:g} x u x scale + conditioning)"
+
+
+
+def assert_close_to_reference(
+    got: torch.Tensor,
+    plain: torch.Tensor,
+    exact: torch.Tensor,
+    *,
+    steps: float,
+    dtype: torch.dtype = torch.float32,
+    floor: float = 0.0,
+    name: str = "",
+) -> None:
+    """``got`` (the computation under test) vs ``exact`` (fp64): within the normwise bound plus
+    ``CONDITIONING_FACTOR`` x the error of ``plain`` (a same-precision reference form) vs ``exact``,
+    which measures how far the problem's conditioning amplifies rounding. Scale: max |exact|, at
+    least ``floor``."""
+    assert exact.dtype == torch.float64, f"{name}: the reference must be fp64, got {exact.dtype}"
+    assert torch.isfinite(got).all(), f"{name}: non-finite values"
+    bound = error_bound(steps, normwise_scale(exact, floor), dtype)
+    conditioning = CONDITIONING_FACTOR * max_error(plain, exact)
+    err = max_error(got, exact)
+    assert err <= bound + conditioning, (
+        f"{name}: max error vs fp64 {err:.3e} > bound {bound:.3e} ({steps:g} x u x scale)"
+        f" + {CONDITIONING_FACTOR:g} x the plain form's error ({conditioning:.3e})"
+    )
+
+
+def gpt_steps(config: Any, seq_len: int, backward: bool = False) -> float:
+    """Error growth of a megaflex GPT forward (``backward``: and its backward) on ``seq_len`` tokens:
+    per layer the hidden-size sums of the q/k/v and output projections and the norms, the MLP's
+    ffn-size sum, attention over the tokens, features and head dimension (x2 for its map and log-
+    scales), plus the hidden-size sum of the logits; a handful of elementwise steps each."""
+    hidden, head_dim = config.hidden_size, config.hidden_size // config.num_heads
+    ffn = config.ffn_hidden_size or 4 * hidden
+    attention = 2 * (seq_len + 1 + config.feature_dim + 2 * head_dim + config.softmax_window + config.qkv_conv_size)
+    per_layer = 4 * hidden + ffn + attention + 8
+    forward = config.num_layers * per_layer + hidden + 8
+    return 2 * forward if backward else forward
