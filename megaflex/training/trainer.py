@@ -167,9 +167,9 @@ def run(cfg: Config, objective: Objective | None = None) -> dict[str, Any]:
     resume_path, meta = manager.select_resume(cfg.checkpoint.resume, warn=logger.print)
     universal, engine_config = None, ds_config
     if resume_path is not None:
-        check_resume_layout(meta, resume_path, cfg.parallel.zero_stage, cfg.train.precision)
         check_compatible(meta, cfg.to_dict()["model"], shapes, state.tp_size)
         check_same_tokenizer(meta.get("tokenizer"), tokenizer, f"checkpoint {resume_path}", "this run's tokenizer/data")
+        check_resume_layout(meta, resume_path, cfg.parallel.zero_stage, cfg.train.precision)
         _check_optimizer_groups(meta, optimizer, resume_path)
         if needs_repartition(meta, resume_path, cfg.parallel.zero_stage, dp_size, cp_size, state.tp_size,
                              cfg.checkpoint.zero_universal_resume):
