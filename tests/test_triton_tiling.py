@@ -1,5 +1,5 @@
 """The Triton kernels' F / Dv tiling under the interpreter: widths that span several blocks, with
-partial last blocks (F = 80: two 64-wide and three 32-wide blocks; Dv = 72), few heads (the
+partial last blocks (F = 80: three 32-wide blocks, two 64-wide ones in the scans; Dv = 72), few heads (the
 scans then halve their blocks for occupancy) and partial last chunks, against the quadratic
 form in fp64. Outputs, final state and every gradient, both normalisations."""
 
@@ -64,10 +64,10 @@ def _plan(bh: int, feat: int, dv: int) -> ChunkPlan:
 
 def test_blocks_cap_at_64_and_scans_split_further_when_few_programs_run():
     wide = _plan(128, 256, 128)  # 1.3B shape, B = 8
-    assert (wide.feat_block, wide.dv_block) == (64, 64) and wide.scan_blocks() == (64, 64)
+    assert (wide.loop_block, wide.dv_block) == (32, 64) and wide.scan_blocks() == (64, 64)
     assert wide.grads_qk_blocks() == (32, 32)
     single = _plan(16, 128, 64)  # 247M shape, B = 1: 16 heads, 2 programs per head at 64 x 64
     bf, bv = single.scan_blocks()
     assert (bf, bv) == (32, 32) and 16 * (128 // bf) * (64 // bv) == 128
     narrow = _plan(2, 16, 8)  # blocks never below tl.dot's 16 nor above the padded width
-    assert (narrow.feat_block, narrow.dv_block) == (16, 16) and narrow.scan_blocks() == (16, 16)
+    assert (narrow.loop_block, narrow.dv_block) == (16, 16) and narrow.scan_blocks() == (16, 16)

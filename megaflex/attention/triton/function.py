@@ -74,14 +74,15 @@ def _block(size: int) -> int:
     return max(_MIN_BLOCK, 1 << (size - 1).bit_length())
 
 
-# Tile caps: a block of F or Dv never exceeds 64 columns, so no program holds more than a
-# 64 x 64 fp32 state block or C x 64 operand tiles (chunk_grads at F = 128 and full width needed
-# 245,760 B of shared memory on sm_90; see evaluation/triton_aot.py).
+# Tile caps (chosen by compiling every shipped shape for sm_80 and sm_90, evaluation/triton_aot.py):
+# the scans and chunk_grads_v's grid take blocks of at most 64 columns of F / Dv; the chunk
+# kernels loop over 32-wide blocks of the dimension they contract (64-wide ones spilled 600-800 B
+# per thread on sm_80). The old single full-width block needed 245,760 B of shared memory on sm_90.
 _MAX_TILE = 64
+_LOOP_TILE = 32
 # The scans are sequential over chunks: below this many programs (e.g. B = 1) their blocks shrink
 # to 32 columns so that more SMs take part.
 _SCAN_MIN_PROGRAMS = 256
-_GRADS_QK_TILE = 32
 
 
 @dataclass
@@ -98,22 +99,23 @@ class ChunkPlan:
     chunk_max: torch.Tensor  # [BH, NC + 1]: log_max of the incoming state, then m at each chunk end
 
     @property
-    def feat_block(self) -> int:
-        return min(_block(self.feat), _MAX_TILE)
+    def loop_block(self) -> int:
+        """F block the chunk kernels loop over (and chunk_grads_qk's grid takes)."""
+        return min(_block(self.feat), _LOOP_TILE)
 
     @property
     def dv_block(self) -> int:
+        """Dv block of chunk_grads_v's grid."""
         return min(_block(self.dv), _MAX_TILE)
 
     def grads_qk_blocks(self) -> tuple[int, int]:
-        """(BF, BV) of ``chunk_grads_qk``: it keeps three C x BF / C x C fp32 blocks across its
-        loop over Dv, so 32-wide tiles (64-wide ones spill ~500 B per thread on sm_80)."""
-        return min(_block(self.feat), _GRADS_QK_TILE), min(_block(self.dv), _GRADS_QK_TILE)
+        """(BF, BV) of ``chunk_grads_qk``: its grid over F blocks, its loop over Dv blocks."""
+        return self.loop_block, min(_block(self.dv), _LOOP_TILE)
 
     def scan_blocks(self) -> tuple[int, int]:
         """(BF, BV) of the sequential scans: the chunk kernels' tiles, halved (down to 32 wide)
         while fewer than ``_SCAN_MIN_PROGRAMS`` programs would run (their columns are independent)."""
-        bf, bv = self.feat_block, self.dv_block
+        bf, bv = min(_block(self.feat), _MAX_TILE), self.dv_block
         while self.bh * -(-self.feat // bf) * -(-self.dv // bv) < _SCAN_MIN_PROGRAMS and max(bf, bv) > 32:
             if bf >= bv:
                 bf //= 2
@@ -125,11 +127,11 @@ class ChunkPlan:
 def launch_options(kernel: str, plan: ChunkPlan) -> dict:
     """num_warps / num_stages of one kernel at one shape (ignored by the interpreter). Chosen by
     compiling every shipped shape for sm_80 and sm_90 (evaluation/triton_aot.py): the chunk
-    kernels hold C x C and C x 64 fp32 blocks: 8 warps keep them in registers (4 spill)."""
+    kernels hold C x C and C x Dv fp32 blocks: 8 warps keep them in registers (4 spill)."""
     if kernel in ("chunk_states", "chunk_state_grads"):
         return dict(num_warps=4, num_stages=2)
-    # chunk_grads_qk: no software pipelining of its Dv loop (the staged copies spill on sm_80)
-    return dict(num_warps=8, num_stages=1 if kernel == "chunk_grads_qk" else 2)
+    # no software pipelining of the chunk kernels' short loops: the staged copies spill on sm_80
+    return dict(num_warps=8, num_stages=1)
 
 
 def _launch(kern, kernel: str, grid: tuple[int, ...], plan: ChunkPlan, *args, **constexprs) -> None:
@@ -175,7 +177,7 @@ def attention_forward(
         kern, "chunk_outputs", (plan.chunks, plan.bh), plan,
         q, k, v, ls, plan.running_max, plan.chunk_max, states, sums, out, out, out, out,
         plan.n, plan.feat, plan.dv, plan.chunks, eps,
-        BF=plan.feat_block, BV=_block(plan.dv), RMS=normalization == "rms", BACKWARD=False,
+        BF=plan.loop_block, BV=_block(plan.dv), RMS=normalization == "rms", BACKWARD=False,
     )  # fmt: skip
     return out, kv, k_sum
 
@@ -194,7 +196,7 @@ def attention_backward(
         kern, "chunk_outputs", (plan.chunks, plan.bh), plan,
         q, k, v, ls, plan.running_max, plan.chunk_max, states, sums, d_out, d_out, d_num, d_den,
         plan.n, plan.feat, plan.dv, plan.chunks, eps,
-        BF=plan.feat_block, BV=_block(plan.dv), RMS=normalization == "rms", BACKWARD=True,
+        BF=plan.loop_block, BV=_block(plan.dv), RMS=normalization == "rms", BACKWARD=True,
     )  # fmt: skip
     d_kv = torch.zeros(plan.bh, plan.feat, plan.dv, **f32) if d_kv is None else d_kv.contiguous()
     d_k_sum = torch.zeros(plan.bh, plan.feat, **f32) if d_k_sum is None else d_k_sum.contiguous()
@@ -218,7 +220,7 @@ def attention_backward(
     _launch(
         kern, "chunk_grads_v", (plan.chunks, plan.bh, -(-plan.dv // plan.dv_block)), plan,
         q, k, ls, plan.running_max, plan.chunk_max, d_num, d_states, dv, plan.n, plan.feat, plan.dv, plan.chunks,
-        BF=plan.feat_block, BV=plan.dv_block,
+        BF=plan.loop_block, BV=plan.dv_block,
     )  # fmt: skip
     return dq, dk, dls_parts.sum(0), dv, d_kv0, d_z0
 

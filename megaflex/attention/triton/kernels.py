@@ -6,10 +6,12 @@ last token of chunk c. ``M`` [BH, N] is the per-token running max m_t. Every exp
 States: ``S`` [F, Dv] (kv) and ``Z`` [F] (k_sum), fp32, relative to their chunk's stabiliser.
 
 Precision: ``tl.dot`` operands are in the inputs' dtype (``_dot`` casts fp32 intermediates such
-as the C x C weights or the states to it) and accumulate in fp32, as in flash attention: bf16 /
-fp16 operands take half the shared memory and registers of fp32 ones and run at the full
-tensor-core rate. fp32 inputs keep fp32 operands with ``PREC`` ("tf32" on CUDA, "ieee" under the
-interpreter). Element-wise maths (exp, sums, normalisation) is fp32.
+as the C x C weights to it) and accumulate in fp32, as in flash attention: bf16 / fp16 operands
+take half the shared memory and registers of fp32 ones and run at the full tensor-core rate.
+fp32 inputs keep fp32 operands with ``PREC`` ("tf32" on CUDA). Products with a carried state
+(``_state_dot``) split the state into two half-precision parts (3xTF32 for fp32 inputs):
+the state is where rounding hurts. Element-wise maths (exp, sums, normalisation) is fp32. The interpreter
+computes every dot in fp32 from the (rounded) operands.
 
 Tiling: the feature dimension F and the value width Dv are cut into BF x BV blocks. The scans
 run one program per (BH, F block, Dv block); the chunk kernels loop over the blocks of the
@@ -48,6 +50,20 @@ def _tile(ptr, rows, row_mask, cols, col_mask, stride):
 def _dot(a, b, ELT: tl.constexpr, PREC: tl.constexpr):
     """a @ b with both operands in ELT (the inputs' dtype) and fp32 accumulation."""
     return tl.dot(a.to(ELT), b.to(ELT), input_precision=PREC, out_dtype=tl.float32)
+
+
+@triton.jit
+def _state_dot(a, s, ELT: tl.constexpr):
+    """a @ s where s is a carried state (or state gradient), fp32 in memory. Rounding s to 10 or
+    8 mantissa bits gave 2% output and 45% dq errors on ill-conditioned rms rows (fp16, key
+    scales x100; tests/test_attention_triton.py), so s is split into two half-precision parts
+    s_hi + s_lo (~21 / 16 bits) and multiplied twice; fp32 inputs use 3xTF32 instead."""
+    if ELT == tl.float32:
+        return tl.dot(a, s, input_precision="tf32x3", out_dtype=tl.float32)
+    s_hi = s.to(ELT)
+    s_lo = (s - s_hi.to(tl.float32)).to(ELT)
+    a_half = a.to(ELT)
+    return tl.dot(a_half, s_hi, out_dtype=tl.float32) + tl.dot(a_half, s_lo, out_dtype=tl.float32)
 
 
 @triton.jit
@@ -113,7 +129,7 @@ def chunk_outputs(
         s = _tile(STATES + state * DV, f, fm, cols, vm, DV)
         z = tl.load(ZS + state + f, mask=fm, other=0.0)
         qk += _dot(q, tl.trans(k), elt, PREC)
-        qs += _dot(q, s, elt, PREC)
+        qs += _state_dot(q, s, elt)
         qz += tl.sum(q.to(tl.float32) * z[None, :], axis=1)
     v = _tile(V + bh * N * DV, tok, tm, cols, vm, DV)
     ls = tl.load(LS + bh * N + tok, mask=tm, other=0.0)
@@ -231,8 +247,8 @@ def chunk_grads_qk(
         s = _tile(STATES + state * DV, f, fm, cols, vm, DV)
         ds = _tile(DSTATES + state * DV, f, fm, cols, vm, DV)
         dnv += _dot(dn, tl.trans(v), elt, PREC)
-        dns += _dot(dn, tl.trans(s), elt, PREC)
-        vds += _dot(v, tl.trans(ds), elt, PREC)
+        dns += _state_dot(dn, tl.trans(s), elt)
+        vds += _state_dot(v, tl.trans(ds), elt)
     q = _tile(Q + bh * N * F, tok, tm, f, fm, F)
     k = _tile(K + bh * N * F, tok, tm, f, fm, F)
     dd = tl.load(DD + bh * N + tok, mask=tm, other=0.0)
@@ -276,7 +292,7 @@ def chunk_grads_v(
         k = _tile(K + bh * N * F, tok, tm, f, fm, F)
         ds = _tile(DSTATES + state * DV, f, fm, cols, vm, DV)
         qk += _dot(q, tl.trans(k), elt, PREC)
-        kds += _dot(k, ds, elt, PREC)
+        kds += _state_dot(k, ds, elt)
     e, _, key_scale = _chunk_scales(LS, M, MB, bh, c, tok, tm, N, NC, CHUNK)
     dn = _tile(DN + bh * N * DV, tok, tm, cols, vm, DV)
     dv = _dot(tl.trans(qk * e), dn, elt, PREC) + key_scale[:, None] * kds
