@@ -26,9 +26,9 @@ from megaflex.attention.triton import kernel_chunk, trig_linear_attention, trito
 LENGTHS = (1, 31, 64, 65, 200)
 CHUNKS = (16, 64)
 # fp16: the kernels' tl.dot operands are fp16, as on the GPU (fp32 accumulation): the fp32
-# intermediates (C x C weights, states, output gradients) are rounded to 11 bits before their
-# products, which the key scales x100 of these cases amplify to ~2e-2 in the worst output / grad.
-TOLERANCE = {torch.float32: 2e-5, torch.float16: 3e-2}
+# intermediates (C x C weights, output gradients; not the states) are rounded to 11 bits before
+# their products, which the key scales x100 of these cases amplify to ~1e-2 (N = 200, chunk 64).
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 1.5e-2}
 
 
 def _close(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
