@@ -30,10 +30,12 @@ pytestmark = pytest.mark.numerics
 LENGTHS = (1, 31, 64, 65, 200)
 CHUNKS = (16, 64)
 # Rounding steps per fp16 value on the way (see tests/numerics.py): fp16 inputs are exact in the
-# fp64 reference; the kernels round the exp weights / probabilities and each output or gradient
-# to fp16 (one u16 each, on the chain of the forward and the backward) and accumulate in fp32,
-# whose steps are negligible next to one u16 (2^13 x smaller).
-FP16_STEPS = 8
+# fp64 reference. The kernels' tl.dot operands are fp16, as on the GPU (fp32 accumulation, whose
+# steps are negligible next to one u16): every fp32 intermediate that enters a product (C x C
+# weights, their gradients, output gradients, the carried state's two half parts) is rounded to
+# fp16 first, one u16 per operand. dq's chain is the longest: two operands x (2 forward + 4
+# backward product levels) x 2 (the state's two halves enter their own products) = 24.
+FP16_STEPS = 24
 
 
 

@@ -18,7 +18,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install 'mega
 
 from attention_helpers import form_steps  # noqa: E402
 from megaflex.attention import AttentionCore  # noqa: E402
-from megaflex.attention.core import uses_triton  # noqa: E402
+from megaflex.attention.core import chunked_backend  # noqa: E402
 from megaflex.model import GPT, ModelConfig  # noqa: E402
 from numerics import assert_close, gpt_steps, normwise_scale  # noqa: E402
 
@@ -63,8 +63,8 @@ def test_model_triton_backend_equals_torch_backend(attention, feature_kwargs):
 
 
 def test_auto_uses_triton_only_on_cuda_and_torch_never():
-    assert uses_triton("auto", on_cuda=True) and not uses_triton("auto", on_cuda=False)
-    assert uses_triton("triton", on_cuda=False) and not uses_triton("torch", on_cuda=True)
+    assert chunked_backend("auto", on_cuda=True) == "triton" and chunked_backend("auto", on_cuda=False) == "torch"
+    assert chunked_backend("triton", on_cuda=False) == "triton" and chunked_backend("torch", on_cuda=True) == "torch"
     with pytest.raises(ValueError, match="attention_backend: expected one of"):
         AttentionCore("flexformer_n", 2, 8, backend="cuda")
     with pytest.raises(ValueError, match="attention_backend must be one of"):

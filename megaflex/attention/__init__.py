@@ -32,7 +32,6 @@ from .core import (
     FORMS,
     AttentionCore,
     causal_linear_attention,
-    register_fused_backend,
     validate_linear_attention_inputs,
 )
 from .feature_maps import FEATURE_MAP_KINDS, build_feature_map, feature_dim_of
@@ -70,7 +69,6 @@ __all__ = [
     "quadratic_linear_attention",
     "recurrent_linear_attention",
     "redraw_random_features",
-    "register_fused_backend",
     "softmax_attention",
     "validate_linear_attention_inputs",
 ]

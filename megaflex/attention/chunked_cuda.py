@@ -1,12 +1,11 @@
-"""OPTIONAL alternative GPU backend of the chunked form: flash-linear-attention's ``chunk_simple_gla``.
+"""GPU backend of the chunked form on flash-linear-attention's ``chunk_simple_gla``
+(``attention_backend="fla"``; optional dependency, extra "gpu").
 
-The default GPU path is megaflex's own Triton kernels (``attention/triton/``, chosen by
-``attention_backend="auto"`` on CUDA tensors). This module is kept as an alternative and as the
-comparison in ``evaluation/gpu_check``'s kernel sweep. NOT a dependency and never used on
-CPU: ``install()`` registers it with ``core.register_fused_backend`` (then preferred by "auto" on
-CUDA) only when CUDA and ``fla`` (``pip install megaflex[gpu]``) are importable. The kernel
-itself has not been run in this repository's CI (no GPU there); the mapping below is tested on
-CPU against the quadratic reference with a plain scan standing in for the kernel
+megaflex's own Triton kernels (``attention/triton/``) are the default GPU path ("auto" on CUDA
+tensors); "fla" is the configurable alternative with a GPU-proven kernel, and the comparison in
+``evaluation/gpu_check``'s kernel sweep. Never used on CPU tensors. The kernel itself has
+not been run in this repository's CI (no GPU there); the mapping below is tested on CPU against
+the quadratic reference with a plain scan standing in for the kernel
 (tests/test_attention_chunked.py).
 
 Mapping of the log-space stabiliser onto scalar-gated linear attention (GLA): with the running
@@ -27,7 +26,6 @@ from typing import Callable
 import torch
 
 from .base import LinearAttentionState, fp32_inputs, normalize_output
-from .core import register_fused_backend
 from .validation import validate_linear_attention_inputs
 
 # (q, k, v [B, T, H, *], g [B, T, H], scale, initial_state [B, H, K, V] | None, output_final_state)
@@ -36,8 +34,12 @@ GlaFn = Callable[..., "tuple[torch.Tensor, torch.Tensor]"]
 
 
 def _fla_chunk_simple_gla() -> GlaFn:
-    from fla.ops.simple_gla import chunk_simple_gla  # optional dependency (extra "gpu")
-
+    try:
+        from fla.ops.simple_gla import chunk_simple_gla  # optional dependency (extra "gpu")
+    except ImportError as err:
+        raise RuntimeError(
+            f"attention_backend='fla' needs flash-linear-attention ({err}): pip install 'megaflex[gpu]'"
+        ) from None
     return chunk_simple_gla
 
 
@@ -91,13 +93,12 @@ def gla_linear_attention(
     return out.to(v.dtype), LinearAttentionState(kv, k_sum, m_last, state.offset + q.shape[2])
 
 
-def install() -> bool:
-    """Register the fla backend for CUDA tensors when CUDA and ``fla`` are available; True if installed."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        _fla_chunk_simple_gla()
-    except ImportError:
-        return False
-    register_fused_backend(gla_linear_attention)
-    return True
+def fla_linear_attention(
+    qf: torch.Tensor, kf: torch.Tensor, kls: torch.Tensor | None, v: torch.Tensor, **options: object
+) -> tuple[torch.Tensor, LinearAttentionState]:
+    """``gla_linear_attention`` (same signature and options) on fla's ``chunk_simple_gla``; a
+    clear RuntimeError without flash-linear-attention or on CPU tensors."""
+    gla = _fla_chunk_simple_gla()
+    if not qf.is_cuda:
+        raise RuntimeError("attention_backend='fla' runs on CUDA tensors only (use 'auto' or 'torch' on CPU)")
+    return gla_linear_attention(qf, kf, kls, v, gla_fn=gla, **options)  # type: ignore[arg-type]

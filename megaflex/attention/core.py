@@ -10,10 +10,11 @@ with one of three forms that agree to fp rounding:
 
 * ``quadratic``: materialised N x N weights; ground truth for tests.
 * ``recurrent``: token-by-token scan; O(1) per token, the decoding path.
-* ``chunked``:   parallel chunk form with a hand-written backward; training path. Two
-  implementations, picked by ``backend`` (auto | torch | triton): ``chunked.py`` (torch,
-  CPU-tuned) and ``triton/`` (Triton kernels; auto on CUDA tensors, or on CPU under
-  TRITON_INTERPRET=1 when forced).
+* ``chunked``:   parallel chunk form with a hand-written backward; training path. Three
+  implementations, picked by ``backend`` (auto | torch | triton | fla, ``chunked_backend``):
+  ``chunked.py`` (torch, CPU-tuned), ``triton/`` (Triton kernels; auto on CUDA tensors, or on
+  CPU under TRITON_INTERPRET=1 when forced) and flash-linear-attention's ``chunk_simple_gla``
+  (``chunked_cuda.py``; CUDA only, extra "gpu").
 
 Stabiliser: the key log-scale (e.g. ||k||^2 / e^tau, unbounded) only ever enters as
 exp(kls_s - m_t) <= 1 with m_t the running max, so nothing overflows for any key norm; the
@@ -47,20 +48,7 @@ ATTENTION_KINDS = FEATURE_MAP_KINDS + ("softmax",)
 
 LinearAttentionFn = Callable[..., "tuple[torch.Tensor, LinearAttentionState]"]
 
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
-
-# ---------------------------------------------------------------------------------------------
-# Optional override of the chunked form on CUDA (e.g. ``chunked_cuda.install()``: fla's
-# ``chunk_simple_gla``); when one is registered it takes precedence over the Triton kernels for
-# backend "auto". Nothing is registered by default; CPU never uses it.
-# ---------------------------------------------------------------------------------------------
-_FUSED_CUDA_BACKEND: LinearAttentionFn | None = None
-
-
-def register_fused_backend(fn: LinearAttentionFn | None) -> None:
-    """Install (or with None remove) a fused CUDA implementation of the chunked form."""
-    global _FUSED_CUDA_BACKEND
-    _FUSED_CUDA_BACKEND = fn
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "fla")
 
 
 def check_backend(backend: str) -> None:
@@ -68,21 +56,26 @@ def check_backend(backend: str) -> None:
         raise ValueError(f"attention_backend: expected one of {ATTENTION_BACKENDS}, got {backend!r}")
 
 
-def uses_triton(backend: str, on_cuda: bool) -> bool:
-    """Whether the chunked form of CUDA (``on_cuda``) or CPU tensors runs in the Triton kernels: "triton" always (CPU tensors
-    then need TRITON_INTERPRET=1), "auto" on CUDA tensors unless a fused backend was registered,
-    "torch" never."""
+def chunked_backend(backend: str, on_cuda: bool) -> str:
+    """The one decision of which implementation runs the chunked form of CUDA (``on_cuda``) or
+    CPU tensors: "auto" is "triton" on CUDA and "torch" on CPU; the others are taken as given
+    ("triton" on CPU tensors needs TRITON_INTERPRET=1; "fla" needs CUDA and flash-linear-attention)."""
     check_backend(backend)
-    return backend == "triton" or (backend == "auto" and on_cuda and _FUSED_CUDA_BACKEND is None)
+    if backend == "auto":
+        return "triton" if on_cuda else "torch"
+    return backend
 
 
-def _chunked_impl(on_cuda: bool, backend: str = "auto") -> LinearAttentionFn:
-    if backend == "auto" and on_cuda and _FUSED_CUDA_BACKEND is not None:
-        return _FUSED_CUDA_BACKEND
-    if uses_triton(backend, on_cuda):
+def _chunked_impl(backend: str, on_cuda: bool) -> LinearAttentionFn:
+    which = chunked_backend(backend, on_cuda)
+    if which == "triton":
         from .triton import triton_linear_attention
 
         return triton_linear_attention
+    if which == "fla":
+        from .chunked_cuda import fla_linear_attention
+
+        return fla_linear_attention
     from .chunked import chunked_linear_attention
 
     return chunked_linear_attention
@@ -105,7 +98,7 @@ def causal_linear_attention(
     -> (out [B, H, N, Dv] in v.dtype, fp32 state after the last token).
 
     ``form`` selects the algorithm (identical maths); ``chunk_size`` only affects "chunked", and
-    ``backend`` (auto | torch | triton, see ``uses_triton``) which implementation runs it.
+    ``backend`` (auto | torch | triton | fla, see ``chunked_backend``) which implementation runs it.
     """
     validate_linear_attention_inputs(
         qf, kf, kls, v, form=form, normalization=normalization, chunk_size=chunk_size, initial_state=initial_state, eps=eps
@@ -115,7 +108,7 @@ def causal_linear_attention(
         return quadratic_linear_attention(qf, kf, kls, v, normalization=normalization, initial_state=initial_state, eps=eps)
     if form == "recurrent":
         return recurrent_linear_attention(qf, kf, kls, v, normalization=normalization, initial_state=initial_state, eps=eps)
-    chunked = _chunked_impl(qf.is_cuda, backend)
+    chunked = _chunked_impl(backend, qf.is_cuda)
     return chunked(qf, kf, kls, v, normalization=normalization, chunk_size=chunk_size, initial_state=initial_state, eps=eps)
 
 
@@ -131,7 +124,7 @@ class AttentionCore(nn.Module):
     initial state. Position-dependent maps (cosformer) get ``state.offset`` as their offset.
     ``feature_kwargs`` go to ``build_feature_map`` (``max_seq_len`` is passed to cosformer only).
 
-    ``backend`` (auto | torch | triton) picks the chunked form's implementation for training,
+    ``backend`` (auto | torch | triton | fla) picks the chunked form's implementation for training,
     evaluation and prefill alike (decoding keeps the recurrent form): with Triton, trig maps
     (``feature_map.trig_spec()``) go through ``trig_linear_attention``, which keeps no features
     alive for backward; other maps compute their features in torch, then run the same kernels.
@@ -206,11 +199,12 @@ class AttentionCore(nn.Module):
         if decoding and not torch.is_grad_enabled():
             return self._decode(q, k, v, state, return_state)
         form = "recurrent" if decoding else self.form
-        if form == "chunked" and uses_triton(self.backend, q.is_cuda):
+        which = chunked_backend(self.backend, q.is_cuda) if form == "chunked" else None
+        if which == "triton":
             out, new_state = self._triton_chunked(q, k, v, state, offset)
             return out, (new_state if return_state else None)
         spec = self._trig_spec()
-        if form == "chunked" and spec is not None and q.device.type == "cpu":
+        if which == "torch" and spec is not None and q.device.type == "cpu":
             # CPU: the trig map fused into the chunked form, no [B, H, N, F] features kept for backward
             from .chunked_trig import trig_linear_attention_chunked
 

@@ -34,8 +34,9 @@ class ModelConfig:
     feature_dim: int = 128  # F: size of the feature axis (2 x number of frequencies for trig maps)
     normalization: str = "rms"  # linear attention only: "rms" (default, stable) or "denominator"
     chunk_size: int = 64  # chunk length of the parallel (training) linear-attention form
-    # chunked form's implementation: "auto" (Triton kernels on CUDA, torch on CPU), "torch", or
-    # "triton" (also on CPU tensors under TRITON_INTERPRET=1: slow, for tests)
+    # chunked form's implementation: "auto" (Triton kernels on CUDA, torch on CPU), "torch",
+    # "triton" (also on CPU tensors under TRITON_INTERPRET=1: slow, for tests), or "fla"
+    # (flash-linear-attention's chunk_simple_gla on CUDA; pip install 'megaflex[gpu]')
     attention_backend: str = "auto"
     feature_kwargs: dict[str, Any] = field(default_factory=dict)  # extra kwargs of the feature map
     # Optional quality closers of linear attention (megaflex.attention.hybrid; 0 = off):

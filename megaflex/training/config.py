@@ -474,7 +474,7 @@ _MODEL_DOCS = {
     "feature_dim": "feature axis F of linear attention",
     "normalization": "linear attention output normalisation (rms or denominator)",
     "chunk_size": "chunk length of the chunked linear-attention training form",
-    "attention_backend": "chunked linear attention implementation: auto (Triton on CUDA, torch on CPU), torch, or triton (on CPU tensors it needs TRITON_INTERPRET=1)",
+    "attention_backend": "chunked linear attention implementation: auto (Triton on CUDA, torch on CPU), torch, triton (on CPU tensors it needs TRITON_INTERPRET=1), or fla (flash-linear-attention's chunk_simple_gla; CUDA, extra gpu)",
     "feature_kwargs": "extra keyword arguments of the feature map (flexformer_n: omega_init paper|tied, omega_noise, "
     "min_log_temperature)",
     "softmax_window": "W > 0: mix exact softmax attention over the last W tokens into linear attention by a learned per-head gate (0: off)",

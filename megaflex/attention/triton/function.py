@@ -74,6 +74,17 @@ def _block(size: int) -> int:
     return max(_MIN_BLOCK, 1 << (size - 1).bit_length())
 
 
+# Tile caps (chosen by compiling every shipped shape for sm_80 and sm_90, evaluation/triton_aot.py):
+# the scans and chunk_grads_v's grid take blocks of at most 64 columns of F / Dv; the chunk
+# kernels loop over 32-wide blocks of the dimension they contract (64-wide ones spilled 600-800 B
+# per thread on sm_80). The old single full-width block needed 245,760 B of shared memory on sm_90.
+_MAX_TILE = 64
+_LOOP_TILE = 32
+# The scans are sequential over chunks: below this many programs (e.g. B = 1) their blocks shrink
+# to 32 columns so that more SMs take part.
+_SCAN_MIN_PROGRAMS = 256
+
+
 @dataclass
 class ChunkPlan:
     """Shapes, block sizes and stabilisers of one call (the same in forward and backward)."""
@@ -86,13 +97,50 @@ class ChunkPlan:
     chunks: int
     running_max: torch.Tensor  # [BH, N] m_t
     chunk_max: torch.Tensor  # [BH, NC + 1]: log_max of the incoming state, then m at each chunk end
-    precision: str
 
-    def meta(self) -> dict:
-        return dict(CHUNK=self.chunk, BF=_block(self.feat), PREC=self.precision)
+    @property
+    def loop_block(self) -> int:
+        """F block the chunk kernels loop over (and chunk_grads_qk's grid takes)."""
+        return min(_block(self.feat), _LOOP_TILE)
+
+    @property
+    def dv_block(self) -> int:
+        """Dv block of chunk_grads_v's grid."""
+        return min(_block(self.dv), _MAX_TILE)
+
+    def grads_qk_blocks(self) -> tuple[int, int]:
+        """(BF, BV) of ``chunk_grads_qk``: its grid over F blocks, its loop over Dv blocks."""
+        return self.loop_block, min(_block(self.dv), _LOOP_TILE)
+
+    def scan_blocks(self) -> tuple[int, int]:
+        """(BF, BV) of the sequential scans: the chunk kernels' tiles, halved (down to 32 wide)
+        while fewer than ``_SCAN_MIN_PROGRAMS`` programs would run (their columns are independent)."""
+        bf, bv = min(_block(self.feat), _MAX_TILE), self.dv_block
+        while self.bh * -(-self.feat // bf) * -(-self.dv // bv) < _SCAN_MIN_PROGRAMS and max(bf, bv) > 32:
+            if bf >= bv:
+                bf //= 2
+            else:
+                bv //= 2
+        return bf, bv
 
 
-def _plan(ls: torch.Tensor, log_max0: torch.Tensor, feat: int, dv: int, chunk_size: int, dtype: torch.dtype) -> ChunkPlan:
+def launch_options(kernel: str, plan: ChunkPlan) -> dict:
+    """num_warps / num_stages of one kernel at one shape (ignored by the interpreter). Chosen by
+    compiling every shipped shape for sm_80 and sm_90 (evaluation/triton_aot.py): the chunk
+    kernels hold C x C and C x Dv fp32 blocks: 8 warps keep them in registers (4 spill)."""
+    if kernel in ("chunk_states", "chunk_state_grads"):
+        return dict(num_warps=4, num_stages=2)
+    # no software pipelining of the chunk kernels' short loops: the staged copies spill on sm_80
+    return dict(num_warps=8, num_stages=1)
+
+
+def _launch(kern, kernel: str, grid: tuple[int, ...], plan: ChunkPlan, *args, **constexprs) -> None:
+    # fp32 inputs: tf32 tensor cores (about 1e-3 relative); half inputs ignore PREC (their dot
+    # operands are already half). The interpreter computes every dot in fp32.
+    getattr(kern, kernel)[grid](*args, CHUNK=plan.chunk, PREC="tf32", **constexprs, **launch_options(kernel, plan))
+
+
+def _plan(ls: torch.Tensor, log_max0: torch.Tensor, feat: int, dv: int, chunk_size: int) -> ChunkPlan:
     """ls [BH, N] fp32 key log-scales, log_max0 [BH] -> the stabilisers (constants for autograd)."""
     bh, n = ls.shape
     chunk = kernel_chunk(chunk_size)
@@ -100,15 +148,7 @@ def _plan(ls: torch.Tensor, log_max0: torch.Tensor, feat: int, dv: int, chunk_si
     running_max = torch.maximum(ls.detach().cummax(dim=-1).values, log_max0.detach().unsqueeze(-1)).contiguous()
     ends = torch.arange(1, chunks + 1, device=ls.device) * chunk - 1
     chunk_max = torch.cat([log_max0.detach().unsqueeze(-1), running_max[:, ends.clamp(max=n - 1)]], dim=-1).contiguous()
-    # fp32 inputs get exact fp32 products; half inputs (10 or 7 mantissa bits) tf32 tensor cores
-    precision = "ieee" if dtype == torch.float32 else "tf32"
-    return ChunkPlan(bh, n, feat, dv, chunk, chunks, running_max, chunk_max, precision)
-
-
-def _state_blocks(plan: ChunkPlan) -> tuple[int, int]:
-    """Dv block of the sequential scans (their columns are independent) and the number of blocks."""
-    block = min(_block(plan.dv), 64)
-    return block, -(-plan.dv // block)
+    return ChunkPlan(bh, n, feat, dv, chunk, chunks, running_max, chunk_max)
 
 
 def _chunk_states(kern, k, v, ls, plan: ChunkPlan, kv0, z0):
@@ -117,57 +157,72 @@ def _chunk_states(kern, k, v, ls, plan: ChunkPlan, kv0, z0):
     states = torch.empty(plan.bh, plan.chunks, plan.feat, plan.dv, **f32)
     sums = torch.empty(plan.bh, plan.chunks, plan.feat, **f32)
     kv, k_sum = torch.empty(plan.bh, plan.feat, plan.dv, **f32), torch.empty(plan.bh, plan.feat, **f32)
-    block, blocks = _state_blocks(plan)
-    kern.chunk_states[(plan.bh, blocks)](
-        k, v, ls, plan.chunk_max, kv0, z0, states, sums, kv, k_sum,
-        plan.n, plan.feat, plan.dv, plan.chunks, BV=block, **plan.meta(),
+    bf, bv = plan.scan_blocks()
+    _launch(
+        kern, "chunk_states", (plan.bh, -(-plan.feat // bf), -(-plan.dv // bv)), plan,
+        k, v, ls, plan.chunk_max, kv0, z0, states, sums, kv, k_sum, plan.n, plan.feat, plan.dv, plan.chunks, BF=bf, BV=bv,
     )  # fmt: skip
     return states, sums, kv, k_sum
 
 
-def attention_forward(q, k, ls, v, kv0, z0, plan: ChunkPlan, normalization: str, eps: float, out_dtype: torch.dtype):
-    """[BH, N, *] contiguous inputs -> (out [BH, N, Dv] in out_dtype, final kv [BH, F, Dv], k_sum [BH, F])."""
-    kern = kernels_for(q.device)
+def attention_forward(
+    q, k, ls, v, kv0, z0, plan: ChunkPlan, normalization: str, eps: float, out_dtype: torch.dtype, kern=None
+):
+    """[BH, N, *] contiguous inputs -> (out [BH, N, Dv] in out_dtype, final kv [BH, F, Dv], k_sum [BH, F]).
+    ``kern``: the kernels module (default ``kernels_for(q.device)``; the AOT harness records launches)."""
+    kern = kern or kernels_for(q.device)
     states, sums, kv, k_sum = _chunk_states(kern, k, v, ls, plan, kv0, z0)
     out = torch.empty(plan.bh, plan.n, plan.dv, device=q.device, dtype=out_dtype)
-    kern.chunk_outputs[(plan.chunks, plan.bh)](
+    _launch(
+        kern, "chunk_outputs", (plan.chunks, plan.bh), plan,
         q, k, v, ls, plan.running_max, plan.chunk_max, states, sums, out, out, out, out,
         plan.n, plan.feat, plan.dv, plan.chunks, eps,
-        BV=_block(plan.dv), RMS=normalization == "rms", BACKWARD=False, **plan.meta(),
+        BF=plan.loop_block, BV=_block(plan.dv), RMS=normalization == "rms", BACKWARD=False,
     )  # fmt: skip
     return out, kv, k_sum
 
 
-def attention_backward(q, k, ls, v, kv0, z0, plan: ChunkPlan, normalization: str, eps: float, d_out, d_kv, d_k_sum):
+def attention_backward(
+    q, k, ls, v, kv0, z0, plan: ChunkPlan, normalization: str, eps: float, d_out, d_kv, d_k_sum, kern=None
+):
     """Gradients ([BH, ...]; q, k, v in their own dtype, the rest fp32) of q, k, ls, v and of the incoming kv, k_sum."""
-    kern = kernels_for(q.device)
+    kern = kern or kernels_for(q.device)
     f32 = dict(device=q.device, dtype=torch.float32)
     states, sums, _, _ = _chunk_states(kern, k, v, ls, plan, kv0, z0)
     d_out = torch.zeros(plan.bh, plan.n, plan.dv, **f32) if d_out is None else d_out.contiguous()
     d_num = torch.empty(plan.bh, plan.n, plan.dv, **f32)
     d_den = torch.empty(plan.bh, plan.n, **f32)
-    kern.chunk_outputs[(plan.chunks, plan.bh)](
+    _launch(
+        kern, "chunk_outputs", (plan.chunks, plan.bh), plan,
         q, k, v, ls, plan.running_max, plan.chunk_max, states, sums, d_out, d_out, d_num, d_den,
         plan.n, plan.feat, plan.dv, plan.chunks, eps,
-        BV=_block(plan.dv), RMS=normalization == "rms", BACKWARD=True, **plan.meta(),
+        BF=plan.loop_block, BV=_block(plan.dv), RMS=normalization == "rms", BACKWARD=True,
     )  # fmt: skip
     d_kv = torch.zeros(plan.bh, plan.feat, plan.dv, **f32) if d_kv is None else d_kv.contiguous()
     d_k_sum = torch.zeros(plan.bh, plan.feat, **f32) if d_k_sum is None else d_k_sum.contiguous()
     d_states, d_sums = torch.empty_like(states), torch.empty_like(sums)
     d_kv0, d_z0 = torch.empty(plan.bh, plan.feat, plan.dv, **f32), torch.empty(plan.bh, plan.feat, **f32)
-    block, blocks = _state_blocks(plan)
-    kern.chunk_state_grads[(plan.bh, blocks)](
+    bf, bv = plan.scan_blocks()
+    _launch(
+        kern, "chunk_state_grads", (plan.bh, -(-plan.feat // bf), -(-plan.dv // bv)), plan,
         q, plan.running_max, plan.chunk_max, d_num, d_den, d_kv, d_k_sum, d_states, d_sums, d_kv0, d_z0,
-        plan.n, plan.feat, plan.dv, plan.chunks, BV=block, **plan.meta(),
+        plan.n, plan.feat, plan.dv, plan.chunks, BF=bf, BV=bv,
     )  # fmt: skip
     # gradients leave in the inputs' dtypes (the kernel casts on store): no fp32 copies of them
-    dq, dk = torch.empty_like(q), torch.empty_like(k)
-    dv, dls = torch.empty_like(v), torch.empty(plan.bh, plan.n, **f32)
-    kern.chunk_grads[(plan.chunks, plan.bh)](
-        q, k, v, ls, plan.running_max, plan.chunk_max, states, sums, d_num, d_den, d_states, d_sums, dq, dk, dv, dls,
-        plan.n, plan.feat, plan.dv, plan.chunks, BV=_block(plan.dv), **plan.meta(),
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    bf, bv = plan.grads_qk_blocks()
+    dls_parts = torch.empty(-(-plan.feat // bf), plan.bh, plan.n, **f32)  # one partial sum per F block
+    _launch(
+        kern, "chunk_grads_qk", (plan.chunks, plan.bh, -(-plan.feat // bf)), plan,
+        q, k, v, ls, plan.running_max, plan.chunk_max, states, sums, d_num, d_den, d_states, d_sums, dq, dk, dls_parts,
+        plan.n, plan.feat, plan.dv, plan.chunks, BF=bf, BV=bv,
     )  # fmt: skip
-    return dq, dk, dls, dv, d_kv0, d_z0
+    _launch(
+        kern, "chunk_grads_v", (plan.chunks, plan.bh, -(-plan.dv // plan.dv_block)), plan,
+        q, k, ls, plan.running_max, plan.chunk_max, d_num, d_states, dv, plan.n, plan.feat, plan.dv, plan.chunks,
+        BF=plan.loop_block, BV=plan.dv_block,
+    )  # fmt: skip
+    return dq, dk, dls_parts.sum(0), dv, d_kv0, d_z0
 
 
 def flat_inputs(qf, kf, kls, v, initial_state: LinearAttentionState | None, chunk_size: int):
@@ -183,7 +238,7 @@ def flat_inputs(qf, kf, kls, v, initial_state: LinearAttentionState | None, chun
         kv0 = initial_state.kv.reshape(bh, feat, dv).float().contiguous()
         z0 = initial_state.k_sum.reshape(bh, feat).float().contiguous()
         log_max0 = initial_state.log_max.reshape(bh).float()
-    plan = _plan(ls, log_max0, feat, dv, chunk_size, v.dtype)
+    plan = _plan(ls, log_max0, feat, dv, chunk_size)
     flat = (qf.reshape(bh, n, feat).contiguous(), kf.reshape(bh, n, feat).contiguous(), ls, v.reshape(bh, n, dv).contiguous())
     return flat, kv0, z0, plan
 

@@ -1,21 +1,37 @@
 """Triton kernels of chunked causal linear attention (the maths of ``core.py``; glue: ``function.py``).
 
-Layout: every tensor is contiguous [BH, N, *] (batch x heads flattened); inputs in any float
-dtype are cast to fp32 right after ``tl.load`` (the interpreter mishandles bf16 otherwise, and
-the state must accumulate in fp32 anyway). Chunk c holds tokens [c C, (c + 1) C); ``MB`` [BH,
-NC + 1] holds the chunk stabilisers: MB[:, 0] = the carried state's log_max, MB[:, c + 1] = m at
-the last token of chunk c. ``M`` [BH, N] is the per-token running max m_t. Every exponent is
-<= 0. States: ``S`` [F, Dv] (kv) and ``Z`` [F] (k_sum), relative to their chunk's stabiliser.
+Layout: every tensor is contiguous [BH, N, *] (batch x heads flattened). ``MB`` [BH, NC + 1]
+holds the chunk stabilisers: MB[:, 0] = the carried state's log_max, MB[:, c + 1] = m at the
+last token of chunk c. ``M`` [BH, N] is the per-token running max m_t. Every exponent is <= 0.
+States: ``S`` [F, Dv] (kv) and ``Z`` [F] (k_sum), fp32, relative to their chunk's stabiliser.
 
-Kernels (four launches forward + backward, none loops in Python over heads, batch or chunks):
+Precision: ``tl.dot`` operands are in the inputs' dtype (``_dot`` casts fp32 intermediates such
+as the C x C weights to it) and accumulate in fp32, as in flash attention: bf16 / fp16 operands
+take half the shared memory and registers of fp32 ones and run at the full tensor-core rate.
+fp32 inputs keep fp32 operands with ``PREC`` ("tf32" on CUDA). Products with a carried state
+(``_state_dot``) split the state into two half-precision parts (3xTF32 for fp32 inputs):
+the state is where rounding hurts. Element-wise maths (exp, sums, normalisation) is fp32. The interpreter
+computes every dot in fp32 from the (rounded) operands.
 
-* ``chunk_states``:  sequential over chunks, parallel over (BH, Dv blocks): the state entering
-  every chunk, and the final state. (Backward recomputes them: nothing but the inputs is saved.)
+Tiling: the feature dimension F and the value width Dv are cut into BF x BV blocks. The scans
+run one program per (BH, F block, Dv block); the chunk kernels loop over the blocks of the
+dimension they contract (``chunk_outputs`` over F, since its rms norm needs whole rows of Dv),
+so no program holds an F x Dv state or a C x F tile of full width at the 1.3B shape.
+
+Offsets: program ids are widened to int64 before they multiply a stride (``bh * N * F`` passes
+2^31 at long context), vector offsets inside one head stay int32.
+
+Kernels (five launches forward + backward; none loops in Python over heads, batch or chunks):
+
+* ``chunk_states``: sequential over chunks, parallel over (BH, F blocks, Dv blocks): the state
+  entering every chunk, and the final state. (Backward recomputes them.)
 * ``chunk_outputs``: parallel over (chunks, BH): intra-chunk C x C block + carried state, then
-  the normalisation. With ``BACKWARD`` it instead turns the output gradient into dn, dd
-  (gradients of the numerator and denominator), recomputing n and d.
-* ``chunk_state_grads``: reverse scan over chunks: dL/dS after every chunk, and of the initial state.
-* ``chunk_grads``:   parallel over (chunks, BH): dq, dk, dv, dkls of one chunk.
+  the normalisation. With ``BACKWARD`` it turns the output gradient into dn, dd (gradients of
+  the numerator and denominator), recomputing n and d.
+* ``chunk_state_grads``: reverse scan, like ``chunk_states``: dL/dS after every chunk and of the
+  initial state.
+* ``chunk_grads_qk``: parallel over (chunks, BH, F blocks): dq, dk and a partial dkls.
+* ``chunk_grads_v``:  parallel over (chunks, BH, Dv blocks): dv.
 """
 
 from __future__ import annotations
@@ -26,10 +42,28 @@ import triton.language as tl
 
 @triton.jit
 def _tile(ptr, rows, row_mask, cols, col_mask, stride):
-    """fp32 [len(rows), len(cols)] tile of a row-major matrix (zeros outside the masks)."""
-    return tl.load(ptr + rows[:, None] * stride + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0).to(
-        tl.float32
-    )
+    """[len(rows), len(cols)] tile of a row-major matrix in its stored dtype (zeros outside the masks)."""
+    return tl.load(ptr + rows[:, None] * stride + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+
+
+@triton.jit
+def _dot(a, b, ELT: tl.constexpr, PREC: tl.constexpr):
+    """a @ b with both operands in ELT (the inputs' dtype) and fp32 accumulation."""
+    return tl.dot(a.to(ELT), b.to(ELT), input_precision=PREC, out_dtype=tl.float32)
+
+
+@triton.jit
+def _state_dot(a, s, ELT: tl.constexpr):
+    """a @ s where s is a carried state (or state gradient), fp32 in memory. Rounding s to 10 or
+    8 mantissa bits gave 2% output and 45% dq errors on ill-conditioned rms rows (fp16, key
+    scales x100; tests/test_attention_triton.py), so s is split into two half-precision parts
+    s_hi + s_lo (~21 / 16 bits) and multiplied twice; fp32 inputs use 3xTF32 instead."""
+    if ELT == tl.float32:
+        return tl.dot(a, s, input_precision="tf32x3", out_dtype=tl.float32)
+    s_hi = s.to(ELT)
+    s_lo = (s - s_hi.to(tl.float32)).to(ELT)
+    a_half = a.to(ELT)
+    return tl.dot(a_half, s_hi, out_dtype=tl.float32) + tl.dot(a_half, s_lo, out_dtype=tl.float32)
 
 
 @triton.jit
@@ -38,19 +72,20 @@ def chunk_states(
     N, F, DV, NC,
     CHUNK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
 ):
-    bh = tl.program_id(0)
-    pv = tl.program_id(1)
-    f = tl.arange(0, BF)
+    bh = tl.program_id(0).to(tl.int64)
+    pv = tl.program_id(2)
+    f = tl.program_id(1) * BF + tl.arange(0, BF)
     cols = pv * BV + tl.arange(0, BV)
     fm = f < F
     vm = cols < DV
     zm = fm & ((f * 0 + pv) == 0)  # k_sum is written by the first Dv block only
     t = tl.arange(0, CHUNK)
     state_off = f[:, None] * DV + cols[None, :]
-    s = tl.load(S0 + bh * F * DV + state_off, mask=fm[:, None] & vm[None, :], other=0.0).to(tl.float32)
+    state_mask = fm[:, None] & vm[None, :]
+    s = tl.load(S0 + bh * F * DV + state_off, mask=state_mask, other=0.0).to(tl.float32)
     z = tl.load(Z0 + bh * F + f, mask=fm, other=0.0).to(tl.float32)
     for c in range(NC):
-        tl.store(STATES + (bh * NC + c) * F * DV + state_off, s, mask=fm[:, None] & vm[None, :])
+        tl.store(STATES + (bh * NC + c) * F * DV + state_off, s, mask=state_mask)
         tl.store(ZS + (bh * NC + c) * F + f, z, mask=zm)
         m_prev = tl.load(MB + bh * (NC + 1) + c)
         m_cur = tl.load(MB + bh * (NC + 1) + c + 1)
@@ -59,11 +94,11 @@ def chunk_states(
         k = _tile(K + bh * N * F, tok, tm, f, fm, F)
         v = _tile(V + bh * N * DV, tok, tm, cols, vm, DV)
         ls = tl.load(LS + bh * N + tok, mask=tm, other=0.0)
-        kw = k * tl.where(tm, tl.exp(ls - m_cur), 0.0)[:, None]
+        kw = k.to(tl.float32) * tl.where(tm, tl.exp(ls - m_cur), 0.0)[:, None]
         decay = tl.exp(m_prev - m_cur)
-        s = s * decay + tl.dot(tl.trans(kw), v, input_precision=PREC)
+        s = s * decay + _dot(tl.trans(kw), v, K.dtype.element_ty, PREC)
         z = z * decay + tl.sum(kw, axis=0)
-    tl.store(SF + bh * F * DV + state_off, s, mask=fm[:, None] & vm[None, :])
+    tl.store(SF + bh * F * DV + state_off, s, mask=state_mask)
     tl.store(ZF + bh * F + f, z, mask=zm)
 
 
@@ -75,28 +110,37 @@ def chunk_outputs(
     RMS: tl.constexpr, BACKWARD: tl.constexpr,
 ):
     c = tl.program_id(0)
-    bh = tl.program_id(1)
-    f = tl.arange(0, BF)
+    bh = tl.program_id(1).to(tl.int64)
+    elt = Q.dtype.element_ty
     cols = tl.arange(0, BV)
-    fm = f < F
     vm = cols < DV
     t = tl.arange(0, CHUNK)
     tok = c * CHUNK + t
     tm = tok < N
-    q = _tile(Q + bh * N * F, tok, tm, f, fm, F)
-    k = _tile(K + bh * N * F, tok, tm, f, fm, F)
+    state = (bh * NC + c) * F
+    qk = tl.zeros((CHUNK, CHUNK), dtype=tl.float32)
+    qs = tl.zeros((CHUNK, BV), dtype=tl.float32)
+    qz = tl.zeros((CHUNK,), dtype=tl.float32)
+    for f0 in range(0, F, BF):
+        f = f0 + tl.arange(0, BF)
+        fm = f < F
+        q = _tile(Q + bh * N * F, tok, tm, f, fm, F)
+        k = _tile(K + bh * N * F, tok, tm, f, fm, F)
+        s = _tile(STATES + state * DV, f, fm, cols, vm, DV)
+        z = tl.load(ZS + state + f, mask=fm, other=0.0)
+        qk += _dot(q, tl.trans(k), elt, PREC)
+        qs += _state_dot(q, s, elt)
+        qz += tl.sum(q.to(tl.float32) * z[None, :], axis=1)
     v = _tile(V + bh * N * DV, tok, tm, cols, vm, DV)
-    s = _tile(STATES + (bh * NC + c) * F * DV, f, fm, cols, vm, DV)
-    z = tl.load(ZS + (bh * NC + c) * F + f, mask=fm, other=0.0)
     ls = tl.load(LS + bh * N + tok, mask=tm, other=0.0)
     m = tl.load(M + bh * N + tok, mask=tm, other=0.0)
     m_prev = tl.load(MB + bh * (NC + 1) + c)
     causal = (t[None, :] <= t[:, None]) & tm[None, :]
     # exponent masked to -inf before exp: a later key may have a larger log-scale than m_t
-    w = tl.dot(q, tl.trans(k), input_precision=PREC) * tl.exp(tl.where(causal, ls[None, :] - m[:, None], float("-inf")))
+    w = qk * tl.exp(tl.where(causal, ls[None, :] - m[:, None], float("-inf")))
     carry = tl.exp(m_prev - m)
-    n = tl.dot(w, v, input_precision=PREC) + carry[:, None] * tl.dot(q, s, input_precision=PREC)
-    d = tl.sum(w, axis=1) + carry * tl.sum(q * z[None, :], axis=1)
+    n = _dot(w, v, elt, PREC) + carry[:, None] * qs
+    d = tl.sum(w, axis=1) + carry * qz
     out_mask = tm[:, None] & vm[None, :]
     out_off = bh * N * DV + tok[:, None] * DV + cols[None, :]
     if RMS:
@@ -127,21 +171,22 @@ def chunk_state_grads(
     N, F, DV, NC,
     CHUNK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
 ):
-    bh = tl.program_id(0)
-    pv = tl.program_id(1)
-    f = tl.arange(0, BF)
+    bh = tl.program_id(0).to(tl.int64)
+    pv = tl.program_id(2)
+    f = tl.program_id(1) * BF + tl.arange(0, BF)
     cols = pv * BV + tl.arange(0, BV)
     fm = f < F
     vm = cols < DV
     zm = fm & ((f * 0 + pv) == 0)
     t = tl.arange(0, CHUNK)
     state_off = f[:, None] * DV + cols[None, :]
-    ds = tl.load(DSF + bh * F * DV + state_off, mask=fm[:, None] & vm[None, :], other=0.0).to(tl.float32)
+    state_mask = fm[:, None] & vm[None, :]
+    ds = tl.load(DSF + bh * F * DV + state_off, mask=state_mask, other=0.0).to(tl.float32)
     dz = tl.load(DZF + bh * F + f, mask=fm, other=0.0).to(tl.float32)
     for i in range(NC):
         c = NC - 1 - i
         # gradient of the state after chunk c (= entering chunk c + 1)
-        tl.store(DSTATES + (bh * NC + c) * F * DV + state_off, ds, mask=fm[:, None] & vm[None, :])
+        tl.store(DSTATES + (bh * NC + c) * F * DV + state_off, ds, mask=state_mask)
         tl.store(DZS + (bh * NC + c) * F + f, dz, mask=zm)
         m_prev = tl.load(MB + bh * (NC + 1) + c)
         m_cur = tl.load(MB + bh * (NC + 1) + c + 1)
@@ -151,59 +196,104 @@ def chunk_state_grads(
         m = tl.load(M + bh * N + tok, mask=tm, other=0.0)
         dn = _tile(DN + bh * N * DV, tok, tm, cols, vm, DV)
         dd = tl.load(DD + bh * N + tok, mask=tm, other=0.0)
-        qa = q * tl.where(tm, tl.exp(m_prev - m), 0.0)[:, None]
+        qa = q.to(tl.float32) * tl.where(tm, tl.exp(m_prev - m), 0.0)[:, None]
         decay = tl.exp(m_prev - m_cur)
-        ds = ds * decay + tl.dot(tl.trans(qa), dn, input_precision=PREC)
+        ds = ds * decay + _dot(tl.trans(qa), dn, Q.dtype.element_ty, PREC)
         dz = dz * decay + tl.sum(qa * dd[:, None], axis=0)
-    tl.store(DS0 + bh * F * DV + state_off, ds, mask=fm[:, None] & vm[None, :])
+    tl.store(DS0 + bh * F * DV + state_off, ds, mask=state_mask)
     tl.store(DZ0 + bh * F + f, dz, mask=zm)
 
 
 @triton.jit
-def chunk_grads(
-    Q, K, V, LS, M, MB, STATES, ZS, DN, DD, DSTATES, DZS, DQ, DK, DV_OUT, DLS,
-    N, F, DV, NC,
-    CHUNK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-):
-    c = tl.program_id(0)
-    bh = tl.program_id(1)
-    f = tl.arange(0, BF)
-    cols = tl.arange(0, BV)
-    fm = f < F
-    vm = cols < DV
+def _chunk_scales(LS, M, MB, bh, c, tok, tm, N, NC, CHUNK: tl.constexpr):
+    """Of chunk c (tokens ``tok``, valid where ``tm``): e [C(t), C(s)] = causal exp(kls_s - m_t),
+    the carry exp(m_prev - m_t) and the key scales exp(kls_s - m_end) (both zero on padding)."""
     t = tl.arange(0, CHUNK)
-    tok = c * CHUNK + t
-    tm = tok < N
-    q = _tile(Q + bh * N * F, tok, tm, f, fm, F)
-    k = _tile(K + bh * N * F, tok, tm, f, fm, F)
-    v = _tile(V + bh * N * DV, tok, tm, cols, vm, DV)
-    dn = _tile(DN + bh * N * DV, tok, tm, cols, vm, DV)
-    dd = tl.load(DD + bh * N + tok, mask=tm, other=0.0)
-    s = _tile(STATES + (bh * NC + c) * F * DV, f, fm, cols, vm, DV)
-    z = tl.load(ZS + (bh * NC + c) * F + f, mask=fm, other=0.0)
-    ds = _tile(DSTATES + (bh * NC + c) * F * DV, f, fm, cols, vm, DV)
-    dz = tl.load(DZS + (bh * NC + c) * F + f, mask=fm, other=0.0)
     ls = tl.load(LS + bh * N + tok, mask=tm, other=0.0)
     m = tl.load(M + bh * N + tok, mask=tm, other=0.0)
     m_prev = tl.load(MB + bh * (NC + 1) + c)
     m_cur = tl.load(MB + bh * (NC + 1) + c + 1)
     causal = (t[None, :] <= t[:, None]) & tm[None, :] & tm[:, None]
-    e = tl.exp(tl.where(causal, ls[None, :] - m[:, None], float("-inf")))  # [C(t), C(s)]
-    w = tl.dot(q, tl.trans(k), input_precision=PREC) * e
-    # dW'_ts = (dn_t . v_s + dd_t) exp(kls_s - m_t): the gradient of the q.k products
-    dw = (tl.dot(dn, tl.trans(v), input_precision=PREC) + dd[:, None]) * e
+    e = tl.exp(tl.where(causal, ls[None, :] - m[:, None], float("-inf")))
     carry = tl.where(tm, tl.exp(m_prev - m), 0.0)
-    dq = tl.dot(dw, k, input_precision=PREC) + carry[:, None] * (
-        tl.dot(dn, tl.trans(s), input_precision=PREC) + dd[:, None] * z[None, :]
-    )
     key_scale = tl.where(tm, tl.exp(ls - m_cur), 0.0)
-    dk = tl.dot(tl.trans(dw), q, input_precision=PREC) + key_scale[:, None] * (
-        tl.dot(v, tl.trans(ds), input_precision=PREC) + dz[None, :]
-    )
-    dv = tl.dot(tl.trans(w), dn, input_precision=PREC) + key_scale[:, None] * tl.dot(k, ds, input_precision=PREC)
+    return e, carry, key_scale
+
+
+@triton.jit
+def chunk_grads_qk(
+    Q, K, V, LS, M, MB, STATES, ZS, DN, DD, DSTATES, DZS, DQ, DK, DLS,
+    N, F, DV, NC,
+    CHUNK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+):
+    """dq, dk of one (chunk, F block) and sum_f kf dkf over the block (DLS [F blocks, BH, N])."""
+    c = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    pf = tl.program_id(2)
+    elt = Q.dtype.element_ty
+    f = pf * BF + tl.arange(0, BF)
+    fm = f < F
+    tok = c * CHUNK + tl.arange(0, CHUNK)
+    tm = tok < N
+    state = (bh * NC + c) * F
+    dnv = tl.zeros((CHUNK, CHUNK), dtype=tl.float32)  # dn_t . v_s
+    dns = tl.zeros((CHUNK, BF), dtype=tl.float32)  # dn S^T
+    vds = tl.zeros((CHUNK, BF), dtype=tl.float32)  # v dS^T
+    for v0 in range(0, DV, BV):
+        cols = v0 + tl.arange(0, BV)
+        vm = cols < DV
+        v = _tile(V + bh * N * DV, tok, tm, cols, vm, DV)
+        dn = _tile(DN + bh * N * DV, tok, tm, cols, vm, DV)
+        s = _tile(STATES + state * DV, f, fm, cols, vm, DV)
+        ds = _tile(DSTATES + state * DV, f, fm, cols, vm, DV)
+        dnv += _dot(dn, tl.trans(v), elt, PREC)
+        dns += _state_dot(dn, tl.trans(s), elt)
+        vds += _state_dot(v, tl.trans(ds), elt)
+    q = _tile(Q + bh * N * F, tok, tm, f, fm, F)
+    k = _tile(K + bh * N * F, tok, tm, f, fm, F)
+    dd = tl.load(DD + bh * N + tok, mask=tm, other=0.0)
+    z = tl.load(ZS + state + f, mask=fm, other=0.0)
+    dz = tl.load(DZS + state + f, mask=fm, other=0.0)
+    # the C x C scales only now, after the loop: fewer registers live across it
+    e, carry, key_scale = _chunk_scales(LS, M, MB, bh, c, tok, tm, N, NC, CHUNK)
+    # dW'_ts = (dn_t . v_s + dd_t) exp(kls_s - m_t): the gradient of the q.k products
+    dw = (dnv + dd[:, None]) * e
+    dq = _dot(dw, k, elt, PREC) + carry[:, None] * (dns + dd[:, None] * z[None, :])
+    dk = _dot(tl.trans(dw), q, elt, PREC) + key_scale[:, None] * (vds + dz[None, :])
     feat_off = bh * N * F + tok[:, None] * F + f[None, :]
     tl.store(DQ + feat_off, dq, mask=tm[:, None] & fm[None, :])
     tl.store(DK + feat_off, dk, mask=tm[:, None] & fm[None, :])
-    tl.store(DV_OUT + bh * N * DV + tok[:, None] * DV + cols[None, :], dv, mask=tm[:, None] & vm[None, :])
     # every path of kls_s into the loss is exp(kls_s - .) kf_s, so dkls_s = kf_s . dkf_s
-    tl.store(DLS + bh * N + tok, tl.sum(k * dk, axis=1), mask=tm)
+    bhs = tl.num_programs(1)
+    tl.store(DLS + (pf * bhs + bh) * N + tok, tl.sum(k.to(tl.float32) * dk, axis=1), mask=tm)
+
+
+@triton.jit
+def chunk_grads_v(
+    Q, K, LS, M, MB, DN, DSTATES, DV_OUT,
+    N, F, DV, NC,
+    CHUNK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+):
+    """dv of one (chunk, Dv block): W^T dn + key scales x (k dS)."""
+    c = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    elt = Q.dtype.element_ty
+    cols = tl.program_id(2) * BV + tl.arange(0, BV)
+    vm = cols < DV
+    tok = c * CHUNK + tl.arange(0, CHUNK)
+    tm = tok < N
+    state = (bh * NC + c) * F
+    qk = tl.zeros((CHUNK, CHUNK), dtype=tl.float32)
+    kds = tl.zeros((CHUNK, BV), dtype=tl.float32)
+    for f0 in range(0, F, BF):
+        f = f0 + tl.arange(0, BF)
+        fm = f < F
+        q = _tile(Q + bh * N * F, tok, tm, f, fm, F)
+        k = _tile(K + bh * N * F, tok, tm, f, fm, F)
+        ds = _tile(DSTATES + state * DV, f, fm, cols, vm, DV)
+        qk += _dot(q, tl.trans(k), elt, PREC)
+        kds += _state_dot(k, ds, elt)
+    e, _, key_scale = _chunk_scales(LS, M, MB, bh, c, tok, tm, N, NC, CHUNK)
+    dn = _tile(DN + bh * N * DV, tok, tm, cols, vm, DV)
+    dv = _dot(tl.trans(qk * e), dn, elt, PREC) + key_scale[:, None] * kds
+    tl.store(DV_OUT + bh * N * DV + tok[:, None] * DV + cols[None, :], dv, mask=tm[:, None] & vm[None, :])

@@ -1,0 +1,183 @@
+"""Ahead-of-time compilation of the Triton kernels for real GPUs, on any machine (no GPU needed).
+
+The interpreter accepts programs that the compiler cannot launch (too much shared memory,
+register spills), so the launches are checked here the way a GPU would see them:
+``record_launches`` runs ``attention_forward`` + ``attention_backward`` with a recorder in place
+of the kernels module (the dispatcher's own code picks grids, blocks, warps and stages; nothing
+is computed), and ``compile_launch`` compiles one launch with ``triton.compile(ASTSource(...),
+target=GPUTarget("cuda", arch, 32))``; ptxas (shipped in the triton wheel) reports registers and
+spills, Triton's metadata the shared memory. ``evaluation/triton_aot.py`` runs every shipped shape.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+import tempfile
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .function import ChunkPlan, _plan, attention_backward, attention_forward, kernel_chunk
+
+# Shared memory per block (opt-in maximum) of the targets the kernels must launch on.
+SHARED_MEMORY_LIMIT = {80: 166_912, 90: 232_448}
+_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+_LAUNCH_OPTIONS = ("num_warps", "num_stages")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch as the compiler sees it: argument types, constexprs and launch options."""
+
+    kernel: str
+    signature: tuple[tuple[str, str], ...]  # (argument, Triton type) of the runtime arguments
+    constexprs: tuple[tuple[str, object], ...]
+    num_warps: int
+    num_stages: int
+
+
+@dataclass
+class Compiled:
+    """Resource usage of one launch compiled for one target."""
+
+    kernel: str
+    arch: int
+    constexprs: dict
+    dtype: str
+    num_warps: int
+    num_stages: int
+    shared_bytes: int
+    registers: int
+    spill_store_bytes: int
+    spill_load_bytes: int
+    stack_bytes: int
+    tensor_cores: bool  # mma / wgmma instructions in the PTX
+    fits: bool  # shared memory within SHARED_MEMORY_LIMIT[arch]
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class _Recorder:
+    """Stands in for the kernels module: ``rec.name[grid](*args, **kwargs)`` records the launch."""
+
+    def __init__(self) -> None:
+        self.launches: list[Launch] = []
+
+    def __getattr__(self, kernel: str):
+        recorder = self
+
+        class _Grid:
+            def __getitem__(self, grid):
+                return lambda *args, **kwargs: recorder._record(kernel, args, kwargs)
+
+        return _Grid()
+
+    def _record(self, kernel: str, args: tuple, kwargs: dict) -> None:
+        from . import kernels
+
+        fn = getattr(kernels, kernel)
+        runtime = [name for name, p in zip(fn.arg_names, fn.params) if not p.is_constexpr]
+        if len(runtime) != len(args):
+            raise TypeError(f"{kernel}: {len(args)} arguments for {len(runtime)} parameters")
+        signature = tuple((name, _arg_type(value)) for name, value in zip(runtime, args))
+        constexprs = tuple(sorted((k, v) for k, v in kwargs.items() if k not in _LAUNCH_OPTIONS))
+        launch = Launch(kernel, signature, constexprs, kwargs["num_warps"], kwargs["num_stages"])
+        if launch not in self.launches:
+            self.launches.append(launch)
+
+
+def _arg_type(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return "*" + _TYPES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"unexpected kernel argument {type(value).__name__}")
+
+
+def record_launches(
+    feat: int, dv: int, dtype: torch.dtype, chunk_size: int, *, bh: int, normalization: str = "rms"
+) -> list[Launch]:
+    """Every distinct launch of one forward + backward at (BH = ``bh``, F, Dv, dtype, chunk)."""
+    recorder = _Recorder()
+    n = 2 * kernel_chunk(chunk_size) + 3  # several chunks, the last one partial
+    plan: ChunkPlan = _plan(torch.zeros(bh, n), torch.full((bh,), float("-inf")), feat, dv, chunk_size)
+    q, k = torch.empty(bh, n, feat, dtype=dtype), torch.empty(bh, n, feat, dtype=dtype)
+    v, ls = torch.empty(bh, n, dv, dtype=dtype), torch.zeros(bh, n)
+    kv0, z0 = torch.zeros(bh, feat, dv), torch.zeros(bh, feat)
+    attention_forward(q, k, ls, v, kv0, z0, plan, normalization, 1e-6, dtype, kern=recorder)
+    attention_backward(q, k, ls, v, kv0, z0, plan, normalization, 1e-6, None, None, None, kern=recorder)
+    return recorder.launches
+
+
+def _attrs(launch: Launch) -> dict:
+    """The JIT's specialisation for pointers (torch allocations are 16-byte aligned)."""
+    return {(i,): [["tt.divisibility", 16]] for i, (_, kind) in enumerate(launch.signature) if kind.startswith("*")}
+
+
+def _compile(launch: Launch, arch: int):
+    """(Triton's compiled kernel, the ptxas -v log) of ``launch`` for sm_``arch``."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from . import kernels
+
+    fn = getattr(kernels, launch.kernel)
+    if not hasattr(fn, "arg_names"):
+        raise RuntimeError("the Triton kernels were loaded under TRITON_INTERPRET=1: compile them in a process without it")
+    constexprs = dict(launch.constexprs)
+    signature = dict(launch.signature) | {name: "constexpr" for name in constexprs}
+    index = {name: i for i, name in enumerate(fn.arg_names)}
+    source = ASTSource(fn, signature, constexprs={(index[k],): v for k, v in constexprs.items()}, attrs=_attrs(launch))
+    log = io.StringIO()
+    knobs = triton.knobs
+    # a fresh cache: ptxas must run (its -v log is the only source of registers and spills here)
+    with tempfile.TemporaryDirectory() as cache, knobs.cache.scope(), knobs.nvidia.scope(), contextlib.redirect_stdout(log):
+        knobs.cache.dir = cache
+        knobs.nvidia.dump_ptxas_log = True
+        compiled = triton.compile(
+            source, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages)
+        )
+    return compiled, log.getvalue()
+
+
+def launch_ttir(launch: Launch, arch: int = 80) -> str:
+    """The Triton IR (TTIR) of ``launch``: what its address arithmetic is, before any lowering."""
+    return _compile(launch, arch)[0].asm["ttir"]
+
+
+def compile_launch(launch: Launch, arch: int) -> Compiled:
+    """Compile ``launch`` for sm_``arch`` (80 or 90) and read its resource usage."""
+    compiled, log = _compile(launch, arch)
+    shared = int(compiled.metadata.shared)
+    dtype = next(kind for name, kind in launch.signature if name in ("Q", "K"))[1:]
+    return Compiled(
+        kernel=launch.kernel, arch=arch, constexprs=dict(launch.constexprs), dtype=dtype,
+        num_warps=launch.num_warps, num_stages=launch.num_stages, shared_bytes=shared,
+        tensor_cores=bool(re.search(r"\b(wgmma|mma)\.", compiled.asm["ptx"])),
+        fits=shared <= SHARED_MEMORY_LIMIT[arch], **parse_ptxas_log(log),
+    )  # fmt: skip
+
+
+def parse_ptxas_log(log: str) -> dict[str, int]:
+    """registers, spill stores/loads and stack frame (bytes per thread) from ``ptxas -v`` output."""
+
+    def number(pattern: str) -> int:
+        found = re.findall(pattern, log)
+        if not found:
+            raise ValueError(f"ptxas log without {pattern!r}: {log[-500:]!r}")
+        return max(int(x) for x in found)
+
+    return dict(
+        registers=number(r"Used (\d+) registers"),
+        spill_store_bytes=number(r"(\d+) bytes spill stores"),
+        spill_load_bytes=number(r"(\d+) bytes spill loads"),
+        stack_bytes=number(r"(\d+) bytes stack frame"),
+    )

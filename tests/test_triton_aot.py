@@ -1,0 +1,102 @@
+"""The Triton kernels compiled ahead of time for A100 (sm_80) and H100 (sm_90) on this GPU-less
+machine: every launch the dispatcher makes at every shipped config fits the target's shared
+memory, the bf16 spill targets hold, and head offsets are computed in 64 bits.
+
+Compiling needs the real (not interpreted) kernels, so it runs in subprocesses without
+TRITON_INTERPRET (the test session sets it for the interpreter tests).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton", reason="triton is not installed (pip install 'megaflex[dev]' installs it)")
+
+from megaflex.attention.triton.aot import parse_ptxas_log  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SPILL_BUDGET_BF16 = {"flexformer_n_247m": 0, "flexformer_n_41m": 0, "flexformer_n_1.3b": 1024}
+
+
+def _compiler_env() -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    return env
+
+
+@pytest.mark.slow
+def test_every_shipped_launch_fits_shared_memory_and_meets_the_spill_targets(tmp_path):
+    out = tmp_path / "aot.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "evaluation.triton_aot", "--out", str(out)],
+        cwd=REPO_ROOT, env=_compiler_env(), capture_output=True, text=True, timeout=1800,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    rows = report["kernels"]
+    kernels = {"chunk_states", "chunk_outputs", "chunk_state_grads", "chunk_grads_qk", "chunk_grads_v"}
+    for config in ("flexformer_n_41m", "flexformer_n_247m", "flexformer_n_1.3b", "tiny"):
+        for dtype in ("bf16", "fp16", "fp32"):
+            for arch in (80, 90):
+                used = {r["kernel"] for r in rows if f"{config}/{dtype}" in r["configs"] and r["arch"] == arch}
+                assert used == kernels, (config, dtype, arch, used)
+    limit = {80: 166_912, 90: 232_448}
+    too_big = [(r["kernel"], r["arch"], r["configs"][0], r["shared_bytes"]) for r in rows if r["shared_bytes"] > limit[r["arch"]]]
+    assert not too_big
+    assert all(r["tensor_cores"] for r in rows)  # half operands (and tf32 for fp32 inputs) reach mma / wgmma
+    for config, budget in SPILL_BUDGET_BF16.items():
+        spills = [(r["kernel"], r["arch"], r["spill_store_bytes"]) for r in rows if f"{config}/bf16" in r["configs"]]
+        assert spills and all(spilled <= budget for _, _, spilled in spills), (config, spills)
+
+
+_TTIR_PROBE = textwrap.dedent(
+    """
+    import json, re, sys, torch
+    from megaflex.attention.triton.aot import launch_ttir, record_launches
+    found = {}
+    for launch in record_launches(16, 16, torch.float32, 16, bh=2):
+        ttir = launch_ttir(launch)
+        pids = dict((axis, name) for name, axis in re.findall(r"(%[\\w.]+) = tt.get_program_id ([xyz]) : i32", ttir))
+        found[launch.kernel] = {axis: {
+            "widened": bool(re.search(re.escape(name) + r" : i32 to i64", ttir)),
+            "i32_products": len(re.findall(r"arith.muli [^\\n]*" + re.escape(name) + r"\\b[^\\n]*: i32", ttir)),
+        } for axis, name in pids.items()}
+    json.dump(found, sys.stdout)
+    """
+)
+
+
+@pytest.mark.slow
+def test_head_offsets_are_computed_in_64_bits():
+    """The batch x head program id (axis x of the scans, y of the chunk kernels) is sign-extended
+    to i64 and never multiplied in i32: bh * N * F passes 2^31 at long context (e.g. F = 256,
+    B*H = 512, N = 16k), which int32 offsets would wrap silently."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _TTIR_PROBE], cwd=REPO_ROOT, env=_compiler_env(), capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout)
+    assert set(found) == {"chunk_states", "chunk_outputs", "chunk_state_grads", "chunk_grads_qk", "chunk_grads_v"}
+    for kernel, axes in found.items():
+        bh_axis = "x" if kernel in ("chunk_states", "chunk_state_grads") else "y"
+        assert axes[bh_axis] == {"widened": True, "i32_products": 0}, (kernel, axes)
+
+
+def test_ptxas_log_parsing_takes_registers_spills_and_stack():
+    log = (
+        "ptxas info    : Compiling entry function 'chunk_grads_qk' for 'sm_80'\n"
+        "ptxas info    : Function properties for chunk_grads_qk\n"
+        "    24 bytes stack frame, 24 bytes spill stores, 28 bytes spill loads\n"
+        "ptxas info    : Used 255 registers, used 1 barriers, 412 bytes cmem[0]\n"
+    )
+    assert parse_ptxas_log(log) == dict(registers=255, spill_store_bytes=24, spill_load_bytes=28, stack_bytes=24)
+    with pytest.raises(ValueError, match="ptxas log without"):
+        parse_ptxas_log("ptxas info    : Compiling entry function 'x'\n")
