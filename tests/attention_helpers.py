@@ -79,8 +79,9 @@ def form_steps(fmap: FeatureMap, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     with torch.no_grad():
         fq, fk = fmap(q, 0), fmap(k, 0)
         projection = 0.0
-        if hasattr(fmap, "trig_spec"):
-            omega = fmap.trig_spec()[0].double()
+        spec = fmap.trig_spec() if hasattr(fmap, "trig_spec") else None  # None: not a trig map (positive Performer)
+        if spec is not None:
+            omega = spec[0].double()
             projection = max(torch.einsum("bhnd,hpd->bhnp", x.double(), omega).abs().max().item() for x in (q, k))
     steps = attention_steps(
         q.shape[2] + extra_tokens, fk.features.shape[-1], v.shape[-1], log_scale_spread(fq.log_scale, fk.log_scale),
