@@ -73,10 +73,9 @@ def test_default_ffn_width():
         ({"attention": "flexformer_s", "feature_kwargs": {"redraw_interval": 10}}, "redraw_interval"),
     ],
 )
-def test_feature_map_misfit_is_reported_when_the_model_is_built(overrides, field):
-    config = ModelConfig(**BASE, **overrides)
-    with pytest.raises(ValueError, match=field):
-        GPT(config)
+def test_feature_map_misfit_is_reported_when_the_config_is_made(overrides, field):
+    with pytest.raises(ValueError, match=field):  # at ModelConfig construction, before any model is built
+        GPT(ModelConfig(**BASE, **overrides))
 
 
 def test_head_dim_rope_odd_allowed_without_rope():

@@ -70,6 +70,15 @@ def parallel_groups(state: Any) -> list[Any]:
     return [value for name, value in vars(state).items() if name.endswith("_group") and value is not None]
 
 
+def every_process_group() -> list[Any]:
+    """Every process group this process has created so far, whoever created it (DeepSpeed too)."""
+    if not dist.is_initialized():
+        return []
+    from torch.distributed.distributed_c10d import _world
+
+    return list(_world.pg_map)
+
+
 def describe_failure(error: BaseException) -> str | None:
     """One line naming rank, step and collective when ``error`` is a failed collective, else None."""
     if not isinstance(error, RuntimeError):  # torch's DistError family included

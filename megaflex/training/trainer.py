@@ -42,7 +42,9 @@ from megaflex.training.checkpoint import (
     preflight,
     zero_partitions,
 )
-from megaflex.training.collective_timeout import apply_timeout, parallel_groups, progress, rendezvous_timeout
+from megaflex.training.collective_timeout import (
+    apply_timeout, every_process_group, parallel_groups, progress, rendezvous_timeout,
+)
 from megaflex.training.config import (
     Config, check_device, global_batch_size, parallel_dims, resolve_device, validate_runtime,
 )
@@ -182,6 +184,8 @@ def run(cfg: Config, objective: Objective | None = None) -> dict[str, Any]:
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, config=engine_config, mpu=deepspeed_mpu(state), dist_init_required=False
     )
+    # DeepSpeed builds groups of its own (e.g. its data-parallel group without an mpu): same timeout.
+    apply_timeout(cfg.parallel.timeout_minutes, every_process_group())
 
     # ---------------------------------------------------------------- data and resume
     train_samples = cfg.train.train_iters * gbs
@@ -331,7 +335,10 @@ def run(cfg: Config, objective: Objective | None = None) -> dict[str, Any]:
             logger.log(record)
 
         if cfg.train.eval_interval and iteration % cfg.train.eval_interval == 0 and valid_data is not None:
-            _log_validation(cfg, engine, valid_data, state, device, iteration, logger, signals)
+            if _log_validation(cfg, engine, valid_data, state, device, iteration, logger, signals) is None:
+                # Preempted mid-validation (every rank agreed there): stop after saving this step.
+                signum = torch.tensor(float(signals.signum or 0), device=device)
+                stop_signal = stop_signal or int(comm.all_reduce(signum, "max", comm.world_group()).item())
         if cfg.checkpoint.save_interval and iteration % cfg.checkpoint.save_interval == 0:
             save(iteration)
             last_saved = iteration
