@@ -122,14 +122,33 @@ class OptimizerConfig:
     use_apex: bool = opt(False, "use apex FusedAdam instead (GPU; apex must be installed)")
 
 
+DecayShape = Literal["cosine", "linear", "1-sqrt"]
+
+
 @dataclass
 class ScheduleConfig:
     """Learning-rate schedule: linear warmup, then decay to min_lr."""
 
     warmup_iters: int = opt(0, "iterations of linear warmup from 0 to train.lr")
-    decay_style: Literal["cosine", "linear", "constant"] = opt("cosine", "shape of the decay after warmup")
+    decay_style: Literal["cosine", "linear", "constant", "wsd"] = opt(
+        "cosine", "shape of the decay after warmup; `wsd` (warmup-stable-decay): train.lr until the last "
+        "`wsd_decay_fraction` of the decay iterations, then `wsd_decay_shape` down to min_lr",
+    )
     decay_iters: int | None = opt(None, "iteration at which the decay reaches min_lr (default train.train_iters)")
     min_lr: float = opt(0.0, "learning rate at and after decay_iters")
+    wsd_decay_fraction: float = opt(
+        0.2, "decay_style wsd: share of the decay iterations (decay_iters, default train.train_iters) spent decaying, at their end"
+    )
+    wsd_decay_shape: DecayShape = opt(
+        "1-sqrt", "decay_style wsd: `1-sqrt` (lr factor 1 - sqrt(progress), Hagele et al. 2024), `linear` or `cosine`"
+    )
+
+    def decay_window(self, train_iters: int) -> tuple[int, int]:
+        """(first, end) iterations of the decay: the LR falls from train.lr at ``first`` to min_lr at ``end``."""
+        end = self.decay_iters if self.decay_iters is not None else train_iters
+        if self.decay_style == "wsd":
+            return end - round(self.wsd_decay_fraction * end), end
+        return self.warmup_iters, end
 
 
 @dataclass
@@ -282,7 +301,7 @@ FLOAT_RANGES: dict[str, Range] = {
     "optimizer.weight_decay": _NON_NEGATIVE,
     "optimizer.kernel_frequency_lr_multiplier": _NON_NEGATIVE,
     "optimizer.kernel_temperature_lr_multiplier": _NON_NEGATIVE,
-    "schedule.min_lr": _NON_NEGATIVE,
+    "schedule.min_lr": _NON_NEGATIVE, "schedule.wsd_decay_fraction": Range(0.0, 1.0, low_open=True, high_open=False),
     "train.lr": _POSITIVE, "train.grad_clip": _NON_NEGATIVE, "train.fp16_min_loss_scale": _POSITIVE,
     "logging.peak_tflops": _POSITIVE,
     "distill.output_mse_weight": _NON_NEGATIVE, "distill.weights_ce_weight": _NON_NEGATIVE,
@@ -348,9 +367,10 @@ def validate(cfg: Config) -> None:
         )
     if d.seq_len > cfg.model.max_seq_len:
         raise _bad(cfg, "data.seq_len", f"expected <= model.max_seq_len ({cfg.model.max_seq_len}), got {d.seq_len}")
-    decay_iters = s.decay_iters if s.decay_iters is not None else t.train_iters
+    decay_first, decay_iters = s.decay_window(t.train_iters)
     if s.warmup_iters > decay_iters:
         raise _bad(cfg, "schedule.warmup_iters", f"expected <= decay iterations ({decay_iters}), got {s.warmup_iters}")
+    _validate_wsd(cfg, decay_first, decay_iters)
     if s.min_lr > t.lr:
         raise _bad(cfg, "schedule.min_lr", f"expected <= train.lr ({t.lr}), got {s.min_lr}")
     parallel_dims(cfg, p.tensor_parallel_size * p.context_parallel_size)  # the model fits the grid
@@ -387,6 +407,23 @@ def validate(cfg: Config) -> None:
         )
     if d.train_weights and not any(w > 0 for w in d.train_weights):
         raise _bad(cfg, "data.train_weights", f"expected at least one weight > 0 (they are >= 0), got {d.train_weights}")
+
+
+def _validate_wsd(cfg: Config, decay_first: int, decay_iters: int) -> None:
+    """The WSD keys act only with decay_style wsd, and its decay fits after the warmup."""
+    s = cfg.schedule
+    if s.decay_style != "wsd":
+        for key in ("schedule.wsd_decay_fraction", "schedule.wsd_decay_shape"):
+            if cfg.where(key) != "defaults":
+                raise _bad(cfg, key, f"only used with schedule.decay_style=wsd, got decay_style={s.decay_style!r}")
+        return
+    if decay_first == decay_iters:
+        raise _bad(cfg, "schedule.wsd_decay_fraction",
+                   f"{s.wsd_decay_fraction:g} of {decay_iters} decay iterations rounds to no decay step; raise it")
+    if decay_first < s.warmup_iters:
+        raise _bad(cfg, "schedule.wsd_decay_fraction",
+                   f"the decay ({decay_iters - decay_first} of {decay_iters} iterations) overlaps the warmup "
+                   f"(schedule.warmup_iters={s.warmup_iters}); expected at most {(decay_iters - s.warmup_iters) / decay_iters:g}")
 
 
 def validate_runtime(cfg: Config, world_size: int, has_cuda: bool) -> None:

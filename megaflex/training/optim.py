@@ -153,21 +153,30 @@ def build_optimizer(cfg: Config, model: nn.Module, device: str) -> torch.optim.O
 
 
 def lr_at(cfg: Config, iteration: int) -> float:
-    """Learning rate of optimizer step ``iteration`` (0-based): warmup, then decay to min_lr."""
+    """Learning rate of optimizer step ``iteration`` (0-based): warmup, then decay to min_lr
+    (``wsd``: held at the peak until its decay window, ``ScheduleConfig.decay_window``)."""
     s, peak = cfg.schedule, cfg.train.lr
-    decay_iters = s.decay_iters if s.decay_iters is not None else cfg.train.train_iters
     if s.warmup_iters > 0 and iteration < s.warmup_iters:
         return peak * (iteration + 1) / s.warmup_iters
     if s.decay_style == "constant":
         return peak
+    decay_first, decay_iters = s.decay_window(cfg.train.train_iters)
     if iteration >= decay_iters:
         return s.min_lr
-    progress = (iteration - s.warmup_iters) / max(1, decay_iters - s.warmup_iters)
-    if s.decay_style == "linear":
-        coeff = 1.0 - progress
-    else:
-        coeff = 0.5 * (1.0 + math.cos(math.pi * progress))
-    return s.min_lr + coeff * (peak - s.min_lr)
+    if iteration < decay_first:  # the stable phase of wsd
+        return peak
+    progress = (iteration - decay_first) / max(1, decay_iters - decay_first)
+    shape = s.wsd_decay_shape if s.decay_style == "wsd" else s.decay_style
+    return s.min_lr + decay_factor(shape, progress) * (peak - s.min_lr)
+
+
+def decay_factor(shape: str, progress: float) -> float:
+    """Share of (peak - min_lr) left at ``progress`` in [0, 1] of the decay."""
+    if shape == "linear":
+        return 1.0 - progress
+    if shape == "1-sqrt":
+        return 1.0 - math.sqrt(progress)
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
