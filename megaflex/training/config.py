@@ -204,6 +204,25 @@ class CheckpointConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """``logging.profile``: a torch.profiler trace of a few optimizer steps."""
+
+    start: int = opt(1, "first profiled optimizer step (1-based, as logged)")
+    steps: int = opt(3, "profiled steps: start .. start + steps - 1")
+
+
+@dataclass
+class WandbConfig:
+    """``logging.wandb``: Weights & Biases logging of the scalars and the resolved config (rank 0)."""
+
+    project: str = opt("megaflex", "W&B project")
+    name: str | None = opt(None, "run name (default: the name of logging.run_dir)")
+    entity: str | None = opt(None, "W&B entity (team or user; default: the logged-in user's)")
+    mode: Literal["online", "offline", "disabled"] = opt("online", "`offline`: write to disk only (`wandb sync` later)")
+    tags: list[str] = opt([], "run tags")
+
+
+@dataclass
 class LoggingConfig:
     """Console, TensorBoard and metrics.jsonl (rank 0)."""
 
@@ -213,6 +232,15 @@ class LoggingConfig:
     progress_bar: bool = opt(True, "console progress bar (plain lines when stdout is not a terminal)")
     kernel_stats_interval: int = opt(10, "log per-layer tau and Omega statistics every this many steps (0: off)")
     peak_tflops: float | None = opt(None, "per-device peak TFLOP/s for MFU (default: known GPU table, else not logged)")
+    wandb: WandbConfig | None = opt(
+        None, "Weights & Biases (pip install 'megaflex[wandb]'): `{project, name, entity, mode: online|offline|disabled, "
+        "tags}`; the TensorBoard scalars and the resolved config from rank 0; a resumed run continues the same W&B run "
+        "(its id is kept in <run_dir>/wandb_run_id); files under $WANDB_DIR, else <run_dir>/wandb",
+    )
+    profile: ProfileConfig | None = opt(
+        None, "`{start: N, steps: K}`: torch.profiler (CPU, + CUDA on GPU) over steps N .. N+K-1; every rank writes "
+        "<run_dir>/profile/rank<r>.steps<N>-<M>.pt.trace.json (Chrome / TensorBoard trace), rank 0 logs the top ops by self time",
+    )
 
 
 @dataclass
@@ -356,6 +384,12 @@ def validate(cfg: Config) -> None:
     for key, value in non_negative.items():
         if value < 0:
             raise _bad(cfg, key, f"expected >= 0, got {value}")
+    if lg.profile is not None:
+        for key, value in {"logging.profile.start": lg.profile.start, "logging.profile.steps": lg.profile.steps}.items():
+            if value < 1:
+                raise _bad(cfg, key, f"expected a positive integer, got {value}")
+        if lg.profile.start > t.train_iters:
+            raise _bad(cfg, "logging.profile.start", f"expected <= train.train_iters ({t.train_iters}), got {lg.profile.start}")
     if p.zero_stage not in (0, 1, 2, 3):
         raise _bad(cfg, "parallel.zero_stage", f"expected one of 0, 1, 2, 3, got {p.zero_stage}")
     if p.zero_offload_optimizer and p.zero_stage == 0:

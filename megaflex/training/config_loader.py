@@ -245,13 +245,18 @@ def _coerce(tp: Any, value: Any, key: str, origins: dict, ranges: dict[str, Rang
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, origins, key + ".", ranges)
     if origin in (Union, types.UnionType):
+        section_error = None  # a mapping for a `Section | None` key: the section's own error names the inner key
         for option in get_args(tp):
             try:
                 return _coerce(option, value, key, origins, ranges)
             except _OutOfRange:
                 raise
-            except ConfigError:
+            except ConfigError as e:
+                if dataclasses.is_dataclass(option) and isinstance(value, dict):
+                    section_error = e
                 continue
+        if section_error is not None:
+            raise section_error
         _fail(tp, value, key, origins)
     if origin is Literal:
         if value in get_args(tp) and type(value) in {type(a) for a in get_args(tp)}:

@@ -1,4 +1,4 @@
-"""Rank-0 logging: metrics.jsonl, TensorBoard scalars, console progress, FLOP estimates.
+"""Rank-0 logging: metrics.jsonl, scalar sinks (TensorBoard, W&B), console progress, FLOP estimates.
 
 ``metrics.jsonl`` gets one JSON object per logged step (``kind`` "train": ``step``, ``loss``,
 ``lr``, ``tokens_per_s``, ...; "valid": ``loss``, ``ppl``; "kernel": the per-layer kernel
@@ -17,7 +17,7 @@ import resource
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -90,6 +90,31 @@ def peak_tflops_of(device_name: str) -> float | None:
     return next((value for key, value in PEAK_TFLOPS if key in device_name), None)
 
 
+class ScalarSink(Protocol):
+    """Where the logged scalars go besides metrics.jsonl: TensorBoard, W&B (``wandb_logger``)."""
+
+    def write(self, scalars: dict[str, float], step: int) -> None:
+        """Finite scalars named ``train/loss``, ``valid/ppl``, ``kernel/layer00/tau_mean``, ... of ``step``."""
+
+    def close(self) -> None: ...
+
+
+class TensorBoardSink:
+    """TensorBoard event files in ``directory``."""
+
+    def __init__(self, directory: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._writer = SummaryWriter(str(directory))
+
+    def write(self, scalars: dict[str, float], step: int) -> None:
+        for key, value in scalars.items():
+            self._writer.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        self._writer.close()
+
+
 class MetricsLogger:
     """Writes metrics on rank 0; a no-op object on other ranks."""
 
@@ -97,7 +122,7 @@ class MetricsLogger:
         self.enabled = enabled
         self.total_steps = total_steps
         self._file = None
-        self._tb = None
+        self._sinks: list[ScalarSink] = []
         self._bar = None
         if not enabled:
             return
@@ -106,9 +131,7 @@ class MetricsLogger:
         self.path = run_dir / "metrics.jsonl"
         self._file = open(self.path, "a")
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+            self._sinks.append(TensorBoardSink(run_dir / "tensorboard"))
         if progress_bar and sys.stdout.isatty():
             from tqdm import tqdm
 
@@ -116,18 +139,22 @@ class MetricsLogger:
         self._start_time = time.time()
         self._start_step: int | None = None
 
+    def add_sink(self, sink: ScalarSink) -> None:
+        """Send every later record's scalars to ``sink`` too (closed with the logger)."""
+        self._sinks.append(sink)
+
     def log(self, record: dict[str, Any], scalars: dict[str, float] | None = None) -> None:
-        """One JSONL line (``record``), TensorBoard scalars and a console update."""
+        """One JSONL line (``record``), its scalars to every sink and a console update."""
         if not self.enabled:
             return
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         os.fsync(self._file.fileno())
         step = record["step"]
-        if self._tb is not None:
-            for key, value in {**_numeric(record), **(scalars or {})}.items():
-                if key != "step" and math.isfinite(value):
-                    self._tb.add_scalar(key, value, step)
+        if self._sinks:
+            finite = {k: v for k, v in {**_numeric(record), **(scalars or {})}.items() if math.isfinite(v)}
+            for sink in self._sinks:
+                sink.write(finite, step)
         kind = record.get("kind", "train")
         if kind == "train":
             self._console(record)
@@ -163,8 +190,8 @@ class MetricsLogger:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
-        if self._tb is not None:
-            self._tb.close()
+        for sink in self._sinks:
+            sink.close()
         if self._file is not None:
             self._file.close()
 

@@ -55,8 +55,10 @@ from megaflex.training.deepspeed_config import (
 )
 from megaflex.training.metrics import MetricsLogger, device_peak_tflops, flops_per_token, peak_memory_mb
 from megaflex.training.optim import build_optimizer, group_summary, lr_at, set_lr
+from megaflex.training.profiling import StepProfiler
 from megaflex.training.resume_compat import check_resume_layout
 from megaflex.training.run_lock import hold_run_lock
+from megaflex.training.wandb_logger import WandbSink, import_wandb
 
 
 class NonFiniteAbort(RuntimeError):
@@ -103,6 +105,8 @@ def run(cfg: Config, objective: Objective | None = None) -> dict[str, Any]:
     )
 
     device = init_distributed(cfg)
+    if cfg.logging.wandb is not None:
+        import_wandb()  # every rank, before anything is set up: a missing package stops all alike
     tokenizer = check_data_tokenizer(cfg)  # recorded with checkpoints; raises DataError at start
     state = ParallelState.create(parallel_dims(cfg, dist.get_world_size()))
     apply_timeout(cfg.parallel.timeout_minutes, parallel_groups(state))
@@ -181,6 +185,9 @@ def run(cfg: Config, objective: Objective | None = None) -> dict[str, Any]:
             # Only the engine reads it; the recorded ds_config stays the run's own.
             engine_config = dict(ds_config, checkpoint={"load_universal": True})
 
+    if is_main and cfg.logging.wandb is not None:
+        logger.add_sink(WandbSink.open(cfg.logging.wandb, run_dir, cfg.to_dict(), resuming=resume_path is not None))
+
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, config=engine_config, mpu=deepspeed_mpu(state), dist_init_required=False
     )
@@ -248,7 +255,9 @@ def run(cfg: Config, objective: Objective | None = None) -> dict[str, Any]:
         state.dp_rank, dp_size, device, state.cp_rank, cp_size,
     )
     zero = torch.zeros((), dtype=torch.float64, device=device)
+    profiler = StepProfiler(cfg.logging.profile, engine.module, run_dir / "profile", rank, device, logger.print)
     while iteration < cfg.train.train_iters:
+        profiler.step_starts(iteration + 1)
         engine.train()
         lr = lr_at(cfg, iteration)
         set_lr(engine.optimizer, lr)
@@ -342,6 +351,7 @@ def run(cfg: Config, objective: Objective | None = None) -> dict[str, Any]:
         if cfg.checkpoint.save_interval and iteration % cfg.checkpoint.save_interval == 0:
             save(iteration)
             last_saved = iteration
+        t_last += profiler.step_ended(iteration)  # writing the trace is not training time
         if cfg.fault.sigkill_after_step == iteration:
             dist.barrier()  # rank 0 has logged the step
             _sigkill()
@@ -351,6 +361,7 @@ def run(cfg: Config, objective: Objective | None = None) -> dict[str, Any]:
             stop_reason = f"signal {signal.Signals(stop_signal).name}"
             break
     train_batches.close()
+    profiler.close()
 
     if (stop_reason != "done" or cfg.checkpoint.save_at_end) and last_saved != iteration:
         save(iteration)

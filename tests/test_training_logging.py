@@ -1,0 +1,115 @@
+"""The trainer's optional logging components: torch.profiler traces and Weights & Biases (offline).
+
+Each test launches the real ``python -m megaflex.train`` on the tiny config of ``training_harness``.
+W&B never touches the network here: ``mode: offline``, WANDB_MODE=offline, files under tmp_path,
+read back from the run's .wandb file (``wandb_offline``).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megaflex.training.metrics import read_metrics
+from training_harness import PYTHON, REPO, TINY, base_env, launch, write_config
+from wandb_offline import history, run_config, run_files, run_id
+
+
+def _tiny(tmp_path: Path, train_iters: int) -> Path:
+    data = copy.deepcopy(TINY)
+    data["train"]["train_iters"] = train_iters
+    data["checkpoint"] = {"save_interval": 0, "keep_last": 2}
+    return write_config(tmp_path / "cfg.yaml", data)
+
+
+@pytest.mark.slow
+def test_profile_writes_a_trace_naming_the_attention_ops(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    result = launch(_tiny(tmp_path, 4), [f"logging.run_dir={run_dir}", "logging.profile.start=2", "logging.profile.steps=2"])
+    assert result.returncodes == [0], result.output
+    trace = run_dir / "profile" / "rank0.steps2-3.pt.trace.json"
+    events = json.loads(trace.read_text())["traceEvents"]  # Chrome trace format
+    names = [e.get("name", "") for e in events if e.get("ph") == "X"]
+    # one range per attention layer and micro-batch of the two profiled steps, none outside them
+    calls = TINY["model"]["num_layers"] * (TINY["train"]["global_batch_size"] // TINY["train"]["micro_batch_size"]) * 2
+    assert names.count("megaflex.attention") == calls
+    assert names.count("megaflex.attention.flexformer_n") == calls
+    assert sorted(n for n in names if n.startswith("ProfilerStep#")) == ["ProfilerStep#2", "ProfilerStep#3"]
+    assert any("Backward" in n and "Linear" in n for n in names), sorted(set(names))[:50]  # the attention's backward
+    log = result.outputs[0]
+    table = log[log.index("profile of steps 2-3 (rank 0, top 12 ops by self_cpu_time_total)"):]
+    assert "Self CPU" in table and str(trace) in table
+
+
+@pytest.fixture
+def wandb_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    pytest.importorskip("wandb")  # the dev extra installs it; CI has it
+    wandb_dir = tmp_path / "wandb_dir"
+    wandb_dir.mkdir()
+    for key, value in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DIR": str(wandb_dir),
+                       "WANDB_DISABLE_GIT": "true", "WANDB_API_KEY": "", "WANDB_BASE_URL": "http://127.0.0.1:9"}.items():
+        monkeypatch.setenv(key, value)  # launch() passes the environment on
+    return wandb_dir
+
+
+@pytest.mark.slow
+def test_wandb_offline_logs_the_scalars_and_a_resume_continues_the_run(tmp_path: Path, wandb_env: Path) -> None:
+    run_dir = tmp_path / "run"
+    cfg = _tiny(tmp_path, 4)
+    common = [f"logging.run_dir={run_dir}", "logging.wandb.mode=offline", "logging.wandb.project=megaflex-test",
+              "logging.wandb.tags=[tiny,ci]", "logging.kernel_stats_interval=2"]
+    first = launch(cfg, common)
+    assert first.returncodes == [0], first.output
+    resumed = launch(cfg, common + ["train.train_iters=6"])  # continues from the step-4 checkpoint
+    assert resumed.returncodes == [0] and "at step 4" in resumed.outputs[0], resumed.output
+
+    files = run_files(wandb_env)
+    assert len(files) == 2  # one offline folder per process, both of one W&B run
+    saved_id = (run_dir / "wandb_run_id").read_text().strip()
+    assert run_id(files[0]) == run_id(files[1]) == saved_id
+    logged = {**history(files[0]), **history(files[1])}
+    assert sorted(s for s in logged if s) == [1, 2, 3, 4, 5, 6]
+    train, valid, kernel = (read_metrics(run_dir / "metrics.jsonl", kind) for kind in ("train", "valid", "kernel"))
+    for step, record in train.items():  # the same values as metrics.jsonl / TensorBoard, bit for bit
+        for key in ("loss", "ppl", "lr", "grad_norm", "tokens_per_s", "memory_mb", "tflops_per_device"):
+            assert logged[step][f"train/{key}"] == record[key], (step, key)
+    assert {s for s in valid} == {4, 6} and all(logged[s]["valid/loss"] == valid[s]["loss"] for s in valid)
+    assert sorted(kernel) == [2, 4, 6]
+    for step, record in kernel.items():
+        scalars = {k: v for k, v in record.items() if k not in ("kind", "step")}
+        assert scalars and all(logged[step][f"kernel/{k}"] == v for k, v in scalars.items())
+    config = run_config(files[1])
+    assert config["train"]["train_iters"] == 6 and config["logging"]["wandb"]["tags"] == ["tiny", "ci"]
+    assert config["model"] == run_config(files[0])["model"]
+
+
+def test_missing_wandb_is_a_one_line_config_error(tmp_path: Path) -> None:
+    code = "import sys; sys.modules['wandb'] = None; from megaflex.training.train import main; sys.exit(main(sys.argv[1:]))"
+    out = subprocess.run(
+        [PYTHON, "-c", code, "--config", str(_tiny(tmp_path, 4)), f"logging.run_dir={tmp_path / 'run'}",
+         "logging.wandb.project=x"],
+        cwd=REPO, env=base_env(), capture_output=True, text=True, timeout=300,
+    )
+    errors = [line for line in out.stderr.splitlines() if "error" in line]
+    assert out.returncode == 2 and len(errors) == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert "config error: logging.wandb: the wandb package is not installed; pip install 'megaflex[wandb]'" in errors[0]
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["logging.profile.start=0"], "logging.profile.start (from command line): expected a positive integer, got 0"),
+    (["logging.profile.steps=0"], "logging.profile.steps (from command line): expected a positive integer, got 0"),
+    (["logging.profile.start=5"], "logging.profile.start (from command line): expected <= train.train_iters (4), got 5"),
+    (["logging.wandb.mode=cloud"], "'logging.wandb.mode' (from command line): expected one of 'online', 'offline', 'disabled'"),
+    (["logging.wandb.colour=red"], "unknown config key 'logging.wandb.colour'"),
+])
+def test_logging_component_config_errors(tmp_path: Path, overrides: list[str], needle: str) -> None:
+    from megaflex.training.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as err:
+        load_config([_tiny(tmp_path, 4)], overrides)
+    assert needle in str(err.value)
