@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from megaflex.training.metrics import read_metrics
@@ -62,7 +63,7 @@ def test_wandb_offline_logs_the_scalars_and_a_resume_continues_the_run(tmp_path:
     run_dir = tmp_path / "run"
     cfg = _tiny(tmp_path, 4)
     common = [f"logging.run_dir={run_dir}", "logging.wandb.mode=offline", "logging.wandb.project=megaflex-test",
-              "logging.wandb.tags=[tiny,ci]", "logging.kernel_stats_interval=2"]
+              "logging.wandb.tags=[tiny,ci]", "logging.kernel_stats_interval=2", "logging.tensorboard=true"]
     first = launch(cfg, common)
     assert first.returncodes == [0], first.output
     resumed = launch(cfg, common + ["train.train_iters=6"])  # continues from the step-4 checkpoint
@@ -83,9 +84,29 @@ def test_wandb_offline_logs_the_scalars_and_a_resume_continues_the_run(tmp_path:
     for step, record in kernel.items():
         scalars = {k: v for k, v in record.items() if k not in ("kind", "step")}
         assert scalars and all(logged[step][f"kernel/{k}"] == v for k, v in scalars.items())
+    assert _tensorboard_scalars(run_dir / "tensorboard") == _as_float32({
+        (step, key): value for step, row in logged.items() for key, value in row.items() if not key.startswith("_")
+    })  # W&B got exactly TensorBoard's scalars (TensorBoard stores them as float32)
     config = run_config(files[1])
     assert config["train"]["train_iters"] == 6 and config["logging"]["wandb"]["tags"] == ["tiny", "ci"]
     assert config["model"] == run_config(files[0])["model"]
+
+
+def _tensorboard_scalars(directory: Path) -> dict[tuple[int, str], float]:
+    """(step, tag) -> value of every scalar in the TensorBoard event files of ``directory``, as float64."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    scalars = {}
+    for events in sorted(directory.glob("events.out.tfevents.*")):  # one file per process, in time order
+        acc = EventAccumulator(str(events), size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            scalars.update({(e.step, tag): e.value for e in acc.Scalars(tag)})
+    return scalars
+
+
+def _as_float32(values: dict[tuple[int, str], float]) -> dict[tuple[int, str], float]:
+    return {k: float(np.float32(v)) for k, v in values.items()}
 
 
 def test_missing_wandb_is_a_one_line_config_error(tmp_path: Path) -> None:
@@ -113,3 +134,20 @@ def test_logging_component_config_errors(tmp_path: Path, overrides: list[str], n
     with pytest.raises(ConfigError) as err:
         load_config([_tiny(tmp_path, 4)], overrides)
     assert needle in str(err.value)
+
+
+def test_wandb_run_id_is_reused_by_a_resume_only(tmp_path: Path, wandb_env: Path) -> None:
+    from megaflex.training.config import WandbConfig
+    from megaflex.training.wandb_logger import RUN_ID_FILE, WandbSink
+
+    run_dir, settings = tmp_path / "run", WandbConfig(project="megaflex-test", mode="offline")
+    run_dir.mkdir()
+    ids = []
+    for resuming in (False, True, False):  # a fresh start, its resume, a fresh start in the same folder
+        sink = WandbSink.open(settings, run_dir, {"train": {"lr": 1.0}}, resuming=resuming)
+        sink.write({"train/loss": 1.5}, step=len(ids) + 1)
+        ids.append(sink.run.id)
+        sink.close()
+        assert (run_dir / RUN_ID_FILE).read_text().strip() == ids[-1]
+    assert ids[0] == ids[1] != ids[2]
+    assert sorted(run_id(f) for f in run_files(wandb_env)) == sorted(ids)  # folder names may share a second
