@@ -224,7 +224,7 @@ class WandbConfig:
 
 @dataclass
 class LoggingConfig:
-    """Console, TensorBoard and metrics.jsonl (rank 0)."""
+    """Console, TensorBoard, metrics.jsonl and W&B (rank 0); torch.profiler windows (every rank)."""
 
     run_dir: str = opt("runs/default", "directory of this run: metrics.jsonl, tensorboard/, config.yaml, checkpoints/")
     log_interval: int = opt(1, "log (console, TensorBoard, metrics.jsonl) every this many steps")

@@ -38,7 +38,6 @@ class StepProfiler:
         self.trace_path: Path | None = None
         self._prof: profile | None = None
         self._hooks: list[Any] = []
-        self._open: dict[int, list[Any]] = {}
         self._last_step = 0
 
     def step_starts(self, step: int) -> None:
@@ -104,7 +103,7 @@ class StepProfiler:
                 self._label(module.core, f"megaflex.attention.{kind}")
 
     def _label(self, module: nn.Module, name: str) -> None:
-        ranges = self._open.setdefault(id(module), [])
+        ranges: list[record_function] = []  # open ranges of this module (re-entered by activation recompute)
 
         def enter(_module: nn.Module, _args: Any) -> None:
             ranges.append(record_function(name).__enter__())
@@ -120,4 +119,3 @@ class StepProfiler:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
-        self._open.clear()
