@@ -316,6 +316,12 @@ CASES: dict[str, Case] = {
         lambda w, t, c: train_in_process(["--config", str(w["config"]), "model.feature_dim=33"], c),
         "model.feature_dim (from command line): feature_dim of attention='flexformer_n'"),
     "self-referential YAML alias (`a: &x {b: *x}`)": Case(_yaml_alias, "self-referential YAML alias at key 'train.again'"),
+    "`schedule.decay_style=wsd` whose decay overlaps the warmup or rounds to no step (or a `schedule.wsd_*` key with another style)": Case(
+        lambda w, t, c: train_in_process(["--config", str(w["config"]), "train.train_iters=10", "schedule.warmup_iters=3",
+                                          "schedule.decay_style=wsd", "schedule.wsd_decay_fraction=0.9"], c),
+        "schedule.wsd_decay_fraction (from command line): the decay (9 of 10 iterations) overlaps the warmup"),
+    "`logging.wandb` set but the `wandb` package not installed": Case(
+        covered_by="tests/test_training_logging.py::test_missing_wandb_is_a_one_line_config_error"),
     "a second run on a run directory a live run holds": Case(
         covered_by="tests/test_training_hardening.py::test_a_second_run_on_a_live_run_dir_exits_2_and_a_stale_lock_is_taken_over"),
     "a stale `run.lock` (its process is gone, same host)": Case(
