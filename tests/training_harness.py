@@ -7,6 +7,7 @@ torch.distributed env vars (gloo on localhost), so a test can let them ``kill -9
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -132,3 +133,11 @@ def tokenized_wikitext(data: Path, shared_data: Path, train_chars: int) -> Path:
                         str(data / "tok.model"), "--output-prefix", str(data / split), "--no-progress"],
                        check=True, cwd=REPO, capture_output=True)
     return data
+
+
+def logged_train_steps(run_dir: Path) -> list[int]:
+    """Every train step record of ``run_dir/metrics.jsonl`` in file order (a resumed run appends its
+    steps after the killed run's, so a step run by both appears twice)."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines if line.endswith("}")]  # not a torn last line
+    return [r["step"] for r in records if r.get("kind", "train") == "train"]
