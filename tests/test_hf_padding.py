@@ -133,7 +133,7 @@ def test_lm_eval_generate_until_at_batch_size_4(tmp_path: Path, shared_data: Pat
     }))
     results = lm_eval.simple_evaluate(
         model="hf", model_args=f"pretrained={hf_dir},dtype=float32,max_length=128", tasks=["padded_gen"],
-        task_manager=TaskManager(include_path=str(tasks)), batch_size=4, device="cpu", log_samples=True,
+        task_manager=TaskManager(include_path=str(tasks), include_defaults=False), batch_size=4, device="cpu", log_samples=True,
     )
     samples = results["samples"]["padded_gen"]
     assert len(samples) == len(docs)
