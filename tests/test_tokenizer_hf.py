@@ -94,6 +94,22 @@ def test_training_records_the_bpe_and_evaluation_refuses_another(bpe_run: dict[s
                  "--device", "cpu"])
 
 
+def test_generate_cli_streams_the_bpe_text(bpe_run: dict[str, Path], capsys: pytest.CaptureFixture) -> None:
+    import torch
+
+    from evaluation.generate import SamplingConfig, generate
+    from evaluation.generate import main as generate_main
+    from evaluation.loading import load_for_eval
+
+    prompt = "The history of the"
+    assert generate_main(["--checkpoint", str(bpe_run["run"]), "--prompt", prompt, "--max-new-tokens", "12",
+                          "--temperature", "0"]) == 0
+    loaded = load_for_eval(bpe_run["run"])
+    ids = torch.tensor([loaded.tokenizer.encode(prompt)])
+    expected = loaded.tokenizer.decode(ids[0].tolist() + generate(loaded.model, ids, 12, SamplingConfig(temperature=0))[0].tolist())
+    assert capsys.readouterr().out == expected + "\n"
+
+
 def test_training_refuses_data_of_another_tokenizer(bpe_run: dict[str, Path], tmp_path: Path) -> None:
     from megaflex.training.config import load_config
     from megaflex.training.data import check_data_tokenizer
