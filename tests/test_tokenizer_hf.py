@@ -16,6 +16,7 @@ from distributed import run_distributed
 from megaflex.data.card import TokenizerMismatchError, data_tokenizer
 from megaflex.data.tokenizer import HFTokenizer, SentencePieceTokenizer, Tokenizer
 from test_eval_cli import _train_args, _train_rank
+from training_harness import tokenized_wikitext
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -31,15 +32,8 @@ def _train_bpe(data: Path, prefix: str, vocab: int) -> Path:
 def bpe_run(tmp_path_factory: pytest.TempPathFactory, shared_data: Path) -> dict[str, Path]:
     """A BPE tokenizer, WikiText data preprocessed with it, and a 2-step training run over it."""
     root = tmp_path_factory.mktemp("bpe")
-    data = root / "data"
-    data.mkdir()
-    raw = (shared_data / "wikitext-2-raw" / "wiki.valid.raw").read_text(encoding="utf-8")
-    (data / "train.raw").write_text(raw[:150_000], encoding="utf-8")
-    tok = _train_bpe(data, "tok", 512)
-    for split in ("train", "test"):
-        subprocess.run([sys.executable, "-m", "data_prep.preprocess", "--input", str(data / "train.raw"), "--tokenizer",
-                        str(tok), "--output-prefix", str(data / split), "--no-progress"], check=True, cwd=REPO,
-                       capture_output=True)
+    data = tokenized_wikitext(root / "data", shared_data, train_chars=150_000, tokenizer_type="bpe")
+    tok = data / "tok.json"
     run = root / "run"
     args = [a if not a.startswith("data.tokenizer=") else f"data.tokenizer={tok}" for a in _train_args(data, run, 0, 1)]
     assert run_distributed(_train_rank, 1, args=(args,), init_process_group=False) == [0]

@@ -119,12 +119,13 @@ def causal_linear_attention(
 AttentionState = LinearAttentionState | KVCache
 
 
-def padding_mask(key_mask: torch.Tensor | None, batch: int, length: int) -> torch.Tensor | None:
-    """``key_mask`` as bool [batch, length] (ValueError on another shape), or None when it masks nothing."""
+def padding_mask(key_mask: torch.Tensor | None, batch: int, length: int, name: str = "key_mask") -> torch.Tensor | None:
+    """``key_mask`` as bool [batch, length] (ValueError naming ``name`` on another shape), or None
+    when it masks nothing."""
     if key_mask is None:
         return None
     if key_mask.dim() != 2 or tuple(key_mask.shape) != (batch, length):
-        raise ValueError(f"key_mask: expected shape [{batch}, {length}] (every token so far, cached ones first), "
+        raise ValueError(f"{name}: expected shape [{batch}, {length}] (every token so far, cached ones first), "
                          f"got {tuple(key_mask.shape)}")
     key_mask = key_mask.bool()
     return None if bool(key_mask.all()) else key_mask

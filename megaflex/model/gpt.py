@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megaflex.attention import AttentionCore, KVCache, LinearAttentionState
+from megaflex.attention.core import padding_mask
 from megaflex.attention.hybrid import HybridState, LocalMixingCore
 from megaflex.model.config import ModelConfig
 from megaflex.model.kernel_stats import kernel_statistics
@@ -57,13 +58,8 @@ class Padding:
     @classmethod
     def from_attention_mask(cls, attention_mask: torch.Tensor | None, batch: int, total: int) -> "Padding | None":
         """None when ``attention_mask`` [B, T] (1 = real) pads nothing; T counts cached tokens too."""
-        if attention_mask is None:
-            return None
-        if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, total):
-            raise ValueError(f"attention_mask: expected shape [{batch}, {total}] (every token so far, cached ones "
-                             f"first), got {tuple(attention_mask.shape)}")
-        key_mask = attention_mask.bool()
-        if bool(key_mask.all()):
+        key_mask = padding_mask(attention_mask, batch, total, "attention_mask")
+        if key_mask is None:
             return None
         positions = (key_mask.long().cumsum(-1) - 1).clamp(min=0)  # pads before the first token: 0
         return cls(key_mask, positions)
