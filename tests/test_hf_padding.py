@@ -75,6 +75,22 @@ def test_padded_logits_at_real_positions_equal_unpadded(kind: str, side: str) ->
             assert_close(padded[i, real], alone, steps=gpt_steps(model.model.config, ids.shape[1]))
 
 
+def test_triton_prefill_ignores_padded_keys() -> None:
+    """The chunked form in the Triton kernels (the prefill on CUDA; here the interpreter): padded
+    keys go through the feature path, not the fused trig kernel, and change nothing."""
+    pytest.importorskip("triton", reason="triton is not installed (pip install 'megaflex[dev]' installs it)")
+    model = _model("flexformer_n")
+    for block in model.model.blocks:
+        block.attn.core.backend = "triton"
+    prompts = _prompts([5, 19], seed=6)
+    ids, mask = _pad(prompts, "left")
+    with torch.no_grad():
+        padded = model(ids, attention_mask=mask, use_cache=False).logits
+        for i, prompt in enumerate(prompts):
+            alone = model(prompt[None], use_cache=False).logits[0]
+            assert_close(padded[i, mask[i].bool()], alone, steps=gpt_steps(model.model.config, ids.shape[1]))
+
+
 @pytest.mark.parametrize("form", ["quadratic", "chunked", "recurrent"])
 def test_every_linear_form_ignores_padded_keys(form: str) -> None:
     """Prefill in each form, then continue from the cache with a few tokens (the decoding path)."""
@@ -109,6 +125,7 @@ def test_lm_eval_generate_until_at_batch_size_4(tmp_path: Path, shared_data: Pat
 
     from data_prep.train_tokenizer import TokenizerTrainConfig, train_tokenizer
     from megaflex.hf.tokenizer import save_tokenizer
+    from transformers import AutoConfig
 
     raw = (shared_data / "wikitext-2-raw" / "wiki.valid.raw").read_text(encoding="utf-8")
     (tmp_path / "train.raw").write_text(raw[:60_000], encoding="utf-8")
@@ -120,6 +137,7 @@ def test_lm_eval_generate_until_at_batch_size_4(tmp_path: Path, shared_data: Pat
     model.config.update(dict(bos_token_id=hf_tok.bos_token_id, eos_token_id=hf_tok.eos_token_id,
                              pad_token_id=hf_tok.pad_token_id))
     model.save_pretrained(hf_dir)
+    assert AutoConfig.from_pretrained(hf_dir).to_model_config().softmax_window == 4  # the hybrid survives export
     lines = [line.strip() for line in raw.splitlines() if len(line.split()) > 12][:6]
     docs = [{"question": " ".join(line.split()[: 3 + 4 * i]), "answer": "x"} for i, line in enumerate(lines)]
     tasks = tmp_path / "tasks"
