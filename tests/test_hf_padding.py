@@ -24,13 +24,15 @@ KINDS = {
     "hybrid": {"attention": "flexformer_n", "softmax_window": 4},
     "hybrid_conv": {"attention": "flexformer_n", "softmax_window": 4, "qkv_conv_size": 3},
     "softmax": {"attention": "softmax"},
+    "elu_learned_positions": {"attention": "elu", "position": "learned"},
 }
+REFUSING = {"cosformer": {"attention": "cosformer", "position": "learned"}}
 
 
 def _model(kind: str, vocab: int = VOCAB, seed: int = 0) -> FlexformerForCausalLM:
     torch.manual_seed(seed)
     mc = ModelConfig(vocab_size=vocab, num_layers=2, hidden_size=48, num_heads=3, feature_dim=16, chunk_size=8,
-                     max_seq_len=128, init_std=0.3, **KINDS[kind])  # large weights: outputs depend on every key
+                     max_seq_len=128, init_std=0.3, **{**KINDS, **REFUSING}[kind])  # large weights: outputs depend on every key
     return FlexformerForCausalLM(FlexformerConfig.from_model_config(mc, bos_token_id=2, eos_token_id=2)).eval()
 
 
@@ -108,6 +110,14 @@ def test_every_linear_form_ignores_padded_keys(form: str) -> None:
             alone = model(torch.cat([prompt, new[i]])[None], use_cache=False).logits[0]
             assert_close(first.logits[i, mask[i].bool()], alone[: len(prompt)], steps=gpt_steps(model.model.config, 20))
             assert_close(step[i], alone[len(prompt):], steps=gpt_steps(model.model.config, 20))
+
+
+def test_cosformer_refuses_padding() -> None:
+    """Its feature map depends on absolute positions, which padding would shift row by row."""
+    model = _model("cosformer")
+    ids, mask = _pad(_prompts([3, 6], seed=7), "left")
+    with pytest.raises(ValueError, match="padding is not supported by the position-dependent 'cosformer' map"):
+        model(ids, attention_mask=mask)
 
 
 def test_all_real_mask_is_the_unmasked_model() -> None:
