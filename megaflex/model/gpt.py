@@ -115,11 +115,13 @@ class Attention(nn.Module):
         q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each [B, Hl, N, d]
         if self.rope is not None:  # absolute positions offset .. offset + N - 1, or each row's own
             q, k = self.rope(q, k, offset, None if padding is None else padding.positions)
+        attend = self.layer_factory.attention(self.core)  # the core, or its context-parallel stand-in
         if padding is None:
-            attend = self.layer_factory.attention(self.core)  # the core, or its context-parallel stand-in
             out, new_state = attend(q, k, v, state=state, return_state=return_state)  # [B, Hl, N, d]
+        elif attend is not self.core:
+            raise ValueError("attention_mask: padding is not supported under context parallelism")
         else:
-            out, new_state = self.core(q, k, v, state=state, return_state=return_state, key_mask=padding.key_mask)
+            out, new_state = attend(q, k, v, state=state, return_state=return_state, key_mask=padding.key_mask)
         out = out.transpose(1, 2).reshape(B, N, self.local_heads * self.head_dim)  # [B, N, h / tp]
         if self.out_gain is not None:
             out = out * self.out_gain.to(out.dtype)
