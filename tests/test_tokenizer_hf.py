@@ -4,6 +4,7 @@ export to HF (the exported tokenizer gives the same ids) and back, and card mism
 
 from __future__ import annotations
 
+import json
 import pickle
 import subprocess
 import sys
@@ -144,3 +145,17 @@ def test_sentencepiece_still_dispatches(tmp_path: Path, bpe_run: dict[str, Path]
     bad.write_text('{"not": "a tokenizer"}')
     with pytest.raises(ValueError, match="bad.json is not a tokenizers file"):
         Tokenizer(bad)
+
+
+def test_tokenizer_json_without_card_finds_its_eod(bpe_run: dict[str, Path], tmp_path: Path) -> None:
+    """Any tokenizer.json (no megaflex card): EOD is its <|endoftext|>-style special token."""
+    bare = tmp_path / "tokenizer.json"
+    bare.write_bytes(bpe_run["tok"].read_bytes())
+    tok, carded = Tokenizer(bare), Tokenizer(bpe_run["tok"])
+    assert tok.card is None and (tok.eod_id, tok.pad_id, tok.bos_id) == (carded.eod_id, carded.pad_id, carded.bos_id)
+    assert tok.record["sha256"] == carded.record["sha256"]  # the same file is the same tokenizer
+    config = json.loads(bare.read_text())
+    config["added_tokens"] = [t for t in config["added_tokens"] if t["content"] != "<|endoftext|>"]
+    bare.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="names no end-of-document token"):
+        Tokenizer(bare)
