@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("prefix")
     ap.add_argument("--verify", action="store_true", help="full consistency check; non-zero exit on failure")
-    ap.add_argument("--tokenizer", help="P.model, to decode a sample and check token ids")
+    ap.add_argument("--tokenizer", help="P.model or P.json, to decode a sample and check token ids")
     ap.add_argument("--sample-tokens", type=int, default=64)
     ap.add_argument("--json", action="store_true", help="print the summary as JSON")
     a = ap.parse_args(argv)

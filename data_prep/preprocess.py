@@ -38,7 +38,7 @@ from megaflex.data.tokenizer import Tokenizer
 @dataclass
 class PreprocessConfig:
     inputs: list[str]
-    tokenizer: str  # path to P.model
+    tokenizer: str  # path to P.model or a tokenizers P.json
     output_prefix: str
     num_proc: int = 1
     dtype: str = "auto"  # "auto" (uint16 if the vocab fits, else int32) or a numpy dtype name
@@ -208,7 +208,7 @@ def preprocess(cfg: PreprocessConfig) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--input", nargs="+", required=True, help="text files, .jsonl files, or hf:NAME[:CONFIG[:SPLIT]][:key=value]")
-    ap.add_argument("--tokenizer", required=True, help="P.model from data_prep.train_tokenizer")
+    ap.add_argument("--tokenizer", required=True, help="P.model or P.json (tokenizer.json) from data_prep.train_tokenizer")
     ap.add_argument("--output-prefix", required=True)
     ap.add_argument("--num-proc", type=int, default=1)
     ap.add_argument("--dtype", default="auto", help="auto (uint16 if the vocab fits, else int32), uint16 or int32")

@@ -1,9 +1,12 @@
-"""Train a lossless sentencepiece tokenizer (BPE or unigram) from text, JSONL or a HF dataset.
+"""Train a lossless tokenizer (sentencepiece BPE/unigram, or a byte-level BPE of the Hugging Face
+``tokenizers`` library) from text, JSONL or a HF dataset.
 
     python -m data_prep.train_tokenizer --input wiki.train.raw --vocab-size 32000 --output-prefix tok/wt103
+    python -m data_prep.train_tokenizer --type bpe --input wiki.train.raw --vocab-size 32000 --output-prefix tok/wt103
 
-writes ``tok/wt103.model`` and ``tok/wt103.card.json`` (vocab size, special ids, sources with
-sha256). Losslessness (``decode(encode(t)) == t``) comes from identity normalisation, no dummy
+writes ``tok/wt103.model`` (sentencepiece; ``--type bpe``: ``tok/wt103.json``, a GPT-2-style
+byte-level BPE ``tokenizer.json`` with ``<|endoftext|>`` as EOD) and ``tok/wt103.card.json``
+(vocab size, special ids, sources with sha256). Both load with ``megaflex.data.Tokenizer``. Losslessness (``decode(encode(t)) == t``) comes from identity normalisation, no dummy
 prefix, kept whitespace, byte fallback and ``\\n`` as a user-defined piece (sentencepiece trains
 on lines, so newlines would otherwise only be reachable through byte fallback).
 
@@ -27,11 +30,17 @@ from data_prep.sources import DOC_MODES, fingerprint, iter_corpus
 from megaflex.data.tokenizer import TokenizerCard, card_path
 
 
+TOKENIZER_TYPES = ("sentencepiece", "bpe")
+BYTE_ALPHABET = 256
+EOD_TOKEN, BOS_TOKEN, PAD_TOKEN = "<|endoftext|>", "<s>", "<pad>"  # byte-level BPE special tokens
+
+
 @dataclass
 class TokenizerTrainConfig:
     inputs: list[str]
     vocab_size: int
     output_prefix: str
+    tokenizer_type: str = "sentencepiece"  # "sentencepiece" | "bpe" (byte-level BPE, ``tokenizers`` library)
     model_type: str = "bpe"  # "bpe" | "unigram"
     byte_fallback: bool = True
     bos: bool = True
@@ -48,6 +57,11 @@ class TokenizerTrainConfig:
     overwrite: bool = False  # replace an existing PREFIX.model / PREFIX.card.json
 
     def __post_init__(self) -> None:
+        if self.tokenizer_type not in TOKENIZER_TYPES:
+            raise ValueError(f"type: expected one of {TOKENIZER_TYPES}, got {self.tokenizer_type!r}")
+        if self.tokenizer_type == "bpe" and self.vocab_size < BYTE_ALPHABET + 3:
+            raise ValueError(f"vocab_size: a byte-level BPE needs at least {BYTE_ALPHABET + 3} (256 bytes + special "
+                             f"tokens), got {self.vocab_size}")
         if self.model_type not in ("bpe", "unigram"):
             raise ValueError(f"model_type: expected 'bpe' or 'unigram', got {self.model_type!r}")
         if self.vocab_size < 8:
@@ -82,10 +96,9 @@ def reservoir_sample(items: Iterable[str], k: int, seed: int) -> tuple[list[str]
 
 
 def train_tokenizer(cfg: TokenizerTrainConfig) -> Path:
-    """Train, write ``PREFIX.model`` and ``PREFIX.card.json``; returns the model path."""
-    import sentencepiece as spm
-
-    out = Path(cfg.output_prefix + ".model")
+    """Train, write ``PREFIX.model`` (``--type bpe``: ``PREFIX.json``) and ``PREFIX.card.json``;
+    returns the model path."""
+    out = Path(cfg.output_prefix + (".json" if cfg.tokenizer_type == "bpe" else ".model"))
     existing = [str(p) for p in (out, card_path(out)) if p.exists()]
     if existing and not cfg.overwrite:
         raise FileExistsError(f"output-prefix: {', '.join(existing)} already exist; pass --overwrite to replace them")
@@ -94,6 +107,20 @@ def train_tokenizer(cfg: TokenizerTrainConfig) -> Path:
     lines, total = reservoir_sample(training_lines(docs, cfg.max_sentence_length // 4), cfg.max_sentences, cfg.seed)
     if not lines:
         raise ValueError(f"input: no non-blank text lines in {cfg.inputs}")
+    train = _train_byte_level_bpe if cfg.tokenizer_type == "bpe" else _train_sentencepiece
+    model_bytes, card_fields = train(cfg, lines)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(model_bytes)
+    card = TokenizerCard(seed=cfg.seed, sources=[fingerprint(s) for s in cfg.inputs], num_training_sentences=len(lines),
+                         **card_fields)
+    card.save(card_path(out))
+    print(f"wrote {out} and {card_path(out)}: vocab {card.vocab_size}, {len(lines)} of {total} lines", file=sys.stderr)
+    return out
+
+
+def _train_sentencepiece(cfg: TokenizerTrainConfig, lines: list[str]) -> tuple[bytes, dict]:
+    import sentencepiece as spm
+
     symbols = ["\n"] + [s for s in cfg.user_defined_symbols if s != "\n"]
     special = {"unk_id": 0, "bos_id": 1 if cfg.bos else -1, "eos_id": 2 if cfg.bos else 1}
     special["pad_id"] = (max(special.values()) + 1) if cfg.pad else -1
@@ -123,21 +150,27 @@ def train_tokenizer(cfg: TokenizerTrainConfig) -> Path:
         )
     except RuntimeError as e:
         raise ValueError(f"vocab_size: sentencepiece could not train {cfg.vocab_size} pieces on {len(lines)} lines: {e}") from None
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_bytes(model.getvalue())
-    card = TokenizerCard(
-        vocab_size=cfg.vocab_size,
-        model_type=cfg.model_type,
-        byte_fallback=cfg.byte_fallback,
-        user_defined_symbols=symbols,
-        seed=cfg.seed,
-        sources=[fingerprint(s) for s in cfg.inputs],
-        num_training_sentences=len(lines),
-        **special,
-    )
-    card.save(card_path(out))
-    print(f"wrote {out} and {card_path(out)}: vocab {cfg.vocab_size}, {len(lines)} of {total} lines", file=sys.stderr)
-    return out
+    return model.getvalue(), dict(vocab_size=cfg.vocab_size, model_type=cfg.model_type, byte_fallback=cfg.byte_fallback,
+                                  user_defined_symbols=symbols, **special)
+
+
+def _train_byte_level_bpe(cfg: TokenizerTrainConfig, lines: list[str]) -> tuple[bytes, dict]:
+    """GPT-2-style byte-level BPE (lossless: every byte is a token; no unknown token)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    specials = [EOD_TOKEN] + ([BOS_TOKEN] if cfg.bos else []) + ([PAD_TOKEN] if cfg.pad else [])
+    specials += [s for s in cfg.user_defined_symbols if s not in specials]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=cfg.vocab_size, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(lines, trainer, length=len(lines))
+    ids = {s: tok.token_to_id(s) for s in specials}
+    return (tok.to_str(pretty=True) + "\n").encode("utf-8"), dict(
+        vocab_size=tok.get_vocab_size(with_added_tokens=True), model_type="bpe", byte_fallback=True,
+        user_defined_symbols=specials[1 + cfg.bos + cfg.pad:], unk_id=-1, eos_id=ids[EOD_TOKEN],
+        bos_id=ids.get(BOS_TOKEN, -1), pad_id=ids.get(PAD_TOKEN, -1), library="tokenizers")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,7 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--input", nargs="+", required=True, help="text files, .jsonl files, or hf:NAME[:CONFIG[:SPLIT]][:key=value]")
     ap.add_argument("--vocab-size", type=int, required=True)
     ap.add_argument("--output-prefix", required=True)
-    ap.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe")
+    ap.add_argument("--type", dest="tokenizer_type", choices=TOKENIZER_TYPES, default="sentencepiece",
+                    help="sentencepiece (PREFIX.model) or bpe: a byte-level BPE tokenizer.json (PREFIX.json)")
+    ap.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe", help="sentencepiece's model type")
     ap.add_argument("--no-byte-fallback", dest="byte_fallback", action="store_false")
     ap.add_argument("--no-bos", dest="bos", action="store_false", help="no BOS token")
     ap.add_argument("--no-pad", dest="pad", action="store_false", help="no PAD token")
@@ -157,11 +192,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json-key", default="text")
     ap.add_argument("--doc-mode", choices=DOC_MODES, default="auto")
     ap.add_argument("--encoding-errors", choices=["strict", "replace"], default="strict")
-    ap.add_argument("--overwrite", action="store_true", help="replace an existing PREFIX.model and PREFIX.card.json")
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing PREFIX.model/.json and PREFIX.card.json")
     a = ap.parse_args(argv)
     try:
         cfg = TokenizerTrainConfig(
-            inputs=a.input, vocab_size=a.vocab_size, output_prefix=a.output_prefix, model_type=a.model_type,
+            inputs=a.input, vocab_size=a.vocab_size, output_prefix=a.output_prefix, tokenizer_type=a.tokenizer_type,
+            model_type=a.model_type,
             byte_fallback=a.byte_fallback, bos=a.bos, pad=a.pad, user_defined_symbols=a.user_defined_symbols,
             max_sentences=a.max_sentences, character_coverage=a.character_coverage, seed=a.seed,
             num_threads=a.num_threads, text_key=a.json_key, doc_mode=a.doc_mode, encoding_errors=a.encoding_errors,

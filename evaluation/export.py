@@ -6,7 +6,7 @@
 Export: ``load_for_eval`` merges the checkpoint's TP shards and ZeRO partitions (any stage, any
 TP size) into one fp32 model, which is written as ``FlexformerForCausalLM``: config.json (with
 ``auto_map``), model.safetensors, generation_config.json, the tokenizer (``tokenizer.json`` +
-the original sentencepiece ``tokenizer.model``), the ``trust_remote_code`` files (megaflex's
+the original megaflex tokenizer file: sentencepiece ``tokenizer.model`` or ``megaflex_tokenizer.json``), the ``trust_remote_code`` files (megaflex's
 own source, bundled) and a README.md model card (training config, eval numbers from
 ``--eval-json`` files written by ``megaflex-eval --json``).
 
@@ -60,7 +60,7 @@ def export_checkpoint(
     if not tok_path:
         raise ValueError("--tokenizer: the checkpoint config names no tokenizer (data.tokenizer); pass --tokenizer PATH")
     if not Path(tok_path).is_file():
-        raise ValueError(f"--tokenizer: sentencepiece model {tok_path!r} not found (from "
+        raise ValueError(f"--tokenizer: tokenizer model {tok_path!r} not found (from "
                          f"{'--tokenizer' if tokenizer else 'the checkpoint config data.tokenizer'}); pass --tokenizer PATH")
     out = claim_output_dir(hf_out, "--hf-out", overwrite)
     before = snapshot(out)
@@ -87,7 +87,8 @@ def import_hf(hf_dir: str | os.PathLike, megaflex_out: str | os.PathLike, overwr
     """Write the model of HF directory ``hf_dir`` as a megaflex checkpoint under ``megaflex_out``
     (a new or empty directory unless ``overwrite``; never a training run's checkpoint folder)."""
     from megaflex.hf import FlexformerConfig, FlexformerForCausalLM
-    from megaflex.hf.tokenizer import SP_CARD_FILE, SP_MODEL_FILE
+    from megaflex.data.tokenizer import card_path
+    from megaflex.hf.tokenizer import original_tokenizer_file
     from megaflex import checkpoint_layout as layout
     from megaflex.training.checkpoint import parameter_shapes
 
@@ -108,11 +109,12 @@ def import_hf(hf_dir: str | os.PathLike, megaflex_out: str | os.PathLike, overwr
     tag_dir = Path(megaflex_out) / layout.tag_for(iteration)
     tag_dir.mkdir(parents=True, exist_ok=True)
     data = dict(run_config.get("data") or {})
-    if (src / SP_MODEL_FILE).is_file():  # the tokenizer travels with the checkpoint
-        shutil.copyfile(src / SP_MODEL_FILE, tag_dir / SP_MODEL_FILE)
-        if (src / SP_CARD_FILE).is_file():
-            shutil.copyfile(src / SP_CARD_FILE, tag_dir / "tokenizer.card.json")
-        data["tokenizer"] = str((tag_dir / SP_MODEL_FILE).resolve())
+    original = original_tokenizer_file(src)
+    if original is not None:  # the tokenizer travels with the checkpoint
+        shutil.copyfile(original, tag_dir / original.name)
+        if card_path(original).is_file():
+            shutil.copyfile(card_path(original), card_path(tag_dir / original.name))
+        data["tokenizer"] = str((tag_dir / original.name).resolve())
     run_config["data"] = data
     gpt = model.model
     # ZeRO-0 / TP-1 layout of a megaflex-train checkpoint: what evaluation.loading reads.
@@ -187,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-out", help="output Hugging Face model directory")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--tag", default=None, help="checkpoint tag (default latest)")
-    p.add_argument("--tokenizer", default=None, help="sentencepiece .model (default: data.tokenizer of the run)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer file: sentencepiece .model or tokenizer.json (default: data.tokenizer of the run)")
     p.add_argument("--eval-json", nargs="*", default=[], help="megaflex-eval --json results for the model card")
     p.add_argument("--from-hf", default=None, help="Hugging Face model directory to convert back (import)")
     p.add_argument("--megaflex-out", default=None, help="new checkpoint.dir to write the imported model into "

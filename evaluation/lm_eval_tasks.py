@@ -127,8 +127,8 @@ def write_task(
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m evaluation.lm_eval_tasks", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="directory for the task (pass it to lm_eval --include_path)")
-    p.add_argument("--hf-model", default=None, help="a megaflex-export directory: its tokenizer.model and max_seq_len")
-    p.add_argument("--tokenizer", default=None, help="sentencepiece .model (instead of --hf-model)")
+    p.add_argument("--hf-model", default=None, help="a megaflex-export directory: its tokenizer and max_seq_len")
+    p.add_argument("--tokenizer", default=None, help="tokenizer file: sentencepiece .model or tokenizer.json (instead of --hf-model)")
     p.add_argument("--max-tokens", type=int, default=None, help="tokens per document (default: the model's max_seq_len)")
     p.add_argument("--data", default=None, help="text/.jsonl source (default: $MEGAFLEX_DATA wikitext-2 test)")
     p.add_argument("--doc-mode", choices=EVAL_DOC_MODES, default="wikitext", help="how the source is cut into documents")
@@ -144,13 +144,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     tokenizer, max_tokens = args.tokenizer, args.max_tokens
     if args.hf_model:
-        from megaflex.hf.tokenizer import SP_MODEL_FILE
+        from megaflex.hf.tokenizer import original_tokenizer_file
 
         hf_dir = Path(args.hf_model)
         config_file = hf_dir / "config.json"
         if not config_file.is_file():
             raise ValueError(f"--hf-model: expected a megaflex-export directory with config.json, got {args.hf_model!r}")
-        tokenizer = tokenizer or hf_dir / SP_MODEL_FILE
+        tokenizer = tokenizer or original_tokenizer_file(hf_dir) or hf_dir / "tokenizer.json"
         max_tokens = max_tokens or json.loads(config_file.read_text())["max_seq_len"]
     if tokenizer is None or max_tokens is None:
         raise ValueError("--tokenizer and --max-tokens (or --hf-model DIR) are required")

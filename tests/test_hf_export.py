@@ -204,7 +204,7 @@ def test_clear_errors(exported: dict[str, Path], tmp_path: Path, capsys: pytest.
     empty.mkdir()
     assert "checkpoint: expected a checkpoint folder" in _export_error(
         ["--checkpoint", str(empty), "--hf-out", str(tmp_path / "x")], capsys)
-    assert re.search("--tokenizer: sentencepiece model .*missing.model.* not found", _export_error(
+    assert re.search("--tokenizer: tokenizer model .*missing.model.* not found", _export_error(
         ["--checkpoint", str(exported["run"]), "--hf-out", str(tmp_path / "y"), "--tokenizer", str(tmp_path / "missing.model")],
         capsys))
     assert "tag: 'step_00000099' is not a complete checkpoint" in _export_error(

@@ -117,20 +117,22 @@ def deepspeed_launcher() -> str:
     return str(Path(PYTHON).parent / "deepspeed")
 
 
-def tokenized_wikitext(data: Path, shared_data: Path, train_chars: int) -> Path:
+def tokenized_wikitext(data: Path, shared_data: Path, train_chars: int, tokenizer_type: str = "sentencepiece") -> Path:
     """A small WikiText-2 pair in ``data``: the first ``train_chars`` of raw valid as ``train`` and the
-    whole lines of raw test up to ~6,000 characters as ``test``, a 512-piece tokenizer (``tok.model``)
-    trained on ``train``, and both splits preprocessed to ``.bin/.idx``. Returns ``data``."""
+    whole lines of raw test up to ~6,000 characters as ``test``, a 512-piece tokenizer (``tok.model``;
+    ``tok.json`` for ``tokenizer_type="bpe"``) trained on ``train``, and both splits preprocessed to
+    ``.bin/.idx``. Returns ``data``."""
     data.mkdir(parents=True, exist_ok=True)
     raw = (shared_data / "wikitext-2-raw" / "wiki.valid.raw").read_text(encoding="utf-8")
     (data / "train.raw").write_text(raw[:train_chars], encoding="utf-8")
     test = (shared_data / "wikitext-2-raw" / "wiki.test.raw").read_text(encoding="utf-8")
     (data / "test.raw").write_text(test[: test.index("\n", 6_000) + 1], encoding="utf-8")  # whole lines
-    subprocess.run([PYTHON, "-m", "data_prep.train_tokenizer", "--input", str(data / "train.raw"), "--vocab-size", "512",
-                    "--output-prefix", str(data / "tok")], check=True, cwd=REPO, capture_output=True)
+    subprocess.run([PYTHON, "-m", "data_prep.train_tokenizer", "--type", tokenizer_type, "--input", str(data / "train.raw"),
+                    "--vocab-size", "512", "--output-prefix", str(data / "tok")], check=True, cwd=REPO, capture_output=True)
+    tokenizer = data / ("tok.json" if tokenizer_type == "bpe" else "tok.model")
     for split in ("train", "test"):
         subprocess.run([PYTHON, "-m", "data_prep.preprocess", "--input", str(data / f"{split}.raw"), "--tokenizer",
-                        str(data / "tok.model"), "--output-prefix", str(data / split), "--no-progress"],
+                        str(tokenizer), "--output-prefix", str(data / split), "--no-progress"],
                        check=True, cwd=REPO, capture_output=True)
     return data
 

@@ -28,6 +28,10 @@ Mixed precision: every form accumulates in fp32 and returns ``v.dtype``.
 ``AttentionCore`` is what the model instantiates: feature map + form selection for linear kinds
 (recurrent when continuing from a state with few new tokens, chunked otherwise) or exact
 softmax attention with a ``KVCache``.
+
+Padding (``key_mask``, False at padded tokens): a padded key's features are zeroed (nothing
+added to kv or k_sum) and its log-scale is lowered to the smallest real one of its row, so the
+running max m_t is the max over real keys only, as without the pads; softmax masks the keys.
 """
 
 from __future__ import annotations
@@ -115,6 +119,33 @@ def causal_linear_attention(
 AttentionState = LinearAttentionState | KVCache
 
 
+def padding_mask(key_mask: torch.Tensor | None, batch: int, length: int, name: str = "key_mask") -> torch.Tensor | None:
+    """``key_mask`` as bool [batch, length] (ValueError naming ``name`` on another shape), or None
+    when it masks nothing."""
+    if key_mask is None:
+        return None
+    if key_mask.dim() != 2 or tuple(key_mask.shape) != (batch, length):
+        raise ValueError(f"{name}: expected shape [{batch}, {length}] (every token so far, cached ones first), "
+                         f"got {tuple(key_mask.shape)}")
+    key_mask = key_mask.bool()
+    return None if bool(key_mask.all()) else key_mask
+
+
+def mask_padded_keys(
+    features: torch.Tensor, log_scale: torch.Tensor | None, key_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Key features [B, H, N, F] and log-scales [B, H, N] with padded keys (``key_mask`` [B, N]
+    False) removed from the sums: zero features, and a log-scale no larger than the row's real
+    ones (not -inf: the chunked forms' row scales exp(M_c - m_t) must stay finite)."""
+    real = key_mask[:, None, :]  # [B, 1, N]
+    features = torch.where(real.unsqueeze(-1), features, torch.zeros_like(features))
+    if log_scale is not None:
+        lowest_real = torch.where(real, log_scale, torch.full_like(log_scale, float("inf"))).amin(-1, keepdim=True)
+        has_real = real.any(-1, keepdim=True)
+        log_scale = torch.where(real | ~has_real, log_scale, lowest_real.detach())
+    return features, log_scale
+
+
 class AttentionCore(nn.Module):
     """Causal attention of already-projected heads: q, k, v [B, H, N, d] -> out [B, H, N, d].
 
@@ -183,23 +214,39 @@ class AttentionCore(nn.Module):
             raise ValueError(f"v: expected shape [{q.shape[0]}, {self.num_heads}, {q.shape[2]}, Dv], got {_shape(v)}")
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: AttentionState | None = None, return_state: bool = False
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: AttentionState | None = None,
+        return_state: bool = False, key_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, AttentionState | None]:
-        """q, k, v [B, H, N, d] (+ state from the previous call) -> (out [B, H, N, d], new state | None)."""
+        """q, k, v [B, H, N, d] (+ state from the previous call) -> (out [B, H, N, d], new state | None).
+
+        ``key_mask`` [B, T] (bool, False = padding; optional) covers every token so far: the
+        state's ``offset`` tokens, then the N new ones (see module doc)."""
         self._check_qkv(q, k, v)
+        offset = state.offset if state is not None else 0
+        key_mask = padding_mask(key_mask, q.shape[0], offset + q.shape[2])
         if self.feature_map is None:
             if state is not None and not isinstance(state, KVCache):
                 raise ValueError(f"state: expected a KVCache for kind 'softmax', got {type(state).__name__}")
-            out, cache = softmax_attention(q, k, v, cache=state)
+            out, cache = softmax_attention(q, k, v, cache=state, key_mask=key_mask)
             return out, (cache if return_state else None)
         if state is not None and not isinstance(state, LinearAttentionState):
             raise ValueError(f"state: expected a LinearAttentionState for kind {self.kind!r}, got {type(state).__name__}")
-        offset = state.offset if state is not None else 0
+        new_keys = None if key_mask is None else padding_mask(key_mask[:, offset:], q.shape[0], q.shape[2])
+        if new_keys is not None and self.kind == "cosformer":
+            raise ValueError("key_mask: padding is not supported by the position-dependent 'cosformer' map")
         decoding = state is not None and q.shape[2] <= self.recurrent_max_tokens
         if decoding and not torch.is_grad_enabled():
-            return self._decode(q, k, v, state, return_state)
+            return self._decode(q, k, v, state, return_state, new_keys)
         form = "recurrent" if decoding else self.form
         which = chunked_backend(self.backend, q.is_cuda) if form == "chunked" else None
+        if new_keys is not None:  # the fused trig paths compute key features internally: mask them here
+            q_map, k_map = self.feature_map(q, offset), self.feature_map(k, offset)
+            kf, kls = mask_padded_keys(k_map.features, k_map.log_scale, new_keys)
+            out, new_state = causal_linear_attention(
+                q_map.features, kf, kls, v, form=form, normalization=self.normalization, chunk_size=self.chunk_size,
+                initial_state=state, eps=self.eps, backend=self.backend,
+            )  # fmt: skip
+            return out, (new_state if return_state else None)
         if which == "triton":
             out, new_state = self._triton_chunked(q, k, v, state, offset)
             return out, (new_state if return_state else None)
@@ -250,7 +297,8 @@ class AttentionCore(nn.Module):
         return triton_linear_attention(q_map.features, k_map.features, k_map.log_scale, v, **options)
 
     def _decode(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: LinearAttentionState, return_state: bool
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: LinearAttentionState, return_state: bool,
+        key_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, LinearAttentionState | None]:
         """Inference continuing from ``state`` with a few tokens: the same maths as ``forward``'s
         recurrent form in fewer ops (decoding is bound by per-op overhead, not FLOPs): q and k go
@@ -259,6 +307,8 @@ class AttentionCore(nn.Module):
         both = self.feature_map(torch.cat([q, k]), state.offset)  # [2B, H, N, F]: queries then keys
         qf, kf = both.features[:batch], both.features[batch:]
         kls = None if both.log_scale is None else both.log_scale[batch:]
+        if key_mask is not None:
+            kf, kls = mask_padded_keys(kf, kls, key_mask)
         validate_linear_attention_inputs(
             qf, kf, kls, v, form="recurrent", normalization=self.normalization, initial_state=state, eps=self.eps
         )

@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import KernelParameter, LinearAttentionState, normalize_output
-from .core import AttentionCore
+from .core import AttentionCore, padding_mask
+from .softmax import padded_causal_mask
 
 
 @dataclass
@@ -85,18 +86,28 @@ class LocalMixingCore(nn.Module):
         return out
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: HybridState | None = None, return_state: bool = False
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: HybridState | None = None,
+        return_state: bool = False, key_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, HybridState | None]:
-        """q, k, v [B, H, N, d] (+ the state of the previous call) -> (out [B, H, N, d], state | None)."""
+        """q, k, v [B, H, N, d] (+ the state of the previous call) -> (out [B, H, N, d], state | None).
+
+        ``key_mask`` [B, T] (False = padding) covers the state's tokens, then the new ones: padded
+        tokens enter the convolution as zeros (as before the first token) and no branch sees them."""
         if state is not None and not isinstance(state, HybridState):
             raise ValueError(f"state: expected a HybridState, got {type(state).__name__}")
+        offset = 0 if state is None else state.offset
+        key_mask = padding_mask(key_mask, q.shape[0], offset + q.shape[2])
         conv_tail = None
         if self.conv_weight is not None:
+            if key_mask is not None:
+                real = key_mask[:, None, offset:, None]  # [B, 1, N, 1]
+                q, k, v = (torch.where(real, x, torch.zeros_like(x)) for x in (q, k, v))
             q, k, v, conv_tail = self._convolve(q, k, v, None if state is None else state.conv_tail)
-        out, linear_state = self.core(q, k, v, state=None if state is None else state.linear, return_state=return_state)
+        out, linear_state = self.core(q, k, v, state=None if state is None else state.linear, return_state=return_state,
+                                      key_mask=key_mask)
         window_k = window_v = None
         if self.window:
-            local, window_k, window_v = self._window_attention(q, k, v, state)
+            local, window_k, window_v = self._window_attention(q, k, v, state, key_mask)
             if self.core.normalization == "rms":
                 local = normalize_output(local, None, "rms", self.core.eps)
             # in fp32 whatever the module's dtype: a bf16 mix moves in steps of 1/256 around 1/2
@@ -118,7 +129,8 @@ class LocalMixingCore(nn.Module):
         return mixed[:, :, 0], mixed[:, :, 1], mixed[:, :, 2], new_tail
 
     def _window_attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: HybridState | None
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: HybridState | None,
+        key_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Softmax over the last ``window`` keys of each query (cached keys first); new cache."""
         if state is not None and state.window_k is not None:
@@ -129,6 +141,8 @@ class LocalMixingCore(nn.Module):
         query_pos = torch.arange(prefix, prefix + n, device=q.device).unsqueeze(1)  # [N, 1] indices into k_all
         key_pos = torch.arange(k_all.shape[2], device=q.device).unsqueeze(0)  # [1, P + N]
         band = (key_pos <= query_pos) & (key_pos > query_pos - self.window)  # [N, P + N]
+        if key_mask is not None:  # the cached keys are the last P tokens before the new ones
+            band = padded_causal_mask(query_pos, key_pos, key_mask[:, key_mask.shape[1] - k_all.shape[2] :], band)
         out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=band)
         keep = self.window - 1
         return out, k_all[:, :, k_all.shape[2] - keep :], v_all[:, :, v_all.shape[2] - keep :]

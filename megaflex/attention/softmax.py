@@ -79,10 +79,19 @@ class KVCache:
 
 
 def softmax_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None = None, key_mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, KVCache]:
-    """Causal softmax attention of q [B, H, N, d] over cache + k, v [B, H, N, *] -> (out [B, H, N, Dv], cache)."""
+    """Causal softmax attention of q [B, H, N, d] over cache + k, v [B, H, N, *] -> (out [B, H, N, Dv], cache).
+
+    ``key_mask`` [B, T + N] (bool, False = padding): padded keys are never attended to (they stay
+    in the cache, masked on every later call that passes the mask)."""
     n = q.shape[2]
+    if key_mask is not None:
+        offset = 0 if cache is None else cache.offset
+        cache = KVCache(k, v) if cache is None else cache.append(k, v)
+        queries = torch.arange(n, device=q.device).unsqueeze(1) + offset
+        allowed = padded_causal_mask(queries, torch.arange(cache.offset, device=q.device).unsqueeze(0), key_mask)
+        return F.scaled_dot_product_attention(q, cache.k, cache.v, attn_mask=allowed), cache
     if cache is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return out, KVCache(k, v)
@@ -98,3 +107,13 @@ def softmax_attention(
         mask = rows >= torch.arange(keys.shape[2], device=q.device).unsqueeze(0)  # [N, T + N]
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
     return out, cache
+
+
+def padded_causal_mask(queries: torch.Tensor, keys: torch.Tensor, key_mask: torch.Tensor,
+                       visible: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, 1, N, T] SDPA mask: query positions ``queries`` [N, 1] see key positions ``keys`` [1, T]
+    at or before them (and within ``visible`` [N, T] when given) that are not padding (``key_mask``
+    [B, T]). A padded query sees itself too, so no row is empty (its output is unused but finite)."""
+    allowed = keys <= queries if visible is None else visible
+    allowed = allowed.unsqueeze(0) & key_mask[:, None, :]
+    return (allowed | (keys == queries).unsqueeze(0)).unsqueeze(1)

@@ -20,7 +20,7 @@ Public API:
 * :class:`GPTDataset` — seq_len+1-token samples with cached document/sample/shuffle indices.
 * :class:`BlendedDataset`, :func:`build_datasets` — weighted blends, train/valid/test splits.
 * :class:`PretrainingSampler` — exact resume from ``consumed_samples``, DP-size independent order.
-* :class:`Tokenizer` — sentencepiece model + card written by ``data_prep.train_tokenizer``.
+* :class:`Tokenizer` — sentencepiece model or ``tokenizers`` file + card written by ``data_prep.train_tokenizer``.
 * :func:`read_data_card`, :func:`check_same_tokenizer` — the tokenizer identity recorded with the
   data (``PREFIX.card.json``) and with checkpoints; :class:`DataError` is the base of every data fault.
 """

@@ -40,6 +40,8 @@ class FlexformerConfig(PreTrainedConfig):
     normalization: str = "rms"
     chunk_size: int = 64
     feature_kwargs: dict | None = None
+    softmax_window: int = 0  # the hybrid's sliding softmax window (0: off)
+    qkv_conv_size: int = 0  # the hybrid's causal q/k/v convolution (0: off)
     mlp: str = "gelu"
     norm: str = "rmsnorm"
     norm_eps: float = 1e-5
@@ -83,7 +85,8 @@ class FlexformerConfig(PreTrainedConfig):
             vocab_size=self.vocab_size, num_layers=self.num_layers, hidden_size=self.hidden_size,
             num_heads=self.num_heads, ffn_hidden_size=self.ffn_hidden_size, attention=self.attention,
             feature_dim=self.feature_dim, normalization=self.normalization, chunk_size=self.chunk_size,
-            feature_kwargs=dict(self.feature_kwargs or {}), mlp=self.mlp, norm=self.norm, norm_eps=self.norm_eps,
+            feature_kwargs=dict(self.feature_kwargs or {}), softmax_window=self.softmax_window,
+            qkv_conv_size=self.qkv_conv_size, mlp=self.mlp, norm=self.norm, norm_eps=self.norm_eps,
             bias=self.bias, tie_embeddings=self.tie_embeddings, hidden_dropout=self.hidden_dropout,
             attention_dropout=self.attention_dropout, max_seq_len=self.max_seq_len, position=self.position,
             rope_theta=self.rope_base, init_std=self.init_std,

@@ -8,9 +8,10 @@ wrapping megaflex's ``GPTState``: per layer a fixed-size recurrent ``LinearAtten
 given a cache continues from it (the recurrent form for a few new tokens) and stores the new
 state in it, which is how ``generate()`` and manual ``cache`` reuse work.
 
-Padding: the model has no attention mask (linear attention has no per-key mask); right padding
-is harmless for a causal model (pads come after every real token) and is accepted, left padding
-is rejected with a ValueError.
+Padding: ``attention_mask`` (left or right padding, as ``generate()`` and lm-evaluation-harness
+pass it: every token so far, cached ones first) goes to ``GPT.forward``: padded tokens add
+nothing to the linear state, the softmax window or the KV cache, and positions (RoPE) count
+from each row's first real token, so each row of a padded batch computes what it computes alone.
 """
 
 from __future__ import annotations
@@ -143,10 +144,9 @@ class FlexformerForCausalLM(PreTrainedModel, GenerationMixin):
         cache = cache if cache is not None else past_key_values
         if cache is not None and not isinstance(cache, FlexformerCache):
             raise ValueError(f"cache: expected a FlexformerCache (or None), got {type(cache).__name__}")
-        _check_no_left_padding(attention_mask)
         use_cache = self.config.use_cache if use_cache is None else use_cache
         state = None if cache is None else cache.state
-        out = self.model(input_ids, state=state, return_state=bool(use_cache))
+        out = self.model(input_ids, state=state, return_state=bool(use_cache), attention_mask=attention_mask)
         hidden_logits = out.logits if not logits_to_keep else out.logits[:, -logits_to_keep:]
         logits = self.model.gather_logits(hidden_logits)  # [B, N, vocab_size]
         limit = self.config.tokenizer_vocab_size
@@ -185,16 +185,3 @@ class FlexformerForCausalLM(PreTrainedModel, GenerationMixin):
 def _is_non_persistent(root: torch.nn.Module, name: str) -> bool:
     module_name, _, leaf = name.rpartition(".")
     return leaf in root.get_submodule(module_name)._non_persistent_buffers_set
-
-
-def _check_no_left_padding(attention_mask: torch.Tensor | None) -> None:
-    """ValueError when some row has a masked position before an unmasked one."""
-    if attention_mask is None or attention_mask.dim() != 2:
-        return
-    mask = attention_mask.bool()
-    later_real = mask.flip(-1).cummax(-1).values.flip(-1)  # True where a real token comes at or after
-    if bool((later_real & ~mask).any()):
-        raise ValueError(
-            "attention_mask: left padding is not supported by FlexformerForCausalLM (no per-key masking in "
-            "linear attention); pad on the right (tokenizer.padding_side='right') or do not pad"
-        )

@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megaflex.attention import AttentionCore, KVCache, LinearAttentionState
+from megaflex.attention.core import padding_mask
 from megaflex.attention.hybrid import HybridState, LocalMixingCore
 from megaflex.model.config import ModelConfig
 from megaflex.model.kernel_stats import kernel_statistics
@@ -45,6 +46,26 @@ class GPTState:
 
     layers: list[LayerState]  # one per block
     offset: int  # tokens consumed so far = absolute position of the next token
+
+
+@dataclass
+class Padding:
+    """A padded batch (``GPT.forward(attention_mask=...)``): which tokens are real, and where they sit."""
+
+    key_mask: torch.Tensor  # [B, T] bool over every token so far (cached first), False = padding
+    positions: torch.Tensor  # [B, N] position of each new token counted from its row's first real token
+
+    @classmethod
+    def from_attention_mask(cls, attention_mask: torch.Tensor | None, batch: int, total: int) -> "Padding | None":
+        """None when ``attention_mask`` [B, T] (1 = real) pads nothing; T counts cached tokens too."""
+        key_mask = padding_mask(attention_mask, batch, total, "attention_mask")
+        if key_mask is None:
+            return None
+        positions = (key_mask.long().cumsum(-1) - 1).clamp(min=0)  # pads before the first token: 0
+        return cls(key_mask, positions)
+
+    def new_tokens(self, n: int) -> "Padding":
+        return Padding(self.key_mask, self.positions[:, self.positions.shape[1] - n :])
 
 
 @dataclass
@@ -86,15 +107,21 @@ class Attention(nn.Module):
         )
 
     def forward(
-        self, x: torch.Tensor, state: LayerState | None = None, return_state: bool = False, offset: int = 0
+        self, x: torch.Tensor, state: LayerState | None = None, return_state: bool = False, offset: int = 0,
+        padding: Padding | None = None,
     ) -> tuple[torch.Tensor, LayerState | None]:
         B, N, _ = x.shape
         qkv = self.qkv(x).view(B, N, self.local_heads, 3, self.head_dim)
         q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each [B, Hl, N, d]
-        if self.rope is not None:
-            q, k = self.rope(q, k, offset)  # absolute positions offset .. offset + N - 1
+        if self.rope is not None:  # absolute positions offset .. offset + N - 1, or each row's own
+            q, k = self.rope(q, k, offset, None if padding is None else padding.positions)
         attend = self.layer_factory.attention(self.core)  # the core, or its context-parallel stand-in
-        out, new_state = attend(q, k, v, state=state, return_state=return_state)  # [B, Hl, N, d]
+        if padding is None:
+            out, new_state = attend(q, k, v, state=state, return_state=return_state)  # [B, Hl, N, d]
+        elif attend is not self.core:
+            raise ValueError("attention_mask: padding is not supported under context parallelism")
+        else:
+            out, new_state = attend(q, k, v, state=state, return_state=return_state, key_mask=padding.key_mask)
         out = out.transpose(1, 2).reshape(B, N, self.local_heads * self.head_dim)  # [B, N, h / tp]
         if self.out_gain is not None:
             out = out * self.out_gain.to(out.dtype)
@@ -142,9 +169,10 @@ class Block(nn.Module):
         self.dropout = nn.Dropout(config.hidden_dropout)  # full (replicated) activations: default RNG
 
     def forward(
-        self, x: torch.Tensor, state: LayerState | None = None, return_state: bool = False, offset: int = 0
+        self, x: torch.Tensor, state: LayerState | None = None, return_state: bool = False, offset: int = 0,
+        padding: Padding | None = None,
     ) -> tuple[torch.Tensor, LayerState | None]:
-        a, new_state = self.attn(self.attn_norm(x), state, return_state, offset)
+        a, new_state = self.attn(self.attn_norm(x), state, return_state, offset, padding)
         x = x + self.dropout(a)
         x = x + self.dropout(self.mlp(self.mlp_norm(x)))
         return x, new_state
@@ -184,16 +212,26 @@ class GPT(nn.Module):
         labels: torch.Tensor | None = None,
         state: GPTState | None = None,
         return_state: bool = False,
+        attention_mask: torch.Tensor | None = None,
     ) -> ModelOutput:
-        """input_ids [B, N] (int) -> ModelOutput; ``state`` continues a previous call."""
+        """input_ids [B, N] (int) -> ModelOutput; ``state`` continues a previous call.
+
+        ``attention_mask`` [B, state.offset + N] (1 = real token, 0 = padding; one device, no
+        context parallelism): padded tokens are invisible to every attention form and cache, and
+        positions count from each row's first real token, so a left-padded row computes what it
+        computes alone."""
         self._check_inputs(input_ids, labels, state)
         B, N = input_ids.shape
         # global position of the first token (under context parallelism: of this rank's slice)
         offset = (0 if state is None else state.offset) + self.layer_factory.sequence_offset(N)
+        padding = Padding.from_attention_mask(attention_mask, B, offset + N)
+        if padding is not None:
+            padding = padding.new_tokens(N)
 
         x = self.embed(input_ids)  # [B, N, h]
         if self.pos_embed is not None:
-            x = x + self.pos_embed(torch.arange(offset, offset + N, device=input_ids.device))
+            positions = torch.arange(offset, offset + N, device=input_ids.device) if padding is None else padding.positions
+            x = x + self.pos_embed(positions)
         x = self.embed_dropout(x)
 
         new_states = []
@@ -210,11 +248,12 @@ class GPT(nn.Module):
                     layer_state,
                     return_state,
                     offset,
+                    padding,
                     use_reentrant=False,
                     context_fn=self.layer_factory.checkpoint_context,
                 )
             else:
-                x, s = block(x, layer_state, return_state, offset)
+                x, s = block(x, layer_state, return_state, offset, padding)
             new_states.append(s)
 
         x = self.final_norm(x)

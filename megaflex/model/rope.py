@@ -32,13 +32,19 @@ class RotaryEmbedding(nn.Module):
         """[d/2] fp32 rotation frequencies theta^(-2i/d), whatever the module's dtype."""
         return self._inv_freq
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """q, k [B, H, N, d] -> rotated q, k at absolute positions offset .. offset + N - 1."""
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, offset: int = 0, positions: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q, k [B, H, N, d] -> rotated q, k at absolute positions offset .. offset + N - 1, or at
+        per-row ``positions`` [B, N] when given (padded batches: each row counts from its first token)."""
         n = q.shape[-2]
         if self._inv_freq.device != q.device:  # follows the activations (module.to moves no plain attribute)
             self._inv_freq = self._inv_freq.to(q.device)
-        positions = torch.arange(offset, offset + n, device=q.device, dtype=torch.float32)
-        angles = torch.outer(positions, self._inv_freq)  # [N, d/2]
+        if positions is None:
+            positions = torch.arange(offset, offset + n, device=q.device, dtype=torch.float32)
+        angles = positions.float().unsqueeze(-1) * self._inv_freq  # [N, d/2] or [B, N, d/2]
+        if angles.dim() == 3:
+            angles = angles.unsqueeze(1)  # [B, 1, N, d/2]: every head
         cos, sin = angles.cos(), angles.sin()
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 

@@ -54,7 +54,8 @@ class DataConfig:
     valid_path: list[str] = opt([], "prefixes of the validation .bin/.idx pairs (empty: cut from train_path by `split`)")
     split: str = opt("969,30,1", "train,valid,test weights of the document split of train_path when valid_path is empty")
     tokenizer: str | None = opt(
-        None, "sentencepiece model of the data: must exist, match the data cards and fit model.vocab_size; "
+        None, "tokenizer of the data (sentencepiece .model or tokenizer.json): must exist, match the data cards and "
+        "fit model.vocab_size; "
         "its sha256 and vocab size are recorded with checkpoints and checked by evaluation"
     )
     seq_len: int = opt(1024, "tokens per training sample (<= model.max_seq_len)")
