@@ -79,10 +79,15 @@ class KVCache:
 
 
 def softmax_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None = None, mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, KVCache]:
-    """Causal softmax attention of q [B, H, N, d] over cache + k, v [B, H, N, *] -> (out [B, H, N, Dv], cache)."""
+    """Causal softmax attention of q [B, H, N, d] over cache + k, v [B, H, N, *] -> (out [B, H, N, Dv], cache).
+    ``mask`` (no cache): a bool [B, 1, N, N] mask (True: attend) replacing the causal one, e.g. block-causal."""
     n = q.shape[2]
+    if mask is not None:
+        if cache is not None:
+            raise ValueError("mask: expected no cache with an explicit mask")
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask), KVCache(k, v)
     if cache is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return out, KVCache(k, v)

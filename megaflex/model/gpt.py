@@ -48,6 +48,19 @@ class GPTState:
 
 
 @dataclass
+class Documents:
+    """Packed documents of a batch (``data.document_boundaries: reset``; ``attention/documents.py``).
+
+    starts:       [B, N] bool, True where a token begins a document: no attention crosses it
+    position_ids: [B, N] int64 positions for RoPE / learned positions (e.g. each token's position in
+                  its document, ``data.reset_positions``), None for the absolute positions
+    """
+
+    starts: torch.Tensor
+    position_ids: torch.Tensor | None = None
+
+
+@dataclass
 class ModelOutput:
     # [B, N, padded_vocab / tp]: this rank's vocab shard, padding columns included; use
     # ``GPT.gather_logits`` for the full [B, N, vocab_size] logits.
@@ -86,15 +99,18 @@ class Attention(nn.Module):
         )
 
     def forward(
-        self, x: torch.Tensor, state: LayerState | None = None, return_state: bool = False, offset: int = 0
+        self, x: torch.Tensor, state: LayerState | None = None, return_state: bool = False, offset: int = 0,
+        documents: Documents | None = None,
     ) -> tuple[torch.Tensor, LayerState | None]:
         B, N, _ = x.shape
         qkv = self.qkv(x).view(B, N, self.local_heads, 3, self.head_dim)
         q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each [B, Hl, N, d]
         if self.rope is not None:
-            q, k = self.rope(q, k, offset)  # absolute positions offset .. offset + N - 1
+            # absolute positions offset .. offset + N - 1, or each token's position in its document
+            q, k = self.rope(q, k, offset, None if documents is None else documents.position_ids)
         attend = self.layer_factory.attention(self.core)  # the core, or its context-parallel stand-in
-        out, new_state = attend(q, k, v, state=state, return_state=return_state)  # [B, Hl, N, d]
+        doc_kwargs = {} if documents is None else {"document_starts": documents.starts}
+        out, new_state = attend(q, k, v, state=state, return_state=return_state, **doc_kwargs)  # [B, Hl, N, d]
         out = out.transpose(1, 2).reshape(B, N, self.local_heads * self.head_dim)  # [B, N, h / tp]
         if self.out_gain is not None:
             out = out * self.out_gain.to(out.dtype)
@@ -142,9 +158,10 @@ class Block(nn.Module):
         self.dropout = nn.Dropout(config.hidden_dropout)  # full (replicated) activations: default RNG
 
     def forward(
-        self, x: torch.Tensor, state: LayerState | None = None, return_state: bool = False, offset: int = 0
+        self, x: torch.Tensor, state: LayerState | None = None, return_state: bool = False, offset: int = 0,
+        documents: Documents | None = None,
     ) -> tuple[torch.Tensor, LayerState | None]:
-        a, new_state = self.attn(self.attn_norm(x), state, return_state, offset)
+        a, new_state = self.attn(self.attn_norm(x), state, return_state, offset, documents)
         x = x + self.dropout(a)
         x = x + self.dropout(self.mlp(self.mlp_norm(x)))
         return x, new_state
@@ -184,8 +201,10 @@ class GPT(nn.Module):
         labels: torch.Tensor | None = None,
         state: GPTState | None = None,
         return_state: bool = False,
+        documents: Documents | None = None,
     ) -> ModelOutput:
-        """input_ids [B, N] (int) -> ModelOutput; ``state`` continues a previous call."""
+        """input_ids [B, N] (int) -> ModelOutput; ``state`` continues a previous call; ``documents``
+        (packed documents, ``Documents``): attention never crosses a document start."""
         self._check_inputs(input_ids, labels, state)
         B, N = input_ids.shape
         # global position of the first token (under context parallelism: of this rank's slice)
@@ -193,7 +212,9 @@ class GPT(nn.Module):
 
         x = self.embed(input_ids)  # [B, N, h]
         if self.pos_embed is not None:
-            x = x + self.pos_embed(torch.arange(offset, offset + N, device=input_ids.device))
+            reset = documents is not None and documents.position_ids is not None
+            positions = documents.position_ids if reset else torch.arange(offset, offset + N, device=input_ids.device)
+            x = x + self.pos_embed(positions)
         x = self.embed_dropout(x)
 
         new_states = []
@@ -210,11 +231,12 @@ class GPT(nn.Module):
                     layer_state,
                     return_state,
                     offset,
+                    documents,
                     use_reentrant=False,
                     context_fn=self.layer_factory.checkpoint_context,
                 )
             else:
-                x, s = block(x, layer_state, return_state, offset)
+                x, s = block(x, layer_state, return_state, offset, documents)
             new_states.append(s)
 
         x = self.final_norm(x)

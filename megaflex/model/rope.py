@@ -32,11 +32,18 @@ class RotaryEmbedding(nn.Module):
         """[d/2] fp32 rotation frequencies theta^(-2i/d), whatever the module's dtype."""
         return self._inv_freq
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """q, k [B, H, N, d] -> rotated q, k at absolute positions offset .. offset + N - 1."""
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, offset: int = 0, position_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q, k [B, H, N, d] -> rotated q, k at absolute positions offset .. offset + N - 1, or at
+        ``position_ids`` [B, N] when given (e.g. positions restarting with each document)."""
         n = q.shape[-2]
         if self._inv_freq.device != q.device:  # follows the activations (module.to moves no plain attribute)
             self._inv_freq = self._inv_freq.to(q.device)
+        if position_ids is not None:  # [B, 1, N, d/2]: one rotation per row and token
+            angles = position_ids.to(torch.float32).unsqueeze(-1).unsqueeze(1) * self._inv_freq
+            cos, sin = angles.cos(), angles.sin()
+            return _rotate(q, cos, sin), _rotate(k, cos, sin)
         positions = torch.arange(offset, offset + n, device=q.device, dtype=torch.float32)
         angles = torch.outer(positions, self._inv_freq)  # [N, d/2]
         cos, sin = angles.cos(), angles.sin()

@@ -1,0 +1,185 @@
+"""Document boundaries (``data.document_boundaries: reset``): a packed batch of documents gives the
+outputs and gradients of running each document on its own, in every attention form; without
+boundaries nothing changes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megaflex.attention import AttentionCore, LinearAttentionState, causal_linear_attention
+from megaflex.attention.documents import document_positions
+from megaflex.attention.hybrid import LocalMixingCore
+from tests.attention_helpers import form_steps
+from tests.numerics import assert_close, normwise_scale
+
+HEADS, HEAD_DIM = 2, 8
+# two rows of 32 tokens: three documents, then two (another cut, so rows restart at different places)
+ROWS = ((7, 13, 12), (20, 12))
+
+
+def starts_of(rows: tuple[tuple[int, ...], ...] = ROWS) -> torch.Tensor:
+    """[B, N] bool document starts of rows of documents with these lengths."""
+    n = sum(rows[0])
+    starts = torch.zeros(len(rows), n, dtype=torch.bool)
+    for b, lengths in enumerate(rows):
+        assert sum(lengths) == n
+        for lo in torch.tensor(lengths).cumsum(0)[:-1].tolist():
+            starts[b, lo] = True
+    return starts
+
+
+def spans(rows: tuple[tuple[int, ...], ...] = ROWS) -> list[tuple[int, int, int]]:
+    """(row, first token, end) of every document."""
+    out = []
+    for b, lengths in enumerate(rows):
+        lo = 0
+        for length in lengths:
+            out.append((b, lo, lo + length))
+            lo += length
+    return out
+
+
+def random_inputs(n: int, seed: int = 1) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(len(ROWS), HEADS, n, HEAD_DIM, generator=gen) for _ in range(4)]  # q, k, v, output weights
+
+
+def packed_vs_separate(attend, params: list[torch.nn.Parameter], steps: float, initial_state=None, name: str = "") -> None:
+    """``attend(q, k, v, starts, state)`` on the packed rows vs on each document alone (the first
+    document of a row continuing ``initial_state``'s row): outputs, input and parameter gradients."""
+    n = sum(ROWS[0])
+    q, k, v, weight = random_inputs(n)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = attend(*leaves, starts_of(), initial_state)
+    (out * weight).sum().backward()
+    packed = [t.grad for t in leaves] + [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    total, outs, grads = 0.0, [], []
+    for b, lo, hi in spans():
+        part = [t[b : b + 1, :, lo:hi].clone().requires_grad_() for t in (q, k, v)]
+        state = None
+        if initial_state is not None and lo == 0:
+            state = LinearAttentionState(*(getattr(initial_state, f)[b : b + 1] for f in ("kv", "k_sum", "log_max")))
+        alone = attend(*part, None, state)
+        total = total + (alone * weight[b : b + 1, :, lo:hi]).sum()
+        outs.append((b, lo, hi, alone))
+        grads.append((b, lo, hi, part))
+    total.backward()
+    terms = max(normwise_scale(g) for g in packed)
+    for b, lo, hi, alone in outs:
+        assert_close(out[b : b + 1, :, lo:hi], alone, steps=steps, name=f"{name} out {b} {lo}:{hi}")
+    for b, lo, hi, part in grads:
+        for label, g, t in zip("qkv", packed, part):
+            assert_close(g[b : b + 1, :, lo:hi], t.grad, steps=steps, floor=terms, name=f"{name} d{label} {b} {lo}:{hi}")
+    for p, g in zip(params, packed[3:]):
+        assert_close(p.grad, g, steps=steps, floor=terms, name=f"{name} parameter gradient")
+
+
+def some_state(features: int, seed: int = 5) -> LinearAttentionState:
+    gen = torch.Generator().manual_seed(seed)
+    batch = len(ROWS)
+    return LinearAttentionState(
+        torch.randn(batch, HEADS, features, HEAD_DIM, generator=gen), torch.randn(batch, HEADS, features, generator=gen),
+        torch.randn(batch, HEADS, generator=gen), offset=3,
+    )
+
+
+@pytest.mark.parametrize("form", ["quadratic", "recurrent", "chunked"])
+@pytest.mark.parametrize("carried", [False, True])
+def test_linear_forms_restart_at_each_document(form: str, carried: bool) -> None:
+    from megaflex.attention import build_feature_map
+
+    fmap = build_feature_map("flexformer_n", HEADS, HEAD_DIM, 16)
+    state = some_state(fmap.feature_dim) if carried else None
+
+    def attend(q, k, v, starts, initial):
+        fq, fk = fmap(q, 0), fmap(k, 0)
+        out, _ = causal_linear_attention(
+            fq.features, fk.features, fk.log_scale, v, form=form, chunk_size=8, initial_state=initial, document_starts=starts
+        )
+        return out
+
+    q, k, v, _ = random_inputs(sum(ROWS[0]))
+    packed_vs_separate(attend, list(fmap.parameters()), form_steps(fmap, q, k, v, extra_tokens=1), state, name=form)
+
+
+def test_final_state_is_the_last_documents() -> None:
+    from megaflex.attention import build_feature_map
+
+    fmap = build_feature_map("elu", HEADS, HEAD_DIM, 16)
+    q, k, v, _ = random_inputs(32)
+    fq, fk = fmap(q, 0), fmap(k, 0)
+    state = some_state(fmap.feature_dim)
+    for form in ("quadratic", "recurrent", "chunked"):
+        _, packed = causal_linear_attention(fq.features, fk.features, None, v, form=form, chunk_size=8,
+                                            initial_state=state, document_starts=starts_of())  # fmt: skip
+        for b, lengths in enumerate(ROWS):
+            lo = 32 - lengths[-1]
+            _, alone = causal_linear_attention(fq.features[b : b + 1, :, lo:], fk.features[b : b + 1, :, lo:], None,
+                                               v[b : b + 1, :, lo:], form=form, chunk_size=8)  # fmt: skip
+            steps = form_steps(fmap, q, k, v)
+            assert_close(packed.kv[b : b + 1], alone.kv, steps=steps, name=f"{form} kv")
+            assert_close(packed.k_sum[b : b + 1], alone.k_sum, steps=steps, name=f"{form} k_sum")
+        assert packed.offset == state.offset + 32
+
+
+def core_attend(core):
+    def attend(q, k, v, starts, initial):
+        return core(q, k, v, state=initial, document_starts=starts)[0]
+
+    return attend
+
+
+@pytest.mark.parametrize("kind", ["flexformer_n", "hedgehog"])
+@pytest.mark.parametrize("form", ["quadratic", "recurrent", "chunked"])
+def test_attention_core_restarts_in_every_form(kind: str, form: str) -> None:
+    torch.manual_seed(0)
+    core = AttentionCore(kind, HEADS, HEAD_DIM, feature_dim=16, chunk_size=8, form=form, backend="torch")
+    q, k, v, _ = random_inputs(32)
+    packed_vs_separate(core_attend(core), list(core.parameters()), form_steps(core.feature_map, q, k, v), name=f"{kind} {form}")
+
+
+def test_softmax_is_block_causal() -> None:
+    core = AttentionCore("softmax", HEADS, HEAD_DIM)
+    packed_vs_separate(core_attend(core), [], steps=2 * (32 + HEAD_DIM + 8), name="softmax")
+
+
+@pytest.mark.parametrize("window,conv_size", [(5, 0), (0, 3), (5, 3)])
+def test_hybrid_window_and_convolution_stay_in_their_document(window: int, conv_size: int) -> None:
+    torch.manual_seed(0)
+    core = AttentionCore("flexformer_n", HEADS, HEAD_DIM, feature_dim=16, chunk_size=8, backend="torch")
+    hybrid = LocalMixingCore(core, window=window, conv_size=conv_size)
+    with torch.no_grad():  # leave the identity init, so the taps reach the previous tokens
+        if hybrid.conv_weight is not None:
+            hybrid.conv_weight.add_(0.3 * torch.randn_like(hybrid.conv_weight))
+        if hybrid.window_mix is not None:
+            hybrid.window_mix.fill_(0.4)
+    q, k, v, _ = random_inputs(32)
+    steps = form_steps(core.feature_map, q, k, v) + 2 * (window + conv_size + HEAD_DIM)
+    packed_vs_separate(core_attend(hybrid), list(hybrid.parameters()), steps, name=f"hybrid {window} {conv_size}")
+
+
+def test_without_restarts_the_plain_path_runs_bit_identical() -> None:
+    torch.manual_seed(0)
+    core = AttentionCore("flexformer_n", HEADS, HEAD_DIM, feature_dim=16, chunk_size=8)
+    q, k, v, _ = random_inputs(32)
+    starts = torch.zeros(len(ROWS), 32, dtype=torch.bool)
+    starts[:, 0] = True  # a start at position 0 changes nothing without a carried state
+    assert torch.equal(core(q, k, v, document_starts=starts)[0], core(q, k, v)[0])
+
+
+def test_document_positions_count_from_each_start() -> None:
+    eod = 2
+    ids = torch.tensor([[5, 6, 2, 7, 2, 2, 8, 9], [2, 4, 4, 4, 4, 4, 4, 2]])
+    want = torch.tensor([[0, 1, 2, 0, 1, 0, 0, 1], [0, 0, 1, 2, 3, 4, 5, 6]])
+    assert torch.equal(document_positions(ids, eod), want)
+    assert torch.equal(document_positions(ids, eod) == 0, want == 0)
+
+
+def test_document_starts_are_checked() -> None:
+    core = AttentionCore("elu", HEADS, HEAD_DIM, feature_dim=16)
+    q = torch.randn(2, HEADS, 8, HEAD_DIM)
+    with pytest.raises(ValueError, match=r"document_starts: expected a bool tensor of shape \(2, 8\)"):
+        core(q, q, q, document_starts=torch.zeros(2, 8, dtype=torch.long))
