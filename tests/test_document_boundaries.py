@@ -183,3 +183,79 @@ def test_document_starts_are_checked() -> None:
     q = torch.randn(2, HEADS, 8, HEAD_DIM)
     with pytest.raises(ValueError, match=r"document_starts: expected a bool tensor of shape \(2, 8\)"):
         core(q, q, q, document_starts=torch.zeros(2, 8, dtype=torch.long))
+
+
+# ----------------------------------------------------------------------------------------
+# the model and the trainer's batches
+# ----------------------------------------------------------------------------------------
+EOD = 2
+
+
+def packed_documents(lengths: tuple[int, ...] = ROWS[0], seed: int = 3) -> list[torch.Tensor]:
+    """Documents of random ids in [3, 64), each ending with EOD."""
+    gen = torch.Generator().manual_seed(seed)
+    docs = [torch.randint(3, 64, (length,), generator=gen) for length in lengths]
+    for doc in docs:
+        doc[-1] = EOD
+    return docs
+
+
+@pytest.mark.parametrize("kind,window", [("flexformer_n", 0), ("softmax", 0), ("flexformer_n", 4)])
+def test_model_loss_on_a_packed_batch_is_the_sum_over_its_documents(kind: str, window: int) -> None:
+    from megaflex.model import GPT, ModelConfig
+    from megaflex.model.gpt import Documents
+    from tests.numerics import gpt_steps
+
+    config = ModelConfig(vocab_size=64, num_layers=2, hidden_size=32, num_heads=2, feature_dim=16, chunk_size=8,
+                         max_seq_len=64, attention=kind, softmax_window=window)  # fmt: skip
+    torch.manual_seed(0)
+    model = GPT(config)
+    docs = packed_documents()
+    ids = torch.cat(docs).unsqueeze(0)  # [1, 32]
+    labels = torch.randint(0, 64, ids.shape, generator=torch.Generator().manual_seed(4))
+    positions = document_positions(ids, EOD)
+    packed = model(ids, labels=labels, documents=Documents(positions == 0, positions))
+    packed.loss.backward()
+    want = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    total, lo = 0.0, 0
+    for doc in docs:
+        hi = lo + len(doc)
+        alone = model(doc.unsqueeze(0), labels=labels[:, lo:hi])
+        steps = gpt_steps(config, 32) + 32 + config.vocab_size
+        assert_close(packed.per_token_loss[:, lo:hi], alone.per_token_loss, steps=steps, name=f"loss {lo}:{hi}")
+        total = total + alone.per_token_loss.sum()
+        lo = hi
+    (total / ids.numel()).backward()
+    assert_close(packed.loss, total.detach() / ids.numel(), steps=gpt_steps(config, 32) + 2 * 32 + config.vocab_size, name="loss")
+    terms = max(normwise_scale(g) for g in want.values())
+    grad_steps = gpt_steps(config, 32, backward=True) + 2 * (32 + config.vocab_size)
+    for name, p in model.named_parameters():
+        assert_close(p.grad, want[name], steps=grad_steps, floor=terms, name=name)
+
+
+def test_model_without_restarts_is_bit_identical() -> None:
+    from megaflex.model import GPT, ModelConfig
+    from megaflex.model.gpt import Documents
+
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(vocab_size=64, num_layers=1, hidden_size=32, num_heads=2, feature_dim=16, chunk_size=8))
+    ids = torch.randint(3, 64, (2, 24), generator=torch.Generator().manual_seed(1))  # no EOD: one document per row
+    starts = document_positions(ids, EOD) == 0
+    assert torch.equal(model(ids, documents=Documents(starts)).logits, model(ids).logits)
+
+
+def test_micro_batches_carry_document_positions_of_the_whole_sequence() -> None:
+    from megaflex.training.data import batch_documents, micro_batches
+
+    tokens = torch.cat(packed_documents((5, 9, 7, 12))).numpy()  # 33 tokens: one sample of 32 + 1
+    dataset = [tokens, tokens[::-1].copy()]
+    whole = next(iter(micro_batches(dataset, 0, 2, 1, 0, 1, "cpu", eod_id=EOD)))
+    assert torch.equal(whole[2], document_positions(whole[0], EOD))
+    halves = [next(iter(micro_batches(dataset, 0, 2, 1, 0, 1, "cpu", r, 2, eod_id=EOD))) for r in range(2)]
+    assert torch.equal(torch.cat([h[2] for h in halves], dim=1), whole[2])  # rank 1 counts from the documents' starts
+    assert halves[1][2][0, 0] > 0  # its slice begins mid-document
+    documents = batch_documents(whole, reset_positions=False)
+    assert torch.equal(documents.starts, whole[2] == 0) and documents.position_ids is None
+    assert batch_documents(whole[:2], reset_positions=True) is None
+    assert len(next(iter(micro_batches(dataset, 0, 2, 1, 0, 1, "cpu")))) == 2  # none: (ids, labels) as before

@@ -62,6 +62,12 @@ class DataConfig:
         None, "where sample-index caches go (default: `index_cache/` next to the first train_path prefix; "
         "`<logging.run_dir>/index_cache` when that folder is not writable)"
     )
+    document_boundaries: Literal["none", "reset"] = opt(
+        "none", "`reset`: no attention across an EOD token in packed samples (linear state restarts at each "
+        "document, softmax is block-causal); `none`: tokens attend across documents"
+    )
+    reset_positions: bool = opt(False, "with document_boundaries=reset: RoPE / learned positions restart at 0 in each document")
+    eod_token_id: int | None = opt(None, "the EOD id document_boundaries=reset cuts after (default: data.tokenizer's)")
 
 
 @dataclass
@@ -348,6 +354,10 @@ def validate(cfg: Config) -> None:
         )
     if d.seq_len > cfg.model.max_seq_len:
         raise _bad(cfg, "data.seq_len", f"expected <= model.max_seq_len ({cfg.model.max_seq_len}), got {d.seq_len}")
+    if d.document_boundaries == "reset" and d.eod_token_id is None and not d.tokenizer:
+        raise _bad(cfg, "data.document_boundaries", "'reset' needs the EOD id: set data.tokenizer or data.eod_token_id")
+    if d.reset_positions and d.document_boundaries != "reset":
+        raise _bad(cfg, "data.reset_positions", f"needs data.document_boundaries=reset, got {d.document_boundaries!r}")
     decay_iters = s.decay_iters if s.decay_iters is not None else t.train_iters
     if s.warmup_iters > decay_iters:
         raise _bad(cfg, "schedule.warmup_iters", f"expected <= decay iterations ({decay_iters}), got {s.warmup_iters}")
