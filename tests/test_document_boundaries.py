@@ -259,3 +259,19 @@ def test_micro_batches_carry_document_positions_of_the_whole_sequence() -> None:
     assert torch.equal(documents.starts, whole[2] == 0) and documents.position_ids is None
     assert batch_documents(whole[:2], reset_positions=True) is None
     assert len(next(iter(micro_batches(dataset, 0, 2, 1, 0, 1, "cpu")))) == 2  # none: (ids, labels) as before
+
+
+def test_config_needs_an_eod_id_for_resets() -> None:
+    from pathlib import Path
+
+    from megaflex.training.config import ConfigError, load_config
+
+    tiny = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
+    with pytest.raises(ConfigError, match="data.document_boundaries.*needs the EOD id"):
+        load_config([tiny], ["data.source=synthetic", "data.tokenizer=null", "data.document_boundaries=reset"])
+    with pytest.raises(ConfigError, match="data.reset_positions.*needs data.document_boundaries=reset"):
+        load_config([tiny], ["data.source=synthetic", "data.reset_positions=true"])
+    cfg = load_config([tiny], ["data.source=synthetic", "data.document_boundaries=reset", "data.eod_token_id=2"])
+    from megaflex.training.data import document_eod_id
+
+    assert document_eod_id(cfg) == 2
