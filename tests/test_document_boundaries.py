@@ -134,11 +134,19 @@ def core_attend(core):
 
 @pytest.mark.parametrize("kind", ["flexformer_n", "hedgehog"])
 @pytest.mark.parametrize("form", ["quadratic", "recurrent", "chunked"])
-def test_attention_core_restarts_in_every_form(kind: str, form: str) -> None:
+@pytest.mark.parametrize("carried", [False, True])
+def test_attention_core_restarts_in_every_form(kind: str, form: str, carried: bool) -> None:
     torch.manual_seed(0)
     core = AttentionCore(kind, HEADS, HEAD_DIM, feature_dim=16, chunk_size=8, form=form, backend="torch")
     q, k, v, _ = random_inputs(32)
-    packed_vs_separate(core_attend(core), list(core.parameters()), form_steps(core.feature_map, q, k, v), name=f"{kind} {form}")
+    state = some_state(core.feature_map.feature_dim) if carried else None
+    steps = form_steps(core.feature_map, q, k, v, extra_tokens=1)
+    packed_vs_separate(core_attend(core), list(core.parameters()), steps, state, name=f"{kind} {form}")
+    # with return_state each document runs on its own (the batched path keeps no state): same outputs
+    batched, _ = core(q, k, v, state=state, document_starts=starts_of())
+    one_by_one, final = core(q, k, v, state=state, document_starts=starts_of(), return_state=True)
+    assert_close(batched, one_by_one, steps=steps, name="batched vs one by one")
+    assert final.offset == (0 if state is None else state.offset) + 32
 
 
 def test_softmax_is_block_causal() -> None:

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from .base import NORMALIZATIONS, LinearAttentionState
-from .documents import block_causal_mask, has_restarts, run_by_document
+from .documents import block_causal_mask, has_restarts, run_by_document, run_documents_batched
 from .feature_maps import FEATURE_MAP_KINDS, build_feature_map
 from .quadratic import quadratic_linear_attention
 from .recurrent import recurrent_linear_attention, recurrent_step
@@ -228,11 +228,10 @@ class AttentionCore(nn.Module):
             return out, (cache if return_state else None)
         if state is not None and not isinstance(state, LinearAttentionState):
             raise ValueError(f"state: expected a LinearAttentionState for kind {self.kind!r}, got {type(state).__name__}")
-        if restarts:
-            out, new_state = run_by_document(
-                lambda t, s: self.forward(*t, state=s, return_state=True), [q, k, v], document_starts, state
-            )
-            return out, (new_state if return_state else None)
+        if restarts and return_state:  # the state after each row's last document: one call per document
+            return run_by_document(lambda t, s: self.forward(*t, state=s, return_state=True), [q, k, v], document_starts, state)
+        if restarts:  # training: documents of similar length batched into one call
+            return run_documents_batched(lambda t, s: self.forward(*t, state=s), [q, k, v], document_starts, state), None
         offset = state.offset if state is not None else 0
         decoding = state is not None and q.shape[2] <= self.recurrent_max_tokens
         if decoding and not torch.is_grad_enabled():

@@ -12,7 +12,10 @@ document and is dropped.
 ``run_by_document`` is the restart for any linear form or backend: each row is cut at its starts
 and each document runs on its own (the first from the incoming state unless it starts at 0, the
 others from empty). So every form agrees with running the documents separately by construction,
-at the cost of one call per document.
+at the cost of one call per document. ``run_documents_batched`` (no final state wanted: training)
+batches the documents instead: those of similar length (padded on the right to the next power of
+two, which no real token attends to) go through one call, so a batch costs a few calls, not one
+per document.
 """
 
 from __future__ import annotations
@@ -95,3 +98,64 @@ def run_by_document(
         offset=offset,
     )
     return torch.cat(outs), final
+
+
+def _document_spans(document_starts: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(row, first token, end) of every document of every row, in order."""
+    n = document_starts.shape[1]
+    starts = document_starts.detach().cpu()
+    spans = []
+    for b in range(starts.shape[0]):
+        cuts = [0, *(int(i) for i in torch.nonzero(starts[b, 1:]).flatten() + 1), n]
+        spans.extend((b, lo, hi) for lo, hi in zip(cuts[:-1], cuts[1:]))
+    return spans
+
+
+def run_documents_batched(
+    run: SegmentFn,
+    per_token: Sequence[torch.Tensor],
+    document_starts: torch.Tensor,
+    initial_state: LinearAttentionState | None,
+) -> torch.Tensor:
+    """``run_by_document``'s outputs (not its state) with the documents batched: documents whose
+    lengths round up to the same power of two become the rows of one call, right-padded with zeros
+    (causal: the padding reaches no real token, and its outputs are dropped). ``per_token``
+    [B, H, N, *]; ``run``'s state argument is the batched incoming state (a row per document: the
+    row's own state for a row's first document when it does not start at 0, else an empty one)."""
+    batch, n = document_starts.shape
+    starts = document_starts.detach().cpu()
+    buckets: dict[int, list[tuple[int, int, int]]] = {}
+    for b, lo, hi in _document_spans(document_starts):
+        buckets.setdefault(1 << (hi - lo - 1).bit_length(), []).append((b, lo, hi))
+    device = per_token[0].device
+    # token-major rows [B N + 1, H, *], the last one zeros: the padding's source
+    rows = [torch.cat([t.transpose(1, 2).reshape(batch * n, *t.shape[1:2], *t.shape[3:]),
+                       t.new_zeros(1, t.shape[1], *t.shape[3:])]) for t in per_token]  # fmt: skip
+    outs, where = [], torch.empty(batch * n, dtype=torch.long)
+    done = 0
+    for length, docs in sorted(buckets.items()):
+        offsets = torch.arange(length)
+        index = torch.stack([torch.where(offsets < hi - lo, b * n + lo + offsets, batch * n) for b, lo, hi in docs])
+        gathered = [r.index_select(0, index.flatten().to(device)).view(len(docs), length, *r.shape[1:]).transpose(1, 2)
+                    for r in rows]  # fmt: skip
+        state = None
+        if initial_state is not None:
+            carried = [b if lo == 0 and not bool(starts[b, 0]) else -1 for b, lo, _ in docs]
+            state = _states_of(initial_state, carried)
+        out, _ = run(gathered, state)  # [D, H, length, Dv]
+        outs.append(out.transpose(1, 2).reshape(len(docs) * length, *out.shape[1:2], out.shape[-1]))
+        for i, (b, lo, hi) in enumerate(docs):
+            where[b * n + lo : b * n + hi] = done + i * length + torch.arange(hi - lo)
+        done += len(docs) * length
+    out = torch.cat(outs).index_select(0, where.to(device))  # [B N, H, Dv]
+    return out.view(batch, n, *out.shape[1:]).transpose(1, 2)
+
+
+def _states_of(state: LinearAttentionState, rows: list[int]) -> LinearAttentionState:
+    """A state with ``state``'s row b for each b in ``rows``, the empty state for -1."""
+    empty = LinearAttentionState.empty(1, state.kv.shape[1], state.kv.shape[2], state.kv.shape[3], state.kv.device,
+                                       state.kv.dtype)  # fmt: skip
+    index = torch.tensor([b if b >= 0 else state.kv.shape[0] for b in rows], device=state.kv.device)
+    fields = [torch.cat([getattr(state, f), getattr(empty, f).to(getattr(state, f).dtype)]).index_select(0, index)
+              for f in ("kv", "k_sum", "log_max")]  # fmt: skip
+    return LinearAttentionState(*fields, offset=state.offset)
