@@ -78,18 +78,15 @@ def run_by_document(
     unless it starts at position 0. Returns (out [B, H, N, Dv], the state after each row's last
     document, offset = initial offset + N)."""
     batch, n = document_starts.shape
-    outs, finals = [], []
     starts = document_starts.detach().cpu()
-    for b in range(batch):
-        cuts = [0, *(int(i) for i in torch.nonzero(starts[b, 1:]).flatten() + 1), n]
-        row_outs, state = [], None
-        for lo, hi in zip(cuts[:-1], cuts[1:]):
-            carried = initial_state is not None and lo == 0 and not bool(starts[b, 0])
-            sliced = [None if t is None else t[b : b + 1, :, lo:hi] for t in per_token]
-            out, state = run(sliced, _row_state(initial_state, b) if carried else None)
-            row_outs.append(out)
-        outs.append(torch.cat(row_outs, dim=2))
-        finals.append(state)
+    row_outs: list[list[torch.Tensor]] = [[] for _ in range(batch)]
+    finals: list[LinearAttentionState] = [None] * batch  # type: ignore[list-item]
+    for b, lo, hi in _document_spans(document_starts):  # in order: a row's last document comes last
+        carried = initial_state is not None and lo == 0 and not bool(starts[b, 0])
+        sliced = [None if t is None else t[b : b + 1, :, lo:hi] for t in per_token]
+        out, finals[b] = run(sliced, _row_state(initial_state, b) if carried else None)
+        row_outs[b].append(out)
+    outs = [torch.cat(parts, dim=2) for parts in row_outs]
     offset = (0 if initial_state is None else initial_state.offset) + n
     final = LinearAttentionState(
         kv=torch.cat([s.kv for s in finals]),
