@@ -46,13 +46,28 @@ def document_ids(document_starts: torch.Tensor) -> torch.Tensor:
     return document_starts.long().cumsum(dim=-1)
 
 
+# (starts on a GPU, its version, host copy): every layer of a forward gets the same starts tensor,
+# so the host reads them once per forward (a device-to-host copy waits for the GPU), not per layer
+_HOST_COPY: list = []
+
+
+def _on_host(document_starts: torch.Tensor) -> torch.Tensor:
+    if document_starts.device.type == "cpu":
+        return document_starts
+    if _HOST_COPY and _HOST_COPY[0] is document_starts and _HOST_COPY[1] == document_starts._version:
+        return _HOST_COPY[2]
+    host = document_starts.detach().cpu()
+    _HOST_COPY[:] = [document_starts, document_starts._version, host]
+    return host
+
+
 def has_restarts(document_starts: torch.Tensor | None, continues_state: bool) -> bool:
     """Whether ``document_starts`` changes anything: a start after position 0, or at 0 when the
     call continues a state. False keeps the plain path (bit-identical to no boundaries)."""
     if document_starts is None:
         return False
-    starts = document_starts if continues_state else document_starts[:, 1:]
-    return bool(starts.any())
+    starts = _on_host(document_starts)
+    return bool((starts if continues_state else starts[:, 1:]).any())
 
 
 def block_causal_mask(document_starts: torch.Tensor) -> torch.Tensor:
@@ -78,7 +93,7 @@ def run_by_document(
     unless it starts at position 0. Returns (out [B, H, N, Dv], the state after each row's last
     document, offset = initial offset + N)."""
     batch, n = document_starts.shape
-    starts = document_starts.detach().cpu()
+    starts = _on_host(document_starts)
     row_outs: list[list[torch.Tensor]] = [[] for _ in range(batch)]
     finals: list[LinearAttentionState] = [None] * batch  # type: ignore[list-item]
     for b, lo, hi in _document_spans(document_starts):  # in order: a row's last document comes last
@@ -100,7 +115,7 @@ def run_by_document(
 def _document_spans(document_starts: torch.Tensor) -> list[tuple[int, int, int]]:
     """(row, first token, end) of every document of every row, in order."""
     n = document_starts.shape[1]
-    starts = document_starts.detach().cpu()
+    starts = _on_host(document_starts)
     spans = []
     for b in range(starts.shape[0]):
         cuts = [0, *(int(i) for i in torch.nonzero(starts[b, 1:]).flatten() + 1), n]
@@ -120,7 +135,7 @@ def run_documents_batched(
     [B, H, N, *]; ``run``'s state argument is the batched incoming state (a row per document: the
     row's own state for a row's first document when it does not start at 0, else an empty one)."""
     batch, n = document_starts.shape
-    starts = document_starts.detach().cpu()
+    starts = _on_host(document_starts)
     buckets: dict[int, list[tuple[int, int, int]]] = {}
     for b, lo, hi in _document_spans(document_starts):
         buckets.setdefault(1 << (hi - lo - 1).bit_length(), []).append((b, lo, hi))
