@@ -99,6 +99,7 @@ def train_overrides(cfg: StudyConfig, run: RunSpec, seed: int, data: dict[str, P
         f"model.max_seq_len={cfg.seq_len}",
         "data.source=indexed", f"data.train_path=[{data['train']}]", f"data.valid_path=[{data['valid']}]",
         f"data.tokenizer={data['tokenizer']}", f"data.seq_len={cfg.seq_len}",
+        f"data.document_boundaries={cfg.document_boundaries}",
         f"train.train_iters={cfg.steps}", f"train.lr={cfg.lr}", f"train.seed={seed}",
         f"train.micro_batch_size={cfg.micro_batch_size}", f"train.global_batch_size={cfg.global_batch_size}",
         "train.eval_interval=0", "train.eval_iters=2", f"train.precision={'bf16' if gpu else 'fp32'}",
@@ -253,6 +254,8 @@ def run_fingerprint(cfg: StudyConfig, run: RunSpec, seed: int) -> dict[str, Any]
     """What a run's result depends on: the study's settings, the kind, the overrides and the seed,
     with ``digest`` (sha256 prefix) to compare. Run selection and paths are left out."""
     settings = {k: v for k, v in asdict(cfg).items() if k not in NOT_FINGERPRINTED}
+    if settings["document_boundaries"] == "none":  # added later: its default keeps earlier rows' fingerprints
+        del settings["document_boundaries"]
     inputs = {"settings": settings, "label": run.label, "kind": run.kind, "overrides": list(run.overrides), "seed": seed}
     digest = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
     return {"digest": digest, **inputs}
@@ -352,6 +355,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("lr", "min_lr", "kernel_frequency_lr_multiplier", "kernel_temperature_lr_multiplier"):
         p.add_argument("--" + name.replace("_", "-"), type=float, default=None, help=f"default {getattr(defaults, name)}")
     p.add_argument("--max-train-docs", type=int, default=None, help="use only the first N train-00 documents")
+    p.add_argument("--document-boundaries", default=None, choices=["none", "reset"],
+                   help="data.document_boundaries of every run (default none: packed documents attend to each other)")
     p.add_argument("--order", default="seeds", choices=ORDERS,
                    help="seeds: every kind/arm of one seed, then the next seed; kinds: all seeds of one kind/arm, then the next")
     p.add_argument("--only", default=None, help="comma-separated kinds/arms to train now (the report still covers all)")

@@ -83,6 +83,8 @@ class StudyConfig:
     tokenizer_sentences: int = 200_000
     eval_tokens: int = 200_000  # cap per evaluation set (first N tokens; 0: the whole set)
     eval_batch_size: int = 16
+    # data.document_boundaries of every run ("reset": no attention across an EOD in packed samples)
+    document_boundaries: str = "none"
 
     @property
     def tokens_per_run(self) -> int:

@@ -32,6 +32,7 @@ from torch import nn
 
 from .base import KernelParameter, LinearAttentionState, normalize_output
 from .core import AttentionCore, padding_mask
+from .documents import document_ids, has_restarts
 from .softmax import padded_causal_mask
 
 
@@ -87,27 +88,37 @@ class LocalMixingCore(nn.Module):
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: HybridState | None = None,
-        return_state: bool = False, key_mask: torch.Tensor | None = None,
+        return_state: bool = False, key_mask: torch.Tensor | None = None, document_starts: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, HybridState | None]:
         """q, k, v [B, H, N, d] (+ the state of the previous call) -> (out [B, H, N, d], state | None).
 
         ``key_mask`` [B, T] (False = padding) covers the state's tokens, then the new ones: padded
-        tokens enter the convolution as zeros (as before the first token) and no branch sees them."""
+        tokens enter the convolution as zeros (as before the first token) and no branch sees them.
+        ``document_starts`` [B, N] bool: neither branch nor the convolution reaches across a document start."""
         if state is not None and not isinstance(state, HybridState):
             raise ValueError(f"state: expected a HybridState, got {type(state).__name__}")
         offset = 0 if state is None else state.offset
         key_mask = padding_mask(key_mask, q.shape[0], offset + q.shape[2])
+        docs = None  # document index per token (0: the document the state belongs to), when documents restart
+        if has_restarts(document_starts, state is not None):
+            if return_state:
+                raise ValueError("document_starts: expected return_state=False (decode one document at a time)")
+            if key_mask is not None:
+                raise ValueError("key_mask and document_starts: padded batches of packed documents are not supported")
+            docs = document_ids(document_starts)
         conv_tail = None
         if self.conv_weight is not None:
             if key_mask is not None:
                 real = key_mask[:, None, offset:, None]  # [B, 1, N, 1]
                 q, k, v = (torch.where(real, x, torch.zeros_like(x)) for x in (q, k, v))
-            q, k, v, conv_tail = self._convolve(q, k, v, None if state is None else state.conv_tail)
-        out, linear_state = self.core(q, k, v, state=None if state is None else state.linear, return_state=return_state,
-                                      key_mask=key_mask)
+            q, k, v, conv_tail = self._convolve(q, k, v, None if state is None else state.conv_tail, docs)
+        out, linear_state = self.core(
+            q, k, v, state=None if state is None else state.linear, return_state=return_state, key_mask=key_mask,
+            document_starts=None if docs is None else document_starts,
+        )  # fmt: skip
         window_k = window_v = None
         if self.window:
-            local, window_k, window_v = self._window_attention(q, k, v, state, key_mask)
+            local, window_k, window_v = self._window_attention(q, k, v, state, key_mask, docs)
             if self.core.normalization == "rms":
                 local = normalize_output(local, None, "rms", self.core.eps)
             # in fp32 whatever the module's dtype: a bf16 mix moves in steps of 1/256 around 1/2
@@ -116,23 +127,29 @@ class LocalMixingCore(nn.Module):
         return out, (HybridState(linear_state, window_k, window_v, conv_tail) if return_state else None)
 
     def _convolve(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tail: torch.Tensor | None
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tail: torch.Tensor | None, docs: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Causal depthwise convolution of q, k, v along the sequence; returns the new tail."""
+        """Causal depthwise convolution of q, k, v along the sequence; returns the new tail. ``docs``
+        [B, N] document indices: taps reaching into another document (or the tail, from index 1 on) read 0."""
         x = torch.stack([q, k, v], dim=2)  # [B, H, 3, N, d]
         if tail is None:
             tail = x.new_zeros(*x.shape[:3], self.conv_size - 1, x.shape[-1])
         padded = torch.cat([tail.to(x.dtype), x], dim=3)  # [B, H, 3, K - 1 + N, d]
         windows = padded.unfold(3, self.conv_size, 1)  # [B, H, 3, N, d, K]
+        if docs is not None:
+            padded_docs = torch.cat([docs.new_zeros(docs.shape[0], self.conv_size - 1), docs], dim=1)
+            same = padded_docs.unfold(1, self.conv_size, 1) == docs.unsqueeze(-1)  # [B, N, K]
+            windows = windows * same[:, None, None, :, None, :].to(windows.dtype)
         mixed = torch.einsum("bhcndk,hcdk->bhcnd", windows, self.conv_weight.to(x.dtype))
         new_tail = padded[:, :, :, padded.shape[3] - (self.conv_size - 1) :]
         return mixed[:, :, 0], mixed[:, :, 1], mixed[:, :, 2], new_tail
 
     def _window_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: HybridState | None,
-        key_mask: torch.Tensor | None = None,
+        key_mask: torch.Tensor | None = None, docs: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Softmax over the last ``window`` keys of each query (cached keys first); new cache."""
+        """Softmax over the last ``window`` keys of each query (cached keys first); new cache. ``docs``
+        [B, N] document indices: keys of other documents are masked (cached keys are document 0's)."""
         if state is not None and state.window_k is not None:
             k_all, v_all = torch.cat([state.window_k.to(k.dtype), k], dim=2), torch.cat([state.window_v.to(v.dtype), v], dim=2)
         else:
@@ -143,6 +160,9 @@ class LocalMixingCore(nn.Module):
         band = (key_pos <= query_pos) & (key_pos > query_pos - self.window)  # [N, P + N]
         if key_mask is not None:  # the cached keys are the last P tokens before the new ones
             band = padded_causal_mask(query_pos, key_pos, key_mask[:, key_mask.shape[1] - k_all.shape[2] :], band)
+        if docs is not None:
+            key_docs = torch.cat([docs.new_zeros(docs.shape[0], prefix), docs], dim=1)  # [B, P + N]
+            band = (band & (docs.unsqueeze(-1) == key_docs.unsqueeze(-2))).unsqueeze(1)  # [B, 1, N, P + N]
         out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=band)
         keep = self.window - 1
         return out, k_all[:, :, k_all.shape[2] - keep :], v_all[:, :, v_all.shape[2] - keep :]

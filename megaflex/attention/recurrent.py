@@ -27,12 +27,19 @@ def recurrent_linear_attention(
     normalization: str = "rms",
     initial_state: LinearAttentionState | None = None,
     eps: float = 1e-6,
+    document_starts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LinearAttentionState]:
-    """qf, kf [B, H, N, F], kls [B, H, N] | None, v [B, H, N, Dv] -> (out [B, H, N, Dv], state)."""
+    """qf, kf [B, H, N, F], kls [B, H, N] | None, v [B, H, N, Dv] -> (out [B, H, N, Dv], state).
+    ``document_starts`` [B, N] bool: the state is emptied before each token that starts a document."""
     q, k, ls, vv, state = fp32_inputs(qf, kf, kls, v, initial_state)
     kv, k_sum, log_max = state.kv, state.k_sum, state.log_max.detach()
     numerators, denominators = [], []
     for t in range(q.shape[2]):
+        if document_starts is not None:
+            restart = document_starts[:, t, None]  # [B, 1]
+            kv = kv.masked_fill(restart[..., None, None], 0.0)
+            k_sum = k_sum.masked_fill(restart[..., None], 0.0)
+            log_max = log_max.masked_fill(restart, float("-inf"))
         m = torch.maximum(log_max, ls[..., t].detach())  # [B, H]
         decay = torch.exp(log_max - m)  # [B, H]; 0 for the empty state (log_max = -inf)
         weighted_k = torch.exp(ls[..., t] - m).unsqueeze(-1) * k[:, :, t]  # [B, H, F]

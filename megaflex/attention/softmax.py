@@ -79,13 +79,20 @@ class KVCache:
 
 
 def softmax_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None = None, key_mask: torch.Tensor | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None = None,
+    key_mask: torch.Tensor | None = None, mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, KVCache]:
     """Causal softmax attention of q [B, H, N, d] over cache + k, v [B, H, N, *] -> (out [B, H, N, Dv], cache).
 
     ``key_mask`` [B, T + N] (bool, False = padding): padded keys are never attended to (they stay
-    in the cache, masked on every later call that passes the mask)."""
+    in the cache, masked on every later call that passes the mask).
+    ``mask`` (no cache, no key_mask): a bool [B, 1, N, N] mask (True: attend) replacing the causal
+    one, e.g. block-causal."""
     n = q.shape[2]
+    if mask is not None:
+        if cache is not None or key_mask is not None:
+            raise ValueError("mask: expected no cache and no key_mask with an explicit mask")
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask), KVCache(k, v)
     if key_mask is not None:
         offset = 0 if cache is None else cache.offset
         cache = KVCache(k, v) if cache is None else cache.append(k, v)

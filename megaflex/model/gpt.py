@@ -69,6 +69,26 @@ class Padding:
 
 
 @dataclass
+class Documents:
+    """Packed documents of a batch (``data.document_boundaries: reset``; ``attention/documents.py``).
+
+    starts:       [B, N] bool, True where a token begins a document: no attention crosses it
+    position_ids: [B, N] int64 positions for RoPE / learned positions (e.g. each token's position in
+                  its document, ``data.reset_positions``), None for the absolute positions
+    """
+
+    starts: torch.Tensor
+    position_ids: torch.Tensor | None = None
+
+
+def _row_positions(padding: Padding | None, documents: Documents | None) -> torch.Tensor | None:
+    """[B, N] per-row positions of the new tokens, or None for absolute positions offset + 0 .. N - 1."""
+    if padding is not None:
+        return padding.positions
+    return None if documents is None else documents.position_ids
+
+
+@dataclass
 class ModelOutput:
     # [B, N, padded_vocab / tp]: this rank's vocab shard, padding columns included; use
     # ``GPT.gather_logits`` for the full [B, N, vocab_size] logits.
@@ -108,20 +128,20 @@ class Attention(nn.Module):
 
     def forward(
         self, x: torch.Tensor, state: LayerState | None = None, return_state: bool = False, offset: int = 0,
-        padding: Padding | None = None,
+        padding: Padding | None = None, documents: Documents | None = None,
     ) -> tuple[torch.Tensor, LayerState | None]:
         B, N, _ = x.shape
         qkv = self.qkv(x).view(B, N, self.local_heads, 3, self.head_dim)
         q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each [B, Hl, N, d]
         if self.rope is not None:  # absolute positions offset .. offset + N - 1, or each row's own
-            q, k = self.rope(q, k, offset, None if padding is None else padding.positions)
+            q, k = self.rope(q, k, offset, _row_positions(padding, documents))
         attend = self.layer_factory.attention(self.core)  # the core, or its context-parallel stand-in
-        if padding is None:
-            out, new_state = attend(q, k, v, state=state, return_state=return_state)  # [B, Hl, N, d]
-        elif attend is not self.core:
-            raise ValueError("attention_mask: padding is not supported under context parallelism")
-        else:
-            out, new_state = attend(q, k, v, state=state, return_state=return_state, key_mask=padding.key_mask)
+        kwargs = {} if documents is None else {"document_starts": documents.starts}
+        if padding is not None:
+            if attend is not self.core:
+                raise ValueError("attention_mask: padding is not supported under context parallelism")
+            kwargs["key_mask"] = padding.key_mask
+        out, new_state = attend(q, k, v, state=state, return_state=return_state, **kwargs)  # [B, Hl, N, d]
         out = out.transpose(1, 2).reshape(B, N, self.local_heads * self.head_dim)  # [B, N, h / tp]
         if self.out_gain is not None:
             out = out * self.out_gain.to(out.dtype)
@@ -170,9 +190,9 @@ class Block(nn.Module):
 
     def forward(
         self, x: torch.Tensor, state: LayerState | None = None, return_state: bool = False, offset: int = 0,
-        padding: Padding | None = None,
+        padding: Padding | None = None, documents: Documents | None = None,
     ) -> tuple[torch.Tensor, LayerState | None]:
-        a, new_state = self.attn(self.attn_norm(x), state, return_state, offset, padding)
+        a, new_state = self.attn(self.attn_norm(x), state, return_state, offset, padding, documents)
         x = x + self.dropout(a)
         x = x + self.dropout(self.mlp(self.mlp_norm(x)))
         return x, new_state
@@ -213,24 +233,29 @@ class GPT(nn.Module):
         state: GPTState | None = None,
         return_state: bool = False,
         attention_mask: torch.Tensor | None = None,
+        documents: Documents | None = None,
     ) -> ModelOutput:
         """input_ids [B, N] (int) -> ModelOutput; ``state`` continues a previous call.
 
         ``attention_mask`` [B, state.offset + N] (1 = real token, 0 = padding; one device, no
         context parallelism): padded tokens are invisible to every attention form and cache, and
         positions count from each row's first real token, so a left-padded row computes what it
-        computes alone."""
+        computes alone. ``documents`` (packed documents, ``Documents``): attention never crosses a
+        document start. Not both at once."""
         self._check_inputs(input_ids, labels, state)
         B, N = input_ids.shape
         # global position of the first token (under context parallelism: of this rank's slice)
         offset = (0 if state is None else state.offset) + self.layer_factory.sequence_offset(N)
         padding = Padding.from_attention_mask(attention_mask, B, offset + N)
         if padding is not None:
+            if documents is not None:
+                raise ValueError("attention_mask and documents: padded batches of packed documents are not supported")
             padding = padding.new_tokens(N)
 
         x = self.embed(input_ids)  # [B, N, h]
         if self.pos_embed is not None:
-            positions = torch.arange(offset, offset + N, device=input_ids.device) if padding is None else padding.positions
+            row_positions = _row_positions(padding, documents)
+            positions = torch.arange(offset, offset + N, device=input_ids.device) if row_positions is None else row_positions
             x = x + self.pos_embed(positions)
         x = self.embed_dropout(x)
 
@@ -249,11 +274,12 @@ class GPT(nn.Module):
                     return_state,
                     offset,
                     padding,
+                    documents,
                     use_reentrant=False,
                     context_fn=self.layer_factory.checkpoint_context,
                 )
             else:
-                x, s = block(x, layer_state, return_state, offset, padding)
+                x, s = block(x, layer_state, return_state, offset, padding, documents)
             new_states.append(s)
 
         x = self.final_norm(x)

@@ -36,7 +36,8 @@ class RotaryEmbedding(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, offset: int = 0, positions: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q, k [B, H, N, d] -> rotated q, k at absolute positions offset .. offset + N - 1, or at
-        per-row ``positions`` [B, N] when given (padded batches: each row counts from its first token)."""
+        per-row ``positions`` [B, N] when given (padded batches: each row counts from its first
+        token; packed documents with data.reset_positions: each token's position in its document)."""
         n = q.shape[-2]
         if self._inv_freq.device != q.device:  # follows the activations (module.to moves no plain attribute)
             self._inv_freq = self._inv_freq.to(q.device)

@@ -57,17 +57,24 @@ def _all_gather(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
     return out
 
 
-def local_state(kf: torch.Tensor, kls: torch.Tensor | None, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def local_state(
+    kf: torch.Tensor, kls: torch.Tensor | None, v: torch.Tensor, keep: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """This slice's state relative to its own max: kf [B, H, N, F], kls [B, H, N] | None, v [B, H, N, Dv]
-    -> (S [B, H, F, Dv + 1] = [kv, k_sum] in fp32, log_max [B, H], detached)."""
+    -> (S [B, H, F, Dv + 1] = [kv, k_sum] in fp32, log_max [B, H], detached). ``keep`` [B, N] bool:
+    only those keys count (the slice's last document); log_max is -inf where none does."""
     acc = accumulation_dtype(v.dtype)
     kf, v = kf.to(acc), v.to(acc)
+    if keep is not None:
+        kls = kf.new_zeros(kf.shape[:3]) if kls is None else kls.to(acc)
+        kls = kls.masked_fill(~keep.unsqueeze(1), float("-inf"))
     if kls is None:
         weight, log_max = kf.new_ones(kf.shape[:3]), kf.new_zeros(kf.shape[:2])
     else:
         kls = kls.to(acc)
         log_max = kls.detach().amax(dim=-1)  # [B, H]
-        weight = torch.exp(kls - log_max.unsqueeze(-1))  # [B, H, N], every weight <= 1
+        finite_max = log_max if keep is None else log_max.nan_to_num(neginf=0.0)  # no kept key: weights 0, not nan
+        weight = torch.exp(kls - finite_max.unsqueeze(-1))  # [B, H, N], every weight <= 1
     # the weights go on v and into a [1, N] row, so autograd keeps no new [N, F] tensor (kf is kept anyway)
     kv = kf.transpose(-1, -2) @ (v * weight.unsqueeze(-1))  # [B, H, F, Dv]
     k_sum = weight.unsqueeze(-2) @ kf  # [B, H, 1, F]
@@ -78,24 +85,27 @@ def local_state(kf: torch.Tensor, kls: torch.Tensor | None, v: torch.Tensor) -> 
 _STATE_BLOCK_ELEMENTS = 1 << 20
 
 
-def _block_state(feature_map: nn.Module, k: torch.Tensor, v: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _block_state(
+    feature_map: nn.Module, k: torch.Tensor, v: torch.Tensor, offset: int, keep: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     mapped = feature_map(k, offset)
-    return local_state(mapped.features, mapped.log_scale, v)
+    return local_state(mapped.features, mapped.log_scale, v, keep)
 
 
 def mapped_local_state(
-    feature_map: nn.Module, k: torch.Tensor, v: torch.Tensor, offset: int
+    feature_map: nn.Module, k: torch.Tensor, v: torch.Tensor, offset: int, keep: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``local_state`` of the features ``feature_map(k, offset)``, k [B, H, N, d], v [B, H, N, Dv], without
     keeping any [B, H, N, F] tensor: the keys are mapped a block of rows at a time, and each block
     is recomputed in backward (activation checkpointing), so between forward and backward only
     k and v live (the attention core keeps them too). Blocks are combined like ranks: rescaled
-    to their common max."""
+    to their common max. ``keep`` [B, N] bool: only those keys count (``local_state``)."""
     batch, heads, n, _ = k.shape
     rows = max(256, _STATE_BLOCK_ELEMENTS // (batch * heads * feature_map.feature_dim))
     states, maxes = [], []
     for start in range(0, n, rows):
-        blocks = (k[:, :, start : start + rows], v[:, :, start : start + rows], offset + start)
+        block_keep = None if keep is None else keep[:, start : start + rows]
+        blocks = (k[:, :, start : start + rows], v[:, :, start : start + rows], offset + start, block_keep)
         if torch.is_grad_enabled():
             s, m = checkpoint(_block_state, feature_map, *blocks, use_reentrant=False)
         else:
@@ -110,13 +120,21 @@ def mapped_local_state(
     return sum(s * w[..., None, None] for s, w in zip(states, scale.unbind(0))), log_max
 
 
-def _incoming_weights(log_maxes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _incoming_weights(log_maxes: torch.Tensor, resets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """log_maxes [CP, B, H] -> (M_in [CP, B, H]: max over the ranks before each rank (-inf for rank 0),
-    W [CP(r), CP(j), B, H] = exp(M_j - M_in(r)) for j < r, else 0)."""
+    W [CP(r), CP(j), B, H] = exp(M_j - M_in(r)) for j < r, else 0). ``resets`` [CP, B, H] (1: a
+    document starts in rank j's slice, whose state then holds its last document only): rank j
+    reaches rank r only if no rank strictly between them resets."""
     cp = log_maxes.shape[0]
-    before = torch.cat([torch.full_like(log_maxes[:1], float("-inf")), log_maxes[:-1]])
-    m_in = before.cummax(dim=0).values
     earlier = torch.ones(cp, cp, dtype=torch.bool, device=log_maxes.device).tril(-1).view(cp, cp, 1, 1)
+    if resets is None:
+        before = torch.cat([torch.full_like(log_maxes[:1], float("-inf")), log_maxes[:-1]])
+        m_in = before.cummax(dim=0).values
+    else:
+        count = resets.cumsum(dim=0)  # resets in ranks 0..j
+        count_before = torch.cat([torch.zeros_like(count[:1]), count[:-1]])  # in ranks 0..r-1
+        earlier = earlier & (count_before.unsqueeze(1) == count.unsqueeze(0))  # none in j+1..r-1
+        m_in = log_maxes.unsqueeze(0).masked_fill(~earlier, float("-inf")).amax(dim=1)
     w = torch.exp(log_maxes.unsqueeze(0) - m_in.unsqueeze(1)).masked_fill(~earlier, 0.0)
     return m_in, w.nan_to_num(0.0)  # nan only for an empty (-inf) rank state: it contributes nothing
 
@@ -127,11 +145,13 @@ class _PrefixState(torch.autograd.Function):
     Forward: one all-gather of [S, M]; backward: one all-gather of dL/dS_in (both N-independent)."""
 
     @staticmethod
-    def forward(ctx, s_local, m_local, state):  # type: ignore[override]
-        gathered = _all_gather(torch.cat([s_local, m_local.unsqueeze(-1)], dim=-1), state)  # [CP, B, H, L + 1]
-        m_in, w = _incoming_weights(gathered[..., -1])
+    def forward(ctx, s_local, m_local, state, resets):  # type: ignore[override]
+        packed = [s_local, m_local.unsqueeze(-1)] + ([] if resets is None else [resets.to(s_local.dtype).unsqueeze(-1)])
+        gathered = _all_gather(torch.cat(packed, dim=-1), state)  # [CP, B, H, L + 1 (+ 1)]
+        size = s_local.shape[-1]
+        m_in, w = _incoming_weights(gathered[..., size], None if resets is None else gathered[..., size + 1])
         r = state.cp_rank
-        s_in = torch.einsum("jbh,jbhl->bhl", w[r], gathered[..., :-1])
+        s_in = torch.einsum("jbh,jbhl->bhl", w[r], gathered[..., :size])
         ctx.state, ctx.w = state, w
         ctx.mark_non_differentiable(m_in)
         return s_in, m_in[r].clone()
@@ -140,17 +160,20 @@ class _PrefixState(torch.autograd.Function):
     def backward(ctx, d_s_in, _d_m_in):  # type: ignore[override]
         grads = _all_gather(d_s_in, ctx.state)  # [CP(r), B, H, L]
         j = ctx.state.cp_rank
-        return torch.einsum("rbh,rbhl->bhl", ctx.w[:, j], grads), None, None
+        return torch.einsum("rbh,rbhl->bhl", ctx.w[:, j], grads), None, None, None
 
 
 def incoming_state(
-    s_local: torch.Tensor, m_local: torch.Tensor, state: ParallelState, offset: int
+    s_local: torch.Tensor, m_local: torch.Tensor, state: ParallelState, offset: int, resets: torch.Tensor | None = None
 ) -> LinearAttentionState:
     """This rank's local state (``local_state``: S [B, H, F, Dv + 1], M [B, H]) -> the state of all
-    tokens before its slice (steps 2-3 above), starting at global position ``offset``."""
+    tokens before its slice (steps 2-3 above), starting at global position ``offset``. ``resets``
+    [B] bool: a document starts in this slice (whose S then holds its last document only)."""
     batch, heads, feat, dv_aug = s_local.shape
+    if resets is not None:
+        resets = resets.view(batch, 1).expand(batch, heads)
     with torch.autocast(device_type=s_local.device.type, enabled=False):
-        s_in, m_in = _PrefixState.apply(s_local.flatten(2), m_local, state)
+        s_in, m_in = _PrefixState.apply(s_local.flatten(2), m_local, state, resets)
     s_in = s_in.view(batch, heads, feat, dv_aug)
     return LinearAttentionState(kv=s_in[..., :-1], k_sum=s_in[..., -1], log_max=m_in, offset=offset)
 
@@ -173,8 +196,12 @@ class ContextParallelAttention:
         self.core, self.state = core, state
 
     def __call__(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: object = None, return_state: bool = False
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: object = None, return_state: bool = False,
+        document_starts: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, None]:
+        """As ``AttentionCore.forward`` over this rank's slice; ``document_starts`` [B, N] (this slice's):
+        the state passed on holds the slice's last document only, and a slice continues the ranks
+        before it only up to its first start (see ``_incoming_weights``)."""
         if state is not None or return_state:
             raise ValueError(
                 "state/return_state: context parallelism runs whole sequences split over ranks; "
@@ -183,12 +210,18 @@ class ContextParallelAttention:
         offset = self.state.cp_rank * q.shape[2]  # global position of this slice's first token
         # one contiguous k and v shared with the core (which keeps them for its backward anyway)
         k, v = k.contiguous(), v.contiguous()
+        keep = resets = None
+        if document_starts is not None:
+            index = torch.arange(q.shape[2], device=q.device)
+            last_start = torch.where(document_starts, index, 0).amax(dim=-1, keepdim=True)  # [B, 1]
+            keep, resets = index >= last_start, document_starts.any(dim=-1)
         with torch.autocast(device_type=q.device.type, enabled=False):
-            s_local, m_local = mapped_local_state(self.core.feature_map, k, v, offset)
-        incoming = incoming_state(s_local, m_local, self.state, offset)
+            s_local, m_local = mapped_local_state(self.core.feature_map, k, v, offset, keep)
+        incoming = incoming_state(s_local, m_local, self.state, offset, resets)
         # the core's own path (fused trig map on CPU, Triton on CUDA, ...) from the incoming state, as
         # at CP=1 (a slice of at most core.recurrent_max_tokens tokens takes the recurrent form: same maths)
-        out, _ = self.core(q, k, v, state=incoming)
+        doc_kwargs = {} if document_starts is None else {"document_starts": document_starts}
+        out, _ = self.core(q, k, v, state=incoming, **doc_kwargs)
         return out, None
 
 

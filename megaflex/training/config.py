@@ -63,6 +63,12 @@ class DataConfig:
         None, "where sample-index caches go (default: `index_cache/` next to the first train_path prefix; "
         "`<logging.run_dir>/index_cache` when that folder is not writable)"
     )
+    document_boundaries: Literal["none", "reset"] = opt(
+        "none", "`reset`: no attention across an EOD token in packed samples (linear state restarts at each "
+        "document, softmax is block-causal); `none`: tokens attend across documents"
+    )
+    reset_positions: bool = opt(False, "with document_boundaries=reset: RoPE / learned positions restart at 0 in each document")
+    eod_token_id: int | None = opt(None, "the EOD id document_boundaries=reset cuts after (default: data.tokenizer's)")
 
 
 @dataclass
@@ -402,6 +408,10 @@ def validate(cfg: Config) -> None:
         )
     if d.seq_len > cfg.model.max_seq_len:
         raise _bad(cfg, "data.seq_len", f"expected <= model.max_seq_len ({cfg.model.max_seq_len}), got {d.seq_len}")
+    if d.document_boundaries == "reset" and d.eod_token_id is None and not d.tokenizer:
+        raise _bad(cfg, "data.document_boundaries", "'reset' needs the EOD id: set data.tokenizer or data.eod_token_id")
+    if d.reset_positions and d.document_boundaries != "reset":
+        raise _bad(cfg, "data.reset_positions", f"needs data.document_boundaries=reset, got {d.document_boundaries!r}")
     decay_first, decay_iters = s.decay_window(t.train_iters)
     if s.warmup_iters > decay_iters:
         raise _bad(cfg, "schedule.warmup_iters", f"expected <= decay iterations ({decay_iters}), got {s.warmup_iters}")
@@ -463,7 +473,7 @@ def _validate_wsd(cfg: Config, decay_first: int, decay_iters: int) -> None:
 
 def validate_runtime(cfg: Config, world_size: int, has_cuda: bool) -> None:
     """Reject combinations that depend on the launched world and the device."""
-    p, t = cfg.parallel, cfg.train
+    t = cfg.train
     dp = parallel_dims(cfg, world_size).dp_size
     if t.global_batch_size is not None and t.global_batch_size % (t.micro_batch_size * dp) != 0:
         raise _bad(

@@ -32,7 +32,9 @@ import torch
 
 from megaflex.data.card import check_same_tokenizer, data_tokenizer
 from megaflex.data.indexed import DataError
+from megaflex.attention.documents import document_positions
 from megaflex.data.sampler import PretrainingSampler
+from megaflex.model.gpt import Documents
 from megaflex.parallel.context_parallel import sequence_slice
 from megaflex.training.config import Config
 
@@ -172,25 +174,49 @@ def get_batch(dataset: TokenDataset, indices: list[int], device: str) -> tuple[t
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
+def document_eod_id(cfg: Config) -> int | None:
+    """The EOD id packed samples are cut after (``data.document_boundaries: reset``), else None."""
+    d = cfg.data
+    if d.document_boundaries != "reset":
+        return None
+    if d.eod_token_id is not None:
+        return d.eod_token_id
+    from megaflex.data.tokenizer import Tokenizer
+
+    return Tokenizer(d.tokenizer).eod_id
+
+
+def batch_documents(batch: tuple[torch.Tensor, ...], reset_positions: bool) -> Documents | None:
+    """The ``documents`` argument of the model for a micro-batch of ``micro_batches`` (None without
+    document boundaries): starts where the in-document position is 0, positions when they restart."""
+    if len(batch) < 3:
+        return None
+    positions = batch[2]
+    return Documents(starts=positions == 0, position_ids=positions if reset_positions else None)
+
+
 def micro_batches(
     dataset: TokenDataset, consumed_samples: int, micro: int, count: int, dp_rank: int, dp_size: int, device: str,
-    cp_rank: int = 0, cp_size: int = 1,
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    cp_rank: int = 0, cp_size: int = 1, eod_id: int | None = None,
+) -> Iterator[tuple[torch.Tensor, ...]]:
     """This rank's next ``count`` micro-batches after ``consumed_samples`` (all ranks together),
-    cut to CP rank ``cp_rank``'s slice of the sequence, on ``device``.
+    cut to CP rank ``cp_rank``'s slice of the sequence, on ``device``: (input_ids, labels), plus
+    with ``eod_id`` each token's position in its document (``attention.documents.document_positions``,
+    counted on the whole sequence, so a CP slice starting mid-document knows it; see ``batch_documents``).
 
     Prepared one ahead on a background thread (reading, stacking, pinning) and copied with
     ``non_blocking`` from pinned memory on CUDA, so neither the read nor the copy waits on the
     step in flight; the order is that of the sampler either way."""
 
-    def host_batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def host_batches() -> Iterator[tuple[torch.Tensor, ...]]:
         sampler = PretrainingSampler(len(dataset), consumed_samples, micro, dp_rank, dp_size)
         for _, indices in zip(range(count), sampler):
-            ids, labels = get_batch(dataset, indices, "cpu")
+            batch = get_batch(dataset, indices, "cpu")
+            if eod_id is not None:
+                batch = (*batch, document_positions(batch[0], eod_id))
             if cp_size > 1:
-                ids = sequence_slice(ids, cp_rank, cp_size).contiguous()
-                labels = sequence_slice(labels, cp_rank, cp_size).contiguous()
-            yield ids, labels
+                batch = tuple(sequence_slice(t, cp_rank, cp_size).contiguous() for t in batch)
+            yield batch
 
     return Prefetcher(host_batches(), device)
 

@@ -46,10 +46,10 @@ from megaflex.training.collective_timeout import (
     apply_timeout, every_process_group, parallel_groups, progress, rendezvous_timeout,
 )
 from megaflex.training.config import (
-    Config, check_device, global_batch_size, parallel_dims, resolve_device, validate_runtime,
+    Config, ConfigError, check_device, global_batch_size, parallel_dims, resolve_device, validate_runtime,
 )
 from megaflex.data.card import check_same_tokenizer
-from megaflex.training.data import build_datasets, check_data_tokenizer, micro_batches
+from megaflex.training.data import batch_documents, build_datasets, check_data_tokenizer, document_eod_id, micro_batches
 from megaflex.training.deepspeed_config import (
     deepspeed_config, gradient_accumulation_steps, init_deepspeed_distributed,
 )
@@ -127,6 +127,8 @@ def run(cfg: Config, objective: Objective | None = None) -> dict[str, Any]:
         mark_head_sharded_params(model)
     init_record = _warm_start(cfg, model)  # before the optimizer, kernel snapshot and DeepSpeed
     if objective is not None:
+        if cfg.data.document_boundaries != "none":  # the objectives' losses take no document structure yet
+            raise ConfigError(f"data.document_boundaries: expected 'none' with {type(objective).__name__}, got 'reset'")
         objective.prepare(model, cfg)
     shapes = parameter_shapes(model)
     num_params = _full_parameter_count(model, state.tp_size)
@@ -252,7 +254,7 @@ def run(cfg: Config, objective: Objective | None = None) -> dict[str, Any]:
     t_last = time.time()
     train_batches = micro_batches(
         train_data, consumed, cfg.train.micro_batch_size, grad_accum * (cfg.train.train_iters - iteration),
-        state.dp_rank, dp_size, device, state.cp_rank, cp_size,
+        state.dp_rank, dp_size, device, state.cp_rank, cp_size, document_eod_id(cfg),
     )
     zero = torch.zeros((), dtype=torch.float64, device=device)
     profiler = StepProfiler(cfg.logging.profile, engine.module, run_dir / "profile", rank, device, logger.print)
@@ -268,9 +270,10 @@ def run(cfg: Config, objective: Objective | None = None) -> dict[str, Any]:
         skipped_before, stop_signal = engine_skipped_steps(engine), 0
         progress.at(iteration + 1, "forward/backward (ZeRO gradient reduction) and optimizer step")
         for _ in range(grad_accum):
-            ids, labels = next(train_batches)
+            batch = next(train_batches)
+            ids, labels = batch[:2]
             if objective is None:
-                loss = engine(ids, labels).loss
+                loss = engine(ids, labels, documents=batch_documents(batch, cfg.data.reset_positions)).loss
             else:
                 loss, extras = objective.loss(engine, ids, labels)
                 for key, value in extras.items():
@@ -545,15 +548,16 @@ def evaluate(cfg: Config, engine: Any, dataset: Any, state: Any, device: str, si
     total = torch.zeros((), dtype=torch.float64, device=device)
     batches = micro_batches(
         dataset, 0, cfg.train.micro_batch_size, cfg.train.eval_iters, state.dp_rank, state.dp_size, device,
-        state.cp_rank, state.cp_size,
+        state.cp_rank, state.cp_size, document_eod_id(cfg),
     )
-    for ids, labels in batches:
+    for ids, labels, *positions in batches:
         if signals is not None:  # preempted: save promptly instead of finishing the pass
             signum = torch.tensor(float(signals.signum or 0), device=device)
             if comm.all_reduce(signum, "max", comm.world_group()).item() > 0:
                 engine.train()
                 return None
-        total += engine(ids, labels).loss.double()
+        documents = batch_documents((ids, labels, *positions), cfg.data.reset_positions)
+        total += engine(ids, labels, documents=documents).loss.double()
     engine.train()
     total = comm.all_reduce(total, "sum", state.dp_group)
     return total.item() / (cfg.train.eval_iters * state.dp_size)
