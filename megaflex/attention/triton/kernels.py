@@ -32,6 +32,12 @@ Kernels (five launches forward + backward; none loops in Python over heads, batc
   initial state.
 * ``chunk_grads_qk``: parallel over (chunks, BH, F blocks): dq, dk and a partial dkls.
 * ``chunk_grads_v``:  parallel over (chunks, BH, Dv blocks): dv.
+
+Features: given ([BH, N, F] inputs), or with the constexpr ``TRIG`` computed in registers from
+the raw q, k [BH, N, d] and the trig map's frequencies (``_features``; ``trig_linear_attention(
+fused_map=True)``); then ``trig_grads`` (parallel over (BH, frequency blocks), sequential over
+chunks) turns the feature gradients into dq, dk and per-(batch, head) domega. Every kernel is
+autotuned over ``function.launch_configs`` (one config under the interpreter).
 """
 
 from __future__ import annotations
