@@ -25,6 +25,7 @@ import torch
 import yaml
 
 from megaflex.attention.triton.aot import SHARED_MEMORY_LIMIT, Compiled, Launch, compile_launch, record_launches
+from megaflex.attention import AttentionCore
 from megaflex.model.config import ModelConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -35,13 +36,16 @@ BATCHES = (1, 8)
 
 @dataclass(frozen=True)
 class Shape:
-    """What the kernels see of one config: heads, F, Dv (= head dim), chunk, normalisation."""
+    """What the kernels see of one config: heads, F, Dv (= head dim), chunk, normalisation, and
+    for trig maps (the kernels compute their features) whether the map is paired."""
 
     heads: int
     feat: int
     dv: int
     chunk: int
     normalization: str
+    trig: bool = False
+    paired: bool = False
 
 
 def shipped_shapes(config_dir: Path = CONFIG_DIR) -> dict[Shape, list[str]]:
@@ -54,19 +58,30 @@ def shipped_shapes(config_dir: Path = CONFIG_DIR) -> dict[Shape, list[str]]:
         config = ModelConfig(**model)
         if config.attention == "softmax":
             continue
-        shape = Shape(config.num_heads, config.feature_dim, config.head_dim, config.chunk_size, config.normalization)
+        core = AttentionCore(
+            config.attention, config.num_heads, config.head_dim, feature_dim=config.feature_dim,
+            max_seq_len=config.max_seq_len, **config.feature_kwargs,
+        )  # fmt: skip
+        spec = core.feature_map.trig_spec() if hasattr(core.feature_map, "trig_spec") else None
+        shape = Shape(
+            config.num_heads, config.feature_dim, config.head_dim, config.chunk_size, config.normalization,
+            trig=spec is not None, paired=spec is not None and spec[2],
+        )  # fmt: skip
         shapes.setdefault(shape, []).append(path.stem)
     return shapes
 
 
-def launches_of(shapes: dict[Shape, list[str]], dtypes: list[str]) -> dict[Launch, set[str]]:
-    """Distinct launches (forward + backward, B in ``BATCHES``) -> '<config>/<dtype>' using them."""
+def launches_of(shapes: dict[Shape, list[str]], dtypes: list[str], fused_trig: bool = False) -> dict[Launch, set[str]]:
+    """Distinct launches (forward + backward, B in ``BATCHES``) -> '<config>/<dtype>' using them.
+    ``fused_trig``: trig maps take ``trig_linear_attention(fused_map=True)`` (features computed in
+    the kernels) instead of the default path (features given to the kernels)."""
     found: dict[Launch, set[str]] = {}
     for shape, names in shapes.items():
         for dtype in dtypes:
             for batch in BATCHES:
                 for launch in record_launches(
-                    shape.feat, shape.dv, DTYPES[dtype], shape.chunk, bh=batch * shape.heads, normalization=shape.normalization
+                    shape.feat, shape.dv, DTYPES[dtype], shape.chunk, bh=batch * shape.heads, normalization=shape.normalization,
+                    trig_head_dim=shape.dv if shape.trig and fused_trig else None, paired=shape.paired,
                 ):
                     found.setdefault(launch, set()).update(f"{name}/{dtype}" for name in names)
     return found
@@ -75,7 +90,7 @@ def launches_of(shapes: dict[Shape, list[str]], dtypes: list[str]) -> dict[Launc
 def markdown_table(report: dict, configs: tuple[str, ...] = ("flexformer_n_247m", "flexformer_n_1.3b"), dtype: str = "bf16") -> str:
     """README table: per config and kernel, shared memory / registers / spills on sm_80 and sm_90."""
     lines = [
-        "| config | kernel | blocks | sm_80 smem / regs / spill B | sm_90 smem / regs / spill B |",
+        "| config | kernel | blocks, warps, stages | sm_80 smem / regs / spill B | sm_90 smem / regs / spill B |",
         "|---|---|---|---|---|",
     ]
     for config in configs:
@@ -84,8 +99,10 @@ def markdown_table(report: dict, configs: tuple[str, ...] = ("flexformer_n_247m"
             if f"{config}/{dtype}" not in row["configs"]:
                 continue
             blocks = row["constexprs"]
+            if "BF" not in blocks:  # trig_grads (fused trig path): frequency blocks BJ
+                blocks = blocks | {"BF": blocks["BJ"], "BV": "-"}
             name = row["kernel"] + (" (bwd)" if blocks.get("BACKWARD") else "")
-            key = (name, f"C={blocks['CHUNK']} BF={blocks['BF']} BV={blocks['BV']}")
+            key = (name, f"C={blocks['CHUNK']} BF={blocks['BF']} BV={blocks['BV']} w={row['num_warps']} s={row['num_stages']}")
             cells.setdefault(key, {})[row["arch"]] = f"{row['shared_bytes']:,} / {row['registers']} / {row['spill_store_bytes']}"
         for (name, blocks), by_arch in cells.items():
             lines.append(f"| {config} | {name} | {blocks} | {by_arch.get(80, '-')} | {by_arch.get(90, '-')} |")
@@ -101,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("docs/results/triton_aot.json"))
     parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["bf16", "fp16", "fp32"])
     parser.add_argument("--archs", nargs="+", type=int, choices=ARCHS, default=list(ARCHS))
+    parser.add_argument("--fused-trig", action="store_true", help="trig maps on the fused path (trig_linear_attention(fused_map=True))")
     parser.add_argument("--table", type=Path, help="print the README table of this report (JSON) and exit")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiles in parallel (default: one per CPU)")
     args = parser.parse_args(argv)
@@ -110,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     start = time.perf_counter()
-    jobs = [(launch, arch, sorted(users)) for launch, users in launches_of(shipped_shapes(), args.dtypes).items() for arch in args.archs]
+    jobs = [(launch, arch, sorted(users)) for launch, users in launches_of(shipped_shapes(), args.dtypes, args.fused_trig).items() for arch in args.archs]
     rows = []
     with ProcessPoolExecutor(args.jobs) as pool:  # each compile is one single-threaded ptxas run
         for (_, _, users), compiled in zip(jobs, pool.map(_compile_one, [job[:2] for job in jobs])):
@@ -125,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     failures = [r for r in rows if not r["fits"]]
     report = {
         "triton": triton.__version__,
+        "trig_path": "fused" if args.fused_trig else "features",
         "shared_memory_limit": {f"sm_{arch}": limit for arch, limit in SHARED_MEMORY_LIMIT.items()},
         "compiles": len(rows),
         "exceeding_shared_memory": len(failures),

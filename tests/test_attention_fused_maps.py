@@ -179,3 +179,41 @@ def test_decode_path_without_grad_equals_fused(paired):
     fused = _trig._TrigFeatureMap.apply(x, omega, inv_t, paired)
     for a, b in zip(small, fused):
         assert_close(a, b.detach(), steps=map_steps(x, omega))
+
+
+@pytest.fixture
+def device_plan(monkeypatch):
+    """The plan GPU tensors take, forced on CPU tensors, with 64-row blocks; records the rows
+    (flattened batch x heads) of every ``trig_rows`` call and the item count of every pass."""
+    monkeypatch.setattr(_trig, "_per_head_items", lambda device: False)
+    monkeypatch.setattr(_trig, "_DEVICE_BLOCK_ELEMENTS", 1)
+    record = {"rows": [], "items": []}
+    trig_rows, for_each_head = _trig.trig_rows, _trig.for_each_head
+
+    def counted_rows(xb, *args):
+        record["rows"].append(xb.shape[0])
+        return trig_rows(xb, *args)
+
+    def counted_items(fn, count, device):
+        record["items"].append(count)
+        return for_each_head(fn, count, device)
+
+    monkeypatch.setattr(_trig, "trig_rows", counted_rows)
+    monkeypatch.setattr(_trig, "for_each_head", counted_items)
+    return record
+
+
+@pytest.mark.parametrize("paired", [True, False])
+def test_device_plan_maps_every_batch_and_head_row_in_one_call(device_plan, paired):
+    """Off CPU no Python loop runs over (batch, head): one item of all B x H rows per pass, one
+    ``trig_rows`` call per block of tokens; features, log-scale and gradients equal the reference."""
+    x, omega, inv_t = _inputs(paired, 150, batch=2, heads=3)
+    feats, ls, grads = _grads(trig_feature_map, x, omega, inv_t, paired)
+    ref_feats, ref_ls, ref_grads = _grads(trig_feature_map_reference, x, omega, inv_t, paired)
+    assert device_plan["items"] == [1, 1]  # forward and backward: one item each
+    assert device_plan["rows"] == [2 * 3] * 3  # 150 tokens in 64-row blocks, all six (b, h) rows per call
+    steps = map_steps(x, omega)
+    assert_close(feats, ref_feats, steps=steps, name="features")
+    assert_close(ls, ref_ls, steps=steps, name="log_scale")
+    for name, a, b in zip(("x", "omega", "inv_temperature"), grads, ref_grads):
+        assert_close(a, b, steps=steps, name=name)

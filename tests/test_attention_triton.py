@@ -137,7 +137,7 @@ def test_core_kernels_match_quadratic_fp16(n, chunk, normalization, with_state):
     _compare(got, _run_core(quadratic_linear_attention, *args, torch.float16), exact, steps=steps, dtype=torch.float16)
 
 
-def _run_trig(use_triton, n, chunk, paired, normalization, with_state, temperature_scale, dtype, values=None):
+def _run_trig(use_triton, n, chunk, paired, normalization, with_state, temperature_scale, dtype, values=None, fused=False):
     g = torch.Generator().manual_seed(2)
     heads, d, rows = 2, 8, 16  # F = 16 paired, 32 unpaired
     values = values or dtype
@@ -153,7 +153,9 @@ def _run_trig(use_triton, n, chunk, paired, normalization, with_state, temperatu
     grads_of.update({name: leaves[name] for name in ("kv0", "k_sum0") if name in leaves})
     options = dict(normalization=normalization, initial_state=state)
     if use_triton:
-        out, new_state = trig_linear_attention(q, k, leaves["v"], omega, inv_t, paired=paired, chunk_size=chunk, **options)
+        out, new_state = trig_linear_attention(
+            q, k, leaves["v"], omega, inv_t, paired=paired, chunk_size=chunk, fused_map=fused, **options
+        )
     else:
         qf, _ = trig_feature_map_reference(q, omega, inv_t, paired=paired)
         kf, kls = trig_feature_map_reference(k, omega, inv_t, paired=paired)
@@ -187,6 +189,28 @@ def test_trig_path_matches_reference_fp16(n, chunk, paired):
     exact = _run_trig(False, *args, torch.float64, values=torch.float16)
     steps = FP16_STEPS + fp32_steps_in(torch.float16, exact[3])
     _compare(_run_trig(True, *args, torch.float16), _run_trig(False, *args, torch.float16), exact, steps=steps, dtype=torch.float16)
+
+
+@pytest.mark.parametrize("paired", [True, False])
+@pytest.mark.parametrize(
+    "n,chunk,with_state,temperature_scale,normalization",
+    [(31, 64, True, 1.0, "rms"), (65, 16, False, 100.0, "denominator"), (200, 64, True, 100.0, "rms")],
+)
+def test_fused_trig_map_matches_reference_fp32(n, chunk, with_state, temperature_scale, normalization, paired):
+    """fused_map=True: the kernels compute the features (and trig_grads their backward) from q, k
+    and omega; out, state and the gradients of q, k, v, omega, inv_temperature and the initial
+    state equal the reference (head dim 8 in a 16-wide block, odd lengths, partial chunks)."""
+    args = (n, chunk, paired, normalization, with_state, temperature_scale)
+    exact = _run_trig(False, *args, torch.float64)
+    _compare(_run_trig(True, *args, torch.float32, fused=True), _run_trig(False, *args, torch.float32), exact, steps=exact[3])
+
+
+def test_fused_trig_map_matches_reference_fp16():
+    args = (65, 16, True, "rms", True, 100.0)
+    exact = _run_trig(False, *args, torch.float64, values=torch.float16)
+    steps = FP16_STEPS + fp32_steps_in(torch.float16, exact[3])
+    got = _run_trig(True, *args, torch.float16, fused=True)
+    _compare(got, _run_trig(False, *args, torch.float16), exact, steps=steps, dtype=torch.float16)
 
 
 def test_chunk_lengths_round_to_powers_of_two_within_dot_limits():

@@ -66,6 +66,36 @@ def test_cp_refuses_softmax_and_decoding_states() -> None:
         attend(x, x, x, return_state=True)
 
 
+def test_local_state_on_the_gpu_plan_maps_all_heads_at_once(monkeypatch) -> None:
+    """CP's local state with the trig map's GPU plan (forced on CPU tensors): every key block is
+    mapped for all (batch, head) rows in one call, no loop over them; the state and its gradients
+    (k, v, Omega, tau) equal those of the plain-autograd reference map."""
+    from megaflex.attention.feature_maps import _trig
+    from megaflex.parallel.context_parallel import local_state, mapped_local_state
+    from attention_helpers import make_map, map_steps
+
+    monkeypatch.setattr(_trig, "_per_head_items", lambda device: False)
+    calls: list[int] = []
+    trig_rows = _trig.trig_rows
+    monkeypatch.setattr(_trig, "trig_rows", lambda xb, *args: (calls.append(xb.shape[0]), trig_rows(xb, *args))[1])
+    batch, heads, n, d = 2, 3, 70, 8
+    fmap = make_map("flexformer_n", heads, d, 12)
+    g = torch.Generator().manual_seed(5)
+    k = (torch.randn(batch, heads, n, d, generator=g) * 0.7).requires_grad_()
+    v = torch.randn(batch, heads, n, d, generator=g).requires_grad_()
+    s, m = mapped_local_state(fmap, k, v, 0)
+    omega, inv_t, paired = fmap.trig_spec()
+    ref_s, ref_m = local_state(*_trig.trig_feature_map_reference(k, omega, inv_t, paired=paired), v)
+    assert calls == [batch * heads] * len(calls) and calls  # forward (and checkpoint recompute) calls
+    steps = map_steps(k, omega) + 2 * n
+    assert_close(s, ref_s, steps=steps, name="state")
+    assert torch.equal(m, ref_m)
+    leaves = [k, v, *fmap.parameters()]
+    probe = torch.randn(ref_s.shape, generator=g)
+    for got, want in zip(torch.autograd.grad((s * probe).sum(), leaves), torch.autograd.grad((ref_s * probe).sum(), leaves)):
+        assert_close(got, want, steps=steps)
+
+
 # ----------------------------------------------------------------------------------------
 # multi process: the attention alone
 # ----------------------------------------------------------------------------------------

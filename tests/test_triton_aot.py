@@ -20,6 +20,9 @@ import pytest
 pytest.importorskip("triton", reason="triton is not installed (pip install 'megaflex[dev]' installs it)")
 
 from megaflex.attention.triton.aot import parse_ptxas_log  # noqa: E402
+from megaflex.attention.triton.function import SCAN_KERNELS, launch_configs  # noqa: E402
+
+KERNELS = ("chunk_states", "chunk_outputs", "chunk_state_grads", "chunk_grads_qk", "chunk_grads_v", "trig_grads")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SPILL_BUDGET_BF16 = {"flexformer_n_247m": 0, "flexformer_n_41m": 0, "flexformer_n_1.3b": 1024}
@@ -42,12 +45,20 @@ def test_every_shipped_launch_fits_shared_memory_and_meets_the_spill_targets(tmp
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     rows = report["kernels"]
-    kernels = {"chunk_states", "chunk_outputs", "chunk_state_grads", "chunk_grads_qk", "chunk_grads_v"}
+    kernels = set(KERNELS) - {"trig_grads"}  # the default trig path gives the kernels features: no map backward
     for config in ("flexformer_n_41m", "flexformer_n_247m", "flexformer_n_1.3b", "tiny"):
         for dtype in ("bf16", "fp16", "fp32"):
             for arch in (80, 90):
                 used = {r["kernel"] for r in rows if f"{config}/{dtype}" in r["configs"] and r["arch"] == arch}
                 assert used == kernels, (config, dtype, arch, used)
+    # every config the autotuner may pick was compiled, at every (kernel, blocks, dtype, target)
+    picked: dict[tuple, set] = {}
+    for r in rows:
+        picked.setdefault((r["kernel"], json.dumps(r["constexprs"], sort_keys=True), r["dtype"], r["arch"]), set()).add(
+            (r["num_warps"], r["num_stages"])
+        )
+    for (kernel, *_), configs in picked.items():
+        assert configs == set(launch_configs(kernel)), (kernel, configs)
     limit = {80: 166_912, 90: 232_448}
     too_big = [(r["kernel"], r["arch"], r["configs"][0], r["shared_bytes"]) for r in rows if r["shared_bytes"] > limit[r["arch"]]]
     assert not too_big
@@ -100,3 +111,47 @@ def test_ptxas_log_parsing_takes_registers_spills_and_stack():
     assert parse_ptxas_log(log) == dict(registers=255, spill_store_bytes=24, spill_load_bytes=28, stack_bytes=24)
     with pytest.raises(ValueError, match="ptxas log without"):
         parse_ptxas_log("ptxas info    : Compiling entry function 'x'\n")
+
+
+_CONFIG_PROBE = textwrap.dedent(
+    """
+    import json, sys, torch
+    from megaflex.attention.triton import kernels
+    from megaflex.attention.triton.aot import record_launches
+    launches = record_launches(64, 32, torch.bfloat16, 64, bh=4, trig_head_dim=32)
+    tuners = {name: [[c.num_warps, c.num_stages] for c in getattr(kernels, name).configs] for name in sys.argv[1:]}
+    json.dump({"tuners": tuners, "launches": [[l.kernel, dict(l.constexprs), l.num_warps, l.num_stages] for l in launches]}, sys.stdout)
+    """
+)
+
+
+def test_cuda_autotunes_over_the_listed_configs_and_the_aot_records_each():
+    """Compiled (not interpreted) kernels autotune over ``launch_configs``; the AOT recorder turns
+    every launch into one compile per config the autotuner may pick (the trig path included)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _CONFIG_PROBE, *KERNELS], cwd=REPO_ROOT, env=_compiler_env(), capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout)
+    for kernel in KERNELS:
+        assert [tuple(c) for c in found["tuners"][kernel]] == launch_configs(kernel), kernel
+    recorded: dict[tuple, set] = {}
+    for kernel, constexprs, warps, stages in found["launches"]:
+        recorded.setdefault((kernel, json.dumps(constexprs, sort_keys=True)), set()).add((warps, stages))
+    assert {kernel for kernel, _ in recorded} == set(KERNELS)
+    assert all(configs == set(launch_configs(kernel)) for (kernel, _), configs in recorded.items())
+    assert any(len(launch_configs(kernel)) > 1 for kernel in KERNELS)  # something is tuned on CUDA
+
+
+def test_interpreter_runs_one_fixed_config_per_kernel():
+    """Under TRITON_INTERPRET=1 (the test session's) the autotuners hold one config: the first listed."""
+    from megaflex.attention.triton import interpreter_enabled, kernels
+
+    if not interpreter_enabled():
+        pytest.skip("the session runs without TRITON_INTERPRET=1")
+
+    for kernel in KERNELS:
+        assert launch_configs(kernel, interpreted=True) == launch_configs(kernel)[:1]
+        tuner = getattr(kernels, kernel)
+        assert [(c.num_warps, c.num_stages) for c in tuner.configs] == launch_configs(kernel)[:1]
+    assert set(SCAN_KERNELS) < set(KERNELS)

@@ -15,6 +15,9 @@ are pair sums) recompute the projection and its cos/sin per block (one matmul an
 rather than keep another [B, H, N, P] tensor alive for the backward.
 Heads run on the shared head thread pool, like the chunked form; for short sequences whole batch
 entries (all their heads) go through each call together, since per-call overhead would dominate.
+On a GPU (one stream, no thread pool, per-launch overhead) all (batch, head) rows go through
+each call together: a Python loop over them would launch B x H small kernels per block; only
+the tokens are cut into blocks, to bound the transient [B H, rows, P] temporaries.
 
 Backward (g = dL/dfeatures, split into gC, gS [.., D]; s = the feature scale):
 
@@ -37,6 +40,8 @@ from ._common import fp32_region
 _BLOCK_ELEMENTS = 1 << 17
 # elements of a short-N item's [rows, tokens, P] temporaries (whole batch entries per call)
 _SHORT_ELEMENTS = 1 << 19
+# elements of one [B H, rows, P] fp32 temporary off CPU (128 MiB; three live at once)
+_DEVICE_BLOCK_ELEMENTS = 1 << 25
 # batch x tokens at or below which inference calls take the plain path (one decode step per sequence)
 _DECODE_ROWS = 16
 
@@ -46,13 +51,23 @@ def _row_blocks(n: int, width: int) -> list[slice]:
     return [slice(r, min(r + rows, n)) for r in range(0, n, rows)]
 
 
+def _per_head_items(device: torch.device) -> bool:
+    """Whether ``device`` takes the blocked per-head plan (CPU: cache-sized blocks on a thread
+    pool) rather than the vectorised one (every (batch, head) row in each call: GPUs)."""
+    return device.type == "cpu"
+
+
 def _work_plan(batch: int, heads: int, n: int, p: int, device: torch.device) -> tuple[list[slice], list[slice]]:
     """(items, row blocks): an item is a range of flattened (batch, head) rows taken by one call.
 
-    Long N: one head per item, its tokens in cache-sized row blocks. Short N (a whole batch
+    Off CPU: one item of every row, tokens in blocks of about ``_DEVICE_BLOCK_ELEMENTS``.
+    CPU, long N: one head per item, its tokens in cache-sized row blocks. Short N (a whole batch
     entry's heads fit ``_SHORT_ELEMENTS``): items of whole batch entries, all tokens at once, so
     per-call overhead is paid per item rather than per head (but at least one item per thread).
     """
+    if not _per_head_items(device):
+        rows = max(64, _DEVICE_BLOCK_ELEMENTS // (batch * heads * p))
+        return [slice(0, batch * heads)], [slice(r, min(r + rows, n)) for r in range(0, n, rows)]
     per_entry = heads * n * p
     if per_entry > _SHORT_ELEMENTS:
         return [slice(i, i + 1) for i in range(batch * heads)], _row_blocks(n, p)

@@ -3,9 +3,9 @@
 The interpreter accepts programs that the compiler cannot launch (too much shared memory,
 register spills), so the launches are checked here the way a GPU would see them:
 ``record_launches`` runs ``attention_forward`` + ``attention_backward`` with a recorder in place
-of the kernels module (the dispatcher's own code picks grids, blocks, warps and stages; nothing
-is computed), and ``compile_launch`` compiles one launch with ``triton.compile(ASTSource(...),
-target=GPUTarget("cuda", arch, 32))``; ptxas (shipped in the triton wheel) reports registers and
+of the kernels module (the dispatcher's own code picks grids and blocks; each config of warps and
+stages the kernel's autotuner may pick is one launch; nothing is computed), and ``compile_launch``
+compiles one launch with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))``; ptxas (shipped in the triton wheel) reports registers and
 spills, Triton's metadata the shared memory. ``evaluation/triton_aot.py`` runs every shipped shape.
 """
 
@@ -19,12 +19,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .function import ChunkPlan, _plan, attention_backward, attention_forward, kernel_chunk
+from .function import ChunkPlan, TrigMap, _plan, attention_backward, attention_forward, kernel_chunk, map_backward
 
 # Shared memory per block (opt-in maximum) of the targets the kernels must launch on.
 SHARED_MEMORY_LIMIT = {80: 166_912, 90: 232_448}
 _TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-_LAUNCH_OPTIONS = ("num_warps", "num_stages")
 
 
 @dataclass(frozen=True)
@@ -78,15 +77,30 @@ class _Recorder:
     def _record(self, kernel: str, args: tuple, kwargs: dict) -> None:
         from . import kernels
 
-        fn = getattr(kernels, kernel)
+        tuner = getattr(kernels, kernel)
+        fn = _jit_function(kernel)
         runtime = [name for name, p in zip(fn.arg_names, fn.params) if not p.is_constexpr]
         if len(runtime) != len(args):
             raise TypeError(f"{kernel}: {len(args)} arguments for {len(runtime)} parameters")
         signature = tuple((name, _arg_type(value)) for name, value in zip(runtime, args))
-        constexprs = tuple(sorted((k, v) for k, v in kwargs.items() if k not in _LAUNCH_OPTIONS))
-        launch = Launch(kernel, signature, constexprs, kwargs["num_warps"], kwargs["num_stages"])
-        if launch not in self.launches:
-            self.launches.append(launch)
+        constexprs = tuple(sorted(kwargs.items()))
+        # every config the autotuner may pick at this launch is one compile
+        for config in tuner.configs:
+            launch = Launch(kernel, signature, constexprs, config.num_warps, config.num_stages)
+            if launch not in self.launches:
+                self.launches.append(launch)
+
+
+def _jit_function(kernel: str):
+    """The ``triton.jit`` function under ``kernel``'s autotuner (RuntimeError when interpreted)."""
+    from triton.runtime.jit import JITFunction
+
+    from . import kernels
+
+    fn = getattr(kernels, kernel).fn
+    if not isinstance(fn, JITFunction):
+        raise RuntimeError("the Triton kernels were loaded under TRITON_INTERPRET=1: compile them in a process without it")
+    return fn
 
 
 def _arg_type(value: object) -> str:
@@ -102,17 +116,27 @@ def _arg_type(value: object) -> str:
 
 
 def record_launches(
-    feat: int, dv: int, dtype: torch.dtype, chunk_size: int, *, bh: int, normalization: str = "rms"
-) -> list[Launch]:
-    """Every distinct launch of one forward + backward at (BH = ``bh``, F, Dv, dtype, chunk)."""
+    feat: int, dv: int, dtype: torch.dtype, chunk_size: int, *, bh: int, normalization: str = "rms",
+    trig_head_dim: int | None = None, paired: bool = True,
+) -> list[Launch]:  # fmt: skip
+    """Every distinct launch of one forward + backward at (BH = ``bh``, F, Dv, dtype, chunk), times
+    the configs each kernel's autotuner may pick. ``trig_head_dim``: the trig map's path (the
+    kernels compute the features from q, k [BH, N, d] and omega; plus the map's backward kernel),
+    else features given as inputs."""
     recorder = _Recorder()
     n = 2 * kernel_chunk(chunk_size) + 3  # several chunks, the last one partial
     plan: ChunkPlan = _plan(torch.zeros(bh, n), torch.full((bh,), float("-inf")), feat, dv, chunk_size)
-    q, k = torch.empty(bh, n, feat, dtype=dtype), torch.empty(bh, n, feat, dtype=dtype)
+    width = feat
+    if trig_head_dim is not None:
+        width = trig_head_dim
+        plan.trig = TrigMap(torch.zeros(1, feat if paired else feat // 2, width), paired, 1.0)
+    q, k = torch.empty(bh, n, width, dtype=dtype), torch.empty(bh, n, width, dtype=dtype)
     v, ls = torch.empty(bh, n, dv, dtype=dtype), torch.zeros(bh, n)
     kv0, z0 = torch.zeros(bh, feat, dv), torch.zeros(bh, feat)
     attention_forward(q, k, ls, v, kv0, z0, plan, normalization, 1e-6, dtype, kern=recorder)
-    attention_backward(q, k, ls, v, kv0, z0, plan, normalization, 1e-6, None, None, None, kern=recorder)
+    dqf, _, _, _, _, _ = attention_backward(q, k, ls, v, kv0, z0, plan, normalization, 1e-6, None, None, None, kern=recorder)
+    if plan.trig is not None:
+        map_backward(q, dqf, plan, kern=recorder)
     return recorder.launches
 
 
@@ -127,11 +151,7 @@ def _compile(launch: Launch, arch: int):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from . import kernels
-
-    fn = getattr(kernels, launch.kernel)
-    if not hasattr(fn, "arg_names"):
-        raise RuntimeError("the Triton kernels were loaded under TRITON_INTERPRET=1: compile them in a process without it")
+    fn = _jit_function(launch.kernel)
     constexprs = dict(launch.constexprs)
     signature = dict(launch.signature) | {name: "constexpr" for name in constexprs}
     index = {name: i for i, name in enumerate(fn.arg_names)}
@@ -157,7 +177,7 @@ def compile_launch(launch: Launch, arch: int) -> Compiled:
     """Compile ``launch`` for sm_``arch`` (80 or 90) and read its resource usage."""
     compiled, log = _compile(launch, arch)
     shared = int(compiled.metadata.shared)
-    dtype = next(kind for name, kind in launch.signature if name in ("Q", "K"))[1:]
+    dtype = next(kind for name, kind in launch.signature if name in ("Q", "K", "X"))[1:]
     return Compiled(
         kernel=launch.kernel, arch=arch, constexprs=dict(launch.constexprs), dtype=dtype,
         num_warps=launch.num_warps, num_stages=launch.num_stages, shared_bytes=shared,

@@ -86,6 +86,20 @@ _SCAN_MIN_PROGRAMS = 256
 
 
 @dataclass
+class TrigMap:
+    """The trig feature map the kernels compute in registers (``feature_maps/_trig.py``): the
+    frequencies omega [H, P, d] (fp32, contiguous), paired or not, and the feature scale."""
+
+    omega: torch.Tensor
+    paired: bool
+    scale: float
+
+    @property
+    def head_dim(self) -> int:
+        return self.omega.shape[2]
+
+
+@dataclass
 class ChunkPlan:
     """Shapes, block sizes and stabilisers of one call (the same in forward and backward)."""
 
@@ -97,11 +111,13 @@ class ChunkPlan:
     chunks: int
     running_max: torch.Tensor  # [BH, N] m_t
     chunk_max: torch.Tensor  # [BH, NC + 1]: log_max of the incoming state, then m at each chunk end
+    trig: TrigMap | None = None  # set: the q, k given to the kernels are the raw [BH, N, d] inputs of this map
 
     @property
     def loop_block(self) -> int:
-        """F block the chunk kernels loop over (and chunk_grads_qk's grid takes)."""
-        return min(_block(self.feat), _LOOP_TILE)
+        """F block the chunk kernels loop over (and chunk_grads_qk's grid takes); 16 wide when they
+        compute trig features (the tiles' projections and cosines take registers too)."""
+        return min(_block(self.feat), _MIN_BLOCK if self.trig else _LOOP_TILE)
 
     @property
     def dv_block(self) -> int:
@@ -115,7 +131,8 @@ class ChunkPlan:
     def scan_blocks(self) -> tuple[int, int]:
         """(BF, BV) of the sequential scans: the chunk kernels' tiles, halved (down to 32 wide)
         while fewer than ``_SCAN_MIN_PROGRAMS`` programs would run (their columns are independent)."""
-        bf, bv = min(_block(self.feat), _MAX_TILE), self.dv_block
+        # features computed in the scan (trig): 32-wide F blocks, their projections take registers
+        bf, bv = min(_block(self.feat), _LOOP_TILE if self.trig else _MAX_TILE), self.dv_block
         while self.bh * -(-self.feat // bf) * -(-self.dv // bv) < _SCAN_MIN_PROGRAMS and max(bf, bv) > 32:
             if bf >= bv:
                 bf //= 2
@@ -124,20 +141,43 @@ class ChunkPlan:
         return bf, bv
 
 
-def launch_options(kernel: str, plan: ChunkPlan) -> dict:
-    """num_warps / num_stages of one kernel at one shape (ignored by the interpreter). Chosen by
-    compiling every shipped shape for sm_80 and sm_90 (evaluation/triton_aot.py): the chunk
-    kernels hold C x C and C x Dv fp32 blocks: 8 warps keep them in registers (4 spill)."""
-    if kernel in ("chunk_states", "chunk_state_grads"):
-        return dict(num_warps=4, num_stages=2)
-    # no software pipelining of the chunk kernels' short loops: the staged copies spill on sm_80
-    return dict(num_warps=8, num_stages=1)
+# (num_warps, num_stages) that ``triton.autotune`` picks from on CUDA (the first: the one config
+# the interpreter runs). Only configs that fit shared memory on sm_80 and sm_90 and meet the
+# bf16 spill targets at every shipped shape are listed (evaluation/triton_aot.py compiles each
+# one; tests/test_triton_aot.py asserts it). The chunk kernels hold C x C and C x Dv fp32 blocks:
+# 8 warps keep them in registers (4 warps spilled 40-720 B at the shipped shapes in bf16), and
+# the scans' 4-warp config spilled up to 144 B with 1 or 3 stages.
+_SCAN_CONFIGS = ((4, 2), (8, 2))
+_CHUNK_CONFIGS = ((8, 1), (8, 2))
+SCAN_KERNELS = ("chunk_states", "chunk_state_grads", "trig_grads")
+# tuning key: the shapes and block sizes (not N: the best config hardly depends on the length,
+# and re-tuning at every new length would benchmark again); tensor dtypes are added by Triton
+TUNING_KEY = ("F", "DV", "DIN", "CHUNK", "BF", "BV", "BJ", "BD", "RMS", "BACKWARD", "TRIG", "PAIRED")
+
+
+def launch_configs(kernel: str, *, interpreted: bool = False) -> list[tuple[int, int]]:
+    """(num_warps, num_stages) configs of ``kernel``: every one autotuning may pick on CUDA, or
+    the single fixed one under the interpreter (which ignores them, and cannot benchmark)."""
+    configs = list(_SCAN_CONFIGS if kernel in SCAN_KERNELS else _CHUNK_CONFIGS)
+    return configs[:1] if interpreted else configs
+
+
+def _map_arguments(plan: ChunkPlan) -> tuple[tuple, dict]:
+    """The attention kernels' feature-map arguments (W, HEADS, DIN, trig_scale; TRIG, PAIRED, BD):
+    the trig map's, or placeholders when the features are given (TRIG=False ignores them)."""
+    trig = plan.trig
+    if trig is None:
+        return (plan.chunk_max, 1, 1, 1.0), dict(TRIG=False, PAIRED=False, BD=_MIN_BLOCK)
+    omega = trig.omega
+    return (omega, omega.shape[0], trig.head_dim, trig.scale), dict(TRIG=True, PAIRED=trig.paired, BD=_block(trig.head_dim))
 
 
 def _launch(kern, kernel: str, grid: tuple[int, ...], plan: ChunkPlan, *args, **constexprs) -> None:
     # fp32 inputs: tf32 tensor cores (about 1e-3 relative); half inputs ignore PREC (their dot
-    # operands are already half). The interpreter computes every dot in fp32.
-    getattr(kern, kernel)[grid](*args, CHUNK=plan.chunk, PREC="tf32", **constexprs, **launch_options(kernel, plan))
+    # operands are already half). The interpreter computes every dot in fp32. num_warps and
+    # num_stages come from the kernel's autotuner (``launch_configs``).
+    map_args, map_flags = _map_arguments(plan)
+    getattr(kern, kernel)[grid](*args, *map_args, CHUNK=plan.chunk, PREC="tf32", **map_flags, **constexprs)
 
 
 def _plan(ls: torch.Tensor, log_max0: torch.Tensor, feat: int, dv: int, chunk_size: int) -> ChunkPlan:
@@ -185,7 +225,8 @@ def attention_forward(
 def attention_backward(
     q, k, ls, v, kv0, z0, plan: ChunkPlan, normalization: str, eps: float, d_out, d_kv, d_k_sum, kern=None
 ):
-    """Gradients ([BH, ...]; q, k, v in their own dtype, the rest fp32) of q, k, ls, v and of the incoming kv, k_sum."""
+    """Gradients ([BH, ...]; q, k, v in their own dtype, the rest fp32) of q, k, ls, v and of the incoming kv, k_sum.
+    With ``plan.trig`` the first two are the fp32 gradients of the q and k features [BH, N, F]."""
     kern = kern or kernels_for(q.device)
     f32 = dict(device=q.device, dtype=torch.float32)
     states, sums, _, _ = _chunk_states(kern, k, v, ls, plan, kv0, z0)
@@ -209,7 +250,11 @@ def attention_backward(
         plan.n, plan.feat, plan.dv, plan.chunks, BF=bf, BV=bv,
     )  # fmt: skip
     # gradients leave in the inputs' dtypes (the kernel casts on store): no fp32 copies of them
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dv = torch.empty_like(v)
+    if plan.trig is None:
+        dq, dk = torch.empty_like(q), torch.empty_like(k)
+    else:  # gradients of the features computed in the kernels, fp32 [BH, N, F]: the map's backward input
+        dq, dk = torch.empty(plan.bh, plan.n, plan.feat, **f32), torch.empty(plan.bh, plan.n, plan.feat, **f32)
     bf, bv = plan.grads_qk_blocks()
     dls_parts = torch.empty(-(-plan.feat // bf), plan.bh, plan.n, **f32)  # one partial sum per F block
     _launch(
@@ -225,9 +270,29 @@ def attention_backward(
     return dq, dk, dls_parts.sum(0), dv, d_kv0, d_z0
 
 
-def flat_inputs(qf, kf, kls, v, initial_state: LinearAttentionState | None, chunk_size: int):
-    """Contiguous [BH, N, *] views, fp32 log-scales, the fp32 incoming state and the plan."""
-    batch, heads, n, feat = qf.shape
+def map_backward(x: torch.Tensor, d_features: torch.Tensor, plan: ChunkPlan, kern=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The trig map's backward (``trig_grads``): x [BH, N, d], dL/dfeatures [BH, N, F] fp32 ->
+    (dL/dx [BH, N, d] fp32, dL/domega per (batch, head) [BH, P, d] fp32)."""
+    kern = kern or kernels_for(x.device)
+    trig = plan.trig
+    f32 = dict(device=x.device, dtype=torch.float32)
+    half = plan.feat // 2
+    bj = _MIN_BLOCK  # [BJ, d] frequency blocks: 16 rows keep dW's two accumulators in registers at d = 128
+    blocks = -(-half // bj)
+    dx_parts = torch.empty(blocks, plan.bh, plan.n, trig.head_dim, **f32)
+    d_omega = torch.empty(plan.bh, *trig.omega.shape[1:], **f32)
+    kern.trig_grads[(plan.bh, blocks)](
+        x, trig.omega, d_features, dx_parts, d_omega, plan.n, plan.feat, trig.head_dim, trig.omega.shape[0], plan.chunks,
+        trig.scale, CHUNK=plan.chunk, BJ=bj, BD=_block(trig.head_dim), PAIRED=trig.paired, PREC="tf32",
+    )  # fmt: skip
+    return dx_parts.sum(0), d_omega
+
+
+def flat_inputs(qf, kf, kls, v, initial_state: LinearAttentionState | None, chunk_size: int, feat: int | None = None):
+    """Contiguous [BH, N, *] views, fp32 log-scales, the fp32 incoming state and the plan.
+    ``feat``: the feature dim when qf, kf are the raw inputs of a map the kernels compute."""
+    batch, heads, n, width = qf.shape
+    feat = width if feat is None else feat
     bh, dv = batch * heads, v.shape[-1]
     f32 = dict(device=qf.device, dtype=torch.float32)
     ls = torch.zeros(bh, n, **f32) if kls is None else kls.reshape(bh, n).float().contiguous()
@@ -239,7 +304,7 @@ def flat_inputs(qf, kf, kls, v, initial_state: LinearAttentionState | None, chun
         z0 = initial_state.k_sum.reshape(bh, feat).float().contiguous()
         log_max0 = initial_state.log_max.reshape(bh).float()
     plan = _plan(ls, log_max0, feat, dv, chunk_size)
-    flat = (qf.reshape(bh, n, feat).contiguous(), kf.reshape(bh, n, feat).contiguous(), ls, v.reshape(bh, n, dv).contiguous())
+    flat = (qf.reshape(bh, n, width).contiguous(), kf.reshape(bh, n, width).contiguous(), ls, v.reshape(bh, n, dv).contiguous())
     return flat, kv0, z0, plan
 
 

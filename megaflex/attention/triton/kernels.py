@@ -32,12 +32,28 @@ Kernels (five launches forward + backward; none loops in Python over heads, batc
   initial state.
 * ``chunk_grads_qk``: parallel over (chunks, BH, F blocks): dq, dk and a partial dkls.
 * ``chunk_grads_v``:  parallel over (chunks, BH, Dv blocks): dv.
+
+Features: given ([BH, N, F] inputs), or with the constexpr ``TRIG`` computed in registers from
+the raw q, k [BH, N, d] and the trig map's frequencies (``_features``; ``trig_linear_attention(
+fused_map=True)``); then ``trig_grads`` (parallel over (BH, frequency blocks), sequential over
+chunks) turns the feature gradients into dq, dk and per-(batch, head) domega. Every kernel is
+autotuned over ``function.launch_configs`` (one config under the interpreter).
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from .function import TUNING_KEY, interpreter_enabled, launch_configs
+
+
+def _tuned(fn):
+    """``fn`` autotuned over ``launch_configs`` (one fixed config under the interpreter). Every
+    kernel only stores (no accumulation into its outputs), so benchmark reruns are harmless."""
+    configs = launch_configs(fn.__name__, interpreted=interpreter_enabled())
+    key = [name for name in TUNING_KEY if name in fn.arg_names]
+    return triton.autotune([triton.Config({}, num_warps=w, num_stages=s) for w, s in configs], key=key)(fn)
 
 
 @triton.jit
@@ -67,10 +83,50 @@ def _state_dot(a, s, ELT: tl.constexpr):
 
 
 @triton.jit
+def _trig_proj(x, w_rows, freq, fm, d, dm, DIN):
+    """x [C, BD] (the inputs' dtype) times the fp32 frequencies ``w_rows[freq]`` [BF, BD]^T: [C, BF]
+    fp32 projections. A cos/sin argument needs about fp32 accuracy (one rounding of the
+    frequencies to bf16 would err by |proj| 2^-9), so they are multiplied as a state is
+    (``_state_dot``: two half-precision parts, 3xTF32 for fp32 inputs); x is exact in its dtype."""
+    w = _tile(w_rows, freq, fm, d, dm, DIN).to(tl.float32)
+    return _state_dot(x, tl.trans(w), x.dtype)
+
+
+@triton.jit
+def _features(
+    X, W, bh, tok, tm, f, fm, N, F, DIN, HEADS, trig_scale,
+    TRIG: tl.constexpr, PAIRED: tl.constexpr, BD: tl.constexpr,
+):  # fmt: skip
+    """The [C, BF] feature tile of tokens ``tok``, columns ``f`` (zero outside the masks): loaded
+    from X [BH, N, F], or with ``TRIG`` computed in registers from x = X [BH, N, DIN] and the
+    head's frequencies W [HEADS, P, DIN]: the map of ``feature_maps/_trig.py`` (column f < F/2 is
+    the cosine of frequency f, the rest the sines; paired maps add those of W[h, F/2 + f]), times
+    ``trig_scale``, in fp32."""
+    if TRIG:
+        half = F // 2
+        sin_cols = f >= half
+        freq = tl.where(sin_cols, f - half, f)
+        d = tl.arange(0, BD)
+        dm = d < DIN
+        x = _tile(X + bh * N * DIN, tok, tm, d, dm, DIN)
+        w_head = W + (bh % HEADS) * (2 * half if PAIRED else half) * DIN
+        # sin p = cos(p - pi/2): one cosine per column (the shift's rounding is that of p itself)
+        phase = tl.where(sin_cols, 1.5707963267948966, 0.0)[None, :]
+        feat = tl.cos(_trig_proj(x, w_head, freq, fm, d, dm, DIN) - phase)
+        if PAIRED:
+            feat += tl.cos(_trig_proj(x, w_head + half * DIN, freq, fm, d, dm, DIN) - phase)
+        return tl.where(tm[:, None] & fm[None, :], feat * trig_scale, 0.0)
+    else:
+        return _tile(X + bh * N * F, tok, tm, f, fm, F)
+
+
+@_tuned
+@triton.jit
 def chunk_states(
     K, V, LS, MB, S0, Z0, STATES, ZS, SF, ZF,
-    N, F, DV, NC,
+    N, F, DV, NC, W, HEADS, DIN, trig_scale,
     CHUNK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+    TRIG: tl.constexpr, PAIRED: tl.constexpr, BD: tl.constexpr,
 ):
     bh = tl.program_id(0).to(tl.int64)
     pv = tl.program_id(2)
@@ -91,7 +147,7 @@ def chunk_states(
         m_cur = tl.load(MB + bh * (NC + 1) + c + 1)
         tok = c * CHUNK + t
         tm = tok < N
-        k = _tile(K + bh * N * F, tok, tm, f, fm, F)
+        k = _features(K, W, bh, tok, tm, f, fm, N, F, DIN, HEADS, trig_scale, TRIG, PAIRED, BD)
         v = _tile(V + bh * N * DV, tok, tm, cols, vm, DV)
         ls = tl.load(LS + bh * N + tok, mask=tm, other=0.0)
         kw = k.to(tl.float32) * tl.where(tm, tl.exp(ls - m_cur), 0.0)[:, None]
@@ -102,12 +158,13 @@ def chunk_states(
     tl.store(ZF + bh * F + f, z, mask=zm)
 
 
+@_tuned
 @triton.jit
 def chunk_outputs(
     Q, K, V, LS, M, MB, STATES, ZS, OUT, G, DN, DD,
-    N, F, DV, NC, eps,
+    N, F, DV, NC, eps, W, HEADS, DIN, trig_scale,
     CHUNK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-    RMS: tl.constexpr, BACKWARD: tl.constexpr,
+    RMS: tl.constexpr, BACKWARD: tl.constexpr, TRIG: tl.constexpr, PAIRED: tl.constexpr, BD: tl.constexpr,
 ):
     c = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -124,8 +181,8 @@ def chunk_outputs(
     for f0 in range(0, F, BF):
         f = f0 + tl.arange(0, BF)
         fm = f < F
-        q = _tile(Q + bh * N * F, tok, tm, f, fm, F)
-        k = _tile(K + bh * N * F, tok, tm, f, fm, F)
+        q = _features(Q, W, bh, tok, tm, f, fm, N, F, DIN, HEADS, trig_scale, TRIG, PAIRED, BD)
+        k = _features(K, W, bh, tok, tm, f, fm, N, F, DIN, HEADS, trig_scale, TRIG, PAIRED, BD)
         s = _tile(STATES + state * DV, f, fm, cols, vm, DV)
         z = tl.load(ZS + state + f, mask=fm, other=0.0)
         qk += _dot(q, tl.trans(k), elt, PREC)
@@ -165,11 +222,13 @@ def chunk_outputs(
             tl.store(OUT + out_off, n / guarded[:, None], mask=out_mask)
 
 
+@_tuned
 @triton.jit
 def chunk_state_grads(
     Q, M, MB, DN, DD, DSF, DZF, DSTATES, DZS, DS0, DZ0,
-    N, F, DV, NC,
+    N, F, DV, NC, W, HEADS, DIN, trig_scale,
     CHUNK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+    TRIG: tl.constexpr, PAIRED: tl.constexpr, BD: tl.constexpr,
 ):
     bh = tl.program_id(0).to(tl.int64)
     pv = tl.program_id(2)
@@ -192,7 +251,7 @@ def chunk_state_grads(
         m_cur = tl.load(MB + bh * (NC + 1) + c + 1)
         tok = c * CHUNK + t
         tm = tok < N
-        q = _tile(Q + bh * N * F, tok, tm, f, fm, F)
+        q = _features(Q, W, bh, tok, tm, f, fm, N, F, DIN, HEADS, trig_scale, TRIG, PAIRED, BD)
         m = tl.load(M + bh * N + tok, mask=tm, other=0.0)
         dn = _tile(DN + bh * N * DV, tok, tm, cols, vm, DV)
         dd = tl.load(DD + bh * N + tok, mask=tm, other=0.0)
@@ -220,11 +279,13 @@ def _chunk_scales(LS, M, MB, bh, c, tok, tm, N, NC, CHUNK: tl.constexpr):
     return e, carry, key_scale
 
 
+@_tuned
 @triton.jit
 def chunk_grads_qk(
     Q, K, V, LS, M, MB, STATES, ZS, DN, DD, DSTATES, DZS, DQ, DK, DLS,
-    N, F, DV, NC,
+    N, F, DV, NC, W, HEADS, DIN, trig_scale,
     CHUNK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+    TRIG: tl.constexpr, PAIRED: tl.constexpr, BD: tl.constexpr,
 ):
     """dq, dk of one (chunk, F block) and sum_f kf dkf over the block (DLS [F blocks, BH, N])."""
     c = tl.program_id(0)
@@ -249,8 +310,8 @@ def chunk_grads_qk(
         dnv += _dot(dn, tl.trans(v), elt, PREC)
         dns += _state_dot(dn, tl.trans(s), elt)
         vds += _state_dot(v, tl.trans(ds), elt)
-    q = _tile(Q + bh * N * F, tok, tm, f, fm, F)
-    k = _tile(K + bh * N * F, tok, tm, f, fm, F)
+    q = _features(Q, W, bh, tok, tm, f, fm, N, F, DIN, HEADS, trig_scale, TRIG, PAIRED, BD)
+    k = _features(K, W, bh, tok, tm, f, fm, N, F, DIN, HEADS, trig_scale, TRIG, PAIRED, BD)
     dd = tl.load(DD + bh * N + tok, mask=tm, other=0.0)
     z = tl.load(ZS + state + f, mask=fm, other=0.0)
     dz = tl.load(DZS + state + f, mask=fm, other=0.0)
@@ -268,11 +329,13 @@ def chunk_grads_qk(
     tl.store(DLS + (pf * bhs + bh) * N + tok, tl.sum(k.to(tl.float32) * dk, axis=1), mask=tm)
 
 
+@_tuned
 @triton.jit
 def chunk_grads_v(
     Q, K, LS, M, MB, DN, DSTATES, DV_OUT,
-    N, F, DV, NC,
+    N, F, DV, NC, W, HEADS, DIN, trig_scale,
     CHUNK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+    TRIG: tl.constexpr, PAIRED: tl.constexpr, BD: tl.constexpr,
 ):
     """dv of one (chunk, Dv block): W^T dn + key scales x (k dS)."""
     c = tl.program_id(0)
@@ -288,8 +351,8 @@ def chunk_grads_v(
     for f0 in range(0, F, BF):
         f = f0 + tl.arange(0, BF)
         fm = f < F
-        q = _tile(Q + bh * N * F, tok, tm, f, fm, F)
-        k = _tile(K + bh * N * F, tok, tm, f, fm, F)
+        q = _features(Q, W, bh, tok, tm, f, fm, N, F, DIN, HEADS, trig_scale, TRIG, PAIRED, BD)
+        k = _features(K, W, bh, tok, tm, f, fm, N, F, DIN, HEADS, trig_scale, TRIG, PAIRED, BD)
         ds = _tile(DSTATES + state * DV, f, fm, cols, vm, DV)
         qk += _dot(q, tl.trans(k), elt, PREC)
         kds += _state_dot(k, ds, elt)
@@ -297,3 +360,57 @@ def chunk_grads_v(
     dn = _tile(DN + bh * N * DV, tok, tm, cols, vm, DV)
     dv = _dot(tl.trans(qk * e), dn, elt, PREC) + key_scale[:, None] * kds
     tl.store(DV_OUT + bh * N * DV + tok[:, None] * DV + cols[None, :], dv, mask=tm[:, None] & vm[None, :])
+
+
+@triton.jit
+def _trig_d_proj(x, w_rows, freq, fm, d, dm, DIN, g_cos, g_sin, trig_scale):
+    """dL/dproj [C, BJ] of one frequency set: s (cos p g_sin - sin p g_cos), p recomputed."""
+    proj = _trig_proj(x, w_rows, freq, fm, d, dm, DIN)
+    return trig_scale * (tl.cos(proj) * g_sin - tl.sin(proj) * g_cos)
+
+
+@_tuned
+@triton.jit
+def trig_grads(
+    X, W, G, DX_PARTS, DW,
+    N, F, DIN, HEADS, NC, trig_scale,
+    CHUNK: tl.constexpr, BJ: tl.constexpr, BD: tl.constexpr, PAIRED: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """The trig map's backward for one (BH, block of BJ frequencies), sequential over chunks: from
+    the feature gradient G [BH, N, F] (cosine columns, then sine columns) and x = X [BH, N, DIN],
+    this block's share of dL/dx (DX_PARTS [frequency blocks, BH, N, DIN], summed in torch) and
+    dL/dW of its frequency rows for this bh (DW [BH, P, DIN], summed over the batch in torch).
+    Projections and their cos/sin are recomputed in registers, never stored."""
+    bh = tl.program_id(0).to(tl.int64)
+    jb = tl.program_id(1)
+    bhs = tl.num_programs(0)
+    elt = X.dtype.element_ty
+    half = F // 2
+    rows = 2 * half if PAIRED else half
+    freq = jb * BJ + tl.arange(0, BJ)
+    jm = freq < half
+    d = tl.arange(0, BD)
+    dm = d < DIN
+    w_head = W + (bh % HEADS) * rows * DIN
+    dw1 = tl.zeros((BJ, BD), dtype=tl.float32)
+    dw2 = tl.zeros((BJ, BD), dtype=tl.float32)
+    for c in range(NC):
+        tok = c * CHUNK + tl.arange(0, CHUNK)
+        tm = tok < N
+        x = _tile(X + bh * N * DIN, tok, tm, d, dm, DIN)
+        g_cos = _tile(G + bh * N * F, tok, tm, freq, jm, F)
+        g_sin = _tile(G + bh * N * F + half, tok, tm, freq, jm, F)
+        dp = _trig_d_proj(x, w_head, freq, jm, d, dm, DIN, g_cos, g_sin, trig_scale)
+        dx = _state_dot(dp, _tile(w_head, freq, jm, d, dm, DIN), elt)
+        dw1 += _dot(tl.trans(dp), x, elt, PREC)
+        if PAIRED:
+            dp = _trig_d_proj(x, w_head + half * DIN, freq, jm, d, dm, DIN, g_cos, g_sin, trig_scale)
+            dx += _state_dot(dp, _tile(w_head + half * DIN, freq, jm, d, dm, DIN), elt)
+            dw2 += _dot(tl.trans(dp), x, elt, PREC)
+        dx_off = (jb * bhs + bh) * N * DIN + tok[:, None] * DIN + d[None, :]
+        tl.store(DX_PARTS + dx_off, dx, mask=tm[:, None] & dm[None, :])
+    w_mask = jm[:, None] & dm[None, :]
+    dw_off = bh * rows * DIN + freq[:, None] * DIN + d[None, :]
+    tl.store(DW + dw_off, dw1, mask=w_mask)
+    if PAIRED:
+        tl.store(DW + dw_off + half * DIN, dw2, mask=w_mask)

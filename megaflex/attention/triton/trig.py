@@ -1,11 +1,21 @@
 """Trig feature map + Triton attention in one autograd function (no saved [B, H, N, F] features).
 
-Forward computes the random-Fourier features of q and k (``trig_feature_map_reference``, plain
-vectorised torch: no loop over heads), runs the attention kernels and saves only q, k, v, the
-map's parameters and the incoming state. Backward recomputes the features with autograd on,
-runs the attention backward kernels, and backpropagates their feature gradients through the
-map: dq, dk, domega, dinv_temperature. So between a layer's forward and backward only the raw
-[B, H, N, d] inputs are alive, as for softmax attention; the features exist transiently.
+Saved for backward: q, k, v, the map's parameters and the incoming state only, so between a
+layer's forward and backward only the raw [B, H, N, d] inputs are alive, as for softmax
+attention. Two ways to get the features (``fused_map``):
+
+* default: forward computes the features in torch (``trig_feature_map_reference``, vectorised:
+  no loop over heads) and runs the attention kernels on them; backward recomputes them with
+  autograd on, runs the attention backward kernels and backpropagates the feature gradients
+  through the map. The features and the map's intermediates exist transiently.
+* ``fused_map=True``: the kernels take the raw q, k and omega and compute each [C, BF] feature
+  tile in registers where they need it (``kernels._features``: projection, cos, pair sums,
+  scale); the key log-scale ||k||^2 inv_temperature is a [B, H, N] torch expression. Backward:
+  the attention backward kernels (recomputing features the same way) give the feature
+  gradients [B H, N, F] (fp32, transient), and ``trig_grads`` turns them into dq, dk and
+  per-(batch, head) domega, recomputing projections in registers. No projection, cos or sin
+  tensor exists. Not the default yet: compiled for the shipped shapes, it still spills
+  registers (docs/gpu.md "Triton kernels"), where the default path does not.
 """
 
 from __future__ import annotations
@@ -13,30 +23,70 @@ from __future__ import annotations
 import torch
 
 from ..base import LinearAttentionState
-from ..feature_maps._trig import trig_feature_map_reference
-from .function import ChunkPlan, attention_backward, attention_forward, check_options, check_triton_dtype, flat_inputs
+from ..feature_maps._trig import _feature_scale, trig_feature_map_reference
+from .function import (
+    ChunkPlan,
+    TrigMap,
+    attention_backward,
+    attention_forward,
+    check_options,
+    check_triton_dtype,
+    flat_inputs,
+    map_backward,
+)
+
+
+def _key_log_scale(k: torch.Tensor, inv_temperature: torch.Tensor) -> torch.Tensor:
+    """||k||^2 inv_temperature[h] [B, H, N] fp32 (as ``trig_feature_map``)."""
+    k32 = k.float()
+    return (k32 * k32).sum(dim=-1) * inv_temperature.float()[:, None]
 
 
 def _features(q, k, omega, inv_temperature, paired):
-    """(qf, kf, kls) [B, H, N, *] of the trig map (the query's log-scale is never used)."""
+    """(qf, kf, kls) [B, H, N, *] of the trig map in torch (the query's log-scale is never used)."""
     qf, _ = trig_feature_map_reference(q, omega, inv_temperature, paired=paired)
     kf, kls = trig_feature_map_reference(k, omega, inv_temperature, paired=paired)
     return qf, kf, kls
 
 
+def _prepare(q, k, v, omega, inv_temperature, state, paired, fused, chunk_size):
+    """Flat kernel inputs and the plan: the features (default), or with ``fused`` the raw q, k
+    and a plan whose TrigMap lets the kernels map them."""
+    if not fused:
+        return flat_inputs(*_features(q, k, omega, inv_temperature, paired), v, state, chunk_size)
+    rows = omega.shape[1]
+    kls = _key_log_scale(k, inv_temperature)
+    flat, kv0, z0, plan = flat_inputs(q, k, kls, v, state, chunk_size, feat=rows if paired else 2 * rows)
+    plan.trig = TrigMap(omega.detach().float().contiguous(), paired, _feature_scale(rows, paired))
+    return flat, kv0, z0, plan
+
+
+def _map_grads_fused(q, k, dqf, dkf, dls, inv_temperature, plan: ChunkPlan, shape):
+    """dq, dk [B, H, N, d] fp32, domega [H, P, d] fp32, dinv_temperature [H] from the feature and
+    key log-scale gradients, by ``trig_grads`` (+ the log-scale's [B, H, N] terms in torch)."""
+    batch, heads, n, d = shape
+    dq, d_omega_q = map_backward(q, dqf, plan)
+    dk, d_omega_k = map_backward(k, dkf, plan)
+    # the key log-scale ||k||^2 inv_t[h]: dk += 2 k dls inv_t[h], dinv_t[h] = sum_{b, n} dls ||k||^2
+    k32 = k.float().view(batch, heads, n, d)
+    dls = dls.view(batch, heads, n)
+    dk = dk.view(batch, heads, n, d).addcmul_(k32, (2 * dls * inv_temperature.float()[:, None]).unsqueeze(-1))
+    d_inv = (dls * (k32 * k32).sum(dim=-1)).sum(dim=(0, 2))
+    d_omega = (d_omega_q + d_omega_k).view(batch, heads, *plan.trig.omega.shape[1:]).sum(dim=0)
+    return dq.view(batch, heads, n, d), dk, d_omega, d_inv
+
+
 class _TrigLinearAttention(torch.autograd.Function):
-    """(q, k, v, omega, inv_temperature, kv0, k_sum0, log_max0 | None, paired, normalization,
-    chunk_size, eps) -> (out [B, H, N, Dv], kv [BH, F, Dv], k_sum [BH, F], log_max [BH])."""
+    """(q, k, v, omega, inv_temperature, kv0, k_sum0, log_max0 | None, paired, fused_map,
+    normalization, chunk_size, eps) -> (out [B, H, N, Dv], kv [BH, F, Dv], k_sum [BH, F], log_max [BH])."""
 
     @staticmethod
-    def forward(ctx, q, k, v, omega, inv_temperature, kv0, z0, log_max0, paired, normalization, chunk_size, eps):  # type: ignore[override]
+    def forward(ctx, q, k, v, omega, inv_temperature, kv0, z0, log_max0, paired, fused, normalization, chunk_size, eps):  # type: ignore[override]
         batch, heads, n, _ = q.shape
-        with torch.no_grad():
-            qf, kf, kls = _features(q, k, omega, inv_temperature, paired)
         state = None if log_max0 is None else LinearAttentionState(kv0, z0, log_max0)
-        (qq, kk, ls, vv), kv0_flat, z0_flat, plan = flat_inputs(qf, kf, kls, v, state, chunk_size)
+        (qq, kk, ls, vv), kv0_flat, z0_flat, plan = _prepare(q, k, v, omega, inv_temperature, state, paired, fused, chunk_size)
         out, kv, k_sum = attention_forward(qq, kk, ls, vv, kv0_flat, z0_flat, plan, normalization, eps, v.dtype)
-        ctx.save_for_backward(q, k, v, omega, inv_temperature, kv0_flat, z0_flat)
+        ctx.save_for_backward(q, k, v, omega, inv_temperature, kv0_flat, z0_flat, ls if fused else None)
         ctx.plan, ctx.meta = plan, (paired, normalization, eps, kv0 is not None)
         ctx.set_materialize_grads(False)
         log_max = plan.chunk_max[:, -1]
@@ -45,38 +95,44 @@ class _TrigLinearAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_out, d_kv, d_k_sum, _d_log_max):  # type: ignore[override]
-        q, k, v, omega, inv_temperature, kv0, z0 = ctx.saved_tensors
+        q, k, v, omega, inv_temperature, kv0, z0, ls = ctx.saved_tensors
         paired, normalization, eps, has_state = ctx.meta
         plan: ChunkPlan = ctx.plan
         bh, n = plan.bh, plan.n
-        needs = ctx.needs_input_grad
-        leaves = [t.detach().requires_grad_(needs[i]) for t, i in zip((q, k, omega, inv_temperature), (0, 1, 3, 4))]
-        with torch.enable_grad():
-            qf, kf, kls = _features(*leaves, paired)
-        dqf, dkf, dls, dv, d_kv0, d_z0 = attention_backward(
-            qf.detach().reshape(bh, n, plan.feat).contiguous(),
-            kf.detach().reshape(bh, n, plan.feat).contiguous(),
-            kls.detach().reshape(bh, n).float().contiguous(),
-            v.reshape(bh, n, plan.dv).contiguous(),
-            kv0, z0, plan, normalization, eps,
-            None if d_out is None else d_out.reshape(bh, n, plan.dv), d_kv, d_k_sum,
-        )  # fmt: skip
+        d_out = None if d_out is None else d_out.reshape(bh, n, plan.dv)
+        flat_v = v.reshape(bh, n, plan.dv).contiguous()
         grads: list[torch.Tensor | None] = [None] * 4
-        wanted = [i for i, leaf in enumerate(leaves) if leaf.requires_grad]
-        if wanted:
-            got = torch.autograd.grad(
-                (qf, kf, kls),
-                [leaves[i] for i in wanted],
-                (dqf.view_as(qf).to(qf.dtype), dkf.view_as(kf).to(kf.dtype), dls.view_as(kls)),
-                allow_unused=True,
-            )
-            for i, g in zip(wanted, got):
-                grads[i] = g
+        if plan.trig is not None:
+            qq, kk = q.reshape(bh, n, -1).contiguous(), k.reshape(bh, n, -1).contiguous()
+            dqf, dkf, dls, dv, d_kv0, d_z0 = attention_backward(qq, kk, ls, flat_v, kv0, z0, plan, normalization, eps, d_out, d_kv, d_k_sum)
+            grads = list(_map_grads_fused(qq, kk, dqf, dkf, dls, inv_temperature, plan, q.shape))
+        else:
+            needs = ctx.needs_input_grad
+            leaves = [t.detach().requires_grad_(needs[i]) for t, i in zip((q, k, omega, inv_temperature), (0, 1, 3, 4))]
+            with torch.enable_grad():
+                qf, kf, kls = _features(*leaves, paired)
+            dqf, dkf, dls, dv, d_kv0, d_z0 = attention_backward(
+                qf.detach().reshape(bh, n, plan.feat).contiguous(),
+                kf.detach().reshape(bh, n, plan.feat).contiguous(),
+                kls.detach().reshape(bh, n).float().contiguous(),
+                flat_v, kv0, z0, plan, normalization, eps, d_out, d_kv, d_k_sum,
+            )  # fmt: skip
+            wanted = [i for i, leaf in enumerate(leaves) if leaf.requires_grad]
+            if wanted:
+                got = torch.autograd.grad(
+                    (qf, kf, kls),
+                    [leaves[i] for i in wanted],
+                    (dqf.view_as(qf).to(qf.dtype), dkf.view_as(kf).to(kf.dtype), dls.view_as(kls)),
+                    allow_unused=True,
+                )
+                for i, g in zip(wanted, got):
+                    grads[i] = g
         d_kv_in = d_k_sum_in = None
         if has_state:
             batch, heads = q.shape[:2]
             d_kv_in, d_k_sum_in = d_kv0.view(batch, heads, plan.feat, plan.dv), d_z0.view(batch, heads, plan.feat)
-        return grads[0], grads[1], dv.view_as(v).to(v.dtype), grads[2], grads[3], d_kv_in, d_k_sum_in, *([None] * 5)
+        dq, dk, d_omega, d_inv = (None if g is None else g.to(t.dtype) for g, t in zip(grads, (q, k, omega, inv_temperature)))
+        return dq, dk, dv.view_as(v).to(v.dtype), d_omega, d_inv, d_kv_in, d_k_sum_in, *([None] * 6)
 
 
 def trig_linear_attention(
@@ -91,13 +147,15 @@ def trig_linear_attention(
     chunk_size: int = 64,
     initial_state: LinearAttentionState | None = None,
     eps: float = 1e-6,
+    fused_map: bool = False,
 ) -> tuple[torch.Tensor, LinearAttentionState]:
     """Causal linear attention of the trig map ``trig_feature_map(x, omega, inv_temperature,
     paired=paired)`` applied to q and k, with the Triton kernels: q, k [B, H, N, d], v [B, H, N, Dv],
     omega [H, P, d], inv_temperature [H] -> (out [B, H, N, Dv] in v.dtype, fp32 state).
 
     Equals ``triton_linear_attention(phi(q), phi(k), kls(k), v, ...)``; differentiable w.r.t. q,
-    k, v, omega, inv_temperature and the initial state's kv and k_sum.
+    k, v, omega, inv_temperature and the initial state's kv and k_sum. ``fused_map``: the kernels
+    compute the features themselves (see the module docstring).
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_triton_dtype(t, name)
@@ -113,7 +171,7 @@ def trig_linear_attention(
     if initial_state is not None:
         kv0, z0, log_max0 = initial_state.kv, initial_state.k_sum, initial_state.log_max
     out, kv, k_sum, log_max = _TrigLinearAttention.apply(
-        q, k, v, omega, inv_temperature, kv0, z0, log_max0, paired, normalization, chunk_size, eps
+        q, k, v, omega, inv_temperature, kv0, z0, log_max0, paired, fused_map, normalization, chunk_size, eps
     )
     feat = kv.shape[1]
     offset = (0 if initial_state is None else initial_state.offset) + n
