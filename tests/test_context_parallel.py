@@ -130,15 +130,21 @@ def _attention_run(
     # error growth (tests/numerics.py) on the whole sequence, plus the CP ranks' state combination;
     # parameters' gradients sum over every (batch, head, token) position
     steps = form_steps(core.feature_map, q, k, v) + 2 * (q[..., 0].numel() + (1 if state is None else state.cp_size))
+    return {**outputs_and_grads(core, state, q, k, v, weight), "steps": steps}
+
+
+def outputs_and_grads(core: AttentionCore, state: ParallelState | None, q, k, v, weight, **attend_kwargs) -> dict:
+    """The core's output on (q, k, v) (this CP rank's slice under ``state``), and the gradients of
+    (out * weight).sum() w.r.t. q, k, v and the core's parameters (summed over the CP ranks)."""
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     attend = core if state is None else ContextParallelAttention(core, state)
-    out, _ = attend(q, k, v)
+    out, _ = attend(q, k, v, **attend_kwargs)
     (out * weight).sum().backward()
     params = {name: p.grad.clone() for name, p in core.named_parameters()}
     if state is not None:
         for g in params.values():
             dist.all_reduce(g, group=state.cp_group)
-    return {"out": out.detach(), "q": q.grad, "k": k.grad, "v": v.grad, "params": params, "steps": steps}
+    return {"out": out.detach(), "q": q.grad, "k": k.grad, "v": v.grad, "params": params}
 
 
 def _assert_cp_equals_single_rank(

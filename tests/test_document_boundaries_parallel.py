@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from distributed import run_distributed
 from megaflex.attention import AttentionCore
-from megaflex.parallel import ContextParallelAttention, ParallelState, sequence_slice
+from megaflex.parallel import ParallelState, sequence_slice
 from attention_helpers import form_steps
 from numerics import assert_close, normwise_scale
+from test_context_parallel import outputs_and_grads
 
 N = 36
 # row 0: starts at 7 and 12 (the start of rank 1's slice at CP=3), then one document to the end;
@@ -39,15 +39,7 @@ def _run(state: ParallelState | None) -> dict:
     if state is not None:
         q, k, v, weight = (sequence_slice(t, state.cp_rank, state.cp_size, dim=2) for t in (q, k, v, weight))
         starts = sequence_slice(starts, state.cp_rank, state.cp_size, dim=1)
-    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    attend = core if state is None else ContextParallelAttention(core, state)
-    out, _ = attend(q, k, v, document_starts=starts)
-    (out * weight).sum().backward()
-    params = {name: p.grad.clone() for name, p in core.named_parameters()}
-    if state is not None:
-        for g in params.values():
-            dist.all_reduce(g, group=state.cp_group)
-    return {"out": out.detach(), "q": q.grad, "k": k.grad, "v": v.grad, "params": params, "steps": steps}
+    return {**outputs_and_grads(core, state, q, k, v, weight, document_starts=starts), "steps": steps}
 
 
 def _worker(rank: int, world: int) -> int:
