@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("triton", reason="triton is not installed (pip install 'megaflex[dev]' installs it)")
 
 from evaluation.gpu_check.__main__ import STAGES  # noqa: E402
-from evaluation.gpu_check.profiled_train import category  # noqa: E402
+from evaluation.gpu_check.profile_summary import category  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from megaflex.training.metrics import read_metrics
+from megaflex.training.profiling import read_ops
 from training_harness import PYTHON, REPO, TINY, base_env, launch, write_config
 from wandb_offline import history, run_config, run_files, run_id
 
@@ -42,6 +43,10 @@ def test_profile_writes_a_trace_naming_the_attention_ops(tmp_path: Path) -> None
     assert names.count("megaflex.attention.flexformer_n") == calls
     assert sorted(n for n in names if n.startswith("ProfilerStep#")) == ["ProfilerStep#2", "ProfilerStep#3"]
     assert any("Backward" in n and "Linear" in n for n in names), sorted(set(names))[:50]  # the attention's backward
+    ops = read_ops(run_dir / "profile" / "rank0.steps2-3.ops.json")  # the same window, per op, for scripts
+    by_name = {op["name"]: op for op in ops["ops"]}
+    assert ops["steps"] == 2 and by_name["megaflex.attention.flexformer_n"]["count"] == calls
+    assert by_name["aten::mm"]["self_cpu_us"] > 0
     log = result.outputs[0]
     table = log[log.index("profile of steps 2-3 (rank 0, top 12 ops by self_cpu_time_total)"):]
     assert "Self CPU" in table and str(trace) in table

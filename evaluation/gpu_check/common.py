@@ -49,13 +49,12 @@ def trainer_env(dry_run: bool) -> dict[str, str]:
     return env
 
 
-def run_trainer(args: list[str], run_dir: Path, dry_run: bool, timeout: float, module: str = "megaflex.train",
-                module_args: list[str] | None = None) -> dict[str, Any]:
-    """``python -m <module> [module_args] --config ... logging.run_dir=run_dir``: the train and kernel
+def run_trainer(args: list[str], run_dir: Path, dry_run: bool, timeout: float) -> dict[str, Any]:
+    """``python -m megaflex.train --config ... logging.run_dir=run_dir``: the train and kernel
     records of its metrics.jsonl, its wall time, or its error (the output's tail)."""
     from megaflex.training.metrics import read_metrics
 
-    cmd = [sys.executable, "-m", module, *(module_args or []), *args, f"logging.run_dir={run_dir}"]
+    cmd = [sys.executable, "-m", "megaflex.train", *args, f"logging.run_dir={run_dir}"]
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=trainer_env(dry_run), capture_output=True, text=True, timeout=timeout)

@@ -13,12 +13,12 @@ Under ``--dry-run`` the same code runs configs/tiny.yaml on CPU at seq 64 for a 
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
 
 from evaluation.gpu_check.common import REPO, Stage, base_overrides, learnable_tokens, run_trainer, throughput
+from evaluation.gpu_check.profile_summary import summarize
 
 ZERO1 = str(REPO / "configs" / "zero" / "zero1.yaml")
 
@@ -36,16 +36,16 @@ def trainer_247m(stage: Stage) -> dict[str, Any]:
     config, extra, over = _shape(stage, "flexformer_n_247m")
     run_dir = stage.work_dir / "flexformer_247m"
     ckpt = [f"checkpoint.dir={run_dir}/checkpoints", "checkpoint.save_interval=10", "checkpoint.keep_last=1"]
-    profile_json = stage.work_dir / "profile_steps_6_8.json"
+    profile = ["logging.profile.start=6", "logging.profile.steps=3"]  # the trainer's profiler: steps 6-8
     timeout = 900 if stage.dry_run else 240
-    first = run_trainer(["--config", config, *extra, *over, *ckpt, "checkpoint.resume=none"], run_dir, stage.dry_run,
-                        timeout, module="evaluation.gpu_check.profiled_train",
-                        module_args=["--steps", "6", "8", "--json", str(profile_json), "--"])  # fmt: skip
+    first = run_trainer(["--config", config, *extra, *over, *ckpt, *profile, "checkpoint.resume=none"], run_dir,
+                        stage.dry_run, timeout)  # fmt: skip
     result: dict[str, Any] = {"config": Path(config).name, "overrides": over}
     if "error" in first:
         return {**result, "error": first["error"]}
     result.update(throughput(first["train"], skip={1, 2, 6, 7, 8}), wall_s=first["wall_s"])
-    result["profile_steps_6_8"] = json.loads(profile_json.read_text()) if profile_json.exists() else None
+    ops = run_dir / "profile" / "rank0.steps6-8.ops.json"
+    result["profile_steps_6_8"] = summarize(ops) if ops.exists() else None
     stage.emit(result)
     saved = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
     result["checkpoints"] = saved

@@ -246,7 +246,8 @@ class LoggingConfig:
     )
     profile: ProfileConfig | None = opt(
         None, "`{start: N, steps: K}`: torch.profiler (CPU, + CUDA on GPU) over steps N .. N+K-1; every rank writes "
-        "<run_dir>/profile/rank<r>.steps<N>-<M>.pt.trace.json (Chrome / TensorBoard trace), rank 0 logs the top ops by self time",
+        "<run_dir>/profile/rank<r>.steps<N>-<M>.pt.trace.json (Chrome / TensorBoard trace) and .ops.json (per-op "
+        "counts and self times), rank 0 logs the top ops by self time",
     )
 
 

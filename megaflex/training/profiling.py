@@ -5,8 +5,9 @@
 
 Optimizer steps N .. N+K-1 (1-based, as logged) are recorded with the CPU activity, plus CUDA on a
 GPU. Every rank writes ``rank<r>.steps<N>-<M>.pt.trace.json`` (Chrome trace format: chrome://tracing,
-Perfetto, or TensorBoard's profiler plugin pointed at the folder); ``log`` (rank 0's console) gets
-the top operators by self time. While recording, each attention sublayer's forward is labelled
+Perfetto, or TensorBoard's profiler plugin pointed at the folder) and ``rank<r>.steps<N>-<M>.ops.json``
+(every operator and kernel with its call count and self CPU/device microseconds, for scripts:
+``read_ops``); ``log`` (rank 0's console) gets the top operators by self time. While recording, each attention sublayer's forward is labelled
 ``megaflex.attention`` and its core (feature maps + attention) ``megaflex.attention.<kind>``
 (``record_function`` ranges opened by module hooks, removed afterwards: no cost outside the window).
 A run stopped inside the window (signal) still writes the steps it recorded.
@@ -14,6 +15,7 @@ A run stopped inside the window (signal) still writes the steps it recorded.
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -36,6 +38,7 @@ class StepProfiler:
     ) -> None:
         self.settings, self.model, self.out_dir, self.rank, self.device, self.log = settings, model, out_dir, rank, device, log
         self.trace_path: Path | None = None
+        self.ops_path: Path | None = None
         self._prof: profile | None = None
         self._hooks: list[Any] = []
         self._last_step = 0
@@ -87,8 +90,14 @@ class StepProfiler:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.trace_path = self.out_dir / f"rank{self.rank}.steps{first}-{last}.pt.trace.json"
         prof.export_chrome_trace(str(self.trace_path))
+        averages = prof.key_averages()
+        self.ops_path = self.out_dir / f"rank{self.rank}.steps{first}-{last}.ops.json"
+        self.ops_path.write_text(json.dumps({"steps": last - first + 1, "device": self.device, "ops": [
+            {"name": evt.key, "count": evt.count, "self_cpu_us": evt.self_cpu_time_total,
+             "self_device_us": getattr(evt, "self_device_time_total", 0.0) or 0.0,
+             "device_type": str(getattr(evt, "device_type", ""))} for evt in averages]}))  # fmt: skip
         by = "self_device_time_total" if self.device == "cuda" else "self_cpu_time_total"
-        table = prof.key_averages().table(sort_by=by, row_limit=TOP_OPS, max_name_column_width=60)
+        table = averages.table(sort_by=by, row_limit=TOP_OPS, max_name_column_width=60)
         self.log(f"profile of steps {first}-{last} (rank {self.rank}, top {TOP_OPS} ops by {by}); trace "
                  f"{self.trace_path}\n{table}")
 
@@ -119,3 +128,9 @@ class StepProfiler:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+
+
+def read_ops(path: Path) -> dict[str, Any]:
+    """A ``rank<r>.steps<N>-<M>.ops.json``: {"steps", "device", "ops": [{"name", "count", "self_cpu_us",
+    "self_device_us", "device_type"}]}."""
+    return json.loads(Path(path).read_text())
