@@ -105,7 +105,8 @@ def markdown_table(report: dict, configs: tuple[str, ...] = ("flexformer_n_247m"
             if "BF" not in blocks:  # trig_grads (fused trig path): frequency blocks BJ
                 blocks = blocks | {"BF": blocks["BJ"], "BV": "-"}
             name = row["kernel"] + (" (bwd)" if blocks.get("BACKWARD") else "")
-            key = (name, f"C={blocks['CHUNK']} BF={blocks['BF']} BV={blocks['BV']} w={row['num_warps']} s={row['num_stages']}")
+            head = f" BD={blocks['BD']}" if blocks.get("TRIG", "BJ" in blocks) else ""  # head-dim block of in-kernel features
+            key = (name, f"C={blocks['CHUNK']} BF={blocks['BF']} BV={blocks['BV']}{head} w={row['num_warps']} s={row['num_stages']}")
             cells.setdefault(key, {})[row["arch"]] = f"{row['shared_bytes']:,} / {row['registers']} / {row['spill_store_bytes']}"
         for (name, blocks), by_arch in cells.items():
             lines.append(f"| {config} | {name} | {blocks} | {by_arch.get(80, '-')} | {by_arch.get(90, '-')} |")

@@ -131,7 +131,8 @@ class ChunkPlan:
     def scan_blocks(self) -> tuple[int, int]:
         """(BF, BV) of the sequential scans: the chunk kernels' tiles, halved (down to 32 wide)
         while fewer than ``_SCAN_MIN_PROGRAMS`` programs would run (their columns are independent)."""
-        # features computed in the scan (trig): 32-wide F blocks, their projections take registers
+        # features computed in the scan (trig): 16-wide F blocks (32 spilled 24 B at BV = 64 on
+        # sm_80); the F blocks share no work, while every Dv block recomputes its features
         bf, bv = min(_block(self.feat), _MIN_BLOCK if self.trig else _MAX_TILE), self.dv_block
         while self.bh * -(-self.feat // bf) * -(-self.dv // bv) < _SCAN_MIN_PROGRAMS and max(bf, bv) > 32:
             if bf >= bv:

@@ -12,7 +12,7 @@ attention. Two ways to get the features (``fused_map``):
   way) give the feature gradients [B H, N, F] (fp32, transient), and ``trig_grads`` turns them
   into dq, dk and per-(batch, head) domega, recomputing projections in registers. No
   projection, cos or sin tensor exists. Compiled for every shipped shape it fits shared memory
-  on sm_80 and sm_90 with no bf16 spills at 247M/41M and at most 24 B at 1.3B
+  on sm_80 and sm_90 with no bf16 spills at 247M/41M and at most 16 B at 1.3B
   (docs/results/triton_aot.json).
 * ``fused_map=False`` (the reference beside it): forward computes the features in torch
   (``trig_feature_map_reference``, vectorised: no loop over heads) and runs the attention
