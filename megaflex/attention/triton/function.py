@@ -189,8 +189,14 @@ def _map_arguments(plan: ChunkPlan) -> tuple[tuple, dict]:
     if trig is None:
         return (plan.chunk_max, 1, 1, 1.0), dict(TRIG=False, PAIRED=False, BD=_MIN_BLOCK)
     omega = trig.omega
-    head_block = min(_block(trig.head_dim), _LOOP_TILE)  # the projections' head-dim blocks
-    return (omega, omega.shape[0], trig.head_dim, trig.scale), dict(TRIG=True, PAIRED=trig.paired, BD=head_block)
+    flags = dict(TRIG=True, PAIRED=trig.paired, BD=_projection_block(trig.head_dim))
+    return (omega, omega.shape[0], trig.head_dim, trig.scale), flags
+
+
+def _projection_block(head_dim: int) -> int:
+    """Head-dim block over which the kernels accumulate trig projections (``kernels._trig_projs``):
+    whole [C, 128] input tiles made chunk_outputs spill at the 1.3B shape."""
+    return min(_block(head_dim), _LOOP_TILE)
 
 
 def _launch(kern, kernel: str, grid: tuple[int, ...], plan: ChunkPlan, *args, **constexprs) -> None:
@@ -304,7 +310,7 @@ def map_backward(x: torch.Tensor, d_features: torch.Tensor, plan: ChunkPlan, ker
     d_omega = torch.empty(plan.bh, *trig.omega.shape[1:], **f32)
     kern.trig_grads[(plan.bh, blocks)](
         x, trig.omega, d_features, dx_parts, d_omega, plan.n, plan.feat, trig.head_dim, trig.omega.shape[0], plan.chunks,
-        trig.scale, CHUNK=plan.chunk, BJ=bj, BD=_block(trig.head_dim), BK=_map_arguments(plan)[1]["BD"], PAIRED=trig.paired, PREC="tf32",
+        trig.scale, CHUNK=plan.chunk, BJ=bj, BD=_block(trig.head_dim), BK=_projection_block(trig.head_dim), PAIRED=trig.paired, PREC="tf32",
     )  # fmt: skip
     return dx_parts.sum(0), d_omega
 
