@@ -8,6 +8,8 @@ dispatcher makes in forward + backward (at B = 1 and B = 8: the scans' blocks de
 number of programs), compiles each distinct one with Triton's compiler and ptxas (no GPU needed)
 and reads shared memory, registers and spills. Exit status 1 when a launch needs more shared
 memory than its target has. The JSON holds one row per (launch, target) and which configs use it.
+Trig maps (every shipped linear config) take the dispatcher's path, features computed in the
+kernels (``trig_linear_attention``'s default); ``--unfused-trig`` compiles its reference path.
 """
 
 from __future__ import annotations
@@ -71,10 +73,11 @@ def shipped_shapes(config_dir: Path = CONFIG_DIR) -> dict[Shape, list[str]]:
     return shapes
 
 
-def launches_of(shapes: dict[Shape, list[str]], dtypes: list[str], fused_trig: bool = False) -> dict[Launch, set[str]]:
+def launches_of(shapes: dict[Shape, list[str]], dtypes: list[str], fused_trig: bool = True) -> dict[Launch, set[str]]:
     """Distinct launches (forward + backward, B in ``BATCHES``) -> '<config>/<dtype>' using them.
-    ``fused_trig``: trig maps take ``trig_linear_attention(fused_map=True)`` (features computed in
-    the kernels) instead of the default path (features given to the kernels)."""
+    ``fused_trig``: trig maps take ``trig_linear_attention``'s default path (features computed in
+    the kernels, what the dispatcher runs); False: its reference path (``fused_map=False``,
+    features computed in torch and given to the kernels)."""
     found: dict[Launch, set[str]] = {}
     for shape, names in shapes.items():
         for dtype in dtypes:
@@ -102,7 +105,8 @@ def markdown_table(report: dict, configs: tuple[str, ...] = ("flexformer_n_247m"
             if "BF" not in blocks:  # trig_grads (fused trig path): frequency blocks BJ
                 blocks = blocks | {"BF": blocks["BJ"], "BV": "-"}
             name = row["kernel"] + (" (bwd)" if blocks.get("BACKWARD") else "")
-            key = (name, f"C={blocks['CHUNK']} BF={blocks['BF']} BV={blocks['BV']} w={row['num_warps']} s={row['num_stages']}")
+            head = f" BD={blocks['BD']}" if blocks.get("TRIG", "BJ" in blocks) else ""  # head-dim block of in-kernel features
+            key = (name, f"C={blocks['CHUNK']} BF={blocks['BF']} BV={blocks['BV']}{head} w={row['num_warps']} s={row['num_stages']}")
             cells.setdefault(key, {})[row["arch"]] = f"{row['shared_bytes']:,} / {row['registers']} / {row['spill_store_bytes']}"
         for (name, blocks), by_arch in cells.items():
             lines.append(f"| {config} | {name} | {blocks} | {by_arch.get(80, '-')} | {by_arch.get(90, '-')} |")
@@ -118,7 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("docs/results/triton_aot.json"))
     parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["bf16", "fp16", "fp32"])
     parser.add_argument("--archs", nargs="+", type=int, choices=ARCHS, default=list(ARCHS))
-    parser.add_argument("--fused-trig", action="store_true", help="trig maps on the fused path (trig_linear_attention(fused_map=True))")
+    parser.add_argument(
+        "--unfused-trig", action="store_true", help="trig maps on the reference path (trig_linear_attention(fused_map=False))"
+    )
     parser.add_argument("--table", type=Path, help="print the README table of this report (JSON) and exit")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiles in parallel (default: one per CPU)")
     args = parser.parse_args(argv)
@@ -128,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     start = time.perf_counter()
-    jobs = [(launch, arch, sorted(users)) for launch, users in launches_of(shipped_shapes(), args.dtypes, args.fused_trig).items() for arch in args.archs]
+    jobs = [(launch, arch, sorted(users)) for launch, users in launches_of(shipped_shapes(), args.dtypes, not args.unfused_trig).items() for arch in args.archs]
     rows = []
     with ProcessPoolExecutor(args.jobs) as pool:  # each compile is one single-threaded ptxas run
         for (_, _, users), compiled in zip(jobs, pool.map(_compile_one, [job[:2] for job in jobs])):
@@ -143,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     failures = [r for r in rows if not r["fits"]]
     report = {
         "triton": triton.__version__,
-        "trig_path": "fused" if args.fused_trig else "features",
+        "trig_path": "features" if args.unfused_trig else "fused",
         "shared_memory_limit": {f"sm_{arch}": limit for arch, limit in SHARED_MEMORY_LIMIT.items()},
         "compiles": len(rows),
         "exceeding_shared_memory": len(failures),

@@ -16,12 +16,14 @@ os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are first imported (C
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-pytest.importorskip("triton", reason="triton is not installed (pip install 'megaflex[dev]' installs it)")
+triton = pytest.importorskip("triton", reason="triton is not installed (pip install 'megaflex[dev]' installs it)")
+import triton.language as tl  # noqa: E402
 
 from megaflex.attention import LinearAttentionState, NORMALIZATIONS  # noqa: E402
 from megaflex.attention.feature_maps._trig import trig_feature_map_reference  # noqa: E402
 from megaflex.attention.quadratic import quadratic_linear_attention  # noqa: E402
 from megaflex.attention.triton import kernel_chunk, trig_linear_attention, triton_linear_attention  # noqa: E402
+from megaflex.attention.triton.kernels import _cos_shifted, _sin_cos  # noqa: E402
 from attention_helpers import attention_steps, log_scale_spread  # noqa: E402
 from numerics import assert_close, assert_close_to_reference, fp32_steps_in  # noqa: E402
 
@@ -137,9 +139,11 @@ def test_core_kernels_match_quadratic_fp16(n, chunk, normalization, with_state):
     _compare(got, _run_core(quadratic_linear_attention, *args, torch.float16), exact, steps=steps, dtype=torch.float16)
 
 
-def _run_trig(use_triton, n, chunk, paired, normalization, with_state, temperature_scale, dtype, values=None, fused=False):
+def _run_trig(
+    use_triton, n, chunk, paired, normalization, with_state, temperature_scale, dtype, values=None, fused=False, head_dim=8
+):  # fmt: skip
     g = torch.Generator().manual_seed(2)
-    heads, d, rows = 2, 8, 16  # F = 16 paired, 32 unpaired
+    heads, d, rows = 2, head_dim, 16  # F = 16 paired, 32 unpaired
     values = values or dtype
     leaves, state = _inputs(
         n, rows if paired else 2 * rows, 8, normalization="rms", with_state=with_state, key_scale=1.0, dtype=dtype, values=values
@@ -211,6 +215,43 @@ def test_fused_trig_map_matches_reference_fp16():
     steps = FP16_STEPS + fp32_steps_in(torch.float16, exact[3])
     got = _run_trig(True, *args, torch.float16, fused=True)
     _compare(got, _run_trig(False, *args, torch.float16), exact, steps=steps, dtype=torch.float16)
+
+
+def test_fused_trig_map_over_several_head_dim_blocks():
+    """Head dim 40: the kernels project over two 32-wide head-dim blocks (the second partial),
+    trig_grads over one 64-wide block."""
+    args = (65, 16, True, "rms", True, 1.0)
+    exact = _run_trig(False, *args, torch.float64, head_dim=40)
+    got = _run_trig(True, *args, torch.float32, fused=True, head_dim=40)
+    _compare(got, _run_trig(False, *args, torch.float32, head_dim=40), exact, steps=exact[3])
+
+
+@triton.jit
+def _sin_cos_probe(P, SIN, COS, COS_SHIFTED, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < n
+    p = tl.load(P + i, mask=mask, other=0.0)
+    sin_p, cos_p = _sin_cos(p)
+    tl.store(SIN + i, sin_p, mask=mask)
+    tl.store(COS + i, cos_p, mask=mask)
+    tl.store(COS_SHIFTED + i, _cos_shifted(p, i % 2), mask=mask)  # odd i: cos(p - pi/2) = sin p
+
+
+def test_kernel_sin_cos_are_accurate_over_the_reduction_range():
+    """The kernels' range reduction + polynomials (not libdevice) against fp64 sin/cos of the same
+    fp32 arguments: within 1e-6 absolute for |p| up to 2e4 (projections are far smaller)."""
+    g = torch.Generator().manual_seed(5)
+    p = torch.cat(
+        [torch.linspace(-8, 8, 1001), 100 * torch.randn(1000, generator=g), 2e4 * (2 * torch.rand(1000, generator=g) - 1)]
+    ).float()
+    p[:4] = torch.tensor([0.0, torch.pi / 4, -torch.pi / 2, 3 * torch.pi])
+    sin_p, cos_p, shifted = torch.empty_like(p), torch.empty_like(p), torch.empty_like(p)
+    _sin_cos_probe[(triton.cdiv(p.numel(), 512),)](p, sin_p, cos_p, shifted, p.numel(), BLOCK=512)
+    exact_sin, exact_cos = torch.sin(p.double()), torch.cos(p.double())
+    assert (sin_p.double() - exact_sin).abs().max() < 1e-6
+    assert (cos_p.double() - exact_cos).abs().max() < 1e-6
+    odd = torch.arange(p.numel()) % 2 == 1
+    assert torch.equal(shifted[odd], sin_p[odd]) and torch.equal(shifted[~odd], cos_p[~odd])
 
 
 def test_chunk_lengths_round_to_powers_of_two_within_dot_limits():

@@ -45,7 +45,7 @@ def test_every_shipped_launch_fits_shared_memory_and_meets_the_spill_targets(tmp
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     rows = report["kernels"]
-    kernels = set(KERNELS) - {"trig_grads"}  # the default trig path gives the kernels features: no map backward
+    kernels = set(KERNELS)  # the trig maps' default path computes the features in the kernels, trig_grads their backward
     for config in ("flexformer_n_41m", "flexformer_n_247m", "flexformer_n_1.3b", "tiny"):
         for dtype in ("bf16", "fp16", "fp32"):
             for arch in (80, 90):
@@ -57,8 +57,9 @@ def test_every_shipped_launch_fits_shared_memory_and_meets_the_spill_targets(tmp
         picked.setdefault((r["kernel"], json.dumps(r["constexprs"], sort_keys=True), r["dtype"], r["arch"]), set()).add(
             (r["num_warps"], r["num_stages"])
         )
-    for (kernel, *_), configs in picked.items():
-        assert configs == set(launch_configs(kernel)), (kernel, configs)
+    for (kernel, constexprs, *_), configs in picked.items():
+        assert json.loads(constexprs).get("TRIG", True)  # shipped configs: features computed in the kernels
+        assert configs == set(launch_configs(kernel, trig=True)), (kernel, configs)
     limit = {80: 166_912, 90: 232_448}
     too_big = [(r["kernel"], r["arch"], r["configs"][0], r["shared_bytes"]) for r in rows if r["shared_bytes"] > limit[r["arch"]]]
     assert not too_big
@@ -119,6 +120,7 @@ _CONFIG_PROBE = textwrap.dedent(
     from megaflex.attention.triton import kernels
     from megaflex.attention.triton.aot import record_launches
     launches = record_launches(64, 32, torch.bfloat16, 64, bh=4, trig_head_dim=32)
+    launches += record_launches(64, 32, torch.bfloat16, 64, bh=4)  # features given: TRIG=False
     tuners = {name: [[c.num_warps, c.num_stages] for c in getattr(kernels, name).configs] for name in sys.argv[1:]}
     json.dump({"tuners": tuners, "launches": [[l.kernel, dict(l.constexprs), l.num_warps, l.num_stages] for l in launches]}, sys.stdout)
     """
@@ -126,8 +128,9 @@ _CONFIG_PROBE = textwrap.dedent(
 
 
 def test_cuda_autotunes_over_the_listed_configs_and_the_aot_records_each():
-    """Compiled (not interpreted) kernels autotune over ``launch_configs``; the AOT recorder turns
-    every launch into one compile per config the autotuner may pick (the trig path included)."""
+    """Compiled (not interpreted) kernels autotune over ``launch_configs``, pruned per launch to
+    ``launch_configs(kernel, trig=TRIG)``; the AOT recorder turns every launch into one compile per
+    config the autotuner may pick there (the trig path and the given-features path)."""
     proc = subprocess.run(
         [sys.executable, "-c", _CONFIG_PROBE, *KERNELS], cwd=REPO_ROOT, env=_compiler_env(), capture_output=True, text=True, timeout=300
     )
@@ -139,8 +142,13 @@ def test_cuda_autotunes_over_the_listed_configs_and_the_aot_records_each():
     for kernel, constexprs, warps, stages in found["launches"]:
         recorded.setdefault((kernel, json.dumps(constexprs, sort_keys=True)), set()).add((warps, stages))
     assert {kernel for kernel, _ in recorded} == set(KERNELS)
-    assert all(configs == set(launch_configs(kernel)) for (kernel, _), configs in recorded.items())
-    assert any(len(launch_configs(kernel)) > 1 for kernel in KERNELS)  # something is tuned on CUDA
+    trig_flags = {json.loads(constexprs).get("TRIG") for kernel, constexprs in recorded if kernel != "trig_grads"}
+    assert trig_flags == {True, False}
+    for (kernel, constexprs), configs in recorded.items():
+        assert configs == set(launch_configs(kernel, trig=json.loads(constexprs).get("TRIG")))
+    assert any(len(launch_configs(kernel, trig=trig)) > 1 for kernel in KERNELS for trig in (True, False))  # tuned on CUDA
+    # the TRIG subsets differ from the plain lists (else the pruning would be dead code)
+    assert any(launch_configs(kernel, trig=True) != launch_configs(kernel, trig=False) for kernel in KERNELS)
 
 
 def test_interpreter_runs_one_fixed_config_per_kernel():

@@ -2,7 +2,8 @@
 
 * ``kernel_sweep``: forward + backward in bf16 at (B, H, N, F, Dv) = (8, 16, 1k, 128, 64),
   (4, 16, 1k, 256, 128), (1, 16, 32k, 128, 64): megaflex's Triton kernel on given features, the
-  whole Triton trig path (features from q, k), SDPA restricted to FlashAttention (head dim Dv) and
+  whole Triton trig path (features computed in the kernels from q, k; ``_unfused``: its reference
+  path, features computed in torch), SDPA restricted to FlashAttention (head dim Dv) and
   fla's ``chunk_simple_gla`` on the same features when fla is importable: ms and peak MB. Then an
   int32-boundary probe: a batch with B*H*N*F > 2^31 elements, its last batch element compared with
   that element run alone (int32 offsets wrap past 2^31: a silent wrong output). Registers, spills
@@ -47,6 +48,9 @@ def _impls(heads: int, feat: int, dv: int, device: str, dtype: Any) -> dict[str,
     impls: dict[str, Any] = {
         "flexformer_kernel": lambda q, k, v, qf, kf, kls: triton_linear_attention(qf, kf, kls, v)[0],
         "flexformer_trig": lambda q, k, v, qf, kf, kls: trig_linear_attention(q, k, v, omega, inv_t, paired=True)[0],
+        "flexformer_trig_unfused": lambda q, k, v, qf, kf, kls: trig_linear_attention(
+            q, k, v, omega, inv_t, paired=True, fused_map=False
+        )[0],
         "sdpa_flash" if device == "cuda" else "sdpa": sdpa,
     }
     try:

@@ -84,8 +84,8 @@ class _Recorder:
             raise TypeError(f"{kernel}: {len(args)} arguments for {len(runtime)} parameters")
         signature = tuple((name, _arg_type(value)) for name, value in zip(runtime, args))
         constexprs = tuple(sorted(kwargs.items()))
-        # every config the autotuner may pick at this launch is one compile
-        for config in tuner.configs:
+        # every config the autotuner may pick at this launch (after its pruning) is one compile
+        for config in tuner.early_config_prune(tuner.configs, {}, **kwargs):
             launch = Launch(kernel, signature, constexprs, config.num_warps, config.num_stages)
             if launch not in self.launches:
                 self.launches.append(launch)

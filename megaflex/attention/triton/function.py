@@ -131,8 +131,9 @@ class ChunkPlan:
     def scan_blocks(self) -> tuple[int, int]:
         """(BF, BV) of the sequential scans: the chunk kernels' tiles, halved (down to 32 wide)
         while fewer than ``_SCAN_MIN_PROGRAMS`` programs would run (their columns are independent)."""
-        # features computed in the scan (trig): 32-wide F blocks, their projections take registers
-        bf, bv = min(_block(self.feat), _LOOP_TILE if self.trig else _MAX_TILE), self.dv_block
+        # features computed in the scan (trig): 16-wide F blocks (32 spilled 24 B at BV = 64 on
+        # sm_80); the F blocks share no work, while every Dv block recomputes its features
+        bf, bv = min(_block(self.feat), _MIN_BLOCK if self.trig else _MAX_TILE), self.dv_block
         while self.bh * -(-self.feat // bf) * -(-self.dv // bv) < _SCAN_MIN_PROGRAMS and max(bf, bv) > 32:
             if bf >= bv:
                 bf //= 2
@@ -149,17 +150,36 @@ class ChunkPlan:
 # the scans' 4-warp config spilled up to 144 B with 1 or 3 stages.
 _SCAN_CONFIGS = ((4, 2), (8, 2))
 _CHUNK_CONFIGS = ((8, 1), (8, 2))
+# With trig features computed in the kernels (TRIG) the autotuner prunes to these: 4 warps
+# spilled 24-580 B (scans, trig_grads) and chunk_grads_v 8 B with 2 stages, at 247M and 1.3B.
+_TRIG_SCAN_CONFIGS = ((8, 2),)
+_TRIG_CHUNK_CONFIGS = ((8, 1),)
 SCAN_KERNELS = ("chunk_states", "chunk_state_grads", "trig_grads")
+MAP_KERNELS = ("trig_grads",)  # kernels of the trig map alone: always TRIG
 # tuning key: the shapes and block sizes (not N: the best config hardly depends on the length,
 # and re-tuning at every new length would benchmark again); tensor dtypes are added by Triton
-TUNING_KEY = ("F", "DV", "DIN", "CHUNK", "BF", "BV", "BJ", "BD", "RMS", "BACKWARD", "TRIG", "PAIRED")
+TUNING_KEY = ("F", "DV", "DIN", "CHUNK", "BF", "BV", "BJ", "BD", "BK", "RMS", "BACKWARD", "TRIG", "PAIRED")
 
 
-def launch_configs(kernel: str, *, interpreted: bool = False) -> list[tuple[int, int]]:
-    """(num_warps, num_stages) configs of ``kernel``: every one autotuning may pick on CUDA, or
-    the single fixed one under the interpreter (which ignores them, and cannot benchmark)."""
-    configs = list(_SCAN_CONFIGS if kernel in SCAN_KERNELS else _CHUNK_CONFIGS)
+def launch_configs(kernel: str, *, trig: bool | None = None, interpreted: bool = False) -> list[tuple[int, int]]:
+    """(num_warps, num_stages) configs of ``kernel``: every one its autotuner holds on CUDA
+    (``trig`` None), the ones it may pick at launches with (True) or without (False) in-kernel trig
+    features, or the single fixed one under the interpreter (which ignores them, and cannot benchmark)."""
+    scan = kernel in SCAN_KERNELS
+    if kernel in MAP_KERNELS or trig:
+        configs = list(_TRIG_SCAN_CONFIGS if scan else _TRIG_CHUNK_CONFIGS)
+    elif trig is False:
+        configs = list(_SCAN_CONFIGS if scan else _CHUNK_CONFIGS)
+    else:  # the union, in the plain configs' order
+        configs = list(dict.fromkeys((_SCAN_CONFIGS + _TRIG_SCAN_CONFIGS) if scan else (_CHUNK_CONFIGS + _TRIG_CHUNK_CONFIGS)))
     return configs[:1] if interpreted else configs
+
+
+def prune_launch_configs(kernel: str, configs: list, constexprs: dict) -> list:
+    """The autotuner's ``early_config_prune``: of ``configs`` (triton.Config), those
+    ``launch_configs`` allows at a launch with these constexprs (TRIG or not)."""
+    allowed = set(launch_configs(kernel, trig=bool(constexprs.get("TRIG", False))))
+    return [c for c in configs if (c.num_warps, c.num_stages) in allowed]
 
 
 def _map_arguments(plan: ChunkPlan) -> tuple[tuple, dict]:
@@ -169,7 +189,14 @@ def _map_arguments(plan: ChunkPlan) -> tuple[tuple, dict]:
     if trig is None:
         return (plan.chunk_max, 1, 1, 1.0), dict(TRIG=False, PAIRED=False, BD=_MIN_BLOCK)
     omega = trig.omega
-    return (omega, omega.shape[0], trig.head_dim, trig.scale), dict(TRIG=True, PAIRED=trig.paired, BD=_block(trig.head_dim))
+    flags = dict(TRIG=True, PAIRED=trig.paired, BD=_projection_block(trig.head_dim))
+    return (omega, omega.shape[0], trig.head_dim, trig.scale), flags
+
+
+def _projection_block(head_dim: int) -> int:
+    """Head-dim block over which the kernels accumulate trig projections (``kernels._trig_projs``):
+    whole [C, 128] input tiles made chunk_outputs spill at the 1.3B shape."""
+    return min(_block(head_dim), _LOOP_TILE)
 
 
 def _launch(kern, kernel: str, grid: tuple[int, ...], plan: ChunkPlan, *args, **constexprs) -> None:
@@ -283,7 +310,7 @@ def map_backward(x: torch.Tensor, d_features: torch.Tensor, plan: ChunkPlan, ker
     d_omega = torch.empty(plan.bh, *trig.omega.shape[1:], **f32)
     kern.trig_grads[(plan.bh, blocks)](
         x, trig.omega, d_features, dx_parts, d_omega, plan.n, plan.feat, trig.head_dim, trig.omega.shape[0], plan.chunks,
-        trig.scale, CHUNK=plan.chunk, BJ=bj, BD=_block(trig.head_dim), PAIRED=trig.paired, PREC="tf32",
+        trig.scale, CHUNK=plan.chunk, BJ=bj, BD=_block(trig.head_dim), BK=_projection_block(trig.head_dim), PAIRED=trig.paired, PREC="tf32",
     )  # fmt: skip
     return dx_parts.sum(0), d_omega
 

@@ -34,10 +34,16 @@ Kernels (five launches forward + backward; none loops in Python over heads, batc
 * ``chunk_grads_v``:  parallel over (chunks, BH, Dv blocks): dv.
 
 Features: given ([BH, N, F] inputs), or with the constexpr ``TRIG`` computed in registers from
-the raw q, k [BH, N, d] and the trig map's frequencies (``_features``; ``trig_linear_attention(
-fused_map=True)``); then ``trig_grads`` (parallel over (BH, frequency blocks), sequential over
-chunks) turns the feature gradients into dq, dk and per-(batch, head) domega. Every kernel is
-autotuned over ``function.launch_configs`` (one config under the interpreter).
+the raw q, k [BH, N, d] and the trig map's frequencies (``_features``; ``trig_linear_attention``'s
+default, what the dispatcher runs): projections accumulated over 32-wide head-dim blocks (BD),
+cos/sin by Cody-Waite reduction and polynomials (``_cos_shifted``, ``_sin_cos``); then
+``trig_grads`` (parallel over (BH, frequency blocks), sequential over chunks) turns the feature
+gradients into dq, dk and per-(batch, head) domega. Every kernel is autotuned over
+``function.launch_configs`` (one config under the interpreter), TRIG launches over 8-warp
+configs only. Compiled for sm_80 / sm_90 (triton 3.9.0, bf16, docs/results/triton_aot.json):
+no spills at 247M/41M/tiny, at most 16 B (sm_90; 8 B on sm_80) at 1.3B. libdevice's cosf,
+whose Payne-Hanek path keeps a local array, and whole [C, d] x tiles had made chunk_outputs
+spill 3.9-4.4 KB on sm_80 at 1.3B.
 """
 
 from __future__ import annotations
@@ -45,15 +51,20 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .function import TUNING_KEY, interpreter_enabled, launch_configs
+from .function import TUNING_KEY, interpreter_enabled, launch_configs, prune_launch_configs
 
 
 def _tuned(fn):
-    """``fn`` autotuned over ``launch_configs`` (one fixed config under the interpreter). Every
-    kernel only stores (no accumulation into its outputs), so benchmark reruns are harmless."""
-    configs = launch_configs(fn.__name__, interpreted=interpreter_enabled())
-    key = [name for name in TUNING_KEY if name in fn.arg_names]
-    return triton.autotune([triton.Config({}, num_warps=w, num_stages=s) for w, s in configs], key=key)(fn)
+    """``fn`` autotuned over ``launch_configs`` (one fixed config under the interpreter), pruned
+    per launch by ``prune_launch_configs`` (TRIG launches take fewer). Every kernel only stores
+    (no accumulation into its outputs), so benchmark reruns are harmless."""
+    name = fn.__name__
+    configs = launch_configs(name, interpreted=interpreter_enabled())
+    key = [arg for arg in TUNING_KEY if arg in fn.arg_names]
+    prune = {"early_config_prune": lambda configs, _named, **constexprs: prune_launch_configs(name, configs, constexprs)}
+    return triton.autotune(
+        [triton.Config({}, num_warps=w, num_stages=s) for w, s in configs], key=key, prune_configs_by=prune
+    )(fn)
 
 
 @triton.jit
@@ -93,9 +104,72 @@ def _trig_proj(x, w_rows, freq, fm, d, dm, DIN):
 
 
 @triton.jit
+def _quadrant(p):
+    """p = r + j pi/2 with |r| <= pi/4: (r, j mod 4). Cody-Waite reduction (pi/2 in three parts,
+    the first two exact in fp32 times any |j| < 2^15), so r keeps fp32 accuracy for |p| < ~5e4."""
+    j = tl.floor(p * 0.6366197723675814 + 0.5)
+    r = ((p - j * 1.5703125) - j * 4.837512969970703125e-4) - j * 7.54978995489188216e-8
+    return r, j.to(tl.int32) & 3
+
+
+@triton.jit
+def _sin_cos_reduced(r):
+    """(sin r, cos r) for |r| <= pi/4: Cephes' single-precision polynomials (errors ~1 ulp)."""
+    z = r * r
+    sin_r = ((-1.9515295891e-4 * z + 8.3321608736e-3) * z - 1.6666654611e-1) * z * r + r
+    cos_r = ((2.443315711809948e-5 * z - 1.388731625493765e-3) * z + 4.166664568298827e-2) * z * z - 0.5 * z + 1.0
+    return sin_r, cos_r
+
+
+@triton.jit
+def _cos_shifted(p, shift):
+    """cos(p - shift pi/2) (shift: 0 for cos p, 1 for sin p), by ``_quadrant`` and polynomials. Not
+    tl.cos: libdevice's cosf carries a Payne-Hanek path for huge arguments whose local array and
+    registers made the trig kernels spill (2.3 KB stack frame, 3.9 KB spills at the 1.3B shape)."""
+    r, j = _quadrant(p)
+    n = (j - shift) & 3
+    sin_r, cos_r = _sin_cos_reduced(r)
+    # cos(r + n pi/2) = cos r, -sin r, -cos r, sin r for n = 0..3
+    value = tl.where((n & 1) == 0, cos_r, sin_r)
+    return tl.where((n == 1) | (n == 2), -value, value)
+
+
+@triton.jit
+def _sin_cos(p):
+    """(sin p, cos p) sharing one ``_quadrant`` reduction."""
+    r, n = _quadrant(p)
+    sin_r, cos_r = _sin_cos_reduced(r)
+    # sin(r + n pi/2) = sin r, cos r, -sin r, -cos r; cos(r + n pi/2) = cos r, -sin r, -cos r, sin r
+    odd = (n & 1) == 1
+    sin_p = tl.where(odd, cos_r, sin_r)
+    cos_p = tl.where(odd, sin_r, cos_r)
+    return tl.where(n >= 2, -sin_p, sin_p), tl.where((n == 1) | (n == 2), -cos_p, cos_p)
+
+
+@triton.jit
+def _trig_projs(
+    x_rows, w_head, tok, tm, freq, fm, DIN, half,
+    PAIRED: tl.constexpr, BD: tl.constexpr, CHUNK: tl.constexpr, BF: tl.constexpr,
+):  # fmt: skip
+    """[C, BF] fp32 projections of tokens ``tok`` on frequencies ``freq`` (and on ``half + freq``
+    when PAIRED), accumulated over BD-wide blocks of the head dim: one [C, BD] block of x is live
+    at a time (a whole [C, 128] x tile per operand made chunk_outputs spill at the 1.3B shape)."""
+    p1 = tl.zeros((CHUNK, BF), dtype=tl.float32)
+    p2 = tl.zeros((CHUNK, BF), dtype=tl.float32)
+    for d0 in range(0, DIN, BD):
+        d = d0 + tl.arange(0, BD)
+        dm = d < DIN
+        x = _tile(x_rows, tok, tm, d, dm, DIN)
+        p1 += _trig_proj(x, w_head, freq, fm, d, dm, DIN)
+        if PAIRED:
+            p2 += _trig_proj(x, w_head + half * DIN, freq, fm, d, dm, DIN)
+    return p1, p2
+
+
+@triton.jit
 def _features(
     X, W, bh, tok, tm, f, fm, N, F, DIN, HEADS, trig_scale,
-    TRIG: tl.constexpr, PAIRED: tl.constexpr, BD: tl.constexpr,
+    TRIG: tl.constexpr, PAIRED: tl.constexpr, BD: tl.constexpr, CHUNK: tl.constexpr, BF: tl.constexpr,
 ):  # fmt: skip
     """The [C, BF] feature tile of tokens ``tok``, columns ``f`` (zero outside the masks): loaded
     from X [BH, N, F], or with ``TRIG`` computed in registers from x = X [BH, N, DIN] and the
@@ -106,15 +180,12 @@ def _features(
         half = F // 2
         sin_cols = f >= half
         freq = tl.where(sin_cols, f - half, f)
-        d = tl.arange(0, BD)
-        dm = d < DIN
-        x = _tile(X + bh * N * DIN, tok, tm, d, dm, DIN)
         w_head = W + (bh % HEADS) * (2 * half if PAIRED else half) * DIN
-        # sin p = cos(p - pi/2): one cosine per column (the shift's rounding is that of p itself)
-        phase = tl.where(sin_cols, 1.5707963267948966, 0.0)[None, :]
-        feat = tl.cos(_trig_proj(x, w_head, freq, fm, d, dm, DIN) - phase)
+        p1, p2 = _trig_projs(X + bh * N * DIN, w_head, tok, tm, freq, fm, DIN, half, PAIRED, BD, CHUNK, BF)
+        shift = tl.where(sin_cols, 1, 0)[None, :]  # sin p = cos(p - pi/2): one cosine per column
+        feat = _cos_shifted(p1, shift)
         if PAIRED:
-            feat += tl.cos(_trig_proj(x, w_head + half * DIN, freq, fm, d, dm, DIN) - phase)
+            feat += _cos_shifted(p2, shift)
         return tl.where(tm[:, None] & fm[None, :], feat * trig_scale, 0.0)
     else:
         return _tile(X + bh * N * F, tok, tm, f, fm, F)
@@ -147,7 +218,7 @@ def chunk_states(
         m_cur = tl.load(MB + bh * (NC + 1) + c + 1)
         tok = c * CHUNK + t
         tm = tok < N
-        k = _features(K, W, bh, tok, tm, f, fm, N, F, DIN, HEADS, trig_scale, TRIG, PAIRED, BD)
+        k = _features(K, W, bh, tok, tm, f, fm, N, F, DIN, HEADS, trig_scale, TRIG, PAIRED, BD, CHUNK, BF)
         v = _tile(V + bh * N * DV, tok, tm, cols, vm, DV)
         ls = tl.load(LS + bh * N + tok, mask=tm, other=0.0)
         kw = k.to(tl.float32) * tl.where(tm, tl.exp(ls - m_cur), 0.0)[:, None]
@@ -181,8 +252,8 @@ def chunk_outputs(
     for f0 in range(0, F, BF):
         f = f0 + tl.arange(0, BF)
         fm = f < F
-        q = _features(Q, W, bh, tok, tm, f, fm, N, F, DIN, HEADS, trig_scale, TRIG, PAIRED, BD)
-        k = _features(K, W, bh, tok, tm, f, fm, N, F, DIN, HEADS, trig_scale, TRIG, PAIRED, BD)
+        q = _features(Q, W, bh, tok, tm, f, fm, N, F, DIN, HEADS, trig_scale, TRIG, PAIRED, BD, CHUNK, BF)
+        k = _features(K, W, bh, tok, tm, f, fm, N, F, DIN, HEADS, trig_scale, TRIG, PAIRED, BD, CHUNK, BF)
         s = _tile(STATES + state * DV, f, fm, cols, vm, DV)
         z = tl.load(ZS + state + f, mask=fm, other=0.0)
         qk += _dot(q, tl.trans(k), elt, PREC)
@@ -251,7 +322,7 @@ def chunk_state_grads(
         m_cur = tl.load(MB + bh * (NC + 1) + c + 1)
         tok = c * CHUNK + t
         tm = tok < N
-        q = _features(Q, W, bh, tok, tm, f, fm, N, F, DIN, HEADS, trig_scale, TRIG, PAIRED, BD)
+        q = _features(Q, W, bh, tok, tm, f, fm, N, F, DIN, HEADS, trig_scale, TRIG, PAIRED, BD, CHUNK, BF)
         m = tl.load(M + bh * N + tok, mask=tm, other=0.0)
         dn = _tile(DN + bh * N * DV, tok, tm, cols, vm, DV)
         dd = tl.load(DD + bh * N + tok, mask=tm, other=0.0)
@@ -310,8 +381,8 @@ def chunk_grads_qk(
         dnv += _dot(dn, tl.trans(v), elt, PREC)
         dns += _state_dot(dn, tl.trans(s), elt)
         vds += _state_dot(v, tl.trans(ds), elt)
-    q = _features(Q, W, bh, tok, tm, f, fm, N, F, DIN, HEADS, trig_scale, TRIG, PAIRED, BD)
-    k = _features(K, W, bh, tok, tm, f, fm, N, F, DIN, HEADS, trig_scale, TRIG, PAIRED, BD)
+    q = _features(Q, W, bh, tok, tm, f, fm, N, F, DIN, HEADS, trig_scale, TRIG, PAIRED, BD, CHUNK, BF)
+    k = _features(K, W, bh, tok, tm, f, fm, N, F, DIN, HEADS, trig_scale, TRIG, PAIRED, BD, CHUNK, BF)
     dd = tl.load(DD + bh * N + tok, mask=tm, other=0.0)
     z = tl.load(ZS + state + f, mask=fm, other=0.0)
     dz = tl.load(DZS + state + f, mask=fm, other=0.0)
@@ -351,8 +422,8 @@ def chunk_grads_v(
     for f0 in range(0, F, BF):
         f = f0 + tl.arange(0, BF)
         fm = f < F
-        q = _features(Q, W, bh, tok, tm, f, fm, N, F, DIN, HEADS, trig_scale, TRIG, PAIRED, BD)
-        k = _features(K, W, bh, tok, tm, f, fm, N, F, DIN, HEADS, trig_scale, TRIG, PAIRED, BD)
+        q = _features(Q, W, bh, tok, tm, f, fm, N, F, DIN, HEADS, trig_scale, TRIG, PAIRED, BD, CHUNK, BF)
+        k = _features(K, W, bh, tok, tm, f, fm, N, F, DIN, HEADS, trig_scale, TRIG, PAIRED, BD, CHUNK, BF)
         ds = _tile(DSTATES + state * DV, f, fm, cols, vm, DV)
         qk += _dot(q, tl.trans(k), elt, PREC)
         kds += _state_dot(k, ds, elt)
@@ -363,10 +434,10 @@ def chunk_grads_v(
 
 
 @triton.jit
-def _trig_d_proj(x, w_rows, freq, fm, d, dm, DIN, g_cos, g_sin, trig_scale):
-    """dL/dproj [C, BJ] of one frequency set: s (cos p g_sin - sin p g_cos), p recomputed."""
-    proj = _trig_proj(x, w_rows, freq, fm, d, dm, DIN)
-    return trig_scale * (tl.cos(proj) * g_sin - tl.sin(proj) * g_cos)
+def _trig_d_proj(proj, g_cos, g_sin, trig_scale):
+    """dL/dproj [C, BJ] of one frequency set: s (cos p g_sin - sin p g_cos)."""
+    sin_p, cos_p = _sin_cos(proj)
+    return trig_scale * (cos_p * g_sin - sin_p * g_cos)
 
 
 @_tuned
@@ -374,13 +445,15 @@ def _trig_d_proj(x, w_rows, freq, fm, d, dm, DIN, g_cos, g_sin, trig_scale):
 def trig_grads(
     X, W, G, DX_PARTS, DW,
     N, F, DIN, HEADS, NC, trig_scale,
-    CHUNK: tl.constexpr, BJ: tl.constexpr, BD: tl.constexpr, PAIRED: tl.constexpr, PREC: tl.constexpr,
+    CHUNK: tl.constexpr, BJ: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, PAIRED: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     """The trig map's backward for one (BH, block of BJ frequencies), sequential over chunks: from
     the feature gradient G [BH, N, F] (cosine columns, then sine columns) and x = X [BH, N, DIN],
     this block's share of dL/dx (DX_PARTS [frequency blocks, BH, N, DIN], summed in torch) and
     dL/dW of its frequency rows for this bh (DW [BH, P, DIN], summed over the batch in torch).
-    Projections and their cos/sin are recomputed in registers, never stored."""
+    Projections (over BK-wide head-dim blocks, ``_trig_projs``) and their cos/sin are recomputed
+    in registers, never stored. dx takes one dot per frequency set with W rounded to the inputs'
+    dtype: its error is that of dL/dproj, itself rounded to that dtype as a dot operand."""
     bh = tl.program_id(0).to(tl.int64)
     jb = tl.program_id(1)
     bhs = tl.num_programs(0)
@@ -397,15 +470,16 @@ def trig_grads(
     for c in range(NC):
         tok = c * CHUNK + tl.arange(0, CHUNK)
         tm = tok < N
-        x = _tile(X + bh * N * DIN, tok, tm, d, dm, DIN)
         g_cos = _tile(G + bh * N * F, tok, tm, freq, jm, F)
         g_sin = _tile(G + bh * N * F + half, tok, tm, freq, jm, F)
-        dp = _trig_d_proj(x, w_head, freq, jm, d, dm, DIN, g_cos, g_sin, trig_scale)
-        dx = _state_dot(dp, _tile(w_head, freq, jm, d, dm, DIN), elt)
+        p1, p2 = _trig_projs(X + bh * N * DIN, w_head, tok, tm, freq, jm, DIN, half, PAIRED, BK, CHUNK, BJ)
+        x = _tile(X + bh * N * DIN, tok, tm, d, dm, DIN)
+        dp = _trig_d_proj(p1, g_cos, g_sin, trig_scale)
+        dx = _dot(dp, _tile(w_head, freq, jm, d, dm, DIN), elt, PREC)
         dw1 += _dot(tl.trans(dp), x, elt, PREC)
         if PAIRED:
-            dp = _trig_d_proj(x, w_head + half * DIN, freq, jm, d, dm, DIN, g_cos, g_sin, trig_scale)
-            dx += _state_dot(dp, _tile(w_head + half * DIN, freq, jm, d, dm, DIN), elt)
+            dp = _trig_d_proj(p2, g_cos, g_sin, trig_scale)
+            dx += _dot(dp, _tile(w_head + half * DIN, freq, jm, d, dm, DIN), elt, PREC)
             dw2 += _dot(tl.trans(dp), x, elt, PREC)
         dx_off = (jb * bhs + bh) * N * DIN + tok[:, None] * DIN + d[None, :]
         tl.store(DX_PARTS + dx_off, dx, mask=tm[:, None] & dm[None, :])

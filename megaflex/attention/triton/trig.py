@@ -4,18 +4,21 @@ Saved for backward: q, k, v, the map's parameters and the incoming state only, s
 layer's forward and backward only the raw [B, H, N, d] inputs are alive, as for softmax
 attention. Two ways to get the features (``fused_map``):
 
-* default: forward computes the features in torch (``trig_feature_map_reference``, vectorised:
-  no loop over heads) and runs the attention kernels on them; backward recomputes them with
-  autograd on, runs the attention backward kernels and backpropagates the feature gradients
-  through the map. The features and the map's intermediates exist transiently.
-* ``fused_map=True``: the kernels take the raw q, k and omega and compute each [C, BF] feature
-  tile in registers where they need it (``kernels._features``: projection, cos, pair sums,
-  scale); the key log-scale ||k||^2 inv_temperature is a [B, H, N] torch expression. Backward:
-  the attention backward kernels (recomputing features the same way) give the feature
-  gradients [B H, N, F] (fp32, transient), and ``trig_grads`` turns them into dq, dk and
-  per-(batch, head) domega, recomputing projections in registers. No projection, cos or sin
-  tensor exists. Not the default yet: compiled for the shipped shapes, it still spills
-  registers (docs/gpu.md "Triton kernels"), where the default path does not.
+* ``fused_map=True`` (default; what ``AttentionCore`` runs on CUDA): the kernels take the raw
+  q, k and omega and compute each [C, BF] feature tile in registers where they need it
+  (``kernels._features``: projection over head-dim blocks, cos by range reduction and
+  polynomials, pair sums, scale); the key log-scale ||k||^2 inv_temperature is a [B, H, N]
+  torch expression. Backward: the attention backward kernels (recomputing features the same
+  way) give the feature gradients [B H, N, F] (fp32, transient), and ``trig_grads`` turns them
+  into dq, dk and per-(batch, head) domega, recomputing projections in registers. No
+  projection, cos or sin tensor exists. Compiled for every shipped shape it fits shared memory
+  on sm_80 and sm_90 with no bf16 spills at 247M/41M and at most 16 B at 1.3B
+  (docs/results/triton_aot.json).
+* ``fused_map=False`` (the reference beside it): forward computes the features in torch
+  (``trig_feature_map_reference``, vectorised: no loop over heads) and runs the attention
+  kernels on them; backward recomputes them with autograd on, runs the attention backward
+  kernels and backpropagates the feature gradients through the map. The features and the
+  map's intermediates exist transiently.
 """
 
 from __future__ import annotations
@@ -147,15 +150,16 @@ def trig_linear_attention(
     chunk_size: int = 64,
     initial_state: LinearAttentionState | None = None,
     eps: float = 1e-6,
-    fused_map: bool = False,
+    fused_map: bool = True,
 ) -> tuple[torch.Tensor, LinearAttentionState]:
     """Causal linear attention of the trig map ``trig_feature_map(x, omega, inv_temperature,
     paired=paired)`` applied to q and k, with the Triton kernels: q, k [B, H, N, d], v [B, H, N, Dv],
     omega [H, P, d], inv_temperature [H] -> (out [B, H, N, Dv] in v.dtype, fp32 state).
 
     Equals ``triton_linear_attention(phi(q), phi(k), kls(k), v, ...)``; differentiable w.r.t. q,
-    k, v, omega, inv_temperature and the initial state's kv and k_sum. ``fused_map``: the kernels
-    compute the features themselves (see the module docstring).
+    k, v, omega, inv_temperature and the initial state's kv and k_sum. ``fused_map`` (default): the
+    kernels compute the features themselves; False: torch computes them (the reference; see the
+    module docstring).
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_triton_dtype(t, name)
