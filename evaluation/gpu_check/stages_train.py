@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from evaluation.gpu_check.common import REPO, Stage, base_overrides, learnable_tokens, run_trainer, throughput
+from megaflex.checkpoint.layout import complete_tags, run_checkpoint_dir
 
 ZERO1 = str(REPO / "configs" / "zero" / "zero1.yaml")
 
@@ -47,7 +48,7 @@ def trainer_247m(stage: Stage) -> dict[str, Any]:
     result.update(throughput(first["train"], skip={1, 2, 6, 7, 8}), wall_s=first["wall_s"])
     result["profile_steps_6_8"] = json.loads(profile_json.read_text()) if profile_json.exists() else None
     stage.emit(result)
-    saved = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
+    saved = complete_tags(run_checkpoint_dir(run_dir))
     result["checkpoints"] = saved
     resumed_dir = stage.work_dir / "flexformer_247m_resumed"
     resumed = run_trainer(["--config", config, *extra, *over, *ckpt, "checkpoint.resume=auto"], resumed_dir,
