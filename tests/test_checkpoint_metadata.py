@@ -12,7 +12,7 @@ import torch
 from evaluation.loading import load_for_eval
 from megaflex.checkpoint import (
     CheckpointError, CheckpointManager, CheckpointMeta, check_optimizer_groups, check_resume_layout,
-    needs_repartition, parameter_shapes,
+    needs_repartition, parameter_shapes, save_weights_only,
 )
 from megaflex.checkpoint.layout import META_FILE, model_states_file, read_meta, write_latest, write_meta
 from megaflex.model.config import ModelConfig
@@ -95,5 +95,21 @@ def test_an_old_format_checkpoint_still_loads_and_resumes(model: GPT, tmp_path: 
 
     loaded = load_for_eval(tmp_path)  # a run directory: its checkpoints/ holds the tag
     assert loaded.path == tag and loaded.meta.iteration == 10
+    for name, value in model.state_dict().items():
+        assert torch.equal(loaded.model.state_dict()[name], value), name
+
+
+def test_weights_only_save_commits_atomically_and_loads(model: GPT, tmp_path: Path) -> None:
+    root = tmp_path / "merged"
+    leftover = root / ".tmp-step_00000020"  # an interrupted earlier attempt at the same step
+    leftover.mkdir(parents=True)
+    (leftover / "partial.pt").write_bytes(b"x")
+    meta = CheckpointMeta.from_dict(_trainer_meta(model))
+    meta.iteration, meta.zero_stage, meta.lora_merged = 20, 0, True
+    path = save_weights_only(root, 20, 0, model.state_dict(), meta, rank=0)
+    assert path == root / "step_00000020" and sorted(p.name for p in root.iterdir()) == ["latest", "step_00000020"]
+    assert sorted(CheckpointMeta.read(path).files) == [model_states_file(path, 0).name]  # nothing of the leftover
+    loaded = load_for_eval(root)
+    assert loaded.meta.lora_merged and loaded.meta.iteration == 20
     for name, value in model.state_dict().items():
         assert torch.equal(loaded.model.state_dict()[name], value), name
