@@ -133,11 +133,11 @@ def trained_tokens(run_dir: Path) -> int:
     return int(train[max(train)]["tokens"])
 
 
-def evaluated(cfg: StudyConfig, run: RunSpec, seed: int, run_dir: Path, checkpoints: str = "checkpoints",
+def evaluated(cfg: StudyConfig, run: RunSpec, seed: int, run_dir: Path, checkpoint: Path | None = None,
               **extra: Any) -> dict[str, Any]:
-    """``kernel_study.evaluate_run``'s row (the model in ``run_dir / checkpoints``) plus this run's
-    training tokens and ``extra`` fields."""
-    row = evaluate_run(cfg, run, seed, run_dir, checkpoints)
+    """``kernel_study.evaluate_run``'s row (the model in ``checkpoint``, default the run's
+    checkpoint folder) plus this run's training tokens and ``extra`` fields."""
+    row = evaluate_run(cfg, run, seed, run_dir, checkpoint)
     row.update(tokens=trained_tokens(run_dir), **extra)
     print(f"[distill_study] {run.label} seed {seed}: valid ppl {row['english_docs_valid_ppl']:.2f}, "
           f"WikiText-2 test ppl {row['wikitext2_test_ppl']:.2f}", flush=True)
@@ -154,10 +154,9 @@ def check_budget(cfg: DistillStudyConfig, teacher_tokens: int) -> None:
 
 def run_seed(cfg: DistillStudyConfig, seed: int, data: dict[str, Path]) -> list[dict[str, Any]]:
     """Teacher, both stages per student and the scratch run of one seed, evaluated."""
-    from megaflex.training.distill.objectives import MERGED_DIR
+    from megaflex.checkpoint import merged_checkpoint_dir
 
     recipes = cfg.stage_configs()
-    lora_merged = MERGED_DIR if cfg.lora_rank > 0 else "checkpoints"  # a LoRA run's merged weights
     teacher = teacher_run(cfg, seed, data)
     teacher_tokens = trained_tokens(teacher)
     check_budget(cfg, teacher_tokens)
@@ -167,7 +166,8 @@ def run_seed(cfg: DistillStudyConfig, seed: int, data: dict[str, Path]) -> list[
         for stage in ("stage1", "stage2"):
             run = RunSpec(f"{student}_{stage}", student, distill_overrides(cfg, student, stage, teacher, init_from))
             run_dir = train_run(recipes[stage], run, seed, data, entry=DISTILL_ENTRY)
-            row = evaluated(recipes[stage], run, seed, run_dir, lora_merged if stage == "stage2" else "checkpoints",
+            merged = stage == "stage2" and cfg.lora_rank > 0  # a LoRA run's merged weights
+            row = evaluated(recipes[stage], run, seed, run_dir, merged_checkpoint_dir(run_dir) if merged else None,
                             stage=stage, student=student)
             total += row["tokens"]
             row["tokens_total"] = total

@@ -28,6 +28,7 @@ from typing import Any, Sequence
 import torch
 import yaml
 
+from megaflex.checkpoint import CheckpointMeta
 from megaflex.output_dirs import OutputDirError, apply_umask, claim_output_dir, snapshot, training_run_owner
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -68,7 +69,7 @@ def export_checkpoint(
     hf_tok = save_tokenizer(tok_path, out, model_max_length=model_config.max_seq_len)
     special = dict(bos_token_id=hf_tok.bos_token_id, eos_token_id=hf_tok.eos_token_id, pad_token_id=hf_tok.pad_token_id)
     config = FlexformerConfig.from_model_config(model_config, megaflex_run_config=loaded.config,
-                                               megaflex_iteration=loaded.meta.get("iteration"),
+                                               megaflex_iteration=loaded.meta.iteration,
                                                tokenizer_vocab_size=Tokenizer(tok_path).vocab_size, **special)
     config.auto_map = dict(AUTO_MAP)
     model = FlexformerForCausalLM(config)
@@ -89,8 +90,7 @@ def import_hf(hf_dir: str | os.PathLike, megaflex_out: str | os.PathLike, overwr
     from megaflex.hf import FlexformerConfig, FlexformerForCausalLM
     from megaflex.data.tokenizer import card_path
     from megaflex.hf.tokenizer import original_tokenizer_file
-    from megaflex import checkpoint_layout as layout
-    from megaflex.training.checkpoint import parameter_shapes
+    from megaflex.checkpoint import layout, parameter_shapes
 
     src = Path(hf_dir)
     if not (src / "config.json").is_file():
@@ -119,12 +119,12 @@ def import_hf(hf_dir: str | os.PathLike, megaflex_out: str | os.PathLike, overwr
     gpt = model.model
     # ZeRO-0 / TP-1 layout of a megaflex-train checkpoint: what evaluation.loading reads.
     torch.save({"module": gpt.state_dict()}, layout.model_states_file(tag_dir, 0))
-    meta = {
-        "iteration": iteration, "tensor_parallel_size": 1, "world_size": 1, "data_parallel_size": 1,
-        "zero_stage": 0, "parameter_shapes": parameter_shapes(gpt), "num_parameters": gpt.num_parameters(),
-        "config": run_config, "source": f"megaflex-export --from-hf {os.fspath(hf_dir)}",
-    }
-    layout.write_meta(tag_dir, meta)  # with the checksums of every file written above
+    meta = CheckpointMeta(
+        iteration=iteration, tensor_parallel_size=1, world_size=1, data_parallel_size=1, zero_stage=0,
+        parameter_shapes=parameter_shapes(gpt), num_parameters=gpt.num_parameters(), config=run_config,
+        source=f"megaflex-export --from-hf {os.fspath(hf_dir)}",
+    )
+    layout.write_meta(tag_dir, meta.to_dict())  # with the checksums of every file written above
     layout.write_latest(megaflex_out, tag_dir.name)
     apply_umask(megaflex_out, before)
     return tag_dir
@@ -149,7 +149,7 @@ def check_weight_files(hf_dir: Path) -> None:
         raise ValueError(f"--from-hf: {hf_dir} holds no weights (model.safetensors, pytorch_model.bin or a sharded index)")
 
 
-def model_card(run_config: dict[str, Any], meta: dict[str, Any], path: Path, dtype: str,
+def model_card(run_config: dict[str, Any], meta: CheckpointMeta, path: Path, dtype: str,
                evals: Sequence[dict[str, Any]]) -> str:
     """README.md of an export: what the model is, how it was trained, how to load and evaluate it."""
     m = run_config["model"]
@@ -157,8 +157,8 @@ def model_card(run_config: dict[str, Any], meta: dict[str, Any], path: Path, dty
         "---", "library_name: transformers", "tags: [megaflex, flexformer, linear-attention]", "---", "",
         f"# Flexformer ({m['attention']}) exported by megaflex", "",
         f"A {m['num_layers']}-layer, {m['hidden_size']}-wide decoder-only LM with `{m['attention']}` attention, "
-        f"trained with megaflex for {meta.get('iteration', '?')} iterations "
-        f"(tensor parallel {meta.get('tensor_parallel_size', 1)}, ZeRO stage {meta.get('zero_stage', '?')}); "
+        f"trained with megaflex for {meta.iteration} iterations "
+        f"(tensor parallel {meta.tensor_parallel_size}, ZeRO stage {'?' if meta.zero_stage is None else meta.zero_stage}); "
         f"weights in {dtype}. Source checkpoint: `{path}`.", "",
         "```python",
         "from transformers import AutoModelForCausalLM, AutoTokenizer",

@@ -190,7 +190,7 @@ def _generate_cli(args: argparse.Namespace) -> None:
     loaded = load_for_eval(args.checkpoint, tag=args.tag, tokenizer=args.tokenizer, device=args.device)
     if loaded.tokenizer is None:
         raise ValueError("--tokenizer: the checkpoint config names no tokenizer; pass --tokenizer PATH")
-    check_eval_tokenizer(loaded.meta.get("tokenizer"), loaded.tokenizer, None, str(loaded.path))
+    check_eval_tokenizer(loaded.meta.tokenizer, loaded.tokenizer, None, str(loaded.path))
     prompt_text = sys.stdin.read() if args.prompt == "-" else args.prompt
     prompt = torch.tensor([loaded.tokenizer.encode(prompt_text)], dtype=torch.long)
     if prompt.shape[1] == 0:

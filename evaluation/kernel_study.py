@@ -142,13 +142,13 @@ def reused_run_data(
     """Tokenizer and data paths of a finished kernel-study run that another experiment reuses
     (``flag``: the option that named its folder, ``role``: what it is there, for the errors), after
     checking that its model (and, given ``steps``, its training length) has the experiment's shape."""
-    from evaluation.loading import resolve_checkpoint
-    from megaflex.checkpoint_layout import read_meta
+    from megaflex.checkpoint import CheckpointMeta, resolve_checkpoint, run_checkpoint_dir
 
-    if not (run_dir / "metrics.jsonl").is_file() or not (run_dir / "checkpoints").is_dir():
+    ckpt_dir = run_checkpoint_dir(run_dir)
+    if not (run_dir / "metrics.jsonl").is_file() or not ckpt_dir.is_dir():
         raise FileNotFoundError(f"{flag}: {run_dir} is not a finished kernel-study run "
-                                f"(expected metrics.jsonl and checkpoints/)")
-    config = read_meta(resolve_checkpoint(run_dir / "checkpoints"))["config"]
+                                f"(expected metrics.jsonl and {ckpt_dir.name}/)")
+    config = CheckpointMeta.read(resolve_checkpoint(ckpt_dir)).config
     model = config["model"]
     wanted = {"attention": attention, "vocab_size": cfg.vocab_size, "num_layers": cfg.num_layers,
               "hidden_size": cfg.hidden_size, "num_heads": cfg.num_heads}
@@ -168,16 +168,17 @@ def reused_run_data(
 
 # ------------------------------------------------------------------------------- evaluation
 def evaluate_run(
-    cfg: StudyConfig, run: RunSpec, seed: int, run_dir: Path, checkpoints: str = "checkpoints"
+    cfg: StudyConfig, run: RunSpec, seed: int, run_dir: Path, checkpoint: Path | None = None
 ) -> dict[str, Any]:
     """Perplexities, throughput, kernel statistics and the learned spectrum of one trained run
-    (its model from ``run_dir / checkpoints``)."""
+    (its model from ``checkpoint``, default the run's checkpoint folder)."""
     from evaluation.eval_data import load_eval_set
     from evaluation.loading import load_for_eval
     from evaluation.scoring import evaluate
+    from megaflex.checkpoint import run_checkpoint_dir
     from megaflex.training.metrics import read_metrics
 
-    loaded = load_for_eval(run_dir / checkpoints, device=cfg.device)
+    loaded = load_for_eval(checkpoint or run_checkpoint_dir(run_dir), device=cfg.device)
     model, tok = loaded.model, loaded.tokenizer
     token_bytes = torch.from_numpy(tok.piece_byte_lengths)
     root = Path(cfg.data_root)
@@ -186,7 +187,7 @@ def evaluate_run(
         "wikitext2_test": str(root / "wikitext-2-raw" / "wiki.test.raw"),
     }
     row: dict[str, Any] = {"label": run.label, "kind": run.kind, "seed": seed, "overrides": run.overrides,
-                           "num_parameters": loaded.meta.get("num_parameters")}
+                           "num_parameters": loaded.meta.num_parameters}
     for name, path in sets.items():
         eval_set = load_eval_set(path, tok, max_tokens=cfg.eval_tokens or None)
         r = evaluate(model, eval_set.docs, "windows", cfg.seq_len, batch_size=cfg.eval_batch_size, token_bytes=token_bytes)

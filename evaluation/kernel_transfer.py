@@ -51,6 +51,7 @@ from evaluation.kernel_study import (
 )
 from evaluation.kernel_transfer_config import ARMS, B_METRIC, FROZEN, TransferConfig
 from evaluation.kernel_transfer_report import write_report
+from megaflex.checkpoint.layout import run_checkpoint_dir
 from megaflex.hashing import sha256_file
 
 
@@ -111,7 +112,7 @@ def kernel_state(run_dir: Path) -> dict[str, torch.Tensor]:
     from evaluation.loading import load_for_eval
     from megaflex.attention import named_kernel_parameters
 
-    model = load_for_eval(run_dir / "checkpoints").model
+    model = load_for_eval(run_checkpoint_dir(run_dir)).model
     return {name: kp.param.detach().clone() for name, kp in named_kernel_parameters(model)}
 
 
@@ -120,7 +121,7 @@ def initial_kernel_state(run_dir: Path, seed: int) -> dict[str, torch.Tensor]:
     from evaluation.loading import load_for_eval
     from megaflex.attention import named_kernel_parameters
 
-    fresh = initial_model(load_for_eval(run_dir / "checkpoints").model, seed)
+    fresh = initial_model(load_for_eval(run_checkpoint_dir(run_dir)).model, seed)
     return {name: kp.param.detach().clone() for name, kp in named_kernel_parameters(fresh)}
 
 
@@ -135,7 +136,7 @@ def one_run(cfg: StudyConfig, run: RunSpec, seed: int, data: dict[str, Path], re
     whether it was trained now."""
     run_dir = Path(cfg.work_dir) / "runs" / f"{run.label}_s{seed}"
     stored = None if retrain else load_row(cfg, run, seed)
-    if stored is not None and (run_dir / "checkpoints").is_dir():
+    if stored is not None and run_checkpoint_dir(run_dir).is_dir():
         return stored, False
     t0 = time.perf_counter()
     row = evaluate_run(cfg, run, seed, train_run(cfg, run, seed, data))
@@ -168,7 +169,7 @@ def run_chain(cfg: TransferConfig, kind: str, seed: int, data_a: dict[str, Path]
     save_row(cfg_a, a_run(kind), seed, {**row, "domain": "A", "arm": "A"}, command)
     rows.append({**row, "domain": "A", "arm": "A"})
     for arm in ARMS:
-        run = b_run(kind, arm, a_dir / "checkpoints")
+        run = b_run(kind, arm, run_checkpoint_dir(a_dir))
         # a transfer run stands on A's checkpoint: retrained whenever A was
         row, trained = one_run(cfg_b, run, seed, data_b, fresh or (trained_a and arm == "transfer"))
         if trained:

@@ -1,11 +1,10 @@
 """Load a ``megaflex-train`` checkpoint for evaluation: any ZeRO stage, any TP size.
 
 A checkpoint folder (``<checkpoint.dir>/step_XXXXXXXX``, or ``<checkpoint.dir>`` whose ``latest``
-names it) holds DeepSpeed engine files plus ``megaflex.json`` (resolved config, TP size,
-parameter shapes, per-file checksums); see ``megaflex.checkpoint_layout``. The weights are
+names it, or a run directory) as ``megaflex.checkpoint`` lays it out. The weights are
 consolidated over ZeRO and resharded to the evaluation's TP size by
-``megaflex.training.weights`` (shared with training's ``checkpoint.init_from``) and loaded into
-a fresh ``GPT``. No DeepSpeed engine or optimizer is built.
+``megaflex.checkpoint.load_checkpoint_weights`` (shared with training's ``checkpoint.init_from``)
+and loaded into a fresh ``GPT``. No DeepSpeed engine or optimizer is built.
 """
 
 from __future__ import annotations
@@ -17,10 +16,9 @@ from typing import Any
 
 import torch
 
-from megaflex.checkpoint_layout import CheckpointError
+from megaflex.checkpoint import CheckpointError, CheckpointMeta, load_checkpoint_weights, resolve_checkpoint
 from megaflex.model.config import ModelConfig
 from megaflex.model.gpt import GPT
-from megaflex.training.weights import load_checkpoint_weights, resolve_checkpoint
 
 __all__ = ["USER_ERRORS", "LoadedCheckpoint", "load_for_eval", "resolve_checkpoint"]  # resolve_checkpoint: re-exported
 
@@ -35,7 +33,7 @@ class LoadedCheckpoint:
 
     model: GPT
     config: dict[str, Any]  # the resolved run config stored in the checkpoint
-    meta: dict[str, Any]
+    meta: CheckpointMeta
     path: Path
     tokenizer: Any  # megaflex.data.tokenizer.Tokenizer or None
 
@@ -59,14 +57,14 @@ def load_for_eval(
     """Build the checkpoint's GPT with ``layers`` (default single device) and load its weights.
 
     ``layers`` may be a ``TensorParallelLayers`` of any TP size; the saved shards are resharded
-    to it (exactly: ``megaflex.parallel.reshard``). ``tokenizer`` overrides the tokenizer path
+    to it (exactly: ``megaflex.checkpoint.reshard``). ``tokenizer`` overrides the tokenizer path
     recorded in the run config (``data.tokenizer``).
     """
-    from megaflex.parallel.reshard import load_state_dict_checked
+    from megaflex.checkpoint.reshard import load_state_dict_checked
 
     tp_size, tp_rank = (layers.tp_size, layers.tp_rank) if layers is not None else (1, 0)
     state, meta, path = load_checkpoint_weights(checkpoint, tp_size, tp_rank, tag)
-    config = meta["config"]
+    config = meta.config
     model = GPT(ModelConfig.from_dict(config["model"]), layers)
     load_state_dict_checked(model, state)
     model.to(device).eval()

@@ -161,7 +161,7 @@ def run_cli(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
     state, layers = _distributed(args.tensor_parallel_size)
     loaded = load_for_eval(args.checkpoint, tag=args.tag, tokenizer=args.tokenizer, device=args.device, layers=layers)
-    check_eval_tokenizer(loaded.meta.get("tokenizer"), loaded.tokenizer, args.data, str(loaded.path))
+    check_eval_tokenizer(loaded.meta.tokenizer, loaded.tokenizer, args.data, str(loaded.path))
     context = args.context if args.context is not None else loaded.model.config.max_seq_len
     contexts = _parse_contexts(args.contexts)
     eval_set = load_eval_set(
@@ -180,7 +180,7 @@ def run_cli(argv: Sequence[str] | None = None) -> dict[str, Any]:
         words=eval_set.words, token_bytes=token_bytes, batch_size=args.batch_size, **dp,
     )
     results.update(
-        checkpoint=str(loaded.path), iteration=loaded.meta.get("iteration"), data=args.data,
+        checkpoint=str(loaded.path), iteration=loaded.meta.iteration, data=args.data,
         description=eval_set.description, world_size=state.world_size if state else 1,
         tensor_parallel_size=args.tensor_parallel_size,
     )

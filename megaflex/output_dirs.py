@@ -2,7 +2,7 @@
 (``--overwrite``), never into a training run's checkpoint folder (only the trainer writes there),
 and with the user's umask.
 
-Used by ``megaflex-export`` (both directions); imports only ``checkpoint_layout``.
+Used by ``megaflex-export`` (both directions); imports only ``megaflex.checkpoint``.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from megaflex import checkpoint_layout as layout
+from megaflex.checkpoint import CheckpointMeta, layout
 
 # Files the trainer leaves in a run directory (megaflex.training.trainer / metrics).
 _RUN_DIR_MARKERS = ("metrics.jsonl", "ds_config.json", "run.lock")
@@ -46,17 +46,17 @@ def training_run_owner(path: str | os.PathLike) -> str | None:
     root = Path(path)
     for tag in layout.complete_tags(root):
         try:
-            meta = layout.read_meta(root / tag)
+            meta = CheckpointMeta.read(root / tag)
         except layout.CheckpointError:
             return f"it holds the checkpoint {root / tag} (unreadable metadata)"
-        if "deepspeed_config" in meta:  # what megaflex-train records (an import records "source")
+        if meta.is_training_checkpoint:  # what megaflex-train records (an import records "source")
             return f"it holds the training checkpoint {root / tag}"
     for directory in (root, root.parent):
         for marker in _RUN_DIR_MARKERS:
             if (directory / marker).is_file():
                 return f"{directory} is a training run directory (it holds {marker})"
-    if (root / "checkpoints").is_dir() and layout.complete_tags(root / "checkpoints"):
-        return f"{root} is a training run directory (it holds checkpoints/)"
+    if layout.complete_tags(layout.run_checkpoint_dir(root)):
+        return f"{root} is a training run directory (it holds {layout.CHECKPOINTS_DIR}/)"
     return None
 
 

@@ -181,7 +181,7 @@ def test_bad_arguments_raise():
 
 
 def test_reshard_layout_shards_conv_taps_window_mix_and_kernel_by_heads():
-    from megaflex.parallel.reshard import gpt_layout
+    from megaflex.checkpoint.reshard import gpt_layout
 
     layout = gpt_layout(model_config())
     assert layout["blocks.0.attn.core.conv_weight"].partition_dim == 0

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from evaluation.loading import resolve_checkpoint
-from megaflex.checkpoint_layout import (
+from megaflex.checkpoint.layout import (
     FILES_KEY, META_FILE, CheckpointError, CorruptCheckpointError, auto_candidates, check_writable, prune_universal,
     rng_file, tag_for, universal_dir, verify_checkpoint, write_latest, write_meta,
 )
-from megaflex.training.checkpoint import CheckpointManager, needs_repartition, preflight
+from megaflex.checkpoint import CheckpointManager, CheckpointMeta, needs_repartition, preflight
 
 
 def _fake_tag(ckpt: Path, step: int, payload: int = 1000) -> Path:
@@ -69,7 +69,7 @@ def test_auto_resume_falls_back_to_the_newest_intact_checkpoint(tmp_path: Path) 
     manager = CheckpointManager(tmp_path, keep_last=3, rank=0)
     warnings: list[str] = []
     path, meta = manager.select_resume("auto", warn=warnings.append)
-    assert path == tmp_path / "step_00000005" and meta["iteration"] == 5
+    assert path == tmp_path / "step_00000005" and meta.iteration == 5
     assert "step_00000015/mp_rank_00_model_states.pt" in warnings[0]
     assert "step_00000010/megaflex.json: not valid JSON" in warnings[1]
     assert "resuming from the OLDER checkpoint" in warnings[2]
@@ -107,13 +107,16 @@ def test_eval_finds_a_tag_under_a_run_dir(tmp_path: Path) -> None:
 
 def test_zero_repartition_is_needed_only_for_another_dp_x_cp_count_and_refused_with_the_ways_out() -> None:
     path = Path("ckpt/step_00000010")
-    meta = {"zero_stage": 1, "data_parallel_size": 1, "context_parallel_size": 2}
+    saved = {"zero_stage": 1, "data_parallel_size": 1, "context_parallel_size": 2}
+    meta = CheckpointMeta.from_dict(saved)
     # (stage, DP, CP, TP) of this run: the same DP x CP product or saved ZeRO 0 need nothing.
     assert not needs_repartition(meta, path, 1, 2, 1, 1, universal_allowed=False)
-    assert not needs_repartition(dict(meta, zero_stage=0), path, 1, 1, 1, 1, universal_allowed=False)
+    assert not needs_repartition(CheckpointMeta.from_dict(dict(saved, zero_stage=0)), path, 1, 1, 1, 1, universal_allowed=False)
     assert needs_repartition(meta, path, 2, 1, 1, 1, universal_allowed=True)
-    assert needs_repartition({"zero_stage": 2, "data_parallel_size": 4}, path, 1, 1, 2, 1, universal_allowed=True)
-    assert needs_repartition(dict(meta, zero_stage=3), path, 3, 1, 1, 1, universal_allowed=True)
+    # written before context parallelism: no context_parallel_size (CP 1)
+    assert needs_repartition(CheckpointMeta.from_dict({"zero_stage": 2, "data_parallel_size": 4}), path, 1, 1, 2, 1,
+                             universal_allowed=True)
+    assert needs_repartition(CheckpointMeta.from_dict(dict(saved, zero_stage=3)), path, 3, 1, 1, 1, universal_allowed=True)
     for run, allowed, why in [
         ((1, 1, 1, 1), False, "zero_universal_resume is off"),
         ((3, 1, 1, 1), True, "ZeRO 1/2 into ZeRO 1/2 and ZeRO 3 into ZeRO 3 only"),

@@ -24,7 +24,7 @@ from megaflex.parallel import (
     mark_head_sharded_params,
     sequence_slice,
 )
-from megaflex.parallel.reshard import gpt_layout, load_state_dict_checked, merge_shards, split_state_dict
+from megaflex.checkpoint.reshard import gpt_layout, load_state_dict_checked, merge_shards, split_state_dict
 from attention_helpers import form_steps
 from numerics import assert_close, gpt_steps, normwise_scale
 from test_parallel_model import CONFIGS, _reference

@@ -17,14 +17,13 @@ import torch
 
 from megaflex.model.config import ModelConfig
 from megaflex.model.gpt import GPT
-from megaflex.training.checkpoint import complete_tags
+from megaflex.checkpoint import complete_tags
 from megaflex.training.config import ConfigError
 from megaflex.training.distill.cli import distill_config
 from megaflex.training.distill.objectives import AttentionTransfer
 from megaflex.training.metrics import read_metrics
-from megaflex.training.weights import (
-    init_from_checkpoint, linear_attention_parameter_names, load_model_state, resolve_checkpoint,
-)
+from megaflex.checkpoint import load_model_state, resolve_checkpoint
+from megaflex.training.weights import init_from_checkpoint, linear_attention_parameter_names
 from numerics import assert_close, gpt_steps
 from training_harness import REPO, launch, tokenized_wikitext, write_config
 
@@ -193,7 +192,7 @@ def test_finetune_lora_and_full_give_checkpoints_megaflex_eval_and_generate_read
     assert result.returncodes == [0, 0], result.output
     assert {"lm_loss", "teacher_kl"} <= set(read_metrics(lora / "metrics.jsonl")[3])
     merged = load_for_eval(lora / "merged")
-    assert merged.meta["lora_merged"] and not any("lora" in n for n, _ in merged.model.named_parameters())
+    assert merged.meta.lora_merged and not any("lora" in n for n, _ in merged.model.named_parameters())
     # the merged weights compute what the adapted model of the last checkpoint computes
     adapted = GPT(merged.model.config)
     add_lora(adapted, 4, 16.0, ("qkv", "proj"))

@@ -22,7 +22,7 @@ from evaluation.distill_study import (
     teacher_run,
 )
 from evaluation.loading import resolve_checkpoint
-from megaflex.checkpoint_layout import read_meta
+from megaflex.checkpoint.layout import read_meta
 
 TINY = ["--steps", "20", "--stage1-steps", "1", "--stage2-steps", "1", "--max-train-docs", "40",
         "--vocab-size", "512", "--hidden-size", "32", "--num-layers", "2", "--num-heads", "2", "--feature-dim", "16",

@@ -101,7 +101,7 @@ def test_round_trip_megaflex_hf_megaflex_is_bit_identical(exported: dict[str, Pa
     assert export_main(["--from-hf", str(exported["hf"]), "--megaflex-out", str(tmp_path / "back")]) == 0
     original, back = load_for_eval(exported["run"]), load_for_eval(tmp_path / "back")
     assert back.model.config == original.model.config
-    assert back.meta["iteration"] == original.meta["iteration"]
+    assert back.meta.iteration == original.meta.iteration
     a, b = original.model.state_dict(), back.model.state_dict()
     assert a.keys() == b.keys()
     for name in a:

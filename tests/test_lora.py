@@ -13,7 +13,7 @@ from megaflex.model.config import ModelConfig
 from megaflex.model.gpt import GPT
 from megaflex.parallel import ParallelState, TensorParallelLayers
 from megaflex.parallel.lora import LoRAAdapter, add_lora, lora_parameters, merge_lora
-from megaflex.parallel.reshard import ShardSpec, derive_layout, gpt_layout, load_state_dict_checked, merge_shards, split_state_dict
+from megaflex.checkpoint.reshard import ShardSpec, derive_layout, gpt_layout, load_state_dict_checked, merge_shards, split_state_dict
 from megaflex.training.optim import param_groups
 from numerics import assert_close, gpt_steps, normwise_scale
 

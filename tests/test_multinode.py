@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from megaflex.checkpoint_layout import complete_tags
+from megaflex.checkpoint.layout import complete_tags
 from megaflex.training.metrics import read_metrics
 from training_harness import REPO, deepspeed_launcher, launch, launcher_env, write_config
 

@@ -30,7 +30,7 @@ def _ds_worker(rank: int, world: int, ref_state: dict, zero_stage: int) -> dict:
     from deepspeed.runtime.utils import clip_grad_norm_
 
     from megaflex.parallel import DeepSpeedMPU, ParallelState, TensorParallelLayers, mark_head_sharded_params
-    from megaflex.parallel.reshard import gpt_layout, load_state_dict_checked, split_state_dict
+    from megaflex.checkpoint.reshard import gpt_layout, load_state_dict_checked, split_state_dict
 
     from megaflex.training.deepspeed_config import init_deepspeed_distributed
 

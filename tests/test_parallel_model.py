@@ -1,7 +1,7 @@
 """The GPT under tensor parallelism equals the single-device GPT; checkpoint resharding is exact.
 
 The TP=k models are loaded with the TP=1 model's weights resharded by
-``megaflex.parallel.reshard``, so these tests check the layers, the model's sharded layouts
+``megaflex.checkpoint.reshard``, so these tests check the layers, the model's sharded layouts
 (fused QKV, SwiGLU, feature maps, per-head gains) and the resharding together.
 """
 
@@ -18,7 +18,7 @@ from megaflex.model.config import ModelConfig
 from megaflex.model.gpt import GPT
 from megaflex.model.layers import pad_vocab_size
 from megaflex.parallel import ParallelState, TensorParallelLayers, mark_head_sharded_params
-from megaflex.parallel.reshard import (
+from megaflex.checkpoint.reshard import (
     CONFIG_FILE,
     SAFETENSORS_FILE,
     ShardSpec,
@@ -234,7 +234,7 @@ def test_safetensors_export_and_cli(tmp_path) -> None:
     layout = gpt_layout(config)
     original = model.state_dict()
 
-    # A checkpoint tag as megaflex.training.checkpoint writes it, at TP=2.
+    # A checkpoint tag as megaflex.checkpoint writes it, at TP=2.
     tag = tmp_path / "step_00000010"
     tag.mkdir()
     for rank, sd in enumerate(split_state_dict(original, layout, 2)):
@@ -257,7 +257,7 @@ def test_safetensors_export_and_cli(tmp_path) -> None:
     for key, value in original.items():
         assert torch.equal(exported[key], value) and torch.equal(merged[key], value), key
     # The resharded tag records its own shards' checksums; a damaged shard is named, not unpickled.
-    from megaflex.checkpoint_layout import CorruptCheckpointError, verify_checkpoint
+    from megaflex.checkpoint.layout import CorruptCheckpointError, verify_checkpoint
 
     assert sorted(verify_checkpoint(tmp_path / "tp4")["files"]) == [f"mp_rank_{r:02d}_model_states.pt" for r in range(4)]
     shard = tmp_path / "tp4" / "mp_rank_03_model_states.pt"

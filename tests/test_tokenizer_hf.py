@@ -76,7 +76,7 @@ def test_training_records_the_bpe_and_evaluation_refuses_another(bpe_run: dict[s
     from evaluation.perplexity import run_cli
 
     loaded = load_for_eval(bpe_run["run"])
-    assert isinstance(loaded.tokenizer, HFTokenizer) and loaded.meta["tokenizer"]["sha256"] == loaded.tokenizer.record["sha256"]
+    assert isinstance(loaded.tokenizer, HFTokenizer) and loaded.meta.tokenizer["sha256"] == loaded.tokenizer.record["sha256"]
     result = run_cli(["--checkpoint", str(bpe_run["run"]), "--data", str(bpe_run["data"] / "train.raw"),
                       "--max-tokens", "300", "--context", "64", "--device", "cpu"])
     assert result["tokens"] > 0 and np.isfinite(result["ppl"]) and result["bits_per_byte"] > 0

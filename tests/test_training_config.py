@@ -14,7 +14,7 @@ import yaml
 
 from megaflex.model.config import ModelConfig
 from megaflex.model.gpt import GPT
-from megaflex.training.checkpoint import CheckpointError, check_compatible, find_resume_path, parameter_shapes
+from megaflex.checkpoint import CheckpointError, CheckpointMeta, check_compatible, parameter_shapes, select_checkpoint
 from megaflex.training.config import FLOAT_RANGES, Config, ConfigError, load_config, reference_markdown, validate_runtime
 from megaflex.training.config_loader import float_fields
 from megaflex.training.deepspeed_config import deepspeed_config
@@ -232,26 +232,26 @@ def test_weight_decay_groups_exempt_norms_biases_and_the_kernel() -> None:
 
 def test_resume_discovery_ignores_incomplete_saves(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
-    assert find_resume_path(ckpt, "auto") is None
+    assert select_checkpoint(ckpt, "auto")[0] is None
     for tag in ("step_00000005", "step_00000010", ".tmp-step_00000015", "step_00000020"):
         (ckpt / tag).mkdir(parents=True)
     for tag in ("step_00000005", "step_00000010"):
         (ckpt / tag / "megaflex.json").write_text("{}")
     # step 20 has no metadata (a crash before commit of an old-style writer); pointer is stale.
     (ckpt / "latest").write_text("step_00000020\n")
-    assert find_resume_path(ckpt, "auto") == ckpt / "step_00000010"
+    assert select_checkpoint(ckpt, "auto")[0] == ckpt / "step_00000010"
     (ckpt / "latest").write_text("step_00000005\n")
-    assert find_resume_path(ckpt, "auto") == ckpt / "step_00000005"
-    assert find_resume_path(ckpt, "none") is None
-    assert find_resume_path(ckpt, "step_00000010") == ckpt / "step_00000010"
+    assert select_checkpoint(ckpt, "auto")[0] == ckpt / "step_00000005"
+    assert select_checkpoint(ckpt, "none")[0] is None
+    assert select_checkpoint(ckpt, "step_00000010")[0] == ckpt / "step_00000010"
     with pytest.raises(CheckpointError, match=r"'step_00000020' is not a complete checkpoint"):
-        find_resume_path(ckpt, "step_00000020")
+        select_checkpoint(ckpt, "step_00000020")[0]
 
 
 def test_shape_mismatch_names_both_shapes() -> None:
     small, big = ModelConfig(**TINY["model"]), ModelConfig(**{**TINY["model"], "num_layers": 3})
-    meta = {"tensor_parallel_size": 1, "parameter_shapes": parameter_shapes(GPT(small)),
-            "config": {"model": small.to_dict()}}
+    meta = CheckpointMeta(tensor_parallel_size=1, parameter_shapes=parameter_shapes(GPT(small)),
+                          config={"model": small.to_dict()})
     check_compatible(meta, small.to_dict(), parameter_shapes(GPT(small)), tp_size=1)  # same: fine
     with pytest.raises(CheckpointError, match=r"blocks.2.\S+: checkpoint absent vs config \[.*num_layers': \(2, 3\)"):
         check_compatible(meta, big.to_dict(), parameter_shapes(GPT(big)), tp_size=1)

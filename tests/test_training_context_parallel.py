@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from megaflex.data.indexed import IndexedDatasetBuilder
-from megaflex.training.checkpoint import complete_tags
+from megaflex.checkpoint import complete_tags
 from megaflex.training.metrics import read_metrics
 from training_harness import launch, logged_train_steps, write_config
 

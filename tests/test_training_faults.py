@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from megaflex.checkpoint_layout import complete_tags, directory_size, read_latest, verify_checkpoint
+from megaflex.checkpoint.layout import complete_tags, directory_size, read_latest, verify_checkpoint
 from megaflex.training.metrics import read_metrics
 from megaflex.training.train import EXIT_CONFIG, EXIT_PREEMPTED
 from training_harness import REPO, deepspeed_launcher, launch, launcher_env, write_config

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from failure_helpers import one_error_line
-from megaflex.checkpoint_layout import CheckpointError
-from megaflex.training.resume_compat import check_resume_layout
+from megaflex.checkpoint.layout import CheckpointError
+from megaflex.checkpoint import CheckpointMeta, check_resume_layout
 from training_harness import PYTHON, REPO, TINY, base_env, launch, write_config
 
 SHORT = copy.deepcopy(TINY)
@@ -75,8 +75,8 @@ def test_weights_only_checkpoint_is_not_resumed() -> None:
     meta = {"zero_stage": 0, "source": "megaflex-export --from-hf hf/x"}
     with pytest.raises(CheckpointError, match=r"holds weights only \(written by megaflex-export --from-hf hf/x\).*"
                                               r"checkpoint.init_from=ck/step_1 checkpoint.resume=none"):
-        check_resume_layout(meta, Path("ck/step_1"), zero_stage=0, precision="fp32")
-    saved = {"zero_stage": 1, "precision": "fp32", "deepspeed_config": {}}
+        check_resume_layout(CheckpointMeta.from_dict(meta), Path("ck/step_1"), zero_stage=0, precision="fp32")
+    saved = CheckpointMeta.from_dict({"zero_stage": 1, "precision": "fp32", "deepspeed_config": {}})
     check_resume_layout(saved, Path("ck"), zero_stage=2, precision="fp32")  # ZeRO 1 <-> 2 load
     with pytest.raises(CheckpointError, match=r"saved with train.precision=fp32, this run has bf16.*Resume with "
                                               r"train.precision=fp32, or start a new run from its weights"):

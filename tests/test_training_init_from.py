@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from megaflex.checkpoint_layout import model_states_file
+from megaflex.checkpoint.layout import model_states_file
 from megaflex.model.config import ModelConfig
 from megaflex.model.gpt import GPT
-from megaflex.parallel.reshard import gpt_layout, merge_shards
+from megaflex.checkpoint.reshard import gpt_layout, merge_shards
 from megaflex.training.config_loader import ConfigError
+from megaflex.checkpoint import load_model_state, resolve_checkpoint
 from megaflex.training.weights import (
     copy_parameters, init_from_checkpoint, kernel_parameter_names, linear_attention_parameter_names,
-    load_model_state, resolve_checkpoint,
 )
 from training_harness import TINY, launch, write_config
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from megaflex.training.checkpoint import complete_tags
+from megaflex.checkpoint import complete_tags
 from megaflex.training.metrics import read_metrics
 from training_harness import TINY, launch, logged_train_steps, write_config
 

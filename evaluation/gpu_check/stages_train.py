@@ -19,6 +19,7 @@ from typing import Any
 
 from evaluation.gpu_check.common import REPO, Stage, base_overrides, learnable_tokens, run_trainer, throughput
 from evaluation.gpu_check.profile_summary import summarize
+from megaflex.checkpoint.layout import complete_tags, run_checkpoint_dir
 
 ZERO1 = str(REPO / "configs" / "zero" / "zero1.yaml")
 
@@ -35,7 +36,7 @@ def _shape(stage: Stage, config_name: str) -> tuple[str, list[str], list[str]]:
 def trainer_247m(stage: Stage) -> dict[str, Any]:
     config, extra, over = _shape(stage, "flexformer_n_247m")
     run_dir = stage.work_dir / "flexformer_247m"
-    ckpt = [f"checkpoint.dir={run_dir}/checkpoints", "checkpoint.save_interval=10", "checkpoint.keep_last=1"]
+    ckpt = [f"checkpoint.dir={run_checkpoint_dir(run_dir)}", "checkpoint.save_interval=10", "checkpoint.keep_last=1"]
     profile = ["logging.profile.start=6", "logging.profile.steps=3"]  # the trainer's profiler: steps 6-8
     timeout = 900 if stage.dry_run else 240
     first = run_trainer(["--config", config, *extra, *over, *ckpt, *profile, "checkpoint.resume=none"], run_dir,
@@ -47,7 +48,7 @@ def trainer_247m(stage: Stage) -> dict[str, Any]:
     ops = run_dir / "profile" / "rank0.steps6-8.ops.json"
     result["profile_steps_6_8"] = summarize(ops) if ops.exists() else None
     stage.emit(result)
-    saved = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
+    saved = complete_tags(run_checkpoint_dir(run_dir))
     result["checkpoints"] = saved
     resumed_dir = stage.work_dir / "flexformer_247m_resumed"
     resumed = run_trainer(["--config", config, *extra, *over, *ckpt, "checkpoint.resume=auto"], resumed_dir,

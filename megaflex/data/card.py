@@ -5,7 +5,7 @@ kept for messages only: a copied model is the same tokenizer, a retrained one un
 path is not). The identity is recorded
 
 * with the data: ``PREFIX.card.json`` next to ``PREFIX.bin``/``PREFIX.idx``;
-* with checkpoints: ``megaflex.json["tokenizer"]`` (written by the trainer);
+* with checkpoints: ``CheckpointMeta.tokenizer`` (``megaflex.checkpoint``, written by the trainer);
 
 and training, evaluation and generation refuse to combine records that disagree
 (:func:`check_same_tokenizer`), so data tokenized with one tokenizer is never scored or trained

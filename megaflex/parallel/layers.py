@@ -7,7 +7,7 @@ Every sharded parameter carries Megatron's attributes
     partition_stride      = 1
 
 and vocabulary-padded ones additionally ``true_vocab_size`` (rows at or past it are padding).
-``megaflex.parallel.reshard`` uses these tags to convert checkpoints between TP sizes.
+``megaflex.checkpoint.reshard`` uses these tags to convert checkpoints between TP sizes.
 
 Initialisation: each layer builds the *full* layer exactly as ``LocalLayers`` does (same
 default-RNG draws, identical on every TP rank) and keeps its slice. So a TP=k model built

@@ -20,6 +20,7 @@ from typing import Any, Literal, get_type_hints
 
 import yaml
 
+from megaflex.checkpoint.layout import CHECKPOINTS_DIR, run_checkpoint_dir
 from megaflex.model.config import ModelConfig
 from megaflex.parallel.state import ParallelDims
 from megaflex.training.config_loader import (
@@ -233,7 +234,7 @@ class WandbConfig:
 class LoggingConfig:
     """Console, TensorBoard, metrics.jsonl and W&B (rank 0); torch.profiler windows (every rank)."""
 
-    run_dir: str = opt("runs/default", "directory of this run: metrics.jsonl, tensorboard/, config.yaml, checkpoints/")
+    run_dir: str = opt("runs/default", f"directory of this run: metrics.jsonl, tensorboard/, config.yaml, {CHECKPOINTS_DIR}/")
     log_interval: int = opt(1, "log (console, TensorBoard, metrics.jsonl) every this many steps")
     tensorboard: bool = opt(True, "write TensorBoard scalars to <run_dir>/tensorboard")
     progress_bar: bool = opt(True, "console progress bar (plain lines when stdout is not a terminal)")
@@ -313,7 +314,7 @@ class Config:
 
     @property
     def checkpoint_dir(self) -> str:
-        return self.checkpoint.dir or str(Path(self.logging.run_dir) / "checkpoints")
+        return self.checkpoint.dir or str(run_checkpoint_dir(self.logging.run_dir))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict of every section (the resolved config saved with checkpoints)."""

@@ -68,7 +68,7 @@ def execute(prog: str, cfg: Any, objective: Any = None) -> int:
     except LaunchEnvError as e:
         print(f"{prog}: launch error: {e}", file=sys.stderr)
         return EXIT_CONFIG
-    from megaflex.training.checkpoint import CheckpointError
+    from megaflex.checkpoint import CheckpointError
     from megaflex.training.collective_timeout import describe_failure
     from megaflex.training.run_lock import release_held
     from megaflex.training.trainer import NonFiniteAbort, run, shutdown

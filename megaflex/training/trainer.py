@@ -28,20 +28,21 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from megaflex.checkpoint import (
+    CheckpointManager,
+    CheckpointMeta,
+    check_compatible,
+    check_optimizer_groups,
+    check_resume_layout,
+    needs_repartition,
+    parameter_shapes,
+    preflight,
+)
 from megaflex.model.gpt import GPT
 from megaflex.model.kernel_stats import kernel_snapshot
 from megaflex.model.layers import LocalLayers
 from megaflex.parallel import comm
 from megaflex.parallel.rendezvous import free_port
-from megaflex.training.checkpoint import (
-    CheckpointManager,
-    SignalFlag,
-    check_compatible,
-    needs_repartition,
-    parameter_shapes,
-    preflight,
-    zero_partitions,
-)
 from megaflex.training.collective_timeout import (
     apply_timeout, every_process_group, parallel_groups, progress, rendezvous_timeout,
 )
@@ -56,8 +57,8 @@ from megaflex.training.deepspeed_config import (
 from megaflex.training.metrics import MetricsLogger, device_peak_tflops, flops_per_token, peak_memory_mb
 from megaflex.training.optim import build_optimizer, group_summary, lr_at, set_lr
 from megaflex.training.profiling import StepProfiler
-from megaflex.training.resume_compat import check_resume_layout
 from megaflex.training.run_lock import hold_run_lock
+from megaflex.training.stop_signals import SignalFlag
 from megaflex.training.wandb_logger import WandbSink, import_wandb
 
 
@@ -125,7 +126,11 @@ def run(cfg: Config, objective: Objective | None = None) -> dict[str, Any]:
     if state.tp_size > 1:
         # Feature-map params (Omega, tau) are head-sharded: tag them so grad norms count every shard.
         mark_head_sharded_params(model)
-    init_record = _warm_start(cfg, model)  # before the optimizer, kernel snapshot and DeepSpeed
+    # The one resume decision (checksums verified; warnings printed once the logger exists).
+    manager = CheckpointManager(Path(cfg.checkpoint_dir), cfg.checkpoint.keep_last, rank)
+    resume_warnings: list[str] = []
+    resume_path, meta = manager.select_resume(cfg.checkpoint.resume, warn=resume_warnings.append)
+    init_record = _warm_start(cfg, model, resuming=resume_path is not None)  # before the optimizer and DeepSpeed
     if objective is not None:
         if cfg.data.document_boundaries != "none":  # the objectives' losses take no document structure yet
             raise ConfigError(f"data.document_boundaries: expected 'none' with {type(objective).__name__}, got 'reset'")
@@ -168,21 +173,21 @@ def run(cfg: Config, objective: Objective | None = None) -> dict[str, Any]:
         _register_zero3_external_parameters(model)
 
     # ---------------------------------------------------------------- resume checks (before the engine)
-    manager = CheckpointManager(Path(cfg.checkpoint_dir), cfg.checkpoint.keep_last, rank)
     if cfg.fault.sigkill_during_save_at_step is not None:
         kill_step = cfg.fault.sigkill_during_save_at_step
         manager.before_commit = lambda it: _sigkill() if it == kill_step else None
-    resume_path, meta = manager.select_resume(cfg.checkpoint.resume, warn=logger.print)
+    for warning in resume_warnings:
+        logger.print(warning)
     universal, engine_config = None, ds_config
     if resume_path is not None:
         check_compatible(meta, cfg.to_dict()["model"], shapes, state.tp_size)
-        check_same_tokenizer(meta.get("tokenizer"), tokenizer, f"checkpoint {resume_path}", "this run's tokenizer/data")
+        check_same_tokenizer(meta.tokenizer, tokenizer, f"checkpoint {resume_path}", "this run's tokenizer/data")
         check_resume_layout(meta, resume_path, cfg.parallel.zero_stage, cfg.train.precision)
-        _check_optimizer_groups(meta, optimizer, resume_path)
+        check_optimizer_groups(meta, [g["name"] for g in optimizer.param_groups], resume_path)
         if needs_repartition(meta, resume_path, cfg.parallel.zero_stage, dp_size, cp_size, state.tp_size,
                              cfg.checkpoint.zero_universal_resume):
             universal = manager.universal_copy(resume_path)
-            logger.print(f"ZeRO states of {resume_path} repartitioned from {zero_partitions(meta)} to "
+            logger.print(f"ZeRO states of {resume_path} repartitioned from {meta.zero_partitions} to "
                          f"{dp_size * cp_size} DP x CP ranks through its universal copy {universal}")
             # Only the engine reads it; the recorded ds_config stays the run's own.
             engine_config = dict(ds_config, checkpoint={"load_universal": True})
@@ -204,14 +209,14 @@ def run(cfg: Config, objective: Objective | None = None) -> dict[str, Any]:
     iteration, consumed, nonfinite_total = 0, 0, 0
     skipped_loss = False
     if resume_path is not None:
-        same_world = meta["world_size"] == state.world_size
+        same_world = meta.world_size == state.world_size
         manager.load(engine, resume_path, tracker, load_rng=same_world, universal=universal)
-        iteration, consumed = meta["iteration"], meta["consumed_samples"]
-        nonfinite_total = meta.get("nonfinite_total", 0)
-        init_record = meta.get("init_from")
+        iteration, consumed = meta.iteration, meta.consumed_samples
+        nonfinite_total = meta.nonfinite_total or 0
+        init_record = meta.init_from
         logger.print(
             f"resumed from {resume_path} at step {iteration} ({consumed} samples consumed"
-            + ("" if meta["data_parallel_size"] == dp_size else f"; data parallel {meta['data_parallel_size']} -> {dp_size}")
+            + ("" if meta.data_parallel_size == dp_size else f"; data parallel {meta.data_parallel_size} -> {dp_size}")
             + ")"
         )
 
@@ -222,16 +227,14 @@ def run(cfg: Config, objective: Objective | None = None) -> dict[str, Any]:
 
     def save(step: int) -> None:
         progress.at(step, "checkpoint save")
-        meta = {
-            "iteration": step, "consumed_samples": consumed, "nonfinite_total": nonfinite_total,
-            "world_size": state.world_size, "tensor_parallel_size": state.tp_size, "data_parallel_size": dp_size,
-            "context_parallel_size": cp_size,
-            "zero_stage": cfg.parallel.zero_stage, "precision": cfg.train.precision,
-            "parameter_shapes": shapes, "num_parameters": num_params, "config": cfg.to_dict(),
-            "deepspeed_config": ds_config, "optimizer_groups": [g["name"] for g in optimizer.param_groups],
-            "sampler": {"consumed_samples": consumed, "global_batch_size": gbs},
-            "tokenizer": tokenizer, "init_from": init_record,
-        }
+        meta = CheckpointMeta(
+            iteration=step, consumed_samples=consumed, nonfinite_total=nonfinite_total,
+            world_size=state.world_size, tensor_parallel_size=state.tp_size, data_parallel_size=dp_size,
+            context_parallel_size=cp_size, zero_stage=cfg.parallel.zero_stage, precision=cfg.train.precision,
+            parameter_shapes=shapes, num_parameters=num_params, config=cfg.to_dict(), deepspeed_config=ds_config,
+            optimizer_groups=[g["name"] for g in optimizer.param_groups],
+            sampler={"consumed_samples": consumed, "global_batch_size": gbs}, tokenizer=tokenizer, init_from=init_record,
+        )
         path = manager.save(engine, step, meta, tracker)
         logger.print(f"saved checkpoint {path}")
 
@@ -383,14 +386,13 @@ def run(cfg: Config, objective: Objective | None = None) -> dict[str, Any]:
 
 
 # -------------------------------------------------------------------------------- helpers
-def _warm_start(cfg: Config, model: GPT) -> dict[str, Any] | None:
+def _warm_start(cfg: Config, model: GPT, resuming: bool) -> dict[str, Any] | None:
     """``checkpoint.init_from`` at a fresh start (not when this run resumes its own checkpoint):
     copy the selected parameters into ``model``. Returns the record kept in checkpoint metadata."""
-    from megaflex.training.checkpoint import find_resume_path
     from megaflex.training.weights import init_from_checkpoint
 
     c = cfg.checkpoint
-    if c.init_from is None or find_resume_path(Path(cfg.checkpoint_dir), c.resume) is not None:
+    if c.init_from is None or resuming:
         return None
     copied, source = init_from_checkpoint(model, c.init_from, c.init_parameters)
     return {"path": str(source), "parameters": c.init_parameters, "copied": len(copied)}
@@ -492,21 +494,6 @@ def _register_zero3_external_parameters(model: GPT) -> None:
         for _, kp in named_kernel_parameters(block.attn.core):
             register_external_parameter(block.attn, kp.param)
     register_external_parameter(model, model.output_weight)
-
-
-def _check_optimizer_groups(meta: dict[str, Any], optimizer: Any, path: Path) -> None:
-    """Clear error when the checkpoint's optimizer has other param groups than this run's.
-
-    Checkpoints from before the kernel LR groups (no ``optimizer_groups`` in meta) have the two
-    groups decay/no_decay; they resume with both kernel LR multipliers at 1."""
-    saved = meta.get("optimizer_groups", ["decay", "no_decay"])
-    current = [g["name"] for g in optimizer.param_groups]
-    if saved != current:
-        raise ValueError(
-            f"checkpoint {path}: optimizer param groups {saved} differ from this run's {current}; resume with "
-            "the optimizer.kernel_{frequency,temperature}_lr_multiplier values the checkpoint was trained with "
-            "(1 for checkpoints without kernel groups)"
-        )
 
 
 def _kernel_reference(

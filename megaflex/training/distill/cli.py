@@ -17,13 +17,12 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from megaflex.checkpoint_layout import read_meta
+from megaflex.checkpoint import CheckpointMeta, resolve_checkpoint
 from megaflex.model.config import ModelConfig
 from megaflex.training.config import Config, ConfigError, DistillConfig, config_from_sources
 from megaflex.training.config_loader import Source, parse_overrides, read_yaml
 from megaflex.training.distill.objectives import check_softmax_teacher, check_student_matches_teacher
 from megaflex.training.train import EXIT_CONFIG, build_parser, execute, finish_args
-from megaflex.training.weights import resolve_checkpoint
 
 STAGES = ("attention_transfer", "finetune")
 
@@ -57,7 +56,7 @@ def _checkpoint_config(path: Any, key: str) -> tuple[str, dict[str, Any]]:
         folder = resolve_checkpoint(str(path))
     except ValueError as e:
         raise ConfigError(f"{key}: {e}") from None
-    return str(folder), read_meta(folder)["config"]
+    return str(folder), CheckpointMeta.read(folder).config
 
 
 def distill_config(paths: list[str], overrides: list[str]) -> Config:

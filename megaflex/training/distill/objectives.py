@@ -6,7 +6,7 @@
   ``output_mse_weight`` x output MSE + ``weights_ce_weight`` x attention-weights KL (see losses.py).
 * ``Finetune``: the LM loss (+ ``kl_weight`` x KL to the teacher's logits) on all parameters,
   or LoRA adapters (``lora_rank`` > 0, ``megaflex.parallel.lora``); at the end the adapters are
-  merged and the weights written as a normal checkpoint to ``<run_dir>/merged``.
+  merged and the weights written as a weights-only checkpoint (``megaflex.checkpoint.merged_checkpoint_dir``).
 
 The teacher is built once per rank with the student's layer factory (same TP layout), loaded
 from its checkpoint (resharded to this TP size), frozen, in eval mode and outside the DeepSpeed
@@ -22,6 +22,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megaflex.checkpoint import (
+    CheckpointMeta, load_checkpoint_weights, merged_checkpoint_dir, parameter_shapes, save_weights_only,
+)
 from megaflex.model.config import ModelConfig
 from megaflex.model.gpt import GPT, IGNORE_INDEX
 from megaflex.training.config import Config, DistillConfig
@@ -29,20 +32,18 @@ from megaflex.training.config_loader import ConfigError
 from megaflex.training.distill.losses import (
     AttentionTap, attention_weights, captured_qk, logits_kl, output_mse, supports_attention_weights, tp_sum, weights_kl,
 )
-from megaflex.training.weights import linear_attention_parameter_names, load_checkpoint_weights
-
-MERGED_DIR = "merged"  # <run_dir>/merged: the LoRA-merged final checkpoint
+from megaflex.training.weights import linear_attention_parameter_names
 
 
 def load_teacher(checkpoint: str | os.PathLike, layers: Any) -> GPT:
     """The frozen fp32 softmax teacher from ``checkpoint`` on ``layers`` (the student's factory)."""
-    from megaflex.parallel.reshard import load_state_dict_checked
+    from megaflex.checkpoint.reshard import load_state_dict_checked
 
     try:
         state, meta, path = load_checkpoint_weights(checkpoint, layers.tp_size, layers.tp_rank)
     except ValueError as e:
         raise ConfigError(f"distill.teacher: {e}") from None
-    config = ModelConfig.from_dict(meta["config"]["model"])
+    config = ModelConfig.from_dict(meta.model_config)
     check_softmax_teacher(config, path)
     tracker = getattr(layers, "rng_tracker", None)
     tracker_states = tracker.get_states() if tracker is not None else None
@@ -175,34 +176,27 @@ class Finetune:
 
 
 def export_merged(engine: Any, cfg: Config, iteration: int) -> Path:
-    """Collective. Merge the LoRA adapters into the weights and write them as a weights-only
-    (ZeRO 0 layout) checkpoint ``<run_dir>/merged/<tag>``, metadata taken from the run's newest
-    checkpoint, that megaflex-eval / megaflex-generate / ``checkpoint.init_from`` read."""
-    from megaflex.checkpoint_layout import model_states_file, read_latest, read_meta, tag_for, write_latest, write_meta
+    """Collective. Merge the LoRA adapters into the weights and commit them as a weights-only
+    checkpoint in ``merged_checkpoint_dir(run_dir)`` (metadata taken from the run's newest
+    checkpoint) that megaflex-eval / megaflex-generate / ``checkpoint.init_from`` read."""
+    from megaflex.checkpoint import select_checkpoint
     from megaflex.parallel.lora import merge_lora
-    from megaflex.training.checkpoint import parameter_shapes
 
     model = engine.module
     merge_lora(model)
     factory = model.layer_factory
     state = getattr(factory, "state", None)
     dp_rank = state.dp_rank if state is not None else 0
-    root = Path(cfg.logging.run_dir) / MERGED_DIR
-    tag_dir = root / tag_for(iteration)
-    if dp_rank == 0:
-        tag_dir.mkdir(parents=True, exist_ok=True)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    weights = None
+    if dp_rank == 0:  # one writer per TP rank
         weights = {k: (v.float() if v.is_floating_point() else v).detach().cpu().clone() for k, v in model.state_dict().items()}
-        torch.save({"module": weights}, model_states_file(tag_dir, factory.tp_rank))
-    if dist.is_initialized():
-        dist.barrier()
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        ckpt_dir = Path(cfg.checkpoint_dir)
-        meta = read_meta(ckpt_dir / read_latest(ckpt_dir))
-        meta.pop("files", None)
-        meta.update(parameter_shapes=parameter_shapes(model), zero_stage=0, precision="fp32", lora_merged=True,
-                    iteration=iteration)
-        write_meta(tag_dir, meta)
-        write_latest(root, tag_dir.name)
-    if dist.is_initialized():
-        dist.barrier()
-    return tag_dir
+    meta = None
+    if rank == 0:
+        newest, _ = select_checkpoint(cfg.checkpoint_dir, "auto")
+        meta = CheckpointMeta.read(newest)
+        meta.files = None
+        meta.parameter_shapes, meta.zero_stage, meta.precision = parameter_shapes(model), 0, "fp32"
+        meta.lora_merged, meta.iteration = True, iteration
+    root = merged_checkpoint_dir(cfg.logging.run_dir)
+    return save_weights_only(root, iteration, factory.tp_rank, weights, meta, rank)

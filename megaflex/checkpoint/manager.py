@@ -1,7 +1,8 @@
 """Atomic DeepSpeed checkpoints with everything exact resume needs.
 
 The file layout (tags, ``latest``, metadata, RNG files, checksums) belongs to
-``megaflex.checkpoint_layout``; this module drives DeepSpeed through it.
+``megaflex.checkpoint.layout``; this module drives DeepSpeed through it. ``select_checkpoint``
+is the one place that decides which checkpoint a run resumes from (or an evaluation reads).
 
 Commit protocol: every rank writes into ``.tmp-<tag>``; the ranks hash a share of the files each
 (size and SHA-256, gathered); rank 0 writes them into the metadata, renames the folder to ``<tag>`` and then replaces
@@ -13,15 +14,15 @@ folder and raises ``CheckpointError``. The directory must be on a file system al
 Resume verifies the recorded checksums before DeepSpeed reads anything (the files are split
 over the ranks, so each reads only its share); ``resume=auto`` falls back to the newest
 checkpoint that verifies, an explicit tag fails naming the bad file.
+
+``save_weights_only`` commits a weights-only checkpoint (ZeRO 0 layout, e.g. LoRA-merged
+weights) by the same protocol.
 """
 
 from __future__ import annotations
 
 import random
 import shutil
-import signal
-import sys
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -30,9 +31,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megaflex.checkpoint_layout import (  # noqa: F401  (re-exported for callers of this module)
+from megaflex.checkpoint.layout import (
     FILES_KEY,
-    META_FILE,
     CheckpointError,
     CorruptCheckpointError,
     auto_candidates,
@@ -42,13 +42,11 @@ from megaflex.checkpoint_layout import (  # noqa: F401  (re-exported for callers
     data_file_names,
     directory_size,
     file_manifest,
-    find_resume_path,
-    fsync_dir,
     fsync_tree,
     is_out_of_space,
+    model_states_file,
     prune_universal,
     read_latest,
-    read_meta,
     resolve_tag,
     rng_file,
     stale_tmp_dirs,
@@ -59,6 +57,7 @@ from megaflex.checkpoint_layout import (  # noqa: F401  (re-exported for callers
     write_latest,
     write_meta,
 )
+from megaflex.checkpoint.metadata import CheckpointMeta
 from megaflex.parallel import comm
 
 
@@ -84,65 +83,6 @@ def set_rng_state(state: dict[str, Any], tp_tracker: Any | None) -> None:
         tp_tracker.set_states(state["tp_tracker"])
 
 
-# ------------------------------------------------------------------------------- shapes
-def parameter_shapes(model: torch.nn.Module) -> dict[str, list[int]]:
-    """Name -> this rank's shape (TP shards), as recorded in and checked against checkpoints."""
-    return {name: list(p.shape) for name, p in model.named_parameters()}
-
-
-def check_compatible(meta: dict[str, Any], model_config: dict[str, Any], shapes: dict[str, list[int]], tp_size: int) -> None:
-    """Refuse a checkpoint whose model does not match this run, naming both shapes."""
-    saved_tp = meta["tensor_parallel_size"]
-    if saved_tp != tp_size:
-        raise CheckpointError(
-            f"checkpoint has tensor_parallel_size={saved_tp}, this run {tp_size}; reshard it first "
-            f"(megaflex.parallel reshard) or launch with parallel.tensor_parallel_size={saved_tp}"
-        )
-    saved_shapes = meta["parameter_shapes"]
-    if saved_shapes != shapes:
-        saved_model, mine = meta["config"]["model"], model_config
-        diff = {k: (saved_model.get(k), mine.get(k)) for k in sorted(set(saved_model) | set(mine)) if saved_model.get(k) != mine.get(k)}
-        names = sorted(set(saved_shapes) ^ set(shapes)) or [n for n in shapes if shapes[n] != saved_shapes[n]]
-        first = names[0]
-        raise CheckpointError(
-            "checkpoint model shape does not match the config: "
-            f"{first}: checkpoint {saved_shapes.get(first, 'absent')} vs config {shapes.get(first, 'absent')}; "
-            f"model fields (checkpoint, config): {diff}"
-        )
-
-
-def zero_partitions(meta: dict[str, Any]) -> int:
-    """The DP x CP count a checkpoint's ZeRO states are partitioned over (CP: 1 before it existed)."""
-    return meta["data_parallel_size"] * meta.get("context_parallel_size", 1)
-
-
-def needs_repartition(meta: dict[str, Any], path: Path, zero_stage: int, dp_size: int, cp_size: int, tp_size: int,
-                      universal_allowed: bool) -> bool:
-    """Whether resuming ``path`` needs its ZeRO optimizer states repartitioned over another DP x CP
-    count (through the universal copy); a ``CheckpointError`` naming both counts and the ways out
-    when that is not supported. ZeRO 0 states are whole on every rank: never needed."""
-    saved_stage, saved, current = meta.get("zero_stage", 0), zero_partitions(meta), dp_size * cp_size
-    if saved_stage == 0 or saved == current:
-        return False
-    saved_text = f"DP {meta['data_parallel_size']} x CP {meta.get('context_parallel_size', 1)} = {saved}"
-    reason = None
-    if not universal_allowed:
-        reason = "checkpoint.zero_universal_resume is off"
-    elif zero_stage == 0 or (saved_stage == 3) != (zero_stage == 3):
-        reason = (f"the universal copy loads ZeRO 1/2 into ZeRO 1/2 and ZeRO 3 into ZeRO 3 only (saved at ZeRO "
-                  f"{saved_stage}, this run ZeRO {zero_stage})")
-    elif tp_size != 1:
-        reason = f"the universal copy needs tensor_parallel_size 1 (this run {tp_size}); megaflex records no TP slicing for it"
-    if reason is None:
-        return True
-    raise CheckpointError(
-        f"checkpoint {path} holds ZeRO {saved_stage} optimizer states partitioned over {saved_text} ranks, this run "
-        f"has DP {dp_size} x CP {cp_size} = {current}, and {reason}. Resume with a DP x CP product of {saved} (any CP "
-        f"size whose DP x CP is {saved}), or train with parallel.zero_stage=0 (whole states on every rank) when the "
-        "world is to change, or (TP 1, the saved ZeRO stage's family) set checkpoint.zero_universal_resume=true"
-    )
-
-
 # ------------------------------------------------------------------------------- manager
 @dataclass
 class CheckpointManager:
@@ -154,7 +94,7 @@ class CheckpointManager:
     # Called between "all shards written" and the commit (fault injection in tests).
     before_commit: Callable[[int], None] | None = None
 
-    def save(self, engine: Any, iteration: int, meta: dict[str, Any], tp_tracker: Any | None) -> Path:
+    def save(self, engine: Any, iteration: int, meta: CheckpointMeta, tp_tracker: Any | None) -> Path:
         """Collective. Write the checkpoint of ``iteration`` and commit it atomically."""
         tag = tag_for(iteration)
         tmp = tmp_dir(self.ckpt_dir, tag)
@@ -169,7 +109,7 @@ class CheckpointManager:
         # From here every rank is past DeepSpeed's barrier: failures are agreed on collectively.
         self._agreed(iteration, tmp, lambda: _save_rng(rng_file(tmp, self.rank), tp_tracker), every_rank=True)
         files = self._manifest(tmp)  # every rank hashes a share of the files
-        self._agreed(iteration, tmp, lambda: (write_meta(tmp, meta, files), fsync_tree(tmp)), every_rank=False)
+        self._agreed(iteration, tmp, lambda: (write_meta(tmp, meta.to_dict(), files), fsync_tree(tmp)), every_rank=False)
         if self.before_commit is not None:
             self.before_commit(iteration)
         final = self.ckpt_dir / tag
@@ -226,39 +166,17 @@ class CheckpointManager:
         return CheckpointError(f"saving the checkpoint of step {iteration} failed: {reason}; removed the partial "
                                f"{tmp.name}; {kept_text}. Free space (or set checkpoint.dir) and resume with --resume auto")
 
-    def select_resume(self, resume: str, warn: Callable[[str], None]) -> tuple[Path | None, dict[str, Any] | None]:
-        """Collective. The checkpoint to resume from (and its metadata), checksums verified.
+    def select_resume(self, resume: str, warn: Callable[[str], None]) -> tuple[Path | None, CheckpointMeta | None]:
+        """Collective. ``select_checkpoint`` with every candidate's checksums verified."""
+        return select_checkpoint(self.ckpt_dir, resume, verify=self._verified, warn=warn)
 
-        ``auto``: the newest one that verifies, loudly warning about each corrupt newer one; if
-        checkpoints exist but none verifies, that is an error (never a silent fresh start)."""
-        if resume == "none":
-            return None, None
-        if resume != "auto":
-            path = resolve_tag(self.ckpt_dir, resume)
-            return path, self._verified(path)
-        corrupt: list[str] = []
-        for path in auto_candidates(self.ckpt_dir):
-            try:
-                meta = self._verified(path)
-            except CorruptCheckpointError as e:
-                corrupt.append(str(e))
-                warn(f"WARNING: {'!' * 60}\nWARNING: skipping checkpoint {path}: {e}\nWARNING: {'!' * 60}")
-                continue
-            if corrupt:
-                warn(f"WARNING: resuming from the OLDER checkpoint {path} because {len(corrupt)} newer one(s) are corrupt")
-            return path, meta
-        if corrupt:
-            raise CheckpointError(f"no checkpoint in {self.ckpt_dir} is intact: " + "; ".join(corrupt)
-                                  + ". Delete them (or set checkpoint.resume=none) to start over")
-        return None, None
-
-    def _verified(self, path: Path) -> dict[str, Any]:
+    def _verified(self, path: Path) -> CheckpointMeta:
         """Collective. Metadata of ``path`` after every recorded file's size and SHA-256 are checked;
         each rank hashes its share of the files and the problems are gathered on all ranks."""
-        meta = read_meta(path)
+        meta = CheckpointMeta.read(path)
         world = dist.get_world_size() if _distributed() else 1
-        names = sorted(meta.get(FILES_KEY) or {})
-        problems = verify_files(path, meta, names[self.rank::world])
+        names = sorted(meta.files or {})
+        problems = verify_files(path, {FILES_KEY: meta.files}, names[self.rank::world])
         if world > 1:
             gathered = comm.all_gather_objects(problems, comm.world_group())
             problems = sorted(p for part in gathered for p in part)
@@ -284,7 +202,7 @@ class CheckpointManager:
         return out
 
     def load(self, engine: Any, path: Path, tp_tracker: Any | None, load_rng: bool,
-             universal: Path | None = None) -> dict[str, Any]:
+             universal: Path | None = None) -> CheckpointMeta:
         """Collective. Load engine + optimizer states from ``path`` (or its ``universal`` copy: the
         engine was then built with ``checkpoint.load_universal``); returns its metadata.
 
@@ -316,7 +234,7 @@ class CheckpointManager:
             except Exception as e:
                 raise CorruptCheckpointError(f"corrupt checkpoint file {rng}: {type(e).__name__}: {e}") from e
             set_rng_state(state, tp_tracker)
-        return read_meta(path)
+        return CheckpointMeta.read(path)
 
     def _prune(self, keep: str) -> None:
         tags = complete_tags(self.ckpt_dir)
@@ -326,6 +244,67 @@ class CheckpointManager:
         for stale in stale_tmp_dirs(self.ckpt_dir):
             shutil.rmtree(stale, ignore_errors=True)
         prune_universal(self.ckpt_dir)
+
+
+def select_checkpoint(
+    ckpt_dir: str | Path, resume: str, verify: Callable[[Path], CheckpointMeta] | None = None,
+    warn: Callable[[str], None] | None = None,
+) -> tuple[Path | None, CheckpointMeta | None]:
+    """The checkpoint ``resume`` (``checkpoint.resume``: ``none``, ``auto``, a tag or a folder) picks
+    in ``ckpt_dir``, and its metadata when ``verify`` (which reads and checks a candidate) is given.
+
+    ``auto``: the one ``latest`` names, else the newest complete tag; with ``verify``, the newest
+    that verifies, loudly ``warn``-ing about each corrupt newer one, and an error when checkpoints
+    exist but none verifies (never a silent fresh start). An explicit tag must be complete."""
+    if resume == "none":
+        return None, None
+    if resume != "auto":
+        path = resolve_tag(ckpt_dir, resume)
+        return path, verify(path) if verify is not None else None
+    corrupt: list[str] = []
+    for path in auto_candidates(ckpt_dir):
+        if verify is None:
+            return path, None
+        try:
+            meta = verify(path)
+        except CorruptCheckpointError as e:
+            corrupt.append(str(e))
+            if warn is not None:
+                warn(f"WARNING: {'!' * 60}\nWARNING: skipping checkpoint {path}: {e}\nWARNING: {'!' * 60}")
+            continue
+        if corrupt and warn is not None:
+            warn(f"WARNING: resuming from the OLDER checkpoint {path} because {len(corrupt)} newer one(s) are corrupt")
+        return path, meta
+    if corrupt:
+        raise CheckpointError(f"no checkpoint in {ckpt_dir} is intact: " + "; ".join(corrupt)
+                              + ". Delete them (or set checkpoint.resume=none) to start over")
+    return None, None
+
+
+def save_weights_only(root: Path, iteration: int, tp_rank: int, weights: dict[str, torch.Tensor] | None,
+                      meta: CheckpointMeta | None, rank: int) -> Path:
+    """Collective. Commit a weights-only checkpoint ``root/<tag>`` (ZeRO 0 layout: one model-states
+    file per TP rank, ``weights`` given by one rank of each TP rank, None elsewhere) with ``meta``
+    (needed on rank 0 only) by the training checkpoints' protocol: written into ``.tmp-<tag>``,
+    renamed into place, then ``latest`` replaced. Returns the tag's folder."""
+    tag = tag_for(iteration)
+    tmp, final = tmp_dir(root, tag), root / tag
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _barrier()
+    if weights is not None:
+        tmp.mkdir(parents=True, exist_ok=True)
+        torch.save({"module": weights}, model_states_file(tmp, tp_rank))
+    _barrier()
+    if rank == 0:
+        write_meta(tmp, meta.to_dict())
+        fsync_tree(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        write_latest(root, tag)
+    _barrier()
+    return final
 
 
 def _save_rng(path: Path, tp_tracker: Any | None) -> None:
@@ -358,71 +337,3 @@ def preflight(ckpt_dir: Path, num_params: int) -> str | None:
         return (f"WARNING: only {free / 2**20:.1f} MiB free on {ckpt_dir}, a checkpoint needs about "
                 f"{need / 2**20:.1f} MiB: saves will fail with 'no space left'")
     return None
-
-
-# ------------------------------------------------------------------------------- stop requests
-class SignalFlag:
-    """Set on SIGTERM/SIGINT/SIGUSR1 (preemption, Ctrl-C) or when the deepspeed launcher that
-    started this rank dies: the trainer saves after the current step and exits.
-
-    The launcher watch covers a killed ``deepspeed`` runner, which does not forward signals to
-    its ranks on one node: the ranks would be orphaned and train on unsaved."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
-
-    def __init__(self, enabled: bool, watch_launcher: bool = True, poll_s: float = 1.0) -> None:
-        self.signum: int | None = None
-        if not enabled:
-            return
-        for sig in self.SIGNALS:
-            signal.signal(sig, self._handle)
-        launchers = _launcher_processes() if watch_launcher else []
-        if launchers:
-            threading.Thread(target=self._watch, args=(launchers, poll_s), daemon=True, name="launcher-watch").start()
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.signum is None:
-            print(f"received {signal.Signals(signum).name}: saving a checkpoint after this step, then exiting",
-                  file=sys.stderr, flush=True)
-        self.signum = signum
-
-    def _watch(self, launchers: list[Any], poll_s: float) -> None:
-        import time
-
-        while self.signum is None:
-            gone = [p for p in launchers if not _alive(p)]
-            if gone:
-                print(f"the deepspeed launcher (pid {gone[0].pid}) is gone: saving a checkpoint after this step, then "
-                      "exiting", file=sys.stderr, flush=True)
-                self.signum = int(signal.SIGTERM)
-                return
-            time.sleep(poll_s)
-
-
-def _alive(process: Any) -> bool:
-    import psutil
-
-    try:  # a killed runner whose parent has not reaped it yet is a zombie: gone all the same
-        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def _launcher_processes() -> list[Any]:
-    """The deepspeed launcher processes above this rank (``deepspeed.launcher.launch`` and the
-    ``deepspeed`` runner above it), or [] when not started by them."""
-    try:
-        import psutil  # a DeepSpeed dependency
-    except ImportError:
-        return []
-    try:
-        parent = psutil.Process().parent()
-        if parent is None or "deepspeed.launcher.launch" not in " ".join(parent.cmdline()):
-            return []
-        chain = [parent]
-        runner = parent.parent()
-        if runner is not None and any("deepspeed" in part for part in runner.cmdline()[:2]):
-            chain.append(runner)
-        return chain
-    except (psutil.Error, OSError):
-        return []

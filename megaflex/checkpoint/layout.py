@@ -1,9 +1,11 @@
-"""The on-disk layout of megaflex checkpoints: the only module that knows file names and formats.
+"""The on-disk layout of megaflex checkpoints: the only module that knows file and folder names.
 
-Training (``megaflex.training.checkpoint``), resharding (``megaflex.parallel.reshard``) and
-evaluation (``evaluation.loading``) all read and write checkpoints through these functions, so
-this module sits at the bottom of the package (it imports nothing from megaflex)::
+The rest of ``megaflex.checkpoint`` (manager, weights, reshard) and every caller outside it
+(training, evaluation, export) read and write checkpoints through these functions; this module
+imports nothing from megaflex but ``hashing``::
 
+    <run_dir>/checkpoints/         the default checkpoint.dir (``run_checkpoint_dir``)
+    <run_dir>/merged/              LoRA-merged weights of a distillation run (``merged_checkpoint_dir``)
     <checkpoint.dir>/
         latest                     text file naming the newest complete tag (replaced by rename)
         step_00000010/             one complete checkpoint ("tag")
@@ -45,6 +47,8 @@ FILES_KEY = "files"  # the per-file checksum table inside the metadata
 RNG_DIR = "rng"
 UNIVERSAL_DIR = "universal"
 MODEL_STATES = "mp_rank_{:02d}_model_states.pt"
+CHECKPOINTS_DIR = "checkpoints"  # <run_dir>/checkpoints: the default checkpoint.dir
+MERGED_DIR = "merged"  # <run_dir>/merged: the LoRA-merged final weights of megaflex-distill
 
 
 class CheckpointError(RuntimeError):
@@ -56,6 +60,16 @@ class CorruptCheckpointError(CheckpointError):
 
 
 # ------------------------------------------------------------------------------- names
+def run_checkpoint_dir(run_dir: str | Path) -> Path:
+    """The checkpoint folder of a run directory (``checkpoint.dir`` when that is not set)."""
+    return Path(run_dir) / CHECKPOINTS_DIR
+
+
+def merged_checkpoint_dir(run_dir: str | Path) -> Path:
+    """Where a distillation run writes its LoRA-merged weights (``megaflex.checkpoint.save_weights_only``)."""
+    return Path(run_dir) / MERGED_DIR
+
+
 def tag_for(iteration: int) -> str:
     return f"step_{iteration:08d}"
 
@@ -150,17 +164,6 @@ def resolve_tag(ckpt_dir: str | Path, resume: str) -> Path:
             f"complete ones in {root}: {complete_tags(root) or 'none'}"
         )
     return path
-
-
-def find_resume_path(ckpt_dir: str | Path, resume: str) -> Path | None:
-    """Resolve ``checkpoint.resume`` without reading any shard: ``none`` -> None; ``auto`` ->
-    the best candidate or None; otherwise ``resolve_tag``."""
-    if resume == "none":
-        return None
-    if resume == "auto":
-        candidates = auto_candidates(ckpt_dir)
-        return candidates[0] if candidates else None
-    return resolve_tag(ckpt_dir, resume)
 
 
 # ------------------------------------------------------------------------------- metadata

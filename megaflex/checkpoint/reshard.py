@@ -14,8 +14,8 @@ are ever dropped, extra padding rows are zero), so TP=1 -> 2 -> 4 -> 1 is bit-ex
 
 CLI (model weights of a megaflex/DeepSpeed checkpoint tag; optimizer states are not resharded)::
 
-    python -m megaflex.parallel.reshard CKPT/step_00001000 OUT_DIR --tp 2
-    python -m megaflex.parallel.reshard CKPT/step_00001000 OUT_DIR --safetensors   # TP=1 export
+    python -m megaflex.checkpoint.reshard CKPT/step_00001000 OUT_DIR --tp 2
+    python -m megaflex.checkpoint.reshard CKPT/step_00001000 OUT_DIR --safetensors   # TP=1 export
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from megaflex.checkpoint_layout import model_states_file, verify_checkpoint, write_meta
+from megaflex.checkpoint.layout import META_FILE, MODEL_STATES, model_states_file, verify_checkpoint, write_meta
+from megaflex.checkpoint.metadata import CheckpointMeta
 from megaflex.model.config import ModelConfig
 from megaflex.model.gpt import GPT
 from megaflex.model.layers import LayerFactory, LocalLayers, pad_vocab_size
@@ -227,9 +228,9 @@ def export_safetensors(state_dict: Mapping[str, torch.Tensor], config: Any, out_
 
 
 # ------------------------------------------------------------------------------- CLI
-def _read_checkpoint(tag_dir: Path) -> tuple[list[StateDict], dict[str, Any]]:
-    meta = verify_checkpoint(tag_dir)  # names a truncated/damaged file before torch reads it
-    tp = int(meta["tensor_parallel_size"])
+def _read_checkpoint(tag_dir: Path) -> tuple[list[StateDict], CheckpointMeta]:
+    meta = CheckpointMeta.from_dict(verify_checkpoint(tag_dir))  # names a damaged file before torch reads it
+    tp = int(meta.tensor_parallel_size)
     shards = []
     for rank in range(tp):
         blob = torch.load(model_states_file(tag_dir, rank), map_location="cpu", weights_only=False)
@@ -239,15 +240,15 @@ def _read_checkpoint(tag_dir: Path) -> tuple[list[StateDict], dict[str, Any]]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint", type=Path, help="a checkpoint tag folder (with megaflex.json and mp_rank_XX files)")
+    parser.add_argument("checkpoint", type=Path, help=f"a checkpoint tag folder (with {META_FILE} and model-states files)")
     parser.add_argument("output", type=Path)
     group = parser.add_mutually_exclusive_group(required=True)
-    group.add_argument("--tp", type=int, help="target tensor-parallel size (writes mp_rank_XX_model_states.pt)")
+    group.add_argument("--tp", type=int, help=f"target tensor-parallel size (writes {MODEL_STATES.format(0)}, ...)")
     group.add_argument("--safetensors", action="store_true", help="export TP=1 model.safetensors + config.json")
     args = parser.parse_args(argv)
 
     shards, meta = _read_checkpoint(args.checkpoint)
-    config = ModelConfig.from_dict(meta["config"]["model"])
+    config = ModelConfig.from_dict(meta.model_config)
     layout = gpt_layout(config)
     if args.safetensors:
         path = export_safetensors(merge_shards(shards, layout), config, args.output)
@@ -257,10 +258,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     new_shards = reshard(shards, layout, args.tp)
     for rank, sd in enumerate(new_shards):
         torch.save({"module": sd}, model_states_file(args.output, rank))
-    meta = dict(meta, tensor_parallel_size=args.tp, resharded_from=len(shards))
-    if "parameter_shapes" in meta:  # per-rank shapes, as the trainer records and checks them
-        meta["parameter_shapes"] = {k: list(new_shards[0][k].shape) for k in meta["parameter_shapes"]}
-    write_meta(args.output, meta)  # checksums of the new shards
+    meta.tensor_parallel_size, meta.resharded_from, meta.files = args.tp, len(shards), None
+    if meta.parameter_shapes is not None:  # per-rank shapes, as the trainer records and checks them
+        meta.parameter_shapes = {k: list(new_shards[0][k].shape) for k in meta.parameter_shapes}
+    write_meta(args.output, meta.to_dict())  # checksums of the new shards
     print(f"wrote {args.tp} model shards to {args.output} (TP={len(shards)} -> {args.tp}; weights only)")
 
 

@@ -1,0 +1,122 @@
+"""Resume incompatibilities read from a checkpoint's metadata, before DeepSpeed reads any file.
+
+DeepSpeed meets a checkpoint of another layout with an unrelated error (``AttributeError:
+'NoneType' object has no attribute 'copy'`` for ZeRO 1 -> 0, a bare ``AssertionError`` for
+ZeRO 1 -> 3, ``KeyError: 'dp_world_size'`` for a weights-only folder). Each check here names the
+saved and current values and the way out: TP size and parameter shapes (``check_compatible``:
+reshard), ZeRO stage and precision (``check_resume_layout``), optimizer groups, and the DP x CP
+count of ZeRO states (``needs_repartition``: the universal copy).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megaflex.checkpoint.layout import CheckpointError
+from megaflex.checkpoint.metadata import CheckpointMeta
+
+# ZeRO stages whose optimizer states DeepSpeed loads into each other (1 and 2 share one optimizer
+# class and shard format); every other change of stage is refused.
+_STAGE_FAMILIES = ({0}, {1, 2}, {3})
+
+
+def _family(stage: int) -> set[int]:
+    return next(f for f in _STAGE_FAMILIES if stage in f)
+
+
+def check_resume_layout(meta: CheckpointMeta, path: Path, zero_stage: int, precision: str) -> None:
+    """``CheckpointError`` when this run (at ``zero_stage`` and ``precision``) cannot load the
+    engine states of checkpoint ``path`` as recorded in ``meta`` (megaflex records no pipeline
+    stages: it has none)."""
+    warm_start = (f"start a new run from its weights: checkpoint.init_from={path} checkpoint.resume=none with a new "
+                  "logging.run_dir (or checkpoint.dir); the optimizer state starts fresh")
+    if not meta.is_training_checkpoint:
+        source = meta.source or "not megaflex-train"
+        raise CheckpointError(f"checkpoint {path} holds weights only (written by {source}), no optimizer or engine "
+                              f"state to resume; {warm_start}")
+    saved_stage = meta.zero_stage or 0
+    if zero_stage not in _family(saved_stage):
+        raise CheckpointError(
+            f"checkpoint {path} was saved with ZeRO stage {saved_stage}, this run has parallel.zero_stage={zero_stage}; "
+            f"DeepSpeed cannot load ZeRO {saved_stage} optimizer states into ZeRO {zero_stage} (only 1 <-> 2 convert). "
+            f"Resume with parallel.zero_stage={saved_stage}, or {warm_start}"
+        )
+    saved_precision = meta.precision or precision
+    if saved_precision != precision:
+        # DeepSpeed keeps other optimizer states per precision (bf16: its own fp32 master copies
+        # and files; fp32 ZeRO 0: none); it fails with a KeyError or a missing file otherwise.
+        raise CheckpointError(
+            f"checkpoint {path} was saved with train.precision={saved_precision}, this run has {precision}; DeepSpeed "
+            f"cannot load {saved_precision} optimizer states into a {precision} run. Resume with "
+            f"train.precision={saved_precision}, or {warm_start}"
+        )
+
+
+def parameter_shapes(model: torch.nn.Module) -> dict[str, list[int]]:
+    """Name -> this rank's shape (TP shards), as recorded in and checked against checkpoints."""
+    return {name: list(p.shape) for name, p in model.named_parameters()}
+
+
+def check_compatible(meta: CheckpointMeta, model_config: dict[str, Any], shapes: dict[str, list[int]], tp_size: int) -> None:
+    """Refuse a checkpoint whose model does not match this run, naming both shapes."""
+    saved_tp = meta.tensor_parallel_size
+    if saved_tp != tp_size:
+        raise CheckpointError(
+            f"checkpoint has tensor_parallel_size={saved_tp}, this run {tp_size}; reshard it first "
+            f"(megaflex.checkpoint.reshard) or launch with parallel.tensor_parallel_size={saved_tp}"
+        )
+    saved_shapes = meta.parameter_shapes
+    if saved_shapes != shapes:
+        saved_model, mine = meta.model_config, model_config
+        diff = {k: (saved_model.get(k), mine.get(k)) for k in sorted(set(saved_model) | set(mine)) if saved_model.get(k) != mine.get(k)}
+        names = sorted(set(saved_shapes) ^ set(shapes)) or [n for n in shapes if shapes[n] != saved_shapes[n]]
+        first = names[0]
+        raise CheckpointError(
+            "checkpoint model shape does not match the config: "
+            f"{first}: checkpoint {saved_shapes.get(first, 'absent')} vs config {shapes.get(first, 'absent')}; "
+            f"model fields (checkpoint, config): {diff}"
+        )
+
+
+def check_optimizer_groups(meta: CheckpointMeta, current: list[str], path: Path) -> None:
+    """Clear error when the checkpoint's optimizer has other param groups (names) than this run's.
+
+    Checkpoints from before the kernel LR groups (no ``optimizer_groups``) have the two groups
+    decay/no_decay; they resume with both kernel LR multipliers at 1."""
+    saved = meta.param_groups
+    if saved != current:
+        raise ValueError(
+            f"checkpoint {path}: optimizer param groups {saved} differ from this run's {current}; resume with "
+            "the optimizer.kernel_{frequency,temperature}_lr_multiplier values the checkpoint was trained with "
+            "(1 for checkpoints without kernel groups)"
+        )
+
+
+def needs_repartition(meta: CheckpointMeta, path: Path, zero_stage: int, dp_size: int, cp_size: int, tp_size: int,
+                      universal_allowed: bool) -> bool:
+    """Whether resuming ``path`` needs its ZeRO optimizer states repartitioned over another DP x CP
+    count (through the universal copy); a ``CheckpointError`` naming both counts and the ways out
+    when that is not supported. ZeRO 0 states are whole on every rank: never needed."""
+    saved_stage, saved, current = meta.zero_stage or 0, meta.zero_partitions, dp_size * cp_size
+    if saved_stage == 0 or saved == current:
+        return False
+    saved_text = f"DP {meta.data_parallel_size} x CP {meta.cp_size} = {saved}"
+    reason = None
+    if not universal_allowed:
+        reason = "checkpoint.zero_universal_resume is off"
+    elif zero_stage == 0 or (saved_stage == 3) != (zero_stage == 3):
+        reason = (f"the universal copy loads ZeRO 1/2 into ZeRO 1/2 and ZeRO 3 into ZeRO 3 only (saved at ZeRO "
+                  f"{saved_stage}, this run ZeRO {zero_stage})")
+    elif tp_size != 1:
+        reason = f"the universal copy needs tensor_parallel_size 1 (this run {tp_size}); megaflex records no TP slicing for it"
+    if reason is None:
+        return True
+    raise CheckpointError(
+        f"checkpoint {path} holds ZeRO {saved_stage} optimizer states partitioned over {saved_text} ranks, this run "
+        f"has DP {dp_size} x CP {cp_size} = {current}, and {reason}. Resume with a DP x CP product of {saved} (any CP "
+        f"size whose DP x CP is {saved}), or train with parallel.zero_stage=0 (whole states on every rank) when the "
+        "world is to change, or (TP 1, the saved ZeRO stage's family) set checkpoint.zero_universal_resume=true"
+    )
