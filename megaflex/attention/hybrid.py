@@ -7,19 +7,24 @@
   token). Init: identity (the last tap 1, the others 0), so it starts as a no-op. It runs on the
   core's inputs, i.e. after RoPE (the core is what sees q, k, v; the taps are learned, so they can
   adapt to the rotation of a K-token neighbourhood). Decoding keeps the last K - 1 raw q, k, v.
-* a sliding-window exact softmax branch (``window`` W > 0), as in Based / LoLCATs-style hybrids:
-  ``out = (1 - g_h) linear(q, k, v) + g_h local``, ``local`` the softmax attention of q_t over keys
-  s in (t - W, t], so sharp local attention does not need a sharp kernel. ``g_h = sigmoid(m_h)`` is
-  a learned per-head mix (init 1/2). With the core's ``rms`` normalisation the local branch is
-  RMS-normalised too: the linear branch then has unit RMS while an average of v starts ~10x
-  smaller, and a plain sum (the first version) left the local branch nearly silent (kernel study
-  v2: no gain, one of three seeds stuck). The linear branch still covers every token (its state is
-  unchanged). Decoding keeps the last W - 1 keys and values (a window KV cache).
+* a sliding window of exact softmax attention (``window`` W > 0), mixed in one of two ways
+  (``mixing``):
+
+  - ``"shared_normaliser"`` (default; LoLCATs / Based): exact softmax weights exp(q.k / sqrt d)
+    for the last W keys and the learned kernel phi~(q).phi~(k) for every older key, in one
+    normaliser with one log-space stabiliser per query (``shared_window.py``, which has the maths
+    and the quadratic / chunked / recurrent forms). Near keys are counted once, the two parts keep
+    their relative mass, and nothing is learned for the mix. No [N, N] or [N, W + N] mask. Decoding
+    keeps a W - 1 key window cache plus the linear state of the keys that left it.
+  - ``"gated"`` (the first design, kept as an ablation arm): ``out = (1 - g_h) linear(q, k, v) +
+    g_h local``, ``local`` the softmax attention of q_t over keys s in (t - W, t], RMS-normalised
+    with the core's "rms"; ``g_h = sigmoid(m_h)`` a learned per-head mix (init 1/2). The linear
+    branch covers every token (near ones twice). The window branch materialises an [N, W + N]
+    band mask (O(N^2) memory). Decoding keeps the last W - 1 keys and values.
 
 Both are position-local and causal, so the result is the same for any linear form (chunked,
 recurrent, quadratic) and for decoding token by token from a ``HybridState`` as for the full
-sequence. The window branch materialises an [N, W + N] band mask: fine at training lengths of a
-few thousand tokens (O(N^2) memory per head, like SDPA without a fused band kernel).
+sequence.
 """
 
 from __future__ import annotations
@@ -31,19 +36,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import KernelParameter, LinearAttentionState, normalize_output
-from .core import AttentionCore, padding_mask
-from .documents import document_ids, has_restarts
+from .core import AttentionCore, mask_padded_keys, padding_mask
+from .documents import document_ids, has_restarts, run_documents_batched
+from .shared_window import WindowCache, windowed_linear_attention
 from .softmax import padded_causal_mask
+
+WINDOW_MIXINGS = ("shared_normaliser", "gated")
 
 
 @dataclass
 class HybridState:
     """Decoding state of ``LocalMixingCore``: the linear state plus the local caches."""
 
-    linear: LinearAttentionState
-    window_k: torch.Tensor | None  # [B, H, <= W - 1, d]: the latest keys (window branch)
-    window_v: torch.Tensor | None  # [B, H, <= W - 1, Dv]
+    linear: LinearAttentionState  # "shared_normaliser": only the keys that left the window
+    window_k: torch.Tensor | None  # "gated": [B, H, <= W - 1, d], the latest keys (window branch)
+    window_v: torch.Tensor | None  # "gated": [B, H, <= W - 1, Dv]
     conv_tail: torch.Tensor | None  # [B, H, 3, K - 1, d]: the latest raw q, k, v (convolution)
+    window_cache: WindowCache | None = None  # "shared_normaliser": the last <= W - 1 keys
 
     @property
     def offset(self) -> int:
@@ -53,8 +62,12 @@ class HybridState:
 class LocalMixingCore(nn.Module):
     """A linear ``AttentionCore`` plus a causal q/k/v convolution and/or a sliding softmax window."""
 
-    def __init__(self, core: AttentionCore, *, window: int = 0, conv_size: int = 0) -> None:
+    def __init__(
+        self, core: AttentionCore, *, window: int = 0, conv_size: int = 0, mixing: str = "shared_normaliser"
+    ) -> None:
         super().__init__()
+        if mixing not in WINDOW_MIXINGS:
+            raise ValueError(f"mixing: expected one of {WINDOW_MIXINGS}, got {mixing!r}")
         if core.feature_map is None:
             raise ValueError("core: expected a linear-attention AttentionCore, got kind 'softmax'")
         for name, value in (("window", window), ("conv_size", conv_size)):
@@ -62,10 +75,10 @@ class LocalMixingCore(nn.Module):
                 raise ValueError(f"{name}: expected an int >= 0 (0: off), got {value!r}")
         if window == 0 and conv_size == 0:
             raise ValueError("LocalMixingCore: expected window > 0 or conv_size > 0, got both 0")
-        self.core, self.window, self.conv_size = core, window, conv_size
+        self.core, self.window, self.conv_size, self.mixing = core, window, conv_size, mixing
         self.num_heads, self.head_dim = core.num_heads, core.head_dim
         self.conv_weight = self.window_mix = None
-        if window:
+        if window and mixing == "gated":
             self.window_mix = nn.Parameter(torch.zeros(core.num_heads, 1, 1))  # heads on dim 0 (TP); sigmoid(0) = 1/2
         if conv_size:
             weight = torch.zeros(core.num_heads, 3, core.head_dim, conv_size)  # heads on dim 0 (TP)
@@ -99,6 +112,8 @@ class LocalMixingCore(nn.Module):
             raise ValueError(f"state: expected a HybridState, got {type(state).__name__}")
         offset = 0 if state is None else state.offset
         key_mask = padding_mask(key_mask, q.shape[0], offset + q.shape[2])
+        if self.window and self.mixing == "shared_normaliser":
+            return self._shared_forward(q, k, v, state, return_state, key_mask, document_starts)
         docs = None  # document index per token (0: the document the state belongs to), when documents restart
         if has_restarts(document_starts, state is not None):
             if return_state:
@@ -125,6 +140,45 @@ class LocalMixingCore(nn.Module):
             mix = torch.sigmoid(self.window_mix.float())
             out = torch.lerp(out.float(), local.float(), mix).to(out.dtype)
         return out, (HybridState(linear_state, window_k, window_v, conv_tail) if return_state else None)
+
+    def _shared_forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: HybridState | None, return_state: bool,
+        key_mask: torch.Tensor | None, document_starts: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, HybridState | None]:
+        """The one-normaliser window (``shared_window.py``) after the optional convolution. Packed
+        documents run one per row (``run_documents_batched``), convolution included."""
+        if has_restarts(document_starts, state is not None):
+            if state is not None or return_state:
+                raise ValueError("document_starts: expected no state in or out (decode one document at a time)")
+            if key_mask is not None:
+                raise ValueError("key_mask and document_starts: padded batches of packed documents are not supported")
+            return run_documents_batched(lambda t, s: (self.forward(*t)[0], None), [q, k, v], document_starts, None), None
+        offset = 0 if state is None else state.offset
+        conv_tail = None
+        if self.conv_weight is not None:
+            if key_mask is not None:
+                real = key_mask[:, None, offset:, None]  # [B, 1, N, 1]
+                q, k, v = (torch.where(real, x, torch.zeros_like(x)) for x in (q, k, v))
+            q, k, v, conv_tail = self._convolve(q, k, v, None if state is None else state.conv_tail)
+        self.core._check_qkv(q, k, v)
+        both = self.core.feature_map(torch.cat([q, k]), offset)  # queries then keys, one map call
+        batch = q.shape[0]
+        qf, kf = both.features[:batch], both.features[batch:]
+        qls, kls = (None, None) if both.log_scale is None else (both.log_scale[:batch], both.log_scale[batch:])
+        cache = None if state is None else state.window_cache
+        key_valid = None
+        if key_mask is not None:
+            kf, kls = mask_padded_keys(kf, kls, key_mask[:, offset:])
+            prefix = 0 if cache is None else cache.length
+            key_valid = key_mask[:, offset - prefix :]
+        decoding = state is not None and q.shape[2] <= self.core.recurrent_max_tokens
+        form = "recurrent" if decoding else self.core.form
+        out, far, cache = windowed_linear_attention(
+            q, qf, qls, k, kf, kls, v, window=self.window, form=form, normalization=self.core.normalization,
+            chunk_size=self.core.chunk_size, far_state=None if state is None else state.linear, cache=cache,
+            eps=self.core.eps, key_valid=key_valid, return_state=return_state,
+        )  # fmt: skip
+        return out, (HybridState(far, None, None, conv_tail, cache) if return_state else None)
 
     def _convolve(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tail: torch.Tensor | None, docs: torch.Tensor | None = None
@@ -168,4 +222,4 @@ class LocalMixingCore(nn.Module):
         return out, k_all[:, :, k_all.shape[2] - keep :], v_all[:, :, v_all.shape[2] - keep :]
 
     def extra_repr(self) -> str:
-        return f"window={self.window}, conv_size={self.conv_size}"
+        return f"window={self.window}, conv_size={self.conv_size}, mixing={self.mixing}"

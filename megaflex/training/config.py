@@ -559,7 +559,8 @@ _MODEL_DOCS = {
     "attention_backend": "chunked linear attention implementation: auto (Triton on CUDA, torch on CPU), torch, triton (on CPU tensors it needs TRITON_INTERPRET=1), or fla (flash-linear-attention's chunk_simple_gla; CUDA, extra gpu)",
     "feature_kwargs": "extra keyword arguments of the feature map (flexformer_n: omega_init paper|tied, omega_noise, "
     "min_log_temperature)",
-    "softmax_window": "W > 0: mix exact softmax attention over the last W tokens into linear attention by a learned per-head gate (0: off)",
+    "softmax_window": "W > 0: exact softmax attention over the last W tokens, the kernel for older ones (see window_mixing; 0: off)",
+    "window_mixing": "with softmax_window: shared_normaliser (exact weights for the last W keys, the kernel for older ones, one normaliser) or gated (the old learned per-head blend of two normalised branches)",
     "qkv_conv_size": "K > 0: K-tap causal depthwise convolution of q, k, v before linear attention (0: off)",
     "mlp": "gelu or swiglu",
     "norm": "rmsnorm or layernorm",
