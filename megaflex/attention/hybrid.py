@@ -42,6 +42,8 @@ from .shared_window import WindowCache, windowed_linear_attention
 from .softmax import padded_causal_mask
 
 WINDOW_MIXINGS = ("shared_normaliser", "gated")
+# padded keys' log-scale below the row's lowest real one (finite: no -inf - -inf anywhere); exp(-1e4) = 0
+_PAD_LOG_SCALE_MARGIN = 1e4
 
 
 @dataclass
@@ -168,7 +170,10 @@ class LocalMixingCore(nn.Module):
         cache = None if state is None else state.window_cache
         key_valid = None
         if key_mask is not None:
+            real = key_mask[:, None, offset:]  # [B, 1, N]
             kf, kls = mask_padded_keys(kf, kls, key_mask[:, offset:])
+            if kls is not None:  # far below every real key: a pad never sets the far field's max, hence m_t
+                kls = torch.where(real, kls, kls - _PAD_LOG_SCALE_MARGIN)
             prefix = 0 if cache is None else cache.length
             key_valid = key_mask[:, offset - prefix :]
         decoding = state is not None and q.shape[2] <= self.core.recurrent_max_tokens
