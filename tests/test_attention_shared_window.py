@@ -186,3 +186,30 @@ def test_bad_arguments_raise():
     _, _, cache = attend(fmap, q, k, v, 4, "chunked")
     with pytest.raises(ValueError, match="cache"):
         attend(fmap, q, k, v, 2, "chunked", cache=cache)
+
+
+def test_diagnostic_weights_are_the_forward_weights_and_far_share_is_reported():
+    from megaflex.attention.diagnostics import far_share, window_causal_weights
+    from megaflex.model import GPT, ModelConfig
+
+    fmap = make_map("flexformer_n", HEADS, D, FEAT, seed=10)
+    q, k, v = make_qkv(2, HEADS, 23, D, seed=10)
+    window = 5
+    with torch.no_grad():
+        weights = window_causal_weights(q, k, fmap, window)
+        out, _, _ = attend(fmap, q, k, v, window, "quadratic", "denominator")
+        share = far_share(weights, window)
+    assert_close(out, (weights @ v) / weights.sum(-1, keepdim=True), steps=steps_of(fmap, q, k, v))
+    lag = torch.arange(23).unsqueeze(1) - torch.arange(23)
+    mag = weights.abs()
+    want = ((mag * (lag >= window)).sum(-1) / mag.sum(-1))[..., window:].mean().item()
+    assert 0.0 < share < 1.0 and share == pytest.approx(want, rel=1e-6)
+    assert far_share(window_causal_weights(q, k, fmap, 0), 0) == pytest.approx(1.0)
+    assert far_share(window_causal_weights(q, k, fmap, 23), 23) != far_share(weights, window)  # nan: no far field
+
+    config = ModelConfig(vocab_size=97, num_layers=2, hidden_size=32, num_heads=4, feature_dim=16, chunk_size=8,
+                         max_seq_len=64, softmax_window=4, qkv_conv_size=2)
+    torch.manual_seed(0)
+    stats = GPT(config).kernel_statistics(torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(0)))
+    for i in (0, 1):
+        assert 0.0 < stats[f"layer0{i}/far_share"] < 1.0 and 1.0 <= stats[f"layer0{i}/effective_keys"] <= 24.0

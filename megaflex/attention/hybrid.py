@@ -163,10 +163,9 @@ class LocalMixingCore(nn.Module):
                 q, k, v = (torch.where(real, x, torch.zeros_like(x)) for x in (q, k, v))
             q, k, v, conv_tail = self._convolve(q, k, v, None if state is None else state.conv_tail)
         self.core._check_qkv(q, k, v)
-        both = self.core.feature_map(torch.cat([q, k]), offset)  # queries then keys, one map call
-        batch = q.shape[0]
-        qf, kf = both.features[:batch], both.features[batch:]
-        qls, kls = (None, None) if both.log_scale is None else (both.log_scale[:batch], both.log_scale[batch:])
+        # queries, then keys (the kernel statistics' probe catches the map's inputs in this order)
+        q_map, k_map = self.core.feature_map(q, offset), self.core.feature_map(k, offset)
+        qf, qls, kf, kls = q_map.features, q_map.log_scale, k_map.features, k_map.log_scale
         cache = None if state is None else state.window_cache
         key_valid = None
         if key_mask is not None:

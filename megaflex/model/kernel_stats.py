@@ -10,7 +10,9 @@ Parameter statistics come from the feature maps' declared kernel parameters
 
 Probe statistics (given ``probe_ids``: a fixed batch, so values are comparable over training)
 from the explicit causal weights of every layer (``megaflex.attention.diagnostics``), softmax
-layers included: ``layerXX/negative_fraction`` and ``layerXX/effective_keys``.
+layers included: ``layerXX/negative_fraction`` and ``layerXX/effective_keys``; for the
+one-normaliser window hybrid these use its own weights and ``layerXX/far_share`` (the far field's
+share of the attention mass) is added.
 Under tensor parallelism everything covers this rank's heads only.
 """
 
@@ -20,7 +22,7 @@ import torch
 from torch import nn
 
 from megaflex.attention import named_kernel_parameters
-from megaflex.attention.diagnostics import causal_weights, weight_statistics
+from megaflex.attention.diagnostics import causal_weights, far_share, weight_statistics, window_causal_weights
 
 
 def kernel_snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -85,7 +87,13 @@ def _probe_statistics(model: nn.Module, probe_ids: torch.Tensor) -> dict[str, fl
     stats: dict[str, float] = {}
     for i, core in enumerate(cores):
         q, k = captured[i] if i in captured else mapped[i][:2]
-        weights = causal_weights(q, k, core.feature_map)
+        outer = model.blocks[i].attn.core
+        window = getattr(outer, "window", 0) if getattr(outer, "mixing", None) == "shared_normaliser" else 0
+        if window:
+            weights = window_causal_weights(q, k, core.feature_map, window)
+            stats[f"layer{i:02d}/far_share"] = far_share(weights, window)
+        else:
+            weights = causal_weights(q, k, core.feature_map)
         for key, value in weight_statistics(weights).items():
             stats[f"layer{i:02d}/{key}"] = value
     return stats
