@@ -180,9 +180,13 @@ def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="both 0"):
         LocalMixingCore(core)
     with pytest.raises(ValueError, match="softmax"):
-        LocalMixingCore(AttentionCore("softmax", HEADS, D), window=4)
+        LocalMixingCore(AttentionCore("softmax", HEADS, D), window=4, mixing="gated")
+    with pytest.raises(ValueError, match="softmax"):
+        LocalMixingCore(AttentionCore("softmax", HEADS, D), conv_size=3)
     with pytest.raises(ValueError, match="softmax_window"):
-        model_config(attention="softmax", qkv_conv_size=0)
+        model_config(attention="softmax", qkv_conv_size=0, window_mixing="gated")
+    with pytest.raises(ValueError, match="qkv_conv_size"):
+        model_config(attention="softmax", softmax_window=0)
     with pytest.raises(ValueError, match="mixing"):
         LocalMixingCore(core, window=4, mixing="blend")
     with pytest.raises(ValueError, match="window_mixing"):

@@ -213,3 +213,43 @@ def test_diagnostic_weights_are_the_forward_weights_and_far_share_is_reported():
     stats = GPT(config).kernel_statistics(torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(0)))
     for i in (0, 1):
         assert 0.0 < stats[f"layer0{i}/far_share"] < 1.0 and 1.0 <= stats[f"layer0{i}/effective_keys"] <= 24.0
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_sliding_window_softmax_model_matches_a_banded_softmax_and_decodes(form):
+    """attention 'softmax' + softmax_window W: no far field, exact softmax over the last W tokens."""
+    from megaflex.attention import AttentionCore
+    from megaflex.attention.hybrid import LocalMixingCore
+    from megaflex.model import GPT, ModelConfig
+
+    window, n = 6, 3 * 8 + 5
+    core = LocalMixingCore(AttentionCore("softmax", HEADS, D, form=form, chunk_size=8), window=window)
+    q, k, v = make_qkv(2, HEADS, n, D, seed=11, scale=1.0)
+    lag = torch.arange(n).unsqueeze(1) - torch.arange(n)
+    band = (lag >= 0) & (lag < window)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=band)
+    want = want * torch.rsqrt(want.pow(2).mean(-1, keepdim=True) + 1e-6)  # the core's rms normalisation
+    got, _ = core(q, k, v)
+    steps = attention_steps(window, 0, D, 2 * (q @ k.transpose(-1, -2)).abs().max().item() / math.sqrt(D), D) + 8
+    assert_close(got, want, steps=steps, name=form)
+
+    config = ModelConfig(vocab_size=97, num_layers=2, hidden_size=32, num_heads=4, chunk_size=8, max_seq_len=64,
+                         attention="softmax", softmax_window=window, init_std=0.2)
+    torch.manual_seed(0)
+    model = GPT(config).eval()
+    x = torch.randint(0, 97, (2, 21), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(x).logits
+        prefix = model(x[:, :9], return_state=True)
+        state, outs = prefix.state, [prefix.logits]
+        for t in range(9, 21):
+            step = model(x[:, t : t + 1], state=state, return_state=True)
+            state, outs = step.state, outs + [step.logits]
+        stats = model.kernel_statistics(x)
+    from tests.numerics import gpt_steps
+
+    assert_close(torch.cat(outs, dim=1), full, steps=gpt_steps(config, 21))
+    assert stats["layer00/far_share"] == 0.0 and 1.0 <= stats["layer00/effective_keys"] <= window
+    with pytest.raises(ValueError, match="softmax_window"):
+        ModelConfig(vocab_size=97, num_layers=1, hidden_size=32, num_heads=4, attention="softmax", softmax_window=4,
+                    window_mixing="gated")

@@ -45,12 +45,16 @@ def causal_weights(q: torch.Tensor, k: torch.Tensor, feature_map: FeatureMap | N
     return weights.masked_fill(~causal, 0.0)
 
 
-def window_causal_weights(q: torch.Tensor, k: torch.Tensor, feature_map: FeatureMap, window: int) -> torch.Tensor:
+def window_causal_weights(q: torch.Tensor, k: torch.Tensor, feature_map: FeatureMap | None, window: int) -> torch.Tensor:
     """q, k [B, H, N, d] -> the one-normaliser hybrid's causal weights [B, H, N, N] in fp32 (each row
-    up to its stabiliser, which cancels in every statistic)."""
+    up to its stabiliser, which cancels in every statistic); ``feature_map`` None: sliding-window softmax."""
     q, k = q.float(), k.float()
-    qm, km = feature_map(q, 0), feature_map(k, 0)
     zeros = q.new_zeros(q.shape[:3])
+    if feature_map is None:
+        empty = q.new_zeros(*q.shape[:3], 0)
+        weights, _ = quadratic_weights(q, empty, zeros, k, empty, torch.full_like(zeros, float("-inf")), window)
+        return weights
+    qm, km = feature_map(q, 0), feature_map(k, 0)
     qls = zeros if qm.log_scale is None else qm.log_scale.float()
     kls = zeros if km.log_scale is None else km.log_scale.float()
     weights, _ = quadratic_weights(q, qm.features.float(), qls, k, km.features.float(), kls, window)

@@ -61,6 +61,13 @@ class HybridState:
         return self.linear.offset
 
 
+class _QKTap(nn.Module):
+    """A no-op the one-normaliser path calls with its (convolved) q, k: hooks read them there."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        return None
+
+
 class LocalMixingCore(nn.Module):
     """A linear ``AttentionCore`` plus a causal q/k/v convolution and/or a sliding softmax window."""
 
@@ -70,8 +77,9 @@ class LocalMixingCore(nn.Module):
         super().__init__()
         if mixing not in WINDOW_MIXINGS:
             raise ValueError(f"mixing: expected one of {WINDOW_MIXINGS}, got {mixing!r}")
-        if core.feature_map is None:
-            raise ValueError("core: expected a linear-attention AttentionCore, got kind 'softmax'")
+        if core.feature_map is None and (mixing != "shared_normaliser" or not window):
+            raise ValueError("core: expected a linear-attention AttentionCore, got kind 'softmax' (a softmax core "
+                             "takes only a window with mixing 'shared_normaliser': sliding-window softmax)")
         for name, value in (("window", window), ("conv_size", conv_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name}: expected an int >= 0 (0: off), got {value!r}")
@@ -80,6 +88,7 @@ class LocalMixingCore(nn.Module):
         self.core, self.window, self.conv_size, self.mixing = core, window, conv_size, mixing
         self.num_heads, self.head_dim = core.num_heads, core.head_dim
         self.conv_weight = self.window_mix = None
+        self.qk_tap = _QKTap()
         if window and mixing == "gated":
             self.window_mix = nn.Parameter(torch.zeros(core.num_heads, 1, 1))  # heads on dim 0 (TP); sigmoid(0) = 1/2
         if conv_size:
@@ -163,9 +172,13 @@ class LocalMixingCore(nn.Module):
                 q, k, v = (torch.where(real, x, torch.zeros_like(x)) for x in (q, k, v))
             q, k, v, conv_tail = self._convolve(q, k, v, None if state is None else state.conv_tail)
         self.core._check_qkv(q, k, v)
-        # queries, then keys (the kernel statistics' probe catches the map's inputs in this order)
-        q_map, k_map = self.core.feature_map(q, offset), self.core.feature_map(k, offset)
-        qf, qls, kf, kls = q_map.features, q_map.log_scale, k_map.features, k_map.log_scale
+        self.qk_tap(q, k)  # the kernel statistics' probe catches q, k here
+        if self.core.feature_map is None:  # a softmax core: no far field (sliding-window softmax)
+            qf = kf = q.new_zeros(*q.shape[:3], 0)
+            qls, kls = None, q.new_full(q.shape[:3], float("-inf"), dtype=torch.float32)
+        else:
+            q_map, k_map = self.core.feature_map(q, offset), self.core.feature_map(k, offset)
+            qf, qls, kf, kls = q_map.features, q_map.log_scale, k_map.features, k_map.log_scale
         cache = None if state is None else state.window_cache
         key_valid = None
         if key_mask is not None:

@@ -11,7 +11,8 @@ One stabiliser per query, shared by both parts (detached, like every stabiliser 
     m_t = max( max_{s in window(t)} q_t . k_s / sqrt d ,  qls_t + M_t ),   M_t = max_{s in far(t)} kls_s
 
 so every exp argument is <= 0 (the far part's features are bounded; their magnitude lives in the
-log-scales). Unlike plain linear attention the query log-scale qls_t does not cancel: it sets the
+log-scales). Zero-width features (F = 0) with key log-scales -inf leave no far field: a pure
+sliding-window softmax (``LocalMixingCore`` around a softmax core). Unlike plain linear attention the query log-scale qls_t does not cancel: it sets the
 far part's scale against the exact window's. W = 0 is plain linear attention (qls_t + M_t = m_t:
 the weights are the plain form's); with W >= t + 1 every key is in the window: exact softmax.
 
@@ -247,7 +248,7 @@ def _chunked(x: _Inputs, window: int, chunk_size: int) -> torch.Tensor:
     # the linear state of the chunks before c - L: S_{j+1} = exp(B_j - B_{j+1}) S_j + exp(E_j - B_{j+1}) U_j
     used = chunks - lookback  # states S_0 .. S_{used - 1} are read
     if used > 1:
-        kls_c, kf_c = kls.reshape(b, h, chunks, c), kf.reshape(b, h, chunks, c, -1)
+        kls_c, kf_c = kls.reshape(b, h, chunks, c), kf.reshape(b, h, chunks, c, kf.shape[-1])
         ends = kls_c.detach().amax(-1)  # [B, H, nC], finite: every chunk holds a real key
         increments = (kf_c * torch.exp(kls_c - ends.unsqueeze(-1)).unsqueeze(-1)).transpose(-1, -2) @ v_aug.reshape(b, h, chunks, c, -1)
         states, bounds = [_state_aug(x.far)], [x.far.log_max]

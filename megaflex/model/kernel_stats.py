@@ -74,7 +74,13 @@ def _probe_statistics(model: nn.Module, probe_ids: torch.Tensor) -> dict[str, fl
     hooks += [
         core.feature_map.register_forward_pre_hook(lambda _m, args, i=i: mapped.setdefault(i, []).append(args[0]))
         for i, core in enumerate(cores)
-        if core.feature_map is not None
+        if core.feature_map is not None and not _shared_window(model.blocks[i].attn.core)
+    ]
+    # the one-normaliser window hybrid calls no core forward: its tap sees the (convolved) q, k
+    hooks += [
+        block.attn.core.qk_tap.register_forward_pre_hook(lambda _m, args, i=i: captured.__setitem__(i, (args[0], args[1])))
+        for i, block in enumerate(model.blocks)
+        if _shared_window(block.attn.core)
     ]
     was_training = model.training
     model.eval()
@@ -87,8 +93,7 @@ def _probe_statistics(model: nn.Module, probe_ids: torch.Tensor) -> dict[str, fl
     stats: dict[str, float] = {}
     for i, core in enumerate(cores):
         q, k = captured[i] if i in captured else mapped[i][:2]
-        outer = model.blocks[i].attn.core
-        window = getattr(outer, "window", 0) if getattr(outer, "mixing", None) == "shared_normaliser" else 0
+        window = _shared_window(model.blocks[i].attn.core)
         if window:
             weights = window_causal_weights(q, k, core.feature_map, window)
             stats[f"layer{i:02d}/far_share"] = far_share(weights, window)
@@ -97,3 +102,8 @@ def _probe_statistics(model: nn.Module, probe_ids: torch.Tensor) -> dict[str, fl
         for key, value in weight_statistics(weights).items():
             stats[f"layer{i:02d}/{key}"] = value
     return stats
+
+
+def _shared_window(core: nn.Module) -> int:
+    """W of a one-normaliser window hybrid core, else 0."""
+    return getattr(core, "window", 0) if getattr(core, "mixing", None) == "shared_normaliser" else 0
