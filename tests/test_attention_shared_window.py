@@ -253,3 +253,11 @@ def test_sliding_window_softmax_model_matches_a_banded_softmax_and_decodes(form)
     with pytest.raises(ValueError, match="softmax_window"):
         ModelConfig(vocab_size=97, num_layers=1, hidden_size=32, num_heads=4, attention="softmax", softmax_window=4,
                     window_mixing="gated")
+
+
+def test_a_window_beyond_the_sequence_is_cheap_and_exact():
+    fmap = make_map("flexformer_n", HEADS, D, FEAT, seed=12)
+    q, k, v = make_qkv(1, HEADS, 3 * CHUNK + 5, D, seed=12)
+    want, _, _ = attend(fmap, q, k, v, q.shape[2], "quadratic", "denominator")
+    got, _, _ = attend(fmap, q, k, v, 1 << 20, "chunked", "denominator")
+    assert_close(got, want, steps=steps_of(fmap, q, k, v))

@@ -216,8 +216,8 @@ def _chunked(x: _Inputs, window: int, chunk_size: int) -> torch.Tensor:
     b, h, n, d = x.q.shape
     p, total = x.prefix, x.k.shape[2]
     c = min(chunk_size, total)
-    lookback = -(-window // c)
     chunks = -(-total // c)
+    lookback = min(-(-window // c), chunks - 1)  # a window beyond the sequence needs no more than every chunk
     t_pad = chunks * c
 
     def queries(y: torch.Tensor) -> torch.Tensor:  # [B, H, N, *] -> [B, H, nC, C, *], aligned with the keys
@@ -238,7 +238,7 @@ def _chunked(x: _Inputs, window: int, chunk_size: int) -> torch.Tensor:
     logits = logits.masked_fill(~near_mask, float("-inf"))
     kls_blocks = _blocks(kls, c, lookback, float("-inf"))  # [B, H, nC, (L + 1) C]
     running = kls.detach().cummax(dim=-1).values
-    far_max = torch.cat([running.new_full((b, h, window), float("-inf")), running], dim=-1)[..., :t_pad]
+    far_max = torch.cat([running.new_full((b, h, min(window, t_pad)), float("-inf")), running], dim=-1)[..., :t_pad]
     far_max = torch.maximum(far_max, x.far.log_max.unsqueeze(-1)).view(b, h, chunks, c)
     m = _finite(torch.maximum(logits.detach().amax(-1), qls.detach() + far_max)).unsqueeze(-1)  # [B, H, nC, C, 1]
     far_log = (qls.unsqueeze(-1) + kls_blocks.unsqueeze(-2)).masked_fill(~far_mask, float("-inf"))
