@@ -96,7 +96,8 @@ def _probe_statistics(model: nn.Module, probe_ids: torch.Tensor) -> dict[str, fl
         window = _shared_window(model.blocks[i].attn.core)
         if window:
             weights = window_causal_weights(q, k, core.feature_map, window)
-            stats[f"layer{i:02d}/far_share"] = far_share(weights, window)
+            if q.shape[2] > window:  # else there is no far field to measure (and no NaN in the logs)
+                stats[f"layer{i:02d}/far_share"] = far_share(weights, window)
         else:
             weights = causal_weights(q, k, core.feature_map)
         for key, value in weight_statistics(weights).items():
