@@ -301,9 +301,12 @@ def test_config_errors_for_context_parallelism(tmp_path) -> None:
         load_config([tiny], ["parallel.context_parallel_size=3"])
     with pytest.raises(ConfigError, match="parallel.context_parallel_size .*expected 1 for model.attention='softmax'"):
         load_config([tiny], ["parallel.context_parallel_size=2", "model.attention=softmax"])
-    for closer in ("model.softmax_window=8", "model.qkv_conv_size=3"):
+    for closer in (["model.softmax_window=8", "model.window_mixing=gated"], ["model.qkv_conv_size=3"]):
         with pytest.raises(ConfigError, match="parallel.context_parallel_size .*need the previous rank's tokens"):
-            load_config([tiny], ["parallel.context_parallel_size=2", closer])
+            load_config([tiny], ["parallel.context_parallel_size=2", *closer])
+    load_config([tiny], ["parallel.context_parallel_size=2", "model.softmax_window=8"])  # the halo exchange
+    with pytest.raises(ConfigError, match=r"slices of at least model.softmax_window - 1 = 39 tokens"):
+        load_config([tiny], ["parallel.context_parallel_size=2", "model.softmax_window=40"])
     cfg = load_config([tiny], ["parallel.context_parallel_size=2", "parallel.tensor_parallel_size=2"])
     with pytest.raises(ConfigError, match=r"divisor of the world size 6, got 2 x 2 x 1 = 4"):
         validate_runtime(cfg, world_size=6, has_cuda=False)

@@ -425,18 +425,29 @@ def validate(cfg: Config) -> None:
                 cfg, "data.seq_len",
                 f"expected a multiple of parallel.context_parallel_size ({p.context_parallel_size}), got {d.seq_len}",
             )
-        if not cfg.model.is_linear_attention:
+        if not cfg.model.is_linear_attention and not cfg.model.softmax_window:
             raise _bad(
                 cfg, "parallel.context_parallel_size",
                 f"expected 1 for model.attention={cfg.model.attention!r} (context parallelism passes the fixed-size "
                 f"state of linear attention; softmax has none), got {p.context_parallel_size}",
             )
-        if cfg.model.softmax_window or cfg.model.qkv_conv_size:
-            # both closers read the tokens just before each position, which may live on the previous CP rank
+        if cfg.model.qkv_conv_size or (cfg.model.softmax_window and cfg.model.window_mixing == "gated"):
+            # they read the tokens just before each position, which may live on the previous CP rank (the
+            # one-normaliser window exchanges that halo: parallel/context_parallel_window.py)
             raise _bad(
                 cfg, "parallel.context_parallel_size",
-                f"expected 1 with model.softmax_window ({cfg.model.softmax_window}) or model.qkv_conv_size "
-                f"({cfg.model.qkv_conv_size}) set (they need the previous rank's tokens), got {p.context_parallel_size}",
+                f"expected 1 with model.qkv_conv_size ({cfg.model.qkv_conv_size}) or a gated model.softmax_window "
+                f"({cfg.model.softmax_window}) set (they need the previous rank's tokens), got {p.context_parallel_size}",
+            )
+        if cfg.model.softmax_window and d.document_boundaries == "reset":
+            raise _bad(cfg, "parallel.context_parallel_size", f"expected 1 with model.softmax_window and "
+                       f"data.document_boundaries=reset (not supported together yet), got {p.context_parallel_size}")
+        slice_len = d.seq_len // p.context_parallel_size
+        if cfg.model.softmax_window and slice_len < cfg.model.softmax_window - 1:
+            raise _bad(
+                cfg, "parallel.context_parallel_size",
+                f"expected slices of at least model.softmax_window - 1 = {cfg.model.softmax_window - 1} tokens "
+                f"(the halo comes from the previous rank), got data.seq_len / {p.context_parallel_size} = {slice_len}",
             )
     dc = cfg.distill
     if dc.lora_rank < 0:
