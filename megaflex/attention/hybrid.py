@@ -172,13 +172,7 @@ class LocalMixingCore(nn.Module):
                 q, k, v = (torch.where(real, x, torch.zeros_like(x)) for x in (q, k, v))
             q, k, v, conv_tail = self._convolve(q, k, v, None if state is None else state.conv_tail)
         self.core._check_qkv(q, k, v)
-        self.qk_tap(q, k)  # the kernel statistics' probe catches q, k here
-        if self.core.feature_map is None:  # a softmax core: no far field (sliding-window softmax)
-            qf = kf = q.new_zeros(*q.shape[:3], 0)
-            qls, kls = None, q.new_full(q.shape[:3], float("-inf"), dtype=torch.float32)
-        else:
-            q_map, k_map = self.core.feature_map(q, offset), self.core.feature_map(k, offset)
-            qf, qls, kf, kls = q_map.features, q_map.log_scale, k_map.features, k_map.log_scale
+        qf, qls, kf, kls = self.window_features(q, k, offset)
         cache = None if state is None else state.window_cache
         key_valid = None
         if key_mask is not None:
@@ -196,6 +190,18 @@ class LocalMixingCore(nn.Module):
             eps=self.core.eps, key_valid=key_valid, return_state=return_state,
         )  # fmt: skip
         return out, (HybridState(far, None, None, conv_tail, cache) if return_state else None)
+
+    def window_features(
+        self, q: torch.Tensor, k: torch.Tensor, offset: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """(qf, qls, kf, kls) of the one-normaliser window; a softmax core has no far field (zero-width
+        features, key log-scales -inf: sliding-window softmax)."""
+        self.qk_tap(q, k)  # the kernel statistics' probe catches q, k here
+        if self.core.feature_map is None:
+            empty = q.new_zeros(*q.shape[:3], 0)
+            return empty, None, empty, q.new_full(q.shape[:3], float("-inf"), dtype=torch.float32)
+        q_map, k_map = self.core.feature_map(q, offset), self.core.feature_map(k, offset)
+        return q_map.features, q_map.log_scale, k_map.features, k_map.log_scale
 
     def _convolve(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tail: torch.Tensor | None, docs: torch.Tensor | None = None

@@ -25,7 +25,7 @@ import torch
 from megaflex.attention import LinearAttentionState
 from megaflex.attention.base import accumulation_dtype
 from megaflex.attention.shared_window import WindowCache, windowed_linear_attention
-from megaflex.parallel.context_parallel import _all_gather, local_state
+from megaflex.parallel.context_parallel import _all_gather, check_whole_sequences, local_state
 from megaflex.parallel.state import ParallelState
 
 
@@ -101,9 +101,7 @@ class ContextParallelWindowAttention:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: object = None, return_state: bool = False,
         document_starts: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, None]:
-        if state is not None or return_state:
-            raise ValueError("state/return_state: context parallelism runs whole sequences split over ranks; "
-                             "decode (carry states) with context_parallel_size=1")
+        check_whole_sequences(state, return_state)
         if document_starts is not None and bool(document_starts.any()):
             raise ValueError("document_starts: document resets are not supported by the window hybrid under context "
                              "parallelism; use context_parallel_size=1")
@@ -113,13 +111,7 @@ class ContextParallelWindowAttention:
             raise ValueError(f"sequence slice: expected at least softmax_window - 1 = {keep} tokens per CP rank, got {n}")
         inner = self.core.core
         offset = self.state.cp_rank * n  # global position of this slice's first token
-        self.core.qk_tap(q, k)
-        if inner.feature_map is None:
-            qf = kf = q.new_zeros(*q.shape[:3], 0)
-            qls, kls = None, q.new_full(q.shape[:3], float("-inf"), dtype=torch.float32)
-        else:
-            q_map, k_map = inner.feature_map(q, offset), inner.feature_map(k, offset)
-            qf, qls, kf, kls = q_map.features, q_map.log_scale, k_map.features, k_map.log_scale
+        qf, qls, kf, kls = self.core.window_features(q, k, offset)
         acc = accumulation_dtype(v.dtype)
         kls_acc = kf.new_zeros(kf.shape[:3], dtype=acc) if kls is None else kls.to(acc)
         cut = n - keep
