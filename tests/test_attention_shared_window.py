@@ -261,3 +261,26 @@ def test_a_window_beyond_the_sequence_is_cheap_and_exact():
     want, _, _ = attend(fmap, q, k, v, q.shape[2], "quadratic", "denominator")
     got, _, _ = attend(fmap, q, k, v, 1 << 20, "chunked", "denominator")
     assert_close(got, want, steps=steps_of(fmap, q, k, v))
+
+
+def test_long_training_sequences_run_in_checkpointed_segments_with_the_same_result():
+    from megaflex.attention import AttentionCore
+    from megaflex.attention.hybrid import LocalMixingCore
+
+    q0, k0, v0 = make_qkv(1, HEADS, 77, D, seed=13)
+    results = []
+    for segment in (1 << 20, 16):  # one call; 5 segments of 16 tokens (the window spans segments)
+        torch.manual_seed(0)
+        core = LocalMixingCore(AttentionCore("flexformer_n", HEADS, D, feature_dim=FEAT, chunk_size=8), window=20,
+                               conv_size=2)  # fmt: skip
+        core.segment_tokens = segment
+        q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
+        prefix_out, state = core(q[:, :, :5], k[:, :, :5], v[:, :, :5], return_state=True)
+        out, final = core(q[:, :, 5:], k[:, :, 5:], v[:, :, 5:], state=state, return_state=True)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().add(final.linear.kv.sum()).backward()
+        results.append([out.detach(), final.linear.kv.detach(), final.window_cache.v, q.grad, k.grad, v.grad,
+                        *(p.grad for p in core.parameters())])
+    steps = steps_of(core.core.feature_map, q0, k0, v0) + 2 * 77 * HEADS
+    floor = max(normwise_scale(g) for g in results[0][3:])
+    for a, b in zip(*results):
+        assert_close(a, b, steps=steps, floor=floor)

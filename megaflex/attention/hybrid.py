@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .base import KernelParameter, LinearAttentionState, normalize_output
 from .core import AttentionCore, mask_padded_keys, padding_mask
@@ -44,6 +45,8 @@ from .softmax import padded_causal_mask
 WINDOW_MIXINGS = ("shared_normaliser", "gated")
 # padded keys' log-scale below the row's lowest real one (finite: no -inf - -inf anywhere); exp(-1e4) = 0
 _PAD_LOG_SCALE_MARGIN = 1e4
+# training sequences longer than twice this run in checkpointed segments of this many tokens (memory)
+_SEGMENT_TOKENS = 1024
 
 
 @dataclass
@@ -89,6 +92,7 @@ class LocalMixingCore(nn.Module):
         self.num_heads, self.head_dim = core.num_heads, core.head_dim
         self.conv_weight = self.window_mix = None
         self.qk_tap = _QKTap()
+        self.segment_tokens = _SEGMENT_TOKENS
         if window and mixing == "gated":
             self.window_mix = nn.Parameter(torch.zeros(core.num_heads, 1, 1))  # heads on dim 0 (TP); sigmoid(0) = 1/2
         if conv_size:
@@ -172,6 +176,10 @@ class LocalMixingCore(nn.Module):
                 q, k, v = (torch.where(real, x, torch.zeros_like(x)) for x in (q, k, v))
             q, k, v, conv_tail = self._convolve(q, k, v, None if state is None else state.conv_tail)
         self.core._check_qkv(q, k, v)
+        segment = max(self.segment_tokens, self.core.chunk_size)
+        if key_mask is None and torch.is_grad_enabled() and self.core.form == "chunked" and q.shape[2] > 2 * segment:
+            out, far, cache = self._segmented(q, k, v, state, offset, segment - segment % self.core.chunk_size)
+            return out, (HybridState(far, None, None, conv_tail, cache) if return_state else None)
         qf, qls, kf, kls = self.window_features(q, k, offset)
         cache = None if state is None else state.window_cache
         key_valid = None
@@ -190,6 +198,38 @@ class LocalMixingCore(nn.Module):
             eps=self.core.eps, key_valid=key_valid, return_state=return_state,
         )  # fmt: skip
         return out, (HybridState(far, None, None, conv_tail, cache) if return_state else None)
+
+    def _segmented(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: HybridState | None, offset: int, segment: int
+    ) -> tuple[torch.Tensor, LinearAttentionState, WindowCache]:
+        """Training on long sequences: segments of ``segment`` tokens, each continuing the previous one's
+        (far state, window cache) under activation checkpointing, so between forward and backward only
+        q, k, v, the outputs and a state per segment live (no features, no [N, (L + 1) C] blocks);
+        the backward recomputes one segment at a time. Same maths as one call (segments agree to rounding)."""
+        far = None if state is None else state.linear
+        cache = None if state is None else state.window_cache
+        outs = []
+        for lo in range(0, q.shape[2], segment):
+            hi = min(lo + segment, q.shape[2])
+            carried = [] if far is None else [far.kv, far.k_sum, far.log_max]
+            carried += [] if cache is None else [cache.k, cache.kf, cache.kls, cache.v]
+            out, *new = checkpoint(self._segment, offset + lo, far is not None, cache is not None, q[:, :, lo:hi],
+                                   k[:, :, lo:hi], v[:, :, lo:hi], *carried, use_reentrant=False)  # fmt: skip
+            outs.append(out)
+            far = LinearAttentionState(new[0], new[1], new[2].detach(), offset + hi)
+            cache = WindowCache(*new[3:])
+        return torch.cat(outs, dim=2), far, cache
+
+    def _segment(self, offset: int, has_far: bool, has_cache: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 *carried: torch.Tensor) -> tuple[torch.Tensor, ...]:  # fmt: skip
+        far = LinearAttentionState(*carried[:3], offset) if has_far else None
+        cache = WindowCache(*carried[3 * has_far :]) if has_cache else None
+        qf, qls, kf, kls = self.window_features(q, k, offset)
+        out, far, cache = windowed_linear_attention(
+            q, qf, qls, k, kf, kls, v, window=self.window, form="chunked", normalization=self.core.normalization,
+            chunk_size=self.core.chunk_size, far_state=far, cache=cache, eps=self.core.eps,
+        )  # fmt: skip
+        return out, far.kv, far.k_sum, far.log_max, cache.k, cache.kf, cache.kls, cache.v
 
     def window_features(
         self, q: torch.Tensor, k: torch.Tensor, offset: int
