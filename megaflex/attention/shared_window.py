@@ -309,5 +309,6 @@ def windowed_linear_attention(
             start, state = 0, x.far
         state = absorb(state, x.kf[:, :, start:first_kept], x.kls[:, :, start:first_kept], x.v_aug[:, :, start:first_kept])
         state = LinearAttentionState(state.kv, state.k_sum, state.log_max, x.far.offset + q.shape[2])
-        kept = WindowCache(*(t[:, :, first_kept:] for t in (x.k, x.kf, x.kls, x.v_aug[..., :dv])))
+        # copies: a view would keep the whole sequence's keys and features alive with the cache
+        kept = WindowCache(*(t[:, :, first_kept:].clone() for t in (x.k, x.kf, x.kls, x.v_aug[..., :dv])))
     return out, state, kept
