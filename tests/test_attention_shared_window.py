@@ -310,3 +310,22 @@ def test_long_training_sequences_keep_less_for_backward_than_sdpa():
     window = _saved_bytes(lambda: core(q, k, v))
     sdpa = _saved_bytes(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
     assert window <= sdpa
+
+
+def test_segments_train_the_kernel_when_q_k_v_need_no_gradient():
+    """Frozen projections (distillation): q, k, v need no gradient, the feature map still learns."""
+    from megaflex.attention import AttentionCore
+    from megaflex.attention.hybrid import LocalMixingCore
+
+    grads = []
+    for segment in (1 << 20, 16):
+        torch.manual_seed(0)
+        core = LocalMixingCore(AttentionCore("flexformer_n", HEADS, D, feature_dim=FEAT, chunk_size=8), window=8)
+        core.segment_tokens = segment
+        q, k, v = make_qkv(1, HEADS, 50, D, seed=15)
+        out, _ = core(q, k, v)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()  # rms: out.square().sum() is constant
+        grads.append([p.grad for p in core.parameters()])
+    for a, b in zip(*grads):
+        assert a is not None and b is not None and a.abs().max() > 0
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * a.abs().max().item())

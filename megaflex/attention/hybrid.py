@@ -208,15 +208,20 @@ class LocalMixingCore(nn.Module):
         the backward recomputes one segment at a time. Same maths as one call (segments agree to rounding)."""
         far = None if state is None else state.linear
         cache = None if state is None else state.window_cache
-        outs = []
-        for lo in range(0, q.shape[2], segment):
-            hi = min(lo + segment, q.shape[2])
+        # reentrant checkpointing builds no graph in the forward (the non-reentrant kind kept ~25 MB per
+        # 1k-token segment alive at 8 heads); it needs an input that requires grad, else the map's
+        # parameters would get none (e.g. frozen projections in distillation): then non-reentrant
+        reentrant = q.requires_grad or k.requires_grad or v.requires_grad
+        outs, lo = [], 0
+        # split, not slices: a slice's backward would materialise a full-length gradient per segment
+        for qs, ks, vs in zip(q.split(segment, dim=2), k.split(segment, dim=2), v.split(segment, dim=2)):
             carried = [] if far is None else [far.kv, far.k_sum, far.log_max]
             carried += [] if cache is None else [cache.k, cache.kf, cache.kls, cache.v]
-            out, *new = checkpoint(self._segment, offset + lo, far is not None, cache is not None, q[:, :, lo:hi],
-                                   k[:, :, lo:hi], v[:, :, lo:hi], *carried, use_reentrant=False)  # fmt: skip
+            out, *new = checkpoint(self._segment, offset + lo, far is not None, cache is not None, qs, ks, vs, *carried,
+                                   use_reentrant=reentrant)  # fmt: skip
             outs.append(out)
-            far = LinearAttentionState(new[0], new[1], new[2].detach(), offset + hi)
+            lo += qs.shape[2]
+            far = LinearAttentionState(new[0], new[1], new[2].detach(), offset + lo)
             cache = WindowCache(*new[3:])
         return torch.cat(outs, dim=2), far, cache
 
