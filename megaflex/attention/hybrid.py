@@ -46,7 +46,7 @@ WINDOW_MIXINGS = ("shared_normaliser", "gated")
 # padded keys' log-scale below the row's lowest real one (finite: no -inf - -inf anywhere); exp(-1e4) = 0
 _PAD_LOG_SCALE_MARGIN = 1e4
 # training sequences longer than twice this run in checkpointed segments of this many tokens (memory)
-_SEGMENT_TOKENS = 1024
+_SEGMENT_TOKENS = 512
 
 
 @dataclass
