@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from megaflex.attention import causal_linear_attention
 from megaflex.attention.shared_window import WindowCache, windowed_linear_attention
-from tests.attention_helpers import attention_steps, log_scale_spread, make_map, make_qkv
+from tests.attention_helpers import attention_steps, log_scale_spread, make_map, make_qkv, saved_bytes
 from tests.numerics import assert_close, normwise_scale
 
 pytestmark = pytest.mark.numerics
@@ -286,19 +286,6 @@ def test_long_training_sequences_run_in_checkpointed_segments_with_the_same_resu
         assert_close(a, b, steps=steps, floor=floor)
 
 
-def _saved_bytes(fn) -> int:
-    """Bytes of the distinct storages autograd keeps for backward while ``fn()`` runs."""
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(storages.values())
-
-
 def test_long_training_sequences_keep_less_for_backward_than_sdpa():
     """The segments keep q, k, v, the outputs and a small state each: less than SDPA (q, k, v, out, lse)."""
     from megaflex.attention import AttentionCore
@@ -307,8 +294,8 @@ def test_long_training_sequences_keep_less_for_backward_than_sdpa():
     torch.manual_seed(0)
     core = LocalMixingCore(AttentionCore("flexformer_n", HEADS, 32, feature_dim=64, chunk_size=32), window=64)
     q, k, v = (t.requires_grad_() for t in make_qkv(1, HEADS, 4 * 1024, 32, seed=14))
-    window = _saved_bytes(lambda: core(q, k, v))
-    sdpa = _saved_bytes(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    window = saved_bytes(lambda: core(q, k, v))
+    sdpa = saved_bytes(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
     assert window <= sdpa
 
 
