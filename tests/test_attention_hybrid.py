@@ -202,3 +202,13 @@ def test_reshard_layout_shards_conv_taps_window_mix_and_kernel_by_heads():
     assert layout["blocks.0.attn.core.conv_weight"].partition_dim == 0
     assert layout["blocks.0.attn.core.window_mix"].partition_dim == 0
     assert layout["blocks.1.attn.core.core.feature_map.tau"].partition_dim == 0
+
+
+def test_distillation_weights_loss_refuses_hybrid_students():
+    from megaflex.training.distill.losses import supports_attention_weights
+
+    core = AttentionCore("flexformer_n", HEADS, D, feature_dim=16)
+    assert supports_attention_weights(core) and supports_attention_weights(AttentionCore("softmax", HEADS, D))
+    for mixing in MIXINGS:
+        assert not supports_attention_weights(LocalMixingCore(core, window=4, mixing=mixing))
+    assert not supports_attention_weights(LocalMixingCore(core, conv_size=3))
