@@ -5,7 +5,9 @@
 One causal attention layer (``AttentionCore``: feature map included for the linear kinds) at
 batch 1, 8 heads, head_dim 64, feature dim F = 128 (64 frequencies for the trig maps), fp32 on
 CPU, for: softmax (``F.scaled_dot_product_attention``, causal), flexformer_n / flexformer_s /
-performer (chunked form). Each (impl, seq_len) runs in a *fresh subprocess*:
+performer (chunked form), and flexformer_n with a W-token softmax window under one normaliser
+(``flexformer_n_window16`` / ``flexformer_n_window64``: its torch chunked form; ``peak_vs_sdpa``
+compares its peak memory with SDPA's). Each (impl, seq_len) runs in a *fresh subprocess*:
 
 * time: one warm-up fwd+bwd, then ``--repeats`` timed fwd+bwd (loss = <out, fixed random probe>);
   ``fwd_bwd_s`` is the best, ``fwd_bwd_s_median`` the median. SDPA above ``--sdpa-max-seq`` is not
@@ -40,6 +42,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_JSON = REPO / "docs" / "results" / "bench_attention.json"
 IMPLS = ("softmax", "flexformer_n", "flexformer_s", "performer")
+# the one-normaliser window hybrid (attention/shared_window.py) over flexformer_n: impl "flexformer_n_window<W>"
+WINDOW_IMPLS = ("flexformer_n_window16", "flexformer_n_window64")
 HEADS, HEAD_DIM, FEATURE_DIM = 8, 64, 128
 # glibc malloc: never mmap (then munmap) large blocks, never trim the heap. PyTorch's CPU
 # allocator does not cache, so without this every > 32 MiB tensor of every step is a fresh mmap
@@ -106,7 +110,12 @@ def run_one(impl: str, seq_len: int, chunk_size: int, repeats: int, warmup: bool
     from megaflex.attention import AttentionCore
 
     torch.manual_seed(0)
-    core = AttentionCore(impl, HEADS, HEAD_DIM, feature_dim=FEATURE_DIM, chunk_size=chunk_size, max_seq_len=seq_len)
+    kind, _, window = impl.partition("_window")
+    core = AttentionCore(kind, HEADS, HEAD_DIM, feature_dim=FEATURE_DIM, chunk_size=chunk_size, max_seq_len=seq_len)
+    if window:
+        from megaflex.attention.hybrid import LocalMixingCore
+
+        core = LocalMixingCore(core, window=int(window))
     q, k, v = (torch.randn(1, HEADS, seq_len, HEAD_DIM).mul_(0.5).requires_grad_() for _ in range(3))
     probe = torch.randn(1, HEADS, seq_len, HEAD_DIM)
 
@@ -171,7 +180,7 @@ def run_subprocess(impl: str, seq_len: int, chunk_size: int, repeats: int, warmu
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
-    parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
+    parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS + WINDOW_IMPLS)
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write the results")
     parser.add_argument("--chunk-size", type=int, default=64, help="chunk size of the linear kinds")
     parser.add_argument("--repeats", type=int, default=3)
@@ -193,6 +202,7 @@ def main(argv: list[str] | None = None) -> None:
           f"load avg {load_start:.2f}", flush=True)
     results: list[dict] = []
     sdpa: dict[int, float] = {}
+    sdpa_peak: dict[int, float | None] = {}
     for seq_len in sorted(args.seq_lens):
         for impl in args.impls:
             if impl == "softmax" and seq_len > args.sdpa_max_seq:
@@ -207,6 +217,12 @@ def main(argv: list[str] | None = None) -> None:
                                      not long_sdpa, args.timeout, not args.no_malloc_tuning)
             if impl == "softmax":
                 sdpa[seq_len] = row["fwd_bwd_s"]
+                sdpa_peak[seq_len] = row["peak_mem_mb"]
+            elif impl in WINDOW_IMPLS:
+                if seq_len in sdpa:
+                    row["speedup_vs_sdpa"] = round(sdpa[seq_len] / row["fwd_bwd_s"], 2)
+                if sdpa_peak.get(seq_len):
+                    row["peak_vs_sdpa"] = round(row["peak_mem_mb"] / sdpa_peak[seq_len], 2)
             else:
                 flops = linear_layer_flops(impl, seq_len, args.chunk_size)
                 row["gflops"] = round(flops / row["fwd_bwd_s"] / 1e9, 2)
@@ -215,7 +231,8 @@ def main(argv: list[str] | None = None) -> None:
                     row["speedup_vs_sdpa"] = round(sdpa[seq_len] / row["fwd_bwd_s"], 2)
             row["fwd_bwd_s"] = round(row["fwd_bwd_s"], 4)
             results.append(row)
-            extra = "".join(f"  {key}={row[key]}" for key in ("gflops", "matmul_fraction", "speedup_vs_sdpa", "estimated") if row.get(key))
+            extra = "".join(f"  {key}={row[key]}" for key in ("gflops", "matmul_fraction", "speedup_vs_sdpa", "peak_vs_sdpa", "estimated")
+                            if row.get(key))  # fmt: skip
             print(f"{impl:>13} N={seq_len:>6}  {row['fwd_bwd_s']:>9.4f} s  peak {row['peak_mem_mb']} MB{extra}", flush=True)
 
     summary = flexformer_n_targets(results)

@@ -208,7 +208,7 @@ def kernel_summary(records: dict[int, dict[str, Any]], num_layers: int) -> dict[
     """Final per-layer kernel statistics and tau over time from the trainer's "kernel" records."""
     if not records:
         return {"tau_per_layer": None, "omega_rel_change": None, "negative_fraction": None, "effective_keys": None,
-                "tau_curve": []}
+                "far_share": None, "tau_curve": []}
     last = records[max(records)]
 
     def per_layer(key: str) -> list[float] | None:
@@ -226,6 +226,7 @@ def kernel_summary(records: dict[int, dict[str, Any]], num_layers: int) -> dict[
         "omega_rel_change": [sum(c[i] for c in changes) / len(changes) for i in range(num_layers)] if changes else None,
         "negative_fraction": per_layer("negative_fraction"),
         "effective_keys": per_layer("effective_keys"),
+        "far_share": per_layer("far_share"),  # one-normaliser window hybrids: the far field's share of the mass
         "tau_curve": curve,
     }
 

@@ -23,9 +23,27 @@ ARMS: dict[str, tuple[list[str], str]] = {
         "one LR for every parameter (kernel LR multipliers 1 instead of 10)",
     ),
     "fn_omega_frozen": (["optimizer.kernel_frequency_lr_multiplier=0"], "Omega frozen at init (tau still learned)"),
-    "fn_hybrid": (["model.softmax_window=64"], "plus exact softmax over the last 64 tokens, mixed in by a learned per-head gate (attention/hybrid.py)"),
+    "fn_hybrid": (["model.softmax_window=64", "model.window_mixing=gated"],
+                  "plus exact softmax over the last 64 tokens, mixed in by a learned per-head gate (v2's hybrid)"),
     "fn_qkv_conv": (["model.qkv_conv_size=4"], "plus a 4-tap causal depthwise convolution of q, k, v"),
+    # study v3: what the window and the kernel are each worth (docs/attention.md)
+    **{f"fn_gated{w}": ([f"model.softmax_window={w}", "model.window_mixing=gated"],
+                        f"plus exact softmax over the last {w} tokens, mixed in by a learned per-head gate") for w in (16, 64)},
+    **{f"fn_window{w}": ([f"model.softmax_window={w}", "model.window_mixing=shared_normaliser"],
+                         f"exact softmax weights for the last {w} keys, the learned kernel for older ones, one normaliser")
+       for w in (16, 64)},
+    **{f"performer_window{w}": ([f"model.softmax_window={w}", "model.window_mixing=shared_normaliser"],
+                                f"Performer (a fixed kernel) for keys older than the last {w}, one normaliser") for w in (16, 64)},
+    **{f"softmax_window{w}": ([f"model.softmax_window={w}"], f"sliding-window softmax over the last {w} tokens, no far field")
+       for w in (16, 64)},
+    "softmax_rms": (["model.softmax_window=1048576"],
+                    "full softmax with the hybrids' output normalisation (rms): a window beyond every sequence"),
 }
+# the kind an arm changes (default: flexformer_n)
+ARM_KINDS = {"softmax_rms": "softmax", **{f"performer_window{w}": "performer" for w in (16, 64)}, **{f"softmax_window{w}": "softmax" for w in (16, 64)}}
+# study v3's arms: with --kinds softmax,flexformer_n,cosformer (README "The kernel study")
+V3_ARMS = ("softmax_rms",) + tuple(f"{arm}{w}" for w in (16, 64)
+                                   for arm in ("softmax_window", "fn_window", "fn_gated", "performer_window"))  # fmt: skip
 ORDERS = ("seeds", "kinds")  # seed-major (a stopped study still has whole seeds) or kind-major
 # StudyConfig fields that select runs or name places, not what a run computes: not fingerprinted
 NOT_FINGERPRINTED = ("kinds", "arms", "seeds", "data_root", "work_dir", "out")
@@ -100,4 +118,5 @@ class StudyConfig:
 
     def runs(self) -> list[RunSpec]:
         """The kinds with the default recipe, then the arms."""
-        return [RunSpec(k, k) for k in self.kinds] + [RunSpec(a, "flexformer_n", list(ARMS[a][0])) for a in self.arms]
+        return [RunSpec(k, k) for k in self.kinds] + [RunSpec(a, ARM_KINDS.get(a, "flexformer_n"), list(ARMS[a][0]))
+                                                      for a in self.arms]  # fmt: skip

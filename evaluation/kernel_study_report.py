@@ -18,11 +18,11 @@ from typing import Any, Sequence
 
 import torch
 
-from evaluation.kernel_study_config import ARMS, LEARNED_SPECTRUM, StudyConfig
+from evaluation.kernel_study_config import ARM_KINDS, ARMS, LEARNED_SPECTRUM, StudyConfig
 
 METRICS = ("english_docs_valid_ppl", "wikitext2_test_ppl")
 EVAL_SETS = {"english_docs_valid_ppl": "english-docs valid", "wikitext2_test_ppl": "WikiText-2 test"}
-PER_LAYER = ("omega_rel_change", "negative_fraction", "effective_keys", "tau_per_layer")
+PER_LAYER = ("omega_rel_change", "negative_fraction", "effective_keys", "tau_per_layer", "far_share")
 
 
 def mean_std(values: list[float]) -> tuple[float, float | None]:
@@ -45,6 +45,8 @@ def aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for key in PER_LAYER:
             values = [statistics.fmean(r[key]) for r in runs if r.get(key)]
             agg[f"{key}_mean"] = statistics.fmean(values) if values else None
+        shares = [r["far_share"] for r in runs if r.get("far_share")]
+        agg["far_share_per_layer"] = [statistics.fmean(layer) for layer in zip(*shares)] if shares else None
         out.append(agg)
     return out
 
@@ -126,9 +128,14 @@ def write_report(
             row[metric] = f"{s[f'{metric}_mean']:.2f}" + (f" ± {std:.2f}" if std is not None else "")
         for key in ("omega_rel_change", "negative_fraction", "effective_keys", "tau_per_layer"):
             row[key] = s.get(f"{key}_mean")
+        shares = s.get("far_share_per_layer")
+        row["far_share_per_layer"] = " / ".join(f"{v:.2f}" for v in shares) if shares else None
         table.append(row)
     columns = ["run", "seeds", *METRICS, "omega_rel_change", "tau_per_layer", "negative_fraction", "effective_keys"]
-    arms = "".join(f"- `{a}`: {ARMS[a][1]} ({', '.join(ARMS[a][0])})\n" for a in cfg.arms)
+    if any(row["far_share_per_layer"] for row in table):
+        columns.append("far_share_per_layer")
+    arms = "".join(f"- `{a}` ({ARM_KINDS.get(a, 'flexformer_n')}): {ARMS[a][1]} ({', '.join(ARMS[a][0])})\n"
+                   for a in cfg.arms)  # fmt: skip
     status = ("All runs of the study are in.\n" if not missing else
               f"**Partial report: {len(missing)} of {len(missing) + len(rows)} runs missing** (continue with the "
               "same command; stored runs are skipped): " + ", ".join(missing) + ".\n")
@@ -141,8 +148,10 @@ def write_report(
         "Perplexity: mean ± sample std over seeds; windows of the training length, every target token once, "
         f"{'whole sets' if not cfg.eval_tokens else f'first {cfg.eval_tokens:,} tokens of each set'}. Kernel "
         "columns: last logged value, mean over layers and seeds: relative change of Omega since init, raw tau, "
-        "fraction of negative causal attention weights and effective keys per query on a fixed probe batch.\n",
-        "Arms (Flexformer-N, one change to the default recipe):\n\n" + (arms or "- none\n"),
+        "fraction of negative causal attention weights and effective keys per query on a fixed probe batch; "
+        "far_share_per_layer (window hybrids): the far field's share of each query's attention mass (queries "
+        "t >= W), per layer, mean over seeds.\n",
+        "Arms (one change to the default recipe of the kind in brackets):\n\n" + (arms or "- none\n"),
         markdown_table(table, columns), "\n", verdict(summary),
     ]
     (out / "results.md").write_text("\n".join(md) + "\n")

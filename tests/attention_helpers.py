@@ -96,3 +96,16 @@ def map_steps(x: torch.Tensor, omega: torch.Tensor) -> float:
     the scale; x's gradient sums over the P rows, omega's / inv_t's over every (batch, token)."""
     projection = torch.einsum("bhnd,hpd->bhnp", x.detach().double(), omega.detach().double()).abs().max().item()
     return 2 * (x.shape[-1] + omega.shape[1] + x.shape[0] * x.shape[2] + 4) + 2 * projection
+
+
+def saved_bytes(fn) -> int:
+    """Bytes of the distinct storages autograd keeps for backward while ``fn()`` runs."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(storages.values())

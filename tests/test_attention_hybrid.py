@@ -17,10 +17,11 @@ CLOSERS = [(5, 0), (0, 3), (5, 3)]  # (window, conv_size)
 HEADS, D = 2, 8
 
 
-def make_core(form: str, window: int, conv_size: int, seed: int = 0) -> LocalMixingCore:
+def make_core(form: str, window: int, conv_size: int, seed: int = 0, mixing: str = "gated") -> LocalMixingCore:
     torch.manual_seed(seed)
     core = LocalMixingCore(
-        AttentionCore("flexformer_n", HEADS, D, feature_dim=16, form=form, chunk_size=8), window=window, conv_size=conv_size
+        AttentionCore("flexformer_n", HEADS, D, feature_dim=16, form=form, chunk_size=8), window=window, conv_size=conv_size,
+        mixing=mixing,
     )
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
@@ -79,7 +80,7 @@ def test_matches_naive_reference(window, conv_size):
 
 def test_window_branch_rms_normalised_and_mix_learns():
     """At init both branches have unit RMS and weigh 1/2 each; the mix gets a gradient."""
-    core = LocalMixingCore(AttentionCore("flexformer_n", HEADS, D, feature_dim=16, chunk_size=8), window=4)
+    core = LocalMixingCore(AttentionCore("flexformer_n", HEADS, D, feature_dim=16, chunk_size=8), window=4, mixing="gated")
     q, k, v = make_qkv(2, HEADS, 13, D, seed=5)
     v = v * 0.05  # a small v: the local average is small, its normalised branch is not
     out, _ = core(q, k, v)
@@ -91,12 +92,16 @@ def test_window_branch_rms_normalised_and_mix_learns():
     assert "window_mix" in [p.name for p in core.kernel_parameters()]
 
 
+MIXINGS = ("gated", "shared_normaliser")
+
+
+@pytest.mark.parametrize("mixing", MIXINGS)
 @pytest.mark.parametrize("window,conv_size", CLOSERS)
-def test_forms_agree_and_continue_from_a_state(window, conv_size):
+def test_forms_agree_and_continue_from_a_state(window, conv_size, mixing):
     q, k, v = make_qkv(2, HEADS, 23, D, seed=4)  # 23 = odd, not a multiple of chunk 8 or the window
     outs = {}
     for form in AVAILABLE_FORMS:
-        core = make_core(form, window, conv_size)
+        core = make_core(form, window, conv_size, mixing=mixing)
         full, _ = core(q, k, v)
         first, state = core(q[:, :, :10], k[:, :, :10], v[:, :, :10], return_state=True)
         second, _ = core(q[:, :, 10:], k[:, :, 10:], v[:, :, 10:], state=state, return_state=True)
@@ -108,11 +113,12 @@ def test_forms_agree_and_continue_from_a_state(window, conv_size):
         assert_close(out, outs["quadratic"], steps=steps, name=form)
 
 
+@pytest.mark.parametrize("mixing", MIXINGS)
 @pytest.mark.parametrize("window,conv_size", CLOSERS)
-def test_gradients_agree_across_forms(window, conv_size):
+def test_gradients_agree_across_forms(window, conv_size, mixing):
     grads = {}
     for form in AVAILABLE_FORMS:
-        core = make_core(form, window, conv_size)
+        core = make_core(form, window, conv_size, mixing=mixing)
         q, k, v = (t.requires_grad_() for t in make_qkv(1, HEADS, 13, D, seed=5))
         out, _ = core(q, k, v)
         (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
@@ -131,10 +137,11 @@ def model_config(**overrides) -> ModelConfig:
     return ModelConfig(**{**values, **overrides})
 
 
+@pytest.mark.parametrize("mixing", MIXINGS)
 @pytest.mark.parametrize("window,conv_size", CLOSERS)
-def test_model_decoding_matches_the_full_forward(window, conv_size):
+def test_model_decoding_matches_the_full_forward(window, conv_size, mixing):
     torch.manual_seed(0)
-    model = GPT(model_config(softmax_window=window, qkv_conv_size=conv_size)).eval()
+    model = GPT(model_config(softmax_window=window, qkv_conv_size=conv_size, window_mixing=mixing)).eval()
     for block in model.blocks:  # conv taps away from the identity, as after training
         if block.attn.core.conv_weight is not None:
             with torch.no_grad():
@@ -173,9 +180,17 @@ def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="both 0"):
         LocalMixingCore(core)
     with pytest.raises(ValueError, match="softmax"):
-        LocalMixingCore(AttentionCore("softmax", HEADS, D), window=4)
+        LocalMixingCore(AttentionCore("softmax", HEADS, D), window=4, mixing="gated")
+    with pytest.raises(ValueError, match="softmax"):
+        LocalMixingCore(AttentionCore("softmax", HEADS, D), conv_size=3)
     with pytest.raises(ValueError, match="softmax_window"):
-        model_config(attention="softmax", qkv_conv_size=0)
+        model_config(attention="softmax", qkv_conv_size=0, window_mixing="gated")
+    with pytest.raises(ValueError, match="qkv_conv_size"):
+        model_config(attention="softmax", softmax_window=0)
+    with pytest.raises(ValueError, match="mixing"):
+        LocalMixingCore(core, window=4, mixing="blend")
+    with pytest.raises(ValueError, match="window_mixing"):
+        model_config(window_mixing="blend")
     with pytest.raises(ValueError, match="HybridState"):
         make_core("quadratic", 4, 0)(*make_qkv(1, HEADS, 3, D), state=object())
 
@@ -183,7 +198,17 @@ def test_bad_arguments_raise():
 def test_reshard_layout_shards_conv_taps_window_mix_and_kernel_by_heads():
     from megaflex.checkpoint.reshard import gpt_layout
 
-    layout = gpt_layout(model_config())
+    layout = gpt_layout(model_config(window_mixing="gated"))
     assert layout["blocks.0.attn.core.conv_weight"].partition_dim == 0
     assert layout["blocks.0.attn.core.window_mix"].partition_dim == 0
     assert layout["blocks.1.attn.core.core.feature_map.tau"].partition_dim == 0
+
+
+def test_distillation_weights_loss_refuses_hybrid_students():
+    from megaflex.training.distill.losses import supports_attention_weights
+
+    core = AttentionCore("flexformer_n", HEADS, D, feature_dim=16)
+    assert supports_attention_weights(core) and supports_attention_weights(AttentionCore("softmax", HEADS, D))
+    for mixing in MIXINGS:
+        assert not supports_attention_weights(LocalMixingCore(core, window=4, mixing=mixing))
+    assert not supports_attention_weights(LocalMixingCore(core, conv_size=3))

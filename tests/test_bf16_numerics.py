@@ -64,7 +64,7 @@ def test_flexformer_n_temperature_and_projection_in_fp32_with_bf16_parameters() 
 
 def test_window_mix_in_fp32_with_bf16_parameters() -> None:
     torch.manual_seed(0)
-    core = LocalMixingCore(AttentionCore("flexformer_n", HEADS, D, feature_dim=16, chunk_size=8), window=4)
+    core = LocalMixingCore(AttentionCore("flexformer_n", HEADS, D, feature_dim=16, chunk_size=8), window=4, mixing="gated")
     with torch.no_grad():
         core.window_mix.copy_(torch.tensor([0.01, -0.02, 0.3, 1.7]).view(HEADS, 1, 1))
     core = core.to(torch.bfloat16)

@@ -25,7 +25,7 @@ from megaflex.parallel import (
     sequence_slice,
 )
 from megaflex.checkpoint.reshard import gpt_layout, load_state_dict_checked, merge_shards, split_state_dict
-from attention_helpers import form_steps
+from attention_helpers import form_steps, saved_bytes
 from numerics import assert_close, gpt_steps, normwise_scale
 from test_parallel_model import CONFIGS, _reference
 
@@ -191,19 +191,6 @@ def test_attention_cp_equals_single_rank_chunked(cp: int, n: int, chunk: int) ->
     assert any("omega1" in line and "tau" in line for line in results[0])  # Omega1, Omega2, tau compared
 
 
-def _saved_bytes(fn) -> int:
-    """Bytes of the distinct storages autograd keeps for backward while ``fn()`` runs."""
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(storages.values())
-
-
 def _long_slice_worker(rank: int, world: int, n: int) -> dict[str, float]:
     """Slices long enough for the fused CPU trig path, local state over several key blocks: CP equals
     the single-rank core, and keeps no more for backward than the core on the same slice."""
@@ -218,8 +205,8 @@ def _long_slice_worker(rank: int, world: int, n: int) -> dict[str, float]:
     core = AttentionCore("flexformer_n", 2, 8, feature_dim=16, chunk_size=64)
     q, k, v = (torch.randn(2, 2, n // world, 8, requires_grad=True) for _ in range(3))
     return {
-        "core": _saved_bytes(lambda: core(q, k, v)),
-        "cp": _saved_bytes(lambda: ContextParallelAttention(core, state)(q, k, v)),
+        "core": saved_bytes(lambda: core(q, k, v)),
+        "cp": saved_bytes(lambda: ContextParallelAttention(core, state)(q, k, v)),
         "features": 2 * 2 * (n // world) * 16 * 4,  # one [B, H, n, F] fp32 tensor
     }
 
@@ -262,7 +249,7 @@ def _gpt_worker(rank: int, world: int, tp: int, cp: int, refs: list[dict]) -> li
 @pytest.mark.slow
 @pytest.mark.parametrize("tp,cp", [(1, 2), (2, 2)])
 def test_gpt_context_parallel_equals_single_rank(tp: int, cp: int) -> None:
-    refs = [_reference(name, seq=SEQ) for name in ("flex_tied", "hedgehog_untied")]
+    refs = [_reference(name, seq=SEQ) for name in ("flex_tied", "hedgehog_untied", "flex_window")]
     per_rank = run_distributed(_gpt_worker, tp * cp, args=(tp, cp, refs))
     for i, ref in enumerate(refs):
         n = SEQ // cp
@@ -301,9 +288,12 @@ def test_config_errors_for_context_parallelism(tmp_path) -> None:
         load_config([tiny], ["parallel.context_parallel_size=3"])
     with pytest.raises(ConfigError, match="parallel.context_parallel_size .*expected 1 for model.attention='softmax'"):
         load_config([tiny], ["parallel.context_parallel_size=2", "model.attention=softmax"])
-    for closer in ("model.softmax_window=8", "model.qkv_conv_size=3"):
+    for closer in (["model.softmax_window=8", "model.window_mixing=gated"], ["model.qkv_conv_size=3"]):
         with pytest.raises(ConfigError, match="parallel.context_parallel_size .*need the previous rank's tokens"):
-            load_config([tiny], ["parallel.context_parallel_size=2", closer])
+            load_config([tiny], ["parallel.context_parallel_size=2", *closer])
+    load_config([tiny], ["parallel.context_parallel_size=2", "model.softmax_window=8"])  # the halo exchange
+    with pytest.raises(ConfigError, match=r"slices of at least model.softmax_window - 1 = 39 tokens"):
+        load_config([tiny], ["parallel.context_parallel_size=2", "model.softmax_window=40"])
     cfg = load_config([tiny], ["parallel.context_parallel_size=2", "parallel.tensor_parallel_size=2"])
     with pytest.raises(ConfigError, match=r"divisor of the world size 6, got 2 x 2 x 1 = 4"):
         validate_runtime(cfg, world_size=6, has_cuda=False)

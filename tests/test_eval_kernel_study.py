@@ -148,3 +148,33 @@ def test_runs_use_the_project_kernel_lr_multipliers_and_arms_override_them(tmp_p
     off = optimizer_of(RunSpec("fn_kernel_lr_off", "flexformer_n", list(ARMS["fn_kernel_lr_off"][0])))
     assert off.kernel_frequency_lr_multiplier == off.kernel_temperature_lr_multiplier == 1.0
     assert project.kernel_frequency_lr_multiplier != 1.0  # else the arm would equal the default
+
+
+def test_v3_arms_build_valid_models_and_report_the_far_share_per_layer() -> None:
+    import torch
+
+    from evaluation.kernel_study import kernel_summary
+    from evaluation.kernel_study_config import ARM_KINDS, ARMS, V3_ARMS
+    from megaflex.model import GPT, ModelConfig
+
+    kinds = {}
+    for arm in V3_ARMS:
+        values = {"vocab_size": 64, "num_layers": 1, "hidden_size": 16, "num_heads": 2, "feature_dim": 8,
+                  "chunk_size": 8, "attention": ARM_KINDS.get(arm, "flexformer_n")}
+        for override in ARMS[arm][0]:
+            key, value = override.removeprefix("model.").split("=")
+            values[key] = int(value) if value.isdigit() else value
+        model = GPT(ModelConfig(**values)).eval()  # every arm is a valid model and runs
+        stats = model.kernel_statistics(torch.randint(0, 64, (1, 20), generator=torch.Generator().manual_seed(0)))
+        kinds[arm] = (values["attention"], values.get("window_mixing"), stats.get("layer00/far_share"))
+    assert kinds["softmax_window16"][:2] == ("softmax", None) and kinds["softmax_window16"][2] == 0.0
+    assert kinds["performer_window16"][:2] == ("performer", "shared_normaliser") and kinds["performer_window16"][2] > 0
+    assert kinds["fn_gated64"][1] == "gated" and kinds["fn_gated64"][2] is None  # the gate's branches: no far field
+    assert kinds["fn_window16"][2] > 0 and kinds["fn_window64"][2] is None  # 20 probe tokens < W = 64: no far field
+
+    records = {10: {"layer00/far_share": 0.2, "layer01/far_share": 0.6}}
+    assert kernel_summary(records, 2)["far_share"] == [0.2, 0.6]
+    rows = [{"label": "fn_window16", "kind": "flexformer_n", "seed": s, "english_docs_valid_ppl": 100.0 + s,
+             "wikitext2_test_ppl": 200.0, "far_share": [0.1 * s, 0.5]} for s in (1, 2)]
+    (summary,) = aggregate(rows)
+    assert summary["far_share_per_layer"] == pytest.approx([0.15, 0.5]) and summary["far_share_mean"] == pytest.approx(0.325)

@@ -153,3 +153,63 @@ def test_ids_beyond_tokenizer_vocab_size_are_masked(tmp_path: Path) -> None:
     assert again.config.tokenizer_vocab_size == limit
     with pytest.raises(ValueError, match="tokenizer_vocab_size must be an int in \\[1, vocab_size"):
         FlexformerConfig.from_model_config(model.model.config, tokenizer_vocab_size=VOCAB + 1)
+
+
+# a valid non-default value of every ModelConfig field: a new field fails the first test below
+# until it is listed here, i.e. until its export is checked
+NON_DEFAULTS = dict(
+    vocab_size=VOCAB, num_layers=3, hidden_size=64, num_heads=4, ffn_hidden_size=96, attention="flexformer_n",
+    feature_dim=24, normalization="denominator", chunk_size=16, attention_backend="torch",
+    feature_kwargs={"omega_init": "tied"}, softmax_window=5, window_mixing="gated", qkv_conv_size=2, mlp="swiglu",
+    norm="layernorm", norm_eps=1e-6, bias=True, tie_embeddings=False, hidden_dropout=0.1, attention_dropout=0.05,
+    max_seq_len=96, position="learned", rope_theta=500.0, init_std=0.05, activation_checkpointing=True,
+)
+
+
+def test_every_model_config_field_is_exported(tmp_path: Path) -> None:
+    import dataclasses
+
+    assert set(NON_DEFAULTS) == {f.name for f in dataclasses.fields(ModelConfig)}, "list the new field in NON_DEFAULTS"
+    mc = ModelConfig(**NON_DEFAULTS)
+    defaults = ModelConfig(vocab_size=VOCAB, num_layers=3, hidden_size=64, num_heads=4)
+    differ = [f.name for f in dataclasses.fields(ModelConfig) if getattr(mc, f.name) == getattr(defaults, f.name)]
+    assert differ == ["vocab_size", "num_layers", "hidden_size", "num_heads", "attention"], differ
+    FlexformerConfig.from_model_config(mc).save_pretrained(tmp_path)
+    assert AutoConfig.from_pretrained(tmp_path).to_model_config() == mc
+
+
+@pytest.mark.parametrize("mixing", ["shared_normaliser", "gated"])
+def test_hybrid_export_loads_and_gives_megaflex_loss(mixing: str, tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    mc = ModelConfig(vocab_size=VOCAB, num_layers=2, hidden_size=48, num_heads=3, feature_dim=16, chunk_size=8,
+                     max_seq_len=64, init_std=0.2, softmax_window=6, qkv_conv_size=3, window_mixing=mixing)
+    model = FlexformerForCausalLM(FlexformerConfig.from_model_config(mc, bos_token_id=2, eos_token_id=2)).eval()
+    with torch.no_grad():  # the hybrid's own parameters away from their init
+        for name, p in model.named_parameters():
+            if name.endswith(("window_mix", "conv_weight")):
+                p.add_(0.5 * torch.randn_like(p))
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert loaded.config.to_model_config() == mc
+    ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        reference = model.model(ids[:, :-1], labels=ids[:, 1:]).loss  # megaflex's GPT
+        got = loaded(ids, labels=ids, use_cache=False).loss
+    assert abs(got.item() - reference.item()) <= 1e-5
+
+
+def test_hybrid_generate_and_beam_search() -> None:
+    torch.manual_seed(0)
+    mc = ModelConfig(vocab_size=VOCAB, num_layers=2, hidden_size=48, num_heads=3, feature_dim=16, chunk_size=8,
+                     max_seq_len=64, init_std=0.2, softmax_window=4)
+    model = FlexformerForCausalLM(FlexformerConfig.from_model_config(mc, bos_token_id=2, eos_token_id=2)).eval()
+    prompt = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(3))
+    out = model.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(out[:, 7:], generate(model.model, prompt, 12, SamplingConfig(temperature=0)))
+    beams = model.generate(prompt[:1], max_new_tokens=6, num_beams=3, num_return_sequences=3, do_sample=False,
+                           eos_token_id=None, length_penalty=0.0, return_dict_in_generate=True, output_scores=True)
+    with torch.no_grad():
+        logp = model(beams.sequences, use_cache=False).logits.log_softmax(-1)
+    fresh = logp[:, 6:-1].gather(-1, beams.sequences[:, 7:, None]).squeeze(-1).sum(-1)
+    steps = gpt_steps(mc, 13) + mc.vocab_size + 6
+    assert_close(beams.sequences_scores, fresh, steps=steps, floor=logp.abs().max().item())

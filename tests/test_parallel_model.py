@@ -42,6 +42,9 @@ CONFIGS = {
     "hedgehog_untied": dict(vocab_size=VOCAB, num_layers=2, hidden_size=32, num_heads=4, attention="hedgehog",
                             feature_dim=16, chunk_size=8, max_seq_len=64, tie_embeddings=False, mlp="swiglu",
                             bias=True, normalization="denominator"),
+    # Flexformer-N with the one-normaliser softmax window (CP: a halo from the previous rank)
+    "flex_window": dict(vocab_size=VOCAB, num_layers=2, hidden_size=32, num_heads=4, attention="flexformer_n",
+                        feature_dim=16, chunk_size=8, max_seq_len=64, softmax_window=6),
     # exact softmax attention with learned positions
     "softmax": dict(vocab_size=VOCAB, num_layers=1, hidden_size=32, num_heads=4, attention="softmax",
                     max_seq_len=64, position="learned"),

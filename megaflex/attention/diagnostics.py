@@ -9,6 +9,11 @@ softmax probability. Both are compared through
 * ``effective_keys``: exp(entropy of |w_t.| / sum_s |w_ts|), averaged over queries t: the number
   of keys a query effectively attends to (1 = one key, t + 1 = uniform over its prefix).
 
+For the one-normaliser window hybrid (``shared_window.py``) the weights are the hybrid's own
+(exact softmax weights in the window, the kernel before it, one stabiliser), and
+``far_share`` is the far field's share of each query's absolute weight mass, averaged over the
+queries that have a far field (t >= W).
+
 O(N^2) memory: for a small probe batch at logging intervals, never for training.
 """
 
@@ -17,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from .base import FeatureMap
+from .shared_window import quadratic_weights
 
 
 def causal_weights(q: torch.Tensor, k: torch.Tensor, feature_map: FeatureMap | None) -> torch.Tensor:
@@ -37,6 +43,31 @@ def causal_weights(q: torch.Tensor, k: torch.Tensor, feature_map: FeatureMap | N
         ls = k_map.log_scale.float().unsqueeze(-2).masked_fill(~causal, float("-inf"))  # [B, H, N, N]
         weights = weights * torch.exp(ls - ls.amax(dim=-1, keepdim=True))
     return weights.masked_fill(~causal, 0.0)
+
+
+def window_causal_weights(q: torch.Tensor, k: torch.Tensor, feature_map: FeatureMap | None, window: int) -> torch.Tensor:
+    """q, k [B, H, N, d] -> the one-normaliser hybrid's causal weights [B, H, N, N] in fp32 (each row
+    up to its stabiliser, which cancels in every statistic); ``feature_map`` None: sliding-window softmax."""
+    q, k = q.float(), k.float()
+    zeros = q.new_zeros(q.shape[:3])
+    if feature_map is None:
+        empty = q.new_zeros(*q.shape[:3], 0)
+        weights, _ = quadratic_weights(q, empty, zeros, k, empty, torch.full_like(zeros, float("-inf")), window)
+        return weights
+    qm, km = feature_map(q, 0), feature_map(k, 0)
+    qls = zeros if qm.log_scale is None else qm.log_scale.float()
+    kls = zeros if km.log_scale is None else km.log_scale.float()
+    weights, _ = quadratic_weights(q, qm.features.float(), qls, k, km.features.float(), kls, window)
+    return weights
+
+
+def far_share(weights: torch.Tensor, window: int) -> float:
+    """Mean over queries t >= ``window`` of sum_{s <= t - W} |w_ts| / sum_s |w_ts| (nan when N <= W)."""
+    n = weights.shape[-1]
+    lag = torch.arange(n, device=weights.device).unsqueeze(1) - torch.arange(n, device=weights.device)
+    mag = weights.abs()
+    share = (mag * (lag >= window)).sum(-1) / mag.sum(-1).clamp_min(torch.finfo(mag.dtype).tiny)  # [B, H, N]
+    return share[..., window:].mean().item() if n > window else float("nan")
 
 
 def weight_statistics(weights: torch.Tensor) -> dict[str, float]:

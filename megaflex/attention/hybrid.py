@@ -7,19 +7,24 @@
   token). Init: identity (the last tap 1, the others 0), so it starts as a no-op. It runs on the
   core's inputs, i.e. after RoPE (the core is what sees q, k, v; the taps are learned, so they can
   adapt to the rotation of a K-token neighbourhood). Decoding keeps the last K - 1 raw q, k, v.
-* a sliding-window exact softmax branch (``window`` W > 0), as in Based / LoLCATs-style hybrids:
-  ``out = (1 - g_h) linear(q, k, v) + g_h local``, ``local`` the softmax attention of q_t over keys
-  s in (t - W, t], so sharp local attention does not need a sharp kernel. ``g_h = sigmoid(m_h)`` is
-  a learned per-head mix (init 1/2). With the core's ``rms`` normalisation the local branch is
-  RMS-normalised too: the linear branch then has unit RMS while an average of v starts ~10x
-  smaller, and a plain sum (the first version) left the local branch nearly silent (kernel study
-  v2: no gain, one of three seeds stuck). The linear branch still covers every token (its state is
-  unchanged). Decoding keeps the last W - 1 keys and values (a window KV cache).
+* a sliding window of exact softmax attention (``window`` W > 0), mixed in one of two ways
+  (``mixing``):
+
+  - ``"shared_normaliser"`` (default; LoLCATs / Based): exact softmax weights exp(q.k / sqrt d)
+    for the last W keys and the learned kernel phi~(q).phi~(k) for every older key, in one
+    normaliser with one log-space stabiliser per query (``shared_window.py``, which has the maths
+    and the quadratic / chunked / recurrent forms). Near keys are counted once, the two parts keep
+    their relative mass, and nothing is learned for the mix. No [N, N] or [N, W + N] mask. Decoding
+    keeps a W - 1 key window cache plus the linear state of the keys that left it.
+  - ``"gated"`` (the first design, kept as an ablation arm): ``out = (1 - g_h) linear(q, k, v) +
+    g_h local``, ``local`` the softmax attention of q_t over keys s in (t - W, t], RMS-normalised
+    with the core's "rms"; ``g_h = sigmoid(m_h)`` a learned per-head mix (init 1/2). The linear
+    branch covers every token (near ones twice). The window branch materialises an [N, W + N]
+    band mask (O(N^2) memory). Decoding keeps the last W - 1 keys and values.
 
 Both are position-local and causal, so the result is the same for any linear form (chunked,
 recurrent, quadratic) and for decoding token by token from a ``HybridState`` as for the full
-sequence. The window branch materialises an [N, W + N] band mask: fine at training lengths of a
-few thousand tokens (O(N^2) memory per head, like SDPA without a fused band kernel).
+sequence.
 """
 
 from __future__ import annotations
@@ -29,43 +34,66 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .base import KernelParameter, LinearAttentionState, normalize_output
-from .core import AttentionCore, padding_mask
-from .documents import document_ids, has_restarts
+from .core import AttentionCore, mask_padded_keys, padding_mask
+from .documents import document_ids, has_restarts, run_documents_batched
+from .shared_window import WindowCache, windowed_linear_attention
 from .softmax import padded_causal_mask
+
+WINDOW_MIXINGS = ("shared_normaliser", "gated")
+# padded keys' log-scale below the row's lowest real one (finite: no -inf - -inf anywhere); exp(-1e4) = 0
+_PAD_LOG_SCALE_MARGIN = 1e4
+# training sequences longer than twice this run in checkpointed segments of this many tokens (memory)
+_SEGMENT_TOKENS = 512
 
 
 @dataclass
 class HybridState:
     """Decoding state of ``LocalMixingCore``: the linear state plus the local caches."""
 
-    linear: LinearAttentionState
-    window_k: torch.Tensor | None  # [B, H, <= W - 1, d]: the latest keys (window branch)
-    window_v: torch.Tensor | None  # [B, H, <= W - 1, Dv]
+    linear: LinearAttentionState  # "shared_normaliser": only the keys that left the window
+    window_k: torch.Tensor | None  # "gated": [B, H, <= W - 1, d], the latest keys (window branch)
+    window_v: torch.Tensor | None  # "gated": [B, H, <= W - 1, Dv]
     conv_tail: torch.Tensor | None  # [B, H, 3, K - 1, d]: the latest raw q, k, v (convolution)
+    window_cache: WindowCache | None = None  # "shared_normaliser": the last <= W - 1 keys
 
     @property
     def offset(self) -> int:
         return self.linear.offset
 
 
+class _QKTap(nn.Module):
+    """A no-op the one-normaliser path calls with its (convolved) q, k: hooks read them there."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        return None
+
+
 class LocalMixingCore(nn.Module):
     """A linear ``AttentionCore`` plus a causal q/k/v convolution and/or a sliding softmax window."""
 
-    def __init__(self, core: AttentionCore, *, window: int = 0, conv_size: int = 0) -> None:
+    def __init__(
+        self, core: AttentionCore, *, window: int = 0, conv_size: int = 0, mixing: str = "shared_normaliser"
+    ) -> None:
         super().__init__()
-        if core.feature_map is None:
-            raise ValueError("core: expected a linear-attention AttentionCore, got kind 'softmax'")
+        if mixing not in WINDOW_MIXINGS:
+            raise ValueError(f"mixing: expected one of {WINDOW_MIXINGS}, got {mixing!r}")
+        if core.feature_map is None and (mixing != "shared_normaliser" or not window):
+            raise ValueError("core: expected a linear-attention AttentionCore, got kind 'softmax' (a softmax core "
+                             "takes only a window with mixing 'shared_normaliser': sliding-window softmax)")
         for name, value in (("window", window), ("conv_size", conv_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name}: expected an int >= 0 (0: off), got {value!r}")
         if window == 0 and conv_size == 0:
             raise ValueError("LocalMixingCore: expected window > 0 or conv_size > 0, got both 0")
-        self.core, self.window, self.conv_size = core, window, conv_size
+        self.core, self.window, self.conv_size, self.mixing = core, window, conv_size, mixing
         self.num_heads, self.head_dim = core.num_heads, core.head_dim
         self.conv_weight = self.window_mix = None
-        if window:
+        self.qk_tap = _QKTap()
+        self.segment_tokens = _SEGMENT_TOKENS
+        if window and mixing == "gated":
             self.window_mix = nn.Parameter(torch.zeros(core.num_heads, 1, 1))  # heads on dim 0 (TP); sigmoid(0) = 1/2
         if conv_size:
             weight = torch.zeros(core.num_heads, 3, core.head_dim, conv_size)  # heads on dim 0 (TP)
@@ -99,6 +127,8 @@ class LocalMixingCore(nn.Module):
             raise ValueError(f"state: expected a HybridState, got {type(state).__name__}")
         offset = 0 if state is None else state.offset
         key_mask = padding_mask(key_mask, q.shape[0], offset + q.shape[2])
+        if self.window and self.mixing == "shared_normaliser":
+            return self._shared_forward(q, k, v, state, return_state, key_mask, document_starts)
         docs = None  # document index per token (0: the document the state belongs to), when documents restart
         if has_restarts(document_starts, state is not None):
             if return_state:
@@ -125,6 +155,98 @@ class LocalMixingCore(nn.Module):
             mix = torch.sigmoid(self.window_mix.float())
             out = torch.lerp(out.float(), local.float(), mix).to(out.dtype)
         return out, (HybridState(linear_state, window_k, window_v, conv_tail) if return_state else None)
+
+    def _shared_forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: HybridState | None, return_state: bool,
+        key_mask: torch.Tensor | None, document_starts: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, HybridState | None]:
+        """The one-normaliser window (``shared_window.py``) after the optional convolution. Packed
+        documents run one per row (``run_documents_batched``), convolution included."""
+        if has_restarts(document_starts, state is not None):
+            if state is not None or return_state:
+                raise ValueError("document_starts: expected no state in or out (decode one document at a time)")
+            if key_mask is not None:
+                raise ValueError("key_mask and document_starts: padded batches of packed documents are not supported")
+            return run_documents_batched(lambda t, s: (self.forward(*t)[0], None), [q, k, v], document_starts, None), None
+        offset = 0 if state is None else state.offset
+        conv_tail = None
+        if self.conv_weight is not None:
+            if key_mask is not None:
+                real = key_mask[:, None, offset:, None]  # [B, 1, N, 1]
+                q, k, v = (torch.where(real, x, torch.zeros_like(x)) for x in (q, k, v))
+            q, k, v, conv_tail = self._convolve(q, k, v, None if state is None else state.conv_tail)
+        self.core._check_qkv(q, k, v)
+        segment = max(self.segment_tokens, self.core.chunk_size)
+        if key_mask is None and torch.is_grad_enabled() and self.core.form == "chunked" and q.shape[2] > 2 * segment:
+            out, far, cache = self._segmented(q, k, v, state, offset, segment - segment % self.core.chunk_size)
+            return out, (HybridState(far, None, None, conv_tail, cache) if return_state else None)
+        qf, qls, kf, kls = self.window_features(q, k, offset)
+        cache = None if state is None else state.window_cache
+        key_valid = None
+        if key_mask is not None:
+            real = key_mask[:, None, offset:]  # [B, 1, N]
+            kf, kls = mask_padded_keys(kf, kls, key_mask[:, offset:])
+            if kls is not None:  # far below every real key: a pad never sets the far field's max, hence m_t
+                kls = torch.where(real, kls, kls - _PAD_LOG_SCALE_MARGIN)
+            prefix = 0 if cache is None else cache.length
+            key_valid = key_mask[:, offset - prefix :]
+        decoding = state is not None and q.shape[2] <= self.core.recurrent_max_tokens
+        form = "recurrent" if decoding else self.core.form
+        out, far, cache = windowed_linear_attention(
+            q, qf, qls, k, kf, kls, v, window=self.window, form=form, normalization=self.core.normalization,
+            chunk_size=self.core.chunk_size, far_state=None if state is None else state.linear, cache=cache,
+            eps=self.core.eps, key_valid=key_valid, return_state=return_state,
+        )  # fmt: skip
+        return out, (HybridState(far, None, None, conv_tail, cache) if return_state else None)
+
+    def _segmented(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: HybridState | None, offset: int, segment: int
+    ) -> tuple[torch.Tensor, LinearAttentionState, WindowCache]:
+        """Training on long sequences: segments of ``segment`` tokens, each continuing the previous one's
+        (far state, window cache) under activation checkpointing, so between forward and backward only
+        q, k, v, the outputs and a state per segment live (no features, no [N, (L + 1) C] blocks);
+        the backward recomputes one segment at a time. Same maths as one call (segments agree to rounding)."""
+        far = None if state is None else state.linear
+        cache = None if state is None else state.window_cache
+        # reentrant checkpointing builds no graph in the forward (the non-reentrant kind kept ~25 MB per
+        # 1k-token segment alive at 8 heads); it needs an input that requires grad, else the map's
+        # parameters would get none (e.g. frozen projections in distillation): then non-reentrant
+        reentrant = q.requires_grad or k.requires_grad or v.requires_grad
+        outs, lo = [], 0
+        # split, not slices: a slice's backward would materialise a full-length gradient per segment
+        for qs, ks, vs in zip(q.split(segment, dim=2), k.split(segment, dim=2), v.split(segment, dim=2)):
+            carried = [] if far is None else [far.kv, far.k_sum, far.log_max]
+            carried += [] if cache is None else [cache.k, cache.kf, cache.kls, cache.v]
+            out, *new = checkpoint(self._segment, offset + lo, far is not None, cache is not None, qs, ks, vs, *carried,
+                                   use_reentrant=reentrant)  # fmt: skip
+            outs.append(out)
+            lo += qs.shape[2]
+            far = LinearAttentionState(new[0], new[1], new[2].detach(), offset + lo)
+            cache = WindowCache(*new[3:])
+        return torch.cat(outs, dim=2), far, cache
+
+    def _segment(self, offset: int, has_far: bool, has_cache: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 *carried: torch.Tensor) -> tuple[torch.Tensor, ...]:  # fmt: skip
+        far = LinearAttentionState(*carried[:3], offset) if has_far else None
+        cache = WindowCache(*carried[3 * has_far :]) if has_cache else None
+        qf, qls, kf, kls = self.window_features(q, k, offset)
+        out, far, cache = windowed_linear_attention(
+            q, qf, qls, k, kf, kls, v, window=self.window, form="chunked", normalization=self.core.normalization,
+            chunk_size=self.core.chunk_size, far_state=far, cache=cache, eps=self.core.eps,
+        )  # fmt: skip
+        return out, far.kv, far.k_sum, far.log_max, cache.k, cache.kf, cache.kls, cache.v
+
+    def window_features(
+        self, q: torch.Tensor, k: torch.Tensor, offset: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """(qf, qls, kf, kls) of the one-normaliser window; a softmax core has no far field (zero-width
+        features, key log-scales -inf: sliding-window softmax)."""
+        self.qk_tap(q, k)  # the kernel statistics' probe catches q, k here
+        if self.core.feature_map is None:
+            empty = q.new_zeros(*q.shape[:3], 0)
+            return empty, None, empty, q.new_full(q.shape[:3], float("-inf"), dtype=torch.float32)
+        q_map, k_map = self.core.feature_map(q, offset), self.core.feature_map(k, offset)
+        return q_map.features, q_map.log_scale, k_map.features, k_map.log_scale
 
     def _convolve(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tail: torch.Tensor | None, docs: torch.Tensor | None = None
@@ -168,4 +290,4 @@ class LocalMixingCore(nn.Module):
         return out, k_all[:, :, k_all.shape[2] - keep :], v_all[:, :, v_all.shape[2] - keep :]
 
     def extra_repr(self) -> str:
-        return f"window={self.window}, conv_size={self.conv_size}"
+        return f"window={self.window}, conv_size={self.conv_size}, mixing={self.mixing}"

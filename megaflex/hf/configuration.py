@@ -1,7 +1,9 @@
 """``FlexformerConfig``: megaflex's ``ModelConfig`` as a ``transformers`` configuration.
 
-Every ``ModelConfig`` field is a top-level key of config.json under its megaflex name, and
-``to_model_config()`` rebuilds (and thereby validates) the ``ModelConfig``, so a bad value in
+Every ``ModelConfig`` field is a top-level key of config.json under its megaflex name (only
+``rope_theta`` is renamed ``rope_base``: transformers rewrites "rope_theta"), and
+``to_model_config()`` rebuilds (and thereby validates) the ``ModelConfig`` from all of them
+(``MODEL_CONFIG_KEYS``: a field this class lacks is an error, not a silent default), so a bad value in
 config.json (e.g. an unknown attention kind) fails at load time with megaflex's own message.
 The usual Hugging Face names (``num_hidden_layers``, ``num_attention_heads``,
 ``max_position_embeddings``, ``intermediate_size``) are aliases of the megaflex ones, which is
@@ -10,6 +12,7 @@ what lm-evaluation-harness reads to find the context length.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from transformers import PreTrainedConfig
@@ -17,6 +20,9 @@ from transformers import PreTrainedConfig
 from megaflex.model.config import ModelConfig
 
 MODEL_TYPE = "flexformer"
+_RENAMED = {"rope_theta": "rope_base"}  # ModelConfig field -> config.json key
+# (ModelConfig field, config.json key) of every field
+MODEL_CONFIG_KEYS = tuple((f.name, _RENAMED.get(f.name, f.name)) for f in dataclasses.fields(ModelConfig))
 
 
 class FlexformerConfig(PreTrainedConfig):
@@ -39,8 +45,10 @@ class FlexformerConfig(PreTrainedConfig):
     feature_dim: int = 128
     normalization: str = "rms"
     chunk_size: int = 64
+    attention_backend: str = "auto"  # the chunked form's implementation (auto: Triton on CUDA, torch on CPU)
     feature_kwargs: dict | None = None
     softmax_window: int = 0  # the hybrid's sliding softmax window (0: off)
+    window_mixing: str = "shared_normaliser"  # how the window meets the kernel (one normaliser | gated)
     qkv_conv_size: int = 0  # the hybrid's causal q/k/v convolution (0: off)
     mlp: str = "gelu"
     norm: str = "rmsnorm"
@@ -53,6 +61,7 @@ class FlexformerConfig(PreTrainedConfig):
     position: str = "rope"
     rope_base: float = 10000.0  # megaflex's rope_theta (renamed: transformers rewrites "rope_theta")
     init_std: float = 0.02
+    activation_checkpointing: bool = False  # recompute blocks in backward (fine-tuning memory)
     # The megaflex run config the weights were trained with (model card, round trip), or None.
     megaflex_run_config: dict | None = None
     megaflex_iteration: int | None = None  # training iterations of those weights
@@ -81,21 +90,12 @@ class FlexformerConfig(PreTrainedConfig):
 
     def to_model_config(self) -> ModelConfig:
         """The megaflex ``ModelConfig`` these values describe (validated)."""
-        return ModelConfig(
-            vocab_size=self.vocab_size, num_layers=self.num_layers, hidden_size=self.hidden_size,
-            num_heads=self.num_heads, ffn_hidden_size=self.ffn_hidden_size, attention=self.attention,
-            feature_dim=self.feature_dim, normalization=self.normalization, chunk_size=self.chunk_size,
-            feature_kwargs=dict(self.feature_kwargs or {}), softmax_window=self.softmax_window,
-            qkv_conv_size=self.qkv_conv_size, mlp=self.mlp, norm=self.norm, norm_eps=self.norm_eps,
-            bias=self.bias, tie_embeddings=self.tie_embeddings, hidden_dropout=self.hidden_dropout,
-            attention_dropout=self.attention_dropout, max_seq_len=self.max_seq_len, position=self.position,
-            rope_theta=self.rope_base, init_std=self.init_std,
-        )
+        values = {field: getattr(self, key) for field, key in MODEL_CONFIG_KEYS}
+        values["feature_kwargs"] = dict(values["feature_kwargs"] or {})
+        return ModelConfig(**values)
 
     @classmethod
     def from_model_config(cls, model_config: ModelConfig, **kwargs: Any) -> "FlexformerConfig":
         """FlexformerConfig of a megaflex ``ModelConfig`` (plus transformers kwargs, e.g. token ids)."""
         values = model_config.to_dict()
-        values.pop("activation_checkpointing")  # a training-time switch, not part of the model
-        values["rope_base"] = values.pop("rope_theta")
-        return cls(**values, **kwargs)
+        return cls(**{key: values[field] for field, key in MODEL_CONFIG_KEYS}, **kwargs)

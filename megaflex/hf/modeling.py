@@ -24,6 +24,8 @@ from transformers import Cache, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from megaflex.attention import KVCache, LinearAttentionState
+from megaflex.attention.hybrid import HybridState
+from megaflex.attention.shared_window import WindowCache
 from megaflex.hf.configuration import FlexformerConfig
 from megaflex.model.gpt import GPT, IGNORE_INDEX, GPTState
 
@@ -69,13 +71,24 @@ class FlexformerCache(Cache):
         """Apply ``fn`` to the batch dim of every tensor of the state (beam search, num_return_sequences)."""
         if self.state is None:
             return
-        layers = []
-        for s in self.state.layers:
-            if isinstance(s, KVCache):
-                layers.append(KVCache(fn(s.k), fn(s.v)))
-            else:
-                layers.append(LinearAttentionState(fn(s.kv), fn(s.k_sum), fn(s.log_max), s.offset))
-        self.state = GPTState(layers=layers, offset=self.state.offset)
+        self.state = GPTState(layers=[_map_layer_state(s, fn) for s in self.state.layers], offset=self.state.offset)
+
+
+def _map_layer_state(s: Any, fn: Any) -> Any:
+    """One layer's state with ``fn`` applied to each of its batch-first tensors."""
+    if s is None:
+        return None
+    if isinstance(s, KVCache):
+        return KVCache(fn(s.k), fn(s.v))
+    if isinstance(s, LinearAttentionState):
+        return LinearAttentionState(fn(s.kv), fn(s.k_sum), fn(s.log_max), s.offset)
+    if isinstance(s, WindowCache):
+        return WindowCache(fn(s.k), fn(s.kf), fn(s.kls), fn(s.v))
+    if isinstance(s, HybridState):
+        maybe = (lambda t: None if t is None else fn(t))  # noqa: E731
+        return HybridState(_map_layer_state(s.linear, fn), maybe(s.window_k), maybe(s.window_v), maybe(s.conv_tail),
+                           _map_layer_state(s.window_cache, fn))  # fmt: skip
+    raise TypeError(f"cache: unexpected layer state {type(s).__name__}")
 
 
 class FlexformerForCausalLM(PreTrainedModel, GenerationMixin):

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from megaflex.attention import ATTENTION_BACKENDS, ATTENTION_KINDS, NORMALIZATIONS
+from megaflex.attention.hybrid import WINDOW_MIXINGS
 
 MLP_KINDS = ("gelu", "swiglu")
 NORM_KINDS = ("rmsnorm", "layernorm")
@@ -40,7 +41,12 @@ class ModelConfig:
     attention_backend: str = "auto"
     feature_kwargs: dict[str, Any] = field(default_factory=dict)  # extra kwargs of the feature map
     # Optional quality closers of linear attention (megaflex.attention.hybrid; 0 = off):
-    softmax_window: int = 0  # W > 0: mix in exact softmax attention over the last W tokens (attention/hybrid.py)
+    softmax_window: int = 0  # W > 0: exact softmax attention over the last W tokens (attention/hybrid.py);
+    # with attention "softmax": sliding-window softmax (no far field)
+    # how the window meets the kernel: "shared_normaliser" (exact weights for the last W keys, the
+    # kernel for older ones, one normaliser: attention/shared_window.py) or "gated" (the first
+    # design: a learned per-head blend of two separately normalised branches; an ablation arm)
+    window_mixing: str = "shared_normaliser"
     qkv_conv_size: int = 0  # K > 0: short causal depthwise convolution of q, k, v (K taps)
     mlp: str = "gelu"
     norm: str = "rmsnorm"
@@ -74,6 +80,7 @@ class ModelConfig:
         _check_choice("attention", self.attention, ATTENTION_KINDS)
         _check_choice("normalization", self.normalization, NORMALIZATIONS)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _check_choice("window_mixing", self.window_mixing, WINDOW_MIXINGS)
         _check_choice("mlp", self.mlp, MLP_KINDS)
         _check_choice("norm", self.norm, NORM_KINDS)
         _check_choice("position", self.position, POSITION_KINDS)
@@ -93,8 +100,9 @@ class ModelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0 (0: off), got {value!r}")
-            if value and self.attention == "softmax":
-                raise ValueError(f"{name} must be 0 for attention='softmax' (it closes linear attention's gaps), got {value}")
+            if value and self.attention == "softmax" and (name == "qkv_conv_size" or self.window_mixing != "shared_normaliser"):
+                raise ValueError(f"{name} must be 0 for attention='softmax' (it closes linear attention's gaps; "
+                                 f"softmax_window with window_mixing 'shared_normaliser' is sliding-window softmax), got {value}")
         if self.attention == "softmax" and self.feature_kwargs:
             raise ValueError(f"feature_kwargs must be empty for attention='softmax', got {sorted(self.feature_kwargs)}")
         self._check_feature_map()

@@ -378,7 +378,9 @@ def _build_attention_core(config: ModelConfig, layers: LayerFactory, local_heads
             **config.feature_kwargs,
         )
         if config.softmax_window or config.qkv_conv_size:  # deterministic init: no RNG drawn here
-            return LocalMixingCore(core, window=config.softmax_window, conv_size=config.qkv_conv_size)
+            return LocalMixingCore(
+                core, window=config.softmax_window, conv_size=config.qkv_conv_size, mixing=config.window_mixing
+            )
         return core
 
     if layers.tp_size == 1:

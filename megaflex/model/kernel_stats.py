@@ -10,7 +10,9 @@ Parameter statistics come from the feature maps' declared kernel parameters
 
 Probe statistics (given ``probe_ids``: a fixed batch, so values are comparable over training)
 from the explicit causal weights of every layer (``megaflex.attention.diagnostics``), softmax
-layers included: ``layerXX/negative_fraction`` and ``layerXX/effective_keys``.
+layers included: ``layerXX/negative_fraction`` and ``layerXX/effective_keys``; for the
+one-normaliser window hybrid these use its own weights and ``layerXX/far_share`` (the far field's
+share of the attention mass) is added.
 Under tensor parallelism everything covers this rank's heads only.
 """
 
@@ -20,7 +22,7 @@ import torch
 from torch import nn
 
 from megaflex.attention import named_kernel_parameters
-from megaflex.attention.diagnostics import causal_weights, weight_statistics
+from megaflex.attention.diagnostics import causal_weights, far_share, weight_statistics, window_causal_weights
 
 
 def kernel_snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -72,7 +74,13 @@ def _probe_statistics(model: nn.Module, probe_ids: torch.Tensor) -> dict[str, fl
     hooks += [
         core.feature_map.register_forward_pre_hook(lambda _m, args, i=i: mapped.setdefault(i, []).append(args[0]))
         for i, core in enumerate(cores)
-        if core.feature_map is not None
+        if core.feature_map is not None and not _shared_window(model.blocks[i].attn.core)
+    ]
+    # the one-normaliser window hybrid calls no core forward: its tap sees the (convolved) q, k
+    hooks += [
+        block.attn.core.qk_tap.register_forward_pre_hook(lambda _m, args, i=i: captured.__setitem__(i, (args[0], args[1])))
+        for i, block in enumerate(model.blocks)
+        if _shared_window(block.attn.core)
     ]
     was_training = model.training
     model.eval()
@@ -85,7 +93,18 @@ def _probe_statistics(model: nn.Module, probe_ids: torch.Tensor) -> dict[str, fl
     stats: dict[str, float] = {}
     for i, core in enumerate(cores):
         q, k = captured[i] if i in captured else mapped[i][:2]
-        weights = causal_weights(q, k, core.feature_map)
+        window = _shared_window(model.blocks[i].attn.core)
+        if window:
+            weights = window_causal_weights(q, k, core.feature_map, window)
+            if q.shape[2] > window:  # else there is no far field to measure (and no NaN in the logs)
+                stats[f"layer{i:02d}/far_share"] = far_share(weights, window)
+        else:
+            weights = causal_weights(q, k, core.feature_map)
         for key, value in weight_statistics(weights).items():
             stats[f"layer{i:02d}/{key}"] = value
     return stats
+
+
+def _shared_window(core: nn.Module) -> int:
+    """W of a one-normaliser window hybrid core, else 0."""
+    return getattr(core, "window", 0) if getattr(core, "mixing", None) == "shared_normaliser" else 0

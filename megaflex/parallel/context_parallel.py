@@ -178,6 +178,15 @@ def incoming_state(
     return LinearAttentionState(kv=s_in[..., :-1], k_sum=s_in[..., -1], log_max=m_in, offset=offset)
 
 
+def check_whole_sequences(state: object, return_state: bool) -> None:
+    """Context parallelism neither continues nor returns a decoding state."""
+    if state is not None or return_state:
+        raise ValueError(
+            "state/return_state: context parallelism runs whole sequences split over ranks; "
+            "decode (carry states) with context_parallel_size=1"
+        )
+
+
 class ContextParallelAttention:
     """Stands in for ``AttentionCore.forward`` when sequences are split over CP ranks.
 
@@ -202,11 +211,7 @@ class ContextParallelAttention:
         """As ``AttentionCore.forward`` over this rank's slice; ``document_starts`` [B, N] (this slice's):
         the state passed on holds the slice's last document only, and a slice continues the ranks
         before it only up to its first start (see ``_incoming_weights``)."""
-        if state is not None or return_state:
-            raise ValueError(
-                "state/return_state: context parallelism runs whole sequences split over ranks; "
-                "decode (carry states) with context_parallel_size=1"
-            )
+        check_whole_sequences(state, return_state)
         offset = self.state.cp_rank * q.shape[2]  # global position of this slice's first token
         # one contiguous k and v shared with the core (which keeps them for its backward anyway)
         k, v = k.contiguous(), v.contiguous()

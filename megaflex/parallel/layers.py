@@ -27,7 +27,9 @@ from torch import nn
 
 from megaflex.attention import named_kernel_parameters
 from megaflex.model.layers import InitMethod, LocalLayers, check_tensor_parallel_fit, pad_vocab_size
+from megaflex.attention.hybrid import LocalMixingCore
 from megaflex.parallel.context_parallel import ContextParallelAttention, sequence_sum
+from megaflex.parallel.context_parallel_window import ContextParallelWindowAttention
 from megaflex.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megaflex.parallel.mappings import (
     copy_to_tp_region,
@@ -261,4 +263,8 @@ class TensorParallelLayers:
         return sequence_sum(x, self.state)
 
     def attention(self, core: nn.Module) -> Callable[..., Any]:
-        return core if self.state.cp_size == 1 else ContextParallelAttention(core, self.state)
+        if self.state.cp_size == 1:
+            return core
+        if isinstance(core, LocalMixingCore):
+            return ContextParallelWindowAttention(core, self.state)
+        return ContextParallelAttention(core, self.state)

@@ -427,18 +427,29 @@ def validate(cfg: Config) -> None:
                 cfg, "data.seq_len",
                 f"expected a multiple of parallel.context_parallel_size ({p.context_parallel_size}), got {d.seq_len}",
             )
-        if not cfg.model.is_linear_attention:
+        if not cfg.model.is_linear_attention and not cfg.model.softmax_window:
             raise _bad(
                 cfg, "parallel.context_parallel_size",
                 f"expected 1 for model.attention={cfg.model.attention!r} (context parallelism passes the fixed-size "
                 f"state of linear attention; softmax has none), got {p.context_parallel_size}",
             )
-        if cfg.model.softmax_window or cfg.model.qkv_conv_size:
-            # both closers read the tokens just before each position, which may live on the previous CP rank
+        if cfg.model.qkv_conv_size or (cfg.model.softmax_window and cfg.model.window_mixing == "gated"):
+            # they read the tokens just before each position, which may live on the previous CP rank (the
+            # one-normaliser window exchanges that halo: parallel/context_parallel_window.py)
             raise _bad(
                 cfg, "parallel.context_parallel_size",
-                f"expected 1 with model.softmax_window ({cfg.model.softmax_window}) or model.qkv_conv_size "
-                f"({cfg.model.qkv_conv_size}) set (they need the previous rank's tokens), got {p.context_parallel_size}",
+                f"expected 1 with model.qkv_conv_size ({cfg.model.qkv_conv_size}) or a gated model.softmax_window "
+                f"({cfg.model.softmax_window}) set (they need the previous rank's tokens), got {p.context_parallel_size}",
+            )
+        if cfg.model.softmax_window and d.document_boundaries == "reset":
+            raise _bad(cfg, "parallel.context_parallel_size", f"expected 1 with model.softmax_window and "
+                       f"data.document_boundaries=reset (not supported together yet), got {p.context_parallel_size}")
+        slice_len = d.seq_len // p.context_parallel_size
+        if cfg.model.softmax_window and slice_len < cfg.model.softmax_window - 1:
+            raise _bad(
+                cfg, "parallel.context_parallel_size",
+                f"expected slices of at least model.softmax_window - 1 = {cfg.model.softmax_window - 1} tokens "
+                f"(the halo comes from the previous rank), got data.seq_len / {p.context_parallel_size} = {slice_len}",
             )
     dc = cfg.distill
     if dc.lora_rank < 0:
@@ -561,7 +572,8 @@ _MODEL_DOCS = {
     "attention_backend": "chunked linear attention implementation: auto (Triton on CUDA, torch on CPU), torch, triton (on CPU tensors it needs TRITON_INTERPRET=1), or fla (flash-linear-attention's chunk_simple_gla; CUDA, extra gpu)",
     "feature_kwargs": "extra keyword arguments of the feature map (flexformer_n: omega_init paper|tied, omega_noise, "
     "min_log_temperature)",
-    "softmax_window": "W > 0: mix exact softmax attention over the last W tokens into linear attention by a learned per-head gate (0: off)",
+    "softmax_window": "W > 0: exact softmax attention over the last W tokens, the kernel for older ones (see window_mixing; 0: off)",
+    "window_mixing": "with softmax_window: shared_normaliser (exact weights for the last W keys, the kernel for older ones, one normaliser) or gated (the old learned per-head blend of two normalised branches)",
     "qkv_conv_size": "K > 0: K-tap causal depthwise convolution of q, k, v before linear attention (0: off)",
     "mlp": "gelu or swiglu",
     "norm": "rmsnorm or layernorm",

@@ -58,6 +58,8 @@ def captured_qk(core: nn.Module) -> Iterator[list[tuple[torch.Tensor, torch.Tens
 
 def supports_attention_weights(core: nn.Module) -> bool:
     """Whether ``attention_weights`` can materialise this core's weights (softmax or a plain feature map)."""
+    if getattr(core, "window", 0) or getattr(core, "conv_size", 0):  # a LocalMixingCore: not a plain kernel
+        return False
     return getattr(core, "kind", None) == "softmax" or getattr(core, "feature_map", None) is not None
 
 
