@@ -65,7 +65,7 @@ def load_for_eval(
     tp_size, tp_rank = (layers.tp_size, layers.tp_rank) if layers is not None else (1, 0)
     state, meta, path = load_checkpoint_weights(checkpoint, tp_size, tp_rank, tag)
     config = meta.config
-    model = GPT(ModelConfig.from_dict(config["model"]), layers)
+    model = GPT(ModelConfig.from_dict(meta.model_config), layers)
     load_state_dict_checked(model, state)
     model.to(device).eval()
     tok_path = tokenizer or (config.get("data") or {}).get("tokenizer")

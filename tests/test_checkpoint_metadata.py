@@ -113,3 +113,22 @@ def test_weights_only_save_commits_atomically_and_loads(model: GPT, tmp_path: Pa
     assert loaded.meta.lora_merged and loaded.meta.iteration == 20
     for name, value in model.state_dict().items():
         assert torch.equal(loaded.model.state_dict()[name], value), name
+
+
+def test_a_window_hybrid_saved_before_window_mixing_loads_as_the_gated_blend(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    gated = GPT(ModelConfig(**{**TINY["model"], "softmax_window": 8, "window_mixing": "gated"}))
+    meta = _old_meta(gated)
+    del meta["config"]["model"]["window_mixing"]  # as an older megaflex saved it
+    tag = tmp_path / "checkpoints" / "step_00000010"
+    tag.mkdir(parents=True)
+    torch.save({"module": gated.state_dict()}, model_states_file(tag, 0))
+    write_meta(tag, meta)
+    write_latest(tag.parent, tag.name)
+    assert CheckpointMeta.read(tag).model_config["window_mixing"] == "gated"
+    loaded = load_for_eval(tmp_path)  # window_mix is a parameter of the gated blend only
+    assert loaded.model.config.window_mixing == "gated"
+    for name, value in gated.state_dict().items():
+        assert torch.equal(loaded.model.state_dict()[name], value), name
+    meta["config"]["model"]["window_mixing"] = "shared_normaliser"  # written today: taken as saved
+    assert CheckpointMeta.from_dict(meta).model_config["window_mixing"] == "shared_normaliser"

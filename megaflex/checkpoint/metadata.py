@@ -97,7 +97,12 @@ class CheckpointMeta:
 
     @property
     def model_config(self) -> dict[str, Any]:
-        return self.config["model"]
+        """The saved model fields. A window hybrid saved before ``window_mixing`` existed is the gated
+        blend (the only window hybrid then), not today's default one-normaliser form."""
+        model = self.config["model"]
+        if model.get("softmax_window") and "window_mixing" not in model:
+            return {**model, "window_mixing": "gated"}
+        return model
 
     @property
     def cp_size(self) -> int:

@@ -56,7 +56,8 @@ def _checkpoint_config(path: Any, key: str) -> tuple[str, dict[str, Any]]:
         folder = resolve_checkpoint(str(path))
     except ValueError as e:
         raise ConfigError(f"{key}: {e}") from None
-    return str(folder), CheckpointMeta.read(folder).config
+    meta = CheckpointMeta.read(folder)
+    return str(folder), {**meta.config, "model": meta.model_config}
 
 
 def distill_config(paths: list[str], overrides: list[str]) -> Config:
