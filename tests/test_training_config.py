@@ -15,7 +15,9 @@ import yaml
 from megaflex.model.config import ModelConfig
 from megaflex.model.gpt import GPT
 from megaflex.checkpoint import CheckpointError, CheckpointMeta, check_compatible, parameter_shapes, select_checkpoint
-from megaflex.training.config import FLOAT_RANGES, Config, ConfigError, load_config, reference_markdown, validate_runtime
+from megaflex.training.config import (
+    FLOAT_RANGES, Config, ConfigError, TrainConfig, load_config, reference_markdown, validate_runtime,
+)
 from megaflex.training.config_loader import float_fields
 from megaflex.training.deepspeed_config import deepspeed_config
 from megaflex.training.metrics import peak_tflops_of
@@ -53,7 +55,7 @@ def test_files_merge_in_order_then_overrides(tmp_path: Path, tiny: Path) -> None
         ("bogus.x=1", "unknown config key 'bogus'"),
         ("train.lr=fast", "config key 'train.lr' (from command line): expected float, got 'fast'"),
         ("train.train_iters=1.5", "config key 'train.train_iters' (from command line): expected int, got 1.5"),
-        ("train.precision=fp8", "expected one of 'fp32', 'bf16', 'fp16', got 'fp8'"),
+        ("train.precision=fp8", "expected one of 'auto', 'fp32', 'bf16', 'fp16', got 'fp8'"),
         ("logging.tensorboard=3", "expected bool, got 3"),
         ("parallel.zero_stage=4", "parallel.zero_stage (from command line): expected one of 0, 1, 2, 3, got 4"),
         ("train.global_batch_size=9", "train.global_batch_size (from command line): expected a multiple of train.micro_batch_size (2), got 9"),
@@ -150,6 +152,14 @@ def test_runtime_combinations(tiny: Path) -> None:
     with pytest.raises(ConfigError, match="fp16 needs a GPU"):
         validate_runtime(cfg, world_size=1, has_cuda=False)
     validate_runtime(cfg, world_size=1, has_cuda=True)  # fine on a GPU
+
+
+def test_precision_auto_is_bf16_on_cuda_and_fp32_on_cpu(tiny: Path) -> None:
+    assert TrainConfig().precision == "auto"  # the default when no config sets it
+    for has_cuda, device, expected in ((True, "auto", "bf16"), (False, "auto", "fp32"), (True, "cpu", "fp32")):
+        cfg = load_config([tiny], ["train.precision=auto", f"train.device={device}"])
+        validate_runtime(cfg, world_size=1, has_cuda=has_cuda)
+        assert cfg.train.precision == expected, (has_cuda, device)
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])

@@ -170,7 +170,10 @@ class TrainConfig:
         None, "samples per optimizer step over all replicas (default micro x data-parallel); must be a multiple of it"
     )
     grad_clip: float = opt(1.0, "clip the global gradient norm to this (0: off)")
-    precision: Literal["fp32", "bf16", "fp16"] = opt("fp32", "parameter/activation precision (fp16: GPU only, dynamic loss scaling)")
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = opt(
+        "auto", "parameter/activation precision: auto = bf16 on CUDA (tensor cores), fp32 on CPU (no native bf16 "
+        "there); fp16: GPU only, dynamic loss scaling",
+    )
     grad_accum_dtype: Literal["fp32", "bf16"] = opt(
         "fp32", "bf16 runs: dtype of micro-batch gradient accumulation and reduction (bf16: DeepSpeed's plain behaviour, an ablation)"
     )
@@ -485,7 +488,8 @@ def _validate_wsd(cfg: Config, decay_first: int, decay_iters: int) -> None:
 
 
 def validate_runtime(cfg: Config, world_size: int, has_cuda: bool) -> None:
-    """Reject combinations that depend on the launched world and the device."""
+    """Reject combinations that depend on the launched world and the device; resolve
+    ``train.precision: auto`` for the device."""
     t = cfg.train
     dp = parallel_dims(cfg, world_size).dp_size
     if t.global_batch_size is not None and t.global_batch_size % (t.micro_batch_size * dp) != 0:
@@ -495,6 +499,8 @@ def validate_runtime(cfg: Config, world_size: int, has_cuda: bool) -> None:
             f"got {t.global_batch_size}",
         )
     device = resolve_device(cfg, has_cuda)
+    if t.precision == "auto":  # resolved here, once: the engine, checkpoints and logs see the concrete value
+        t.precision = "bf16" if device == "cuda" else "fp32"
     if t.precision == "fp16" and device != "cuda":
         raise _bad(cfg, "train.precision", "fp16 needs a GPU (dynamic loss scaling on CPU is unsupported); use bf16 or fp32")
     if cfg.parallel.backend == "nccl" and device != "cuda":
