@@ -253,6 +253,35 @@ def test_model_without_restarts_is_bit_identical() -> None:
     assert torch.equal(model(ids, documents=Documents(starts)).logits, model(ids).logits)
 
 
+@pytest.mark.parametrize("window,mixing", [(0, "shared_normaliser"), (4, "shared_normaliser"), (4, "gated")])
+def test_model_lays_out_the_documents_once_per_forward(monkeypatch, window: int, mixing: str) -> None:
+    """The starts are cut into documents (and the batched plan built) once per forward, not per
+    layer nor again in the activation-checkpointing recompute."""
+    from megaflex.attention import documents
+    from megaflex.model import GPT, ModelConfig
+    from megaflex.model.gpt import Documents
+
+    calls = {"spans": 0, "plan": 0}
+
+    def counted(name, fn):
+        def wrapper(*args):
+            calls[name] += 1
+            return fn(*args)
+        return wrapper
+
+    monkeypatch.setattr(documents, "_document_spans", counted("spans", documents._document_spans))
+    monkeypatch.setattr(documents._BatchedPlan, "of", counted("plan", documents._BatchedPlan.of))
+    config = ModelConfig(vocab_size=64, num_layers=2, hidden_size=32, num_heads=2, feature_dim=16, chunk_size=8,
+                         max_seq_len=64, softmax_window=window, window_mixing=mixing, activation_checkpointing=True)
+    torch.manual_seed(0)
+    model = GPT(config).train()
+    ids = torch.cat(packed_documents()).unsqueeze(0)
+    positions = document_positions(ids, EOD)
+    model(ids, labels=ids, documents=Documents(positions == 0, positions)).loss.backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    assert calls == {"spans": 1, "plan": 1}
+
+
 def test_micro_batches_carry_document_positions_of_the_whole_sequence() -> None:
     from megaflex.training.data import batch_documents, micro_batches
 

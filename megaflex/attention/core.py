@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from .base import NORMALIZATIONS, LinearAttentionState
-from .documents import block_causal_mask, has_restarts, run_by_document, run_documents_batched
+from .documents import DocumentLayout, block_causal_mask, document_layout, run_by_document, run_documents_batched
 from .feature_maps import FEATURE_MAP_KINDS, build_feature_map
 from .quadratic import quadratic_linear_attention
 from .recurrent import recurrent_linear_attention, recurrent_step
@@ -98,22 +98,23 @@ def causal_linear_attention(
     initial_state: LinearAttentionState | None = None,
     eps: float = 1e-6,
     backend: str = "auto",
-    document_starts: torch.Tensor | None = None,
+    document_starts: DocumentLayout | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LinearAttentionState]:
     """Causal linear attention: qf, kf [B, H, N, F], kls [B, H, N] | None, v [B, H, N, Dv]
     -> (out [B, H, N, Dv] in v.dtype, fp32 state after the last token).
 
     ``form`` selects the algorithm (identical maths); ``chunk_size`` only affects "chunked", and
     ``backend`` (auto | torch | triton | fla, see ``chunked_backend``) which implementation runs it.
-    ``document_starts`` [B, N] bool restarts the state at each document start (``documents.py``):
-    masked in the quadratic form, emptied in the recurrent one, one call per document in "chunked".
+    ``document_starts`` [B, N] bool (or its ``DocumentLayout``) restarts the state at each document
+    start (``documents.py``): masked in the quadratic form, emptied in the recurrent one, one call per document in "chunked".
     """
     validate_linear_attention_inputs(
         qf, kf, kls, v, form=form, normalization=normalization, chunk_size=chunk_size, initial_state=initial_state, eps=eps
     )
     check_backend(backend)
-    restarts = has_restarts(_checked_starts(document_starts, qf), initial_state is not None)
-    starts = document_starts if restarts else None
+    layout = _checked_starts(document_starts, qf)
+    restarts = layout is not None and layout.has_restarts(initial_state is not None)
+    starts = layout.starts if restarts else None
     if form == "quadratic":
         return quadratic_linear_attention(
             qf, kf, kls, v, normalization=normalization, initial_state=initial_state, eps=eps, document_starts=starts
@@ -125,20 +126,25 @@ def causal_linear_attention(
     chunked = _chunked_impl(backend, qf.is_cuda)
     options = dict(normalization=normalization, chunk_size=chunk_size, eps=eps)
     if restarts:
-        return run_by_document(lambda t, s: chunked(*t, initial_state=s, **options), [qf, kf, kls, v], starts, initial_state)
+        return run_by_document(lambda t, s: chunked(*t, initial_state=s, **options), [qf, kf, kls, v], layout, initial_state)
     return chunked(qf, kf, kls, v, initial_state=initial_state, **options)
 
 
-def _checked_starts(document_starts: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
-    """``document_starts`` after checking it is a [B, N] bool tensor matching ``like`` [B, H, N, *]."""
-    if document_starts is not None:
-        expected = (like.shape[0], like.shape[2])
-        if document_starts.dtype != torch.bool or tuple(document_starts.shape) != expected:
-            raise ValueError(
-                f"document_starts: expected a bool tensor of shape {expected} ([B, N]), "
-                f"got {document_starts.dtype} {tuple(document_starts.shape)}"
-            )
-    return document_starts
+def _checked_starts(
+    document_starts: DocumentLayout | torch.Tensor | None, like: torch.Tensor
+) -> DocumentLayout | None:
+    """The layout of ``document_starts`` after checking its starts are a [B, N] bool tensor matching
+    ``like`` [B, H, N, *]."""
+    if document_starts is None:
+        return None
+    starts = document_starts.starts if isinstance(document_starts, DocumentLayout) else document_starts
+    expected = (like.shape[0], like.shape[2])
+    if starts.dtype != torch.bool or tuple(starts.shape) != expected:
+        raise ValueError(
+            f"document_starts: expected a bool tensor of shape {expected} ([B, N]), "
+            f"got {starts.dtype} {tuple(starts.shape)}"
+        )
+    return document_layout(document_starts)
 
 
 AttentionState = LinearAttentionState | KVCache
@@ -240,16 +246,18 @@ class AttentionCore(nn.Module):
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: AttentionState | None = None,
-        return_state: bool = False, key_mask: torch.Tensor | None = None, document_starts: torch.Tensor | None = None,
+        return_state: bool = False, key_mask: torch.Tensor | None = None,
+        document_starts: DocumentLayout | torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, AttentionState | None]:
         """q, k, v [B, H, N, d] (+ state from the previous call) -> (out [B, H, N, d], new state | None).
 
         ``key_mask`` [B, T] (bool, False = padding; optional) covers every token so far: the
         state's ``offset`` tokens, then the N new ones (see module doc).
-        ``document_starts`` [B, N] bool (``documents.py``): no token attends across a document
-        start (softmax: a block-causal mask; linear kinds: each document runs on its own)."""
+        ``document_starts`` [B, N] bool or its ``DocumentLayout`` (``documents.py``): no token attends
+        across a document start (softmax: a block-causal mask; linear kinds: each document runs on its own)."""
         self._check_qkv(q, k, v)
-        restarts = has_restarts(_checked_starts(document_starts, q), state is not None)
+        layout = _checked_starts(document_starts, q)
+        restarts = layout is not None and layout.has_restarts(state is not None)
         if restarts and key_mask is not None:
             raise ValueError("key_mask and document_starts: padded batches of packed documents are not supported")
         offset = state.offset if state is not None else 0
@@ -260,15 +268,15 @@ class AttentionCore(nn.Module):
             if restarts:
                 if state is not None or return_state:
                     raise ValueError("document_starts: expected no KVCache in or out (decode one document at a time)")
-                return softmax_attention(q, k, v, mask=block_causal_mask(document_starts))[0], None
+                return softmax_attention(q, k, v, mask=block_causal_mask(layout.starts))[0], None
             out, cache = softmax_attention(q, k, v, cache=state, key_mask=key_mask)
             return out, (cache if return_state else None)
         if state is not None and not isinstance(state, LinearAttentionState):
             raise ValueError(f"state: expected a LinearAttentionState for kind {self.kind!r}, got {type(state).__name__}")
         if restarts and return_state:  # the state after each row's last document: one call per document
-            return run_by_document(lambda t, s: self.forward(*t, state=s, return_state=True), [q, k, v], document_starts, state)
+            return run_by_document(lambda t, s: self.forward(*t, state=s, return_state=True), [q, k, v], layout, state)
         if restarts:  # training: documents of similar length batched into one call
-            return run_documents_batched(lambda t, s: self.forward(*t, state=s), [q, k, v], document_starts, state), None
+            return run_documents_batched(lambda t, s: self.forward(*t, state=s), [q, k, v], layout, state), None
         new_keys = None if key_mask is None else padding_mask(key_mask[:, offset:], q.shape[0], q.shape[2])
         if new_keys is not None and self.kind == "cosformer":
             raise ValueError("key_mask: padding is not supported by the position-dependent 'cosformer' map")

@@ -4,10 +4,12 @@ A packed sample holds several documents, each ending with the tokenizer's EOD to
 attention never crosses a document start: a token attends only to the earlier tokens of its own
 document, so the linear state restarts at each start, and softmax attention is block-causal.
 
-The document structure reaches attention as ``document_starts`` [B, N] bool: True where a token
-begins a document (the token after an EOD). A start at position 0 only matters when the call
-continues a state (decoding, or a context-parallel slice): the state then belongs to another
-document and is dropped.
+The document structure reaches attention as ``document_starts``: a [B, N] bool tensor, True where a
+token begins a document (the token after an EOD), or its ``DocumentLayout`` (the starts read to the
+host, the documents' spans and the batched plan: built once per forward by ``GPT.forward`` and
+shared by every layer and the backward recompute; a plain tensor gets its layout on the spot).
+A start at position 0 only matters when the call continues a state (decoding, or a context-parallel
+slice): the state then belongs to another document and is dropped.
 
 ``run_by_document`` is the restart for any linear form or backend: each row is cut at its starts
 and each document runs on its own (the first from the incoming state unless it starts at 0, the
@@ -46,28 +48,66 @@ def document_ids(document_starts: torch.Tensor) -> torch.Tensor:
     return document_starts.long().cumsum(dim=-1)
 
 
-# (starts on a GPU, its version, host copy): every layer of a forward gets the same starts tensor,
-# so the host reads them once per forward (a device-to-host copy waits for the GPU), not per layer
-_HOST_COPY: list = []
+class DocumentLayout:
+    """The document structure of one [B, N] ``starts`` tensor, for every layer of a forward: the
+    starts are read to the host once (a device-to-host copy waits for the GPU), the documents'
+    spans are cut once, and ``run_documents_batched``'s plan (length buckets, gather indices) is
+    built at its first use. Build it with ``from_starts``; it assumes ``starts`` does not change."""
+
+    def __init__(self, starts: torch.Tensor, host: torch.Tensor, spans: list[tuple[int, int, int]]) -> None:
+        self.starts = starts  # [B, N] bool, on the compute device
+        self.host = host  # the same on the host
+        self.spans = spans  # (row, first token, end) of every document of every row, in order
+        self._ids: torch.Tensor | None = None
+        self._plan: _BatchedPlan | None = None
+
+    @classmethod
+    def from_starts(cls, starts: torch.Tensor) -> "DocumentLayout":
+        if starts.dtype != torch.bool or starts.dim() != 2:
+            raise ValueError(
+                f"document_starts: expected a [B, N] bool tensor, got {starts.dtype} {tuple(starts.shape)}"
+            )
+        host = starts if starts.device.type == "cpu" else starts.detach().cpu()
+        return cls(starts, host, _document_spans(host))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.starts.shape[0], self.starts.shape[1])
+
+    def has_restarts(self, continues_state: bool) -> bool:
+        """Whether the starts change anything: a start after position 0, or at 0 when the call
+        continues a state. False keeps the plain path (bit-identical to no boundaries)."""
+        return bool((self.host if continues_state else self.host[:, 1:]).any())
+
+    def continues_state(self, row: int) -> bool:
+        """Whether row ``row``'s first document continues an incoming state (it does not start at 0)."""
+        return not bool(self.host[row, 0])
+
+    @property
+    def ids(self) -> torch.Tensor:
+        """[B, N] int64 index of each token's document in its row (``document_ids``)."""
+        if self._ids is None:
+            self._ids = document_ids(self.starts)
+        return self._ids
+
+    @property
+    def batched_plan(self) -> "_BatchedPlan":
+        if self._plan is None:
+            self._plan = _BatchedPlan.of(self)
+        return self._plan
 
 
-def _on_host(document_starts: torch.Tensor) -> torch.Tensor:
-    if document_starts.device.type == "cpu":
+def document_layout(document_starts: DocumentLayout | torch.Tensor | None) -> DocumentLayout | None:
+    """``document_starts`` as a ``DocumentLayout`` (a [B, N] bool tensor gets one built on the spot)."""
+    if document_starts is None or isinstance(document_starts, DocumentLayout):
         return document_starts
-    if _HOST_COPY and _HOST_COPY[0] is document_starts and _HOST_COPY[1] == document_starts._version:
-        return _HOST_COPY[2]
-    host = document_starts.detach().cpu()
-    _HOST_COPY[:] = [document_starts, document_starts._version, host]
-    return host
+    return DocumentLayout.from_starts(document_starts)
 
 
-def has_restarts(document_starts: torch.Tensor | None, continues_state: bool) -> bool:
-    """Whether ``document_starts`` changes anything: a start after position 0, or at 0 when the
-    call continues a state. False keeps the plain path (bit-identical to no boundaries)."""
-    if document_starts is None:
-        return False
-    starts = _on_host(document_starts)
-    return bool((starts if continues_state else starts[:, 1:]).any())
+def has_restarts(document_starts: DocumentLayout | torch.Tensor | None, continues_state: bool) -> bool:
+    """Whether ``document_starts`` changes anything (``DocumentLayout.has_restarts``)."""
+    layout = document_layout(document_starts)
+    return layout is not None and layout.has_restarts(continues_state)
 
 
 def block_causal_mask(document_starts: torch.Tensor) -> torch.Tensor:
@@ -85,19 +125,19 @@ def _row_state(state: LinearAttentionState, b: int) -> LinearAttentionState:
 def run_by_document(
     run: SegmentFn,
     per_token: Sequence[torch.Tensor | None],
-    document_starts: torch.Tensor,
+    document_starts: DocumentLayout | torch.Tensor,
     initial_state: LinearAttentionState | None,
 ) -> tuple[torch.Tensor, LinearAttentionState]:
     """``run`` over every document of every row on its own: ``per_token`` tensors [B, H, N, ...]
     (or None) are cut along dim 2; the first document of row b continues ``initial_state``'s row b
     unless it starts at position 0. Returns (out [B, H, N, Dv], the state after each row's last
     document, offset = initial offset + N)."""
-    batch, n = document_starts.shape
-    starts = _on_host(document_starts)
+    layout = document_layout(document_starts)
+    batch, n = layout.shape
     row_outs: list[list[torch.Tensor]] = [[] for _ in range(batch)]
     finals: list[LinearAttentionState] = [None] * batch  # type: ignore[list-item]
-    for b, lo, hi in _document_spans(document_starts):  # in order: a row's last document comes last
-        carried = initial_state is not None and lo == 0 and not bool(starts[b, 0])
+    for b, lo, hi in layout.spans:  # in order: a row's last document comes last
+        carried = initial_state is not None and lo == 0 and layout.continues_state(b)
         sliced = [None if t is None else t[b : b + 1, :, lo:hi] for t in per_token]
         out, finals[b] = run(sliced, _row_state(initial_state, b) if carried else None)
         row_outs[b].append(out)
@@ -112,10 +152,9 @@ def run_by_document(
     return torch.cat(outs), final
 
 
-def _document_spans(document_starts: torch.Tensor) -> list[tuple[int, int, int]]:
-    """(row, first token, end) of every document of every row, in order."""
-    n = document_starts.shape[1]
-    starts = _on_host(document_starts)
+def _document_spans(starts: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(row, first token, end) of every document of every row of host ``starts`` [B, N], in order."""
+    n = starts.shape[1]
     spans = []
     for b in range(starts.shape[0]):
         cuts = [0, *(int(i) for i in torch.nonzero(starts[b, 1:]).flatten() + 1), n]
@@ -123,10 +162,40 @@ def _document_spans(document_starts: torch.Tensor) -> list[tuple[int, int, int]]
     return spans
 
 
+class _BatchedPlan:
+    """How ``run_documents_batched`` batches a layout's documents: one bucket per power-of-two
+    length (the documents that round up to it), each with the gather index of its rows' tokens into
+    token-major rows [B N + 1] (the last one zeros: the padding's source), and ``where``, each
+    token's place in the buckets' concatenated outputs. Index tensors live on the starts' device."""
+
+    def __init__(
+        self, buckets: list[tuple[int, list[tuple[int, int, int]], torch.Tensor]], where: torch.Tensor
+    ) -> None:
+        self.buckets = buckets  # (length, documents (row, lo, hi), gather index [D length]), by length
+        self.where = where  # [B N]
+
+    @classmethod
+    def of(cls, layout: DocumentLayout) -> "_BatchedPlan":
+        batch, n = layout.shape
+        by_length: dict[int, list[tuple[int, int, int]]] = {}
+        for b, lo, hi in layout.spans:
+            by_length.setdefault(1 << (hi - lo - 1).bit_length(), []).append((b, lo, hi))
+        device = layout.starts.device
+        buckets, where, done = [], torch.empty(batch * n, dtype=torch.long), 0
+        for length, docs in sorted(by_length.items()):
+            offsets = torch.arange(length)
+            index = torch.stack([torch.where(offsets < hi - lo, b * n + lo + offsets, batch * n) for b, lo, hi in docs])
+            buckets.append((length, docs, index.flatten().to(device)))
+            for i, (b, lo, hi) in enumerate(docs):
+                where[b * n + lo : b * n + hi] = done + i * length + torch.arange(hi - lo)
+            done += len(docs) * length
+        return cls(buckets, where.to(device))
+
+
 def run_documents_batched(
     run: SegmentFn,
     per_token: Sequence[torch.Tensor],
-    document_starts: torch.Tensor,
+    document_starts: DocumentLayout | torch.Tensor,
     initial_state: LinearAttentionState | None,
 ) -> torch.Tensor:
     """``run_by_document``'s outputs (not its state) with the documents batched: documents whose
@@ -134,32 +203,24 @@ def run_documents_batched(
     (causal: the padding reaches no real token, and its outputs are dropped). ``per_token``
     [B, H, N, *]; ``run``'s state argument is the batched incoming state (a row per document: the
     row's own state for a row's first document when it does not start at 0, else an empty one)."""
-    batch, n = document_starts.shape
-    starts = _on_host(document_starts)
-    buckets: dict[int, list[tuple[int, int, int]]] = {}
-    for b, lo, hi in _document_spans(document_starts):
-        buckets.setdefault(1 << (hi - lo - 1).bit_length(), []).append((b, lo, hi))
+    layout = document_layout(document_starts)
+    batch, n = layout.shape
+    plan = layout.batched_plan
     device = per_token[0].device
     # token-major rows [B N + 1, H, *], the last one zeros: the padding's source
     rows = [torch.cat([t.transpose(1, 2).reshape(batch * n, *t.shape[1:2], *t.shape[3:]),
                        t.new_zeros(1, t.shape[1], *t.shape[3:])]) for t in per_token]  # fmt: skip
-    outs, where = [], torch.empty(batch * n, dtype=torch.long)
-    done = 0
-    for length, docs in sorted(buckets.items()):
-        offsets = torch.arange(length)
-        index = torch.stack([torch.where(offsets < hi - lo, b * n + lo + offsets, batch * n) for b, lo, hi in docs])
-        gathered = [r.index_select(0, index.flatten().to(device)).view(len(docs), length, *r.shape[1:]).transpose(1, 2)
+    outs = []
+    for length, docs, index in plan.buckets:
+        gathered = [r.index_select(0, index.to(device)).view(len(docs), length, *r.shape[1:]).transpose(1, 2)
                     for r in rows]  # fmt: skip
         state = None
         if initial_state is not None:
-            carried = [b if lo == 0 and not bool(starts[b, 0]) else -1 for b, lo, _ in docs]
+            carried = [b if lo == 0 and layout.continues_state(b) else -1 for b, lo, _ in docs]
             state = _states_of(initial_state, carried)
         out, _ = run(gathered, state)  # [D, H, length, Dv]
         outs.append(out.transpose(1, 2).reshape(len(docs) * length, *out.shape[1:2], out.shape[-1]))
-        for i, (b, lo, hi) in enumerate(docs):
-            where[b * n + lo : b * n + hi] = done + i * length + torch.arange(hi - lo)
-        done += len(docs) * length
-    out = torch.cat(outs).index_select(0, where.to(device))  # [B N, H, Dv]
+    out = torch.cat(outs).index_select(0, plan.where.to(device))  # [B N, H, Dv]
     return out.view(batch, n, *out.shape[1:]).transpose(1, 2)
 
 

@@ -38,7 +38,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .base import KernelParameter, LinearAttentionState, normalize_output
 from .core import AttentionCore, mask_padded_keys, padding_mask
-from .documents import document_ids, has_restarts, run_documents_batched
+from .documents import DocumentLayout, document_layout, run_documents_batched
 from .shared_window import WindowCache, windowed_linear_attention
 from .softmax import padded_causal_mask
 
@@ -116,26 +116,30 @@ class LocalMixingCore(nn.Module):
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: HybridState | None = None,
-        return_state: bool = False, key_mask: torch.Tensor | None = None, document_starts: torch.Tensor | None = None,
+        return_state: bool = False, key_mask: torch.Tensor | None = None,
+        document_starts: DocumentLayout | torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, HybridState | None]:
         """q, k, v [B, H, N, d] (+ the state of the previous call) -> (out [B, H, N, d], state | None).
 
         ``key_mask`` [B, T] (False = padding) covers the state's tokens, then the new ones: padded
         tokens enter the convolution as zeros (as before the first token) and no branch sees them.
-        ``document_starts`` [B, N] bool: neither branch nor the convolution reaches across a document start."""
+        ``document_starts`` [B, N] bool or its ``DocumentLayout``: neither branch nor the convolution
+        reaches across a document start."""
         if state is not None and not isinstance(state, HybridState):
             raise ValueError(f"state: expected a HybridState, got {type(state).__name__}")
         offset = 0 if state is None else state.offset
         key_mask = padding_mask(key_mask, q.shape[0], offset + q.shape[2])
+        layout = document_layout(document_starts)
+        restarts = layout is not None and layout.has_restarts(state is not None)
         if self.window and self.mixing == "shared_normaliser":
-            return self._shared_forward(q, k, v, state, return_state, key_mask, document_starts)
+            return self._shared_forward(q, k, v, state, return_state, key_mask, layout if restarts else None)
         docs = None  # document index per token (0: the document the state belongs to), when documents restart
-        if has_restarts(document_starts, state is not None):
+        if restarts:
             if return_state:
                 raise ValueError("document_starts: expected return_state=False (decode one document at a time)")
             if key_mask is not None:
                 raise ValueError("key_mask and document_starts: padded batches of packed documents are not supported")
-            docs = document_ids(document_starts)
+            docs = layout.ids
         conv_tail = None
         if self.conv_weight is not None:
             if key_mask is not None:
@@ -144,7 +148,7 @@ class LocalMixingCore(nn.Module):
             q, k, v, conv_tail = self._convolve(q, k, v, None if state is None else state.conv_tail, docs)
         out, linear_state = self.core(
             q, k, v, state=None if state is None else state.linear, return_state=return_state, key_mask=key_mask,
-            document_starts=None if docs is None else document_starts,
+            document_starts=layout if restarts else None,
         )  # fmt: skip
         window_k = window_v = None
         if self.window:
@@ -158,16 +162,17 @@ class LocalMixingCore(nn.Module):
 
     def _shared_forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: HybridState | None, return_state: bool,
-        key_mask: torch.Tensor | None, document_starts: torch.Tensor | None,
+        key_mask: torch.Tensor | None, restarting: DocumentLayout | None,
     ) -> tuple[torch.Tensor, HybridState | None]:
         """The one-normaliser window (``shared_window.py``) after the optional convolution. Packed
-        documents run one per row (``run_documents_batched``), convolution included."""
-        if has_restarts(document_starts, state is not None):
+        documents (``restarting``: a layout whose starts change something) run one per row
+        (``run_documents_batched``), convolution included."""
+        if restarting is not None:
             if state is not None or return_state:
                 raise ValueError("document_starts: expected no state in or out (decode one document at a time)")
             if key_mask is not None:
                 raise ValueError("key_mask and document_starts: padded batches of packed documents are not supported")
-            return run_documents_batched(lambda t, s: (self.forward(*t)[0], None), [q, k, v], document_starts, None), None
+            return run_documents_batched(lambda t, s: (self.forward(*t)[0], None), [q, k, v], restarting, None), None
         offset = 0 if state is None else state.offset
         conv_tail = None
         if self.conv_weight is not None:

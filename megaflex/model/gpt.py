@@ -20,7 +20,7 @@ recurrent state (a ``LinearAttentionState``, or a ``KVCache`` for softmax), so
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megaflex.attention import AttentionCore, KVCache, LinearAttentionState
 from megaflex.attention.core import padding_mask
+from megaflex.attention.documents import DocumentLayout
 from megaflex.attention.hybrid import HybridState, LocalMixingCore
 from megaflex.model.config import ModelConfig
 from megaflex.model.kernel_stats import kernel_statistics
@@ -75,10 +76,20 @@ class Documents:
     starts:       [B, N] bool, True where a token begins a document: no attention crosses it
     position_ids: [B, N] int64 positions for RoPE / learned positions (e.g. each token's position in
                   its document, ``data.reset_positions``), None for the absolute positions
+    layout:       the starts' ``DocumentLayout`` (host copy, spans, batched plan), built once per
+                  forward by ``GPT.forward`` (``laid_out``) and shared by every layer and the
+                  backward recompute; None: each attention call builds its own
     """
 
     starts: torch.Tensor
     position_ids: torch.Tensor | None = None
+    layout: DocumentLayout | None = field(default=None, init=False, repr=False, compare=False)
+
+    def laid_out(self) -> "Documents":
+        """A copy with ``layout`` built from ``starts``."""
+        out = Documents(self.starts, self.position_ids)
+        out.layout = DocumentLayout.from_starts(self.starts)
+        return out
 
 
 def _row_positions(padding: Padding | None, documents: Documents | None) -> torch.Tensor | None:
@@ -136,7 +147,9 @@ class Attention(nn.Module):
         if self.rope is not None:  # absolute positions offset .. offset + N - 1, or each row's own
             q, k = self.rope(q, k, offset, _row_positions(padding, documents))
         attend = self.layer_factory.attention(self.core)  # the core, or its context-parallel stand-in
-        kwargs = {} if documents is None else {"document_starts": documents.starts}
+        kwargs = {}
+        if documents is not None:
+            kwargs["document_starts"] = documents.starts if documents.layout is None else documents.layout
         if padding is not None:
             if attend is not self.core:
                 raise ValueError("attention_mask: padding is not supported under context parallelism")
@@ -251,6 +264,8 @@ class GPT(nn.Module):
             if documents is not None:
                 raise ValueError("attention_mask and documents: padded batches of packed documents are not supported")
             padding = padding.new_tokens(N)
+        if documents is not None:  # read to the host and cut into documents once, for every layer
+            documents = documents.laid_out()
 
         x = self.embed(input_ids)  # [B, N, h]
         if self.pos_embed is not None:

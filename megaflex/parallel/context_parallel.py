@@ -41,6 +41,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megaflex.attention import AttentionCore, LinearAttentionState
 from megaflex.attention.base import accumulation_dtype
+from megaflex.attention.documents import DocumentLayout, document_layout
 from megaflex.parallel.state import ParallelState
 
 
@@ -206,9 +207,10 @@ class ContextParallelAttention:
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: object = None, return_state: bool = False,
-        document_starts: torch.Tensor | None = None,
+        document_starts: DocumentLayout | torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, None]:
-        """As ``AttentionCore.forward`` over this rank's slice; ``document_starts`` [B, N] (this slice's):
+        """As ``AttentionCore.forward`` over this rank's slice; ``document_starts`` [B, N] (this slice's,
+        or its ``DocumentLayout``):
         the state passed on holds the slice's last document only, and a slice continues the ranks
         before it only up to its first start (see ``_incoming_weights``)."""
         check_whole_sequences(state, return_state)
@@ -216,16 +218,17 @@ class ContextParallelAttention:
         # one contiguous k and v shared with the core (which keeps them for its backward anyway)
         k, v = k.contiguous(), v.contiguous()
         keep = resets = None
-        if document_starts is not None:
+        layout = document_layout(document_starts)
+        if layout is not None:
             index = torch.arange(q.shape[2], device=q.device)
-            last_start = torch.where(document_starts, index, 0).amax(dim=-1, keepdim=True)  # [B, 1]
-            keep, resets = index >= last_start, document_starts.any(dim=-1)
+            last_start = torch.where(layout.starts, index, 0).amax(dim=-1, keepdim=True)  # [B, 1]
+            keep, resets = index >= last_start, layout.starts.any(dim=-1)
         with torch.autocast(device_type=q.device.type, enabled=False):
             s_local, m_local = mapped_local_state(self.core.feature_map, k, v, offset, keep)
         incoming = incoming_state(s_local, m_local, self.state, offset, resets)
         # the core's own path (fused trig map on CPU, Triton on CUDA, ...) from the incoming state, as
         # at CP=1 (a slice of at most core.recurrent_max_tokens tokens takes the recurrent form: same maths)
-        doc_kwargs = {} if document_starts is None else {"document_starts": document_starts}
+        doc_kwargs = {} if layout is None else {"document_starts": layout}
         out, _ = self.core(q, k, v, state=incoming, **doc_kwargs)
         return out, None
 

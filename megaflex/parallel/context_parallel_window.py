@@ -24,6 +24,7 @@ import torch
 
 from megaflex.attention import LinearAttentionState
 from megaflex.attention.base import accumulation_dtype
+from megaflex.attention.documents import DocumentLayout, has_restarts
 from megaflex.attention.shared_window import WindowCache, windowed_linear_attention
 from megaflex.parallel.context_parallel import _all_gather, check_whole_sequences, local_state
 from megaflex.parallel.state import ParallelState
@@ -99,10 +100,10 @@ class ContextParallelWindowAttention:
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: object = None, return_state: bool = False,
-        document_starts: torch.Tensor | None = None,
+        document_starts: DocumentLayout | torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, None]:
         check_whole_sequences(state, return_state)
-        if document_starts is not None and bool(document_starts.any()):
+        if has_restarts(document_starts, continues_state=True):  # any start, position 0 included
             raise ValueError("document_starts: document resets are not supported by the window hybrid under context "
                              "parallelism; use context_parallel_size=1")
         window, n = self.core.window, q.shape[2]
