@@ -1,0 +1,232 @@
+"""What attaches to the training loop without being part of it: ``TrainerHook`` and the hooks
+``Trainer`` installs from the config (fault injection, kernel statistics, the profiler) or from
+its caller (an ``Objective``, e.g. distillation).
+
+Events, in the order a run emits them (every method is optional; ``BaseHook`` has no-ops):
+``on_model_built`` (after the warm start, before the optimizer) -> ``on_start`` (engine built,
+resumed, data ready) -> per step ``on_step_start`` -> ``on_loss`` (per micro-batch, may replace
+the loss) -> ``on_step_applied`` (after the update, before the step is logged) -> ``on_step_end``
+(after validation and the save) -> ``on_loop_end`` (before the final save) -> ``on_train_end``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from megaflex.model.gpt import GPT
+from megaflex.model.kernel_stats import kernel_snapshot
+from megaflex.training.config import Config, ConfigError
+from megaflex.training.data import micro_batches
+from megaflex.training.profiling import StepProfiler
+
+if TYPE_CHECKING:
+    from megaflex.training.trainer import Trainer
+
+
+class Objective(Protocol):
+    """What a run optimises, when not the plain LM loss (e.g. ``megaflex.training.distill``)."""
+
+    def prepare(self, model: GPT, cfg: Config) -> None:
+        """After the warm start, before the optimizer: freeze parameters, add adapters, build a teacher."""
+
+    def loss(self, engine: Any, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """One micro-batch: (loss to differentiate, named scalars averaged over the step and logged)."""
+
+    def finish(self, engine: Any, iteration: int) -> None:
+        """Collective, after the last save: e.g. export merged weights."""
+
+
+class TrainerHook(Protocol):
+    """Something that attaches to ``Trainer`` (see the module docstring for when each event runs)."""
+
+    def on_model_built(self, trainer: Trainer) -> None: ...
+    def on_start(self, trainer: Trainer) -> None: ...
+    def on_step_start(self, trainer: Trainer, step: int) -> None: ...
+    def on_loss(self, trainer: Trainer, step: int, loss: torch.Tensor) -> torch.Tensor: ...
+    def on_step_applied(self, trainer: Trainer, step: int) -> None: ...
+    def on_step_end(self, trainer: Trainer, step: int) -> None: ...
+    def on_loop_end(self, trainer: Trainer) -> None: ...
+    def on_train_end(self, trainer: Trainer, stop_reason: str) -> None: ...
+
+
+class BaseHook:
+    """No-op implementations of every ``TrainerHook`` event."""
+
+    def on_model_built(self, trainer: Trainer) -> None:
+        pass
+
+    def on_start(self, trainer: Trainer) -> None:
+        pass
+
+    def on_step_start(self, trainer: Trainer, step: int) -> None:
+        pass
+
+    def on_loss(self, trainer: Trainer, step: int, loss: torch.Tensor) -> torch.Tensor:
+        return loss
+
+    def on_step_applied(self, trainer: Trainer, step: int) -> None:
+        pass
+
+    def on_step_end(self, trainer: Trainer, step: int) -> None:
+        pass
+
+    def on_loop_end(self, trainer: Trainer) -> None:
+        pass
+
+    def on_train_end(self, trainer: Trainer, stop_reason: str) -> None:
+        pass
+
+
+class ObjectiveHook(BaseHook):
+    """An ``Objective``'s set-up and finish; its loss replaces the LM loss (``Trainer.micro_batch_loss``)."""
+
+    def __init__(self, objective: Objective) -> None:
+        self.objective = objective
+
+    def on_model_built(self, trainer: Trainer) -> None:
+        if trainer.cfg.data.document_boundaries != "none":  # the objectives' losses take no document structure yet
+            raise ConfigError(
+                f"data.document_boundaries: expected 'none' with {type(self.objective).__name__}, got 'reset'"
+            )
+        self.objective.prepare(trainer.model, trainer.cfg)
+
+    def on_train_end(self, trainer: Trainer, stop_reason: str) -> None:
+        if stop_reason == "done":
+            self.objective.finish(trainer.engine, trainer.iteration)
+
+
+class FaultInjectionHook(BaseHook):
+    """The ``fault.*`` settings (tests of the failure paths): a NaN loss or an infinite gradient at
+    given steps (rank 0), SIGKILL after a step or inside a save, SIGSTOP of the last rank."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.fault = cfg.fault
+        self.nan_loss = self.inf_grad = False
+
+    def on_model_built(self, trainer: Trainer) -> None:
+        kill_step = self.fault.sigkill_during_save_at_step
+        if kill_step is not None:
+            trainer.manager.before_commit = lambda it: _sigkill() if it == kill_step else None
+
+    def on_step_start(self, trainer: Trainer, step: int) -> None:
+        self.nan_loss = step in self.fault.nan_loss_at_steps and trainer.rank == 0
+        self.inf_grad = step in self.fault.inf_grad_at_steps and trainer.rank == 0
+
+    def on_loss(self, trainer: Trainer, step: int, loss: torch.Tensor) -> torch.Tensor:
+        if self.nan_loss:
+            loss = loss + float("nan")
+        if self.inf_grad:
+            loss = _InfiniteGradient.apply(loss)
+        return loss
+
+    def on_step_end(self, trainer: Trainer, step: int) -> None:
+        if self.fault.sigkill_after_step == step:
+            dist.barrier()  # rank 0 has logged the step
+            _sigkill()
+        if self.fault.sigstop_last_rank_after_step == step and trainer.rank == dist.get_world_size() - 1:
+            os.kill(os.getpid(), signal.SIGSTOP)  # a frozen peer: the others' next collective times out
+
+
+class KernelStatsHook(BaseHook):
+    """``logging.kernel_stats_interval``: per-layer kernel statistics, change since the initial kernel."""
+
+    def __init__(self, interval: int) -> None:
+        self.interval = interval
+        self.reference: dict[str, torch.Tensor] = {}
+        self.probe: torch.Tensor | None = None
+
+    def on_model_built(self, trainer: Trainer) -> None:
+        self.reference = kernel_snapshot(trainer.model)  # before ZeRO 3 partitions anything; replaced on resume
+
+    def on_start(self, trainer: Trainer) -> None:
+        cfg = trainer.cfg
+        self.reference = _kernel_reference(self.reference, trainer.run_dir, trainer.state,
+                                           fresh=trainer.resume_path is None)
+        data = trainer.valid_data or trainer.train_data
+        self.probe = next(micro_batches(data, 0, min(2, cfg.train.micro_batch_size), 1, 0, 1, trainer.device))[0]
+
+    def on_step_applied(self, trainer: Trainer, step: int) -> None:
+        if step % self.interval == 0:
+            kernel = _kernel_statistics(trainer.engine, trainer.cfg.parallel.zero_stage, self.probe, self.reference)
+            trainer.logger.log({"kind": "kernel", "step": step, **kernel})
+
+
+class ProfilerHook(BaseHook):
+    """``logging.profile``: a torch profiler window over the configured steps (``StepProfiler``)."""
+
+    def __init__(self) -> None:
+        self.profiler: StepProfiler | None = None
+
+    def on_start(self, trainer: Trainer) -> None:
+        self.profiler = StepProfiler(trainer.cfg.logging.profile, trainer.engine.module, trainer.run_dir / "profile",
+                                     trainer.rank, trainer.device, trainer.logger.print)
+
+    def on_step_start(self, trainer: Trainer, step: int) -> None:
+        self.profiler.step_starts(step)
+
+    def on_step_end(self, trainer: Trainer, step: int) -> None:
+        trainer.t_last += self.profiler.step_ended(step)  # writing the trace is not training time
+
+    def on_loop_end(self, trainer: Trainer) -> None:
+        self.profiler.close()
+
+
+def default_hooks(cfg: Config, objective: Objective | None) -> list[TrainerHook]:
+    """The hooks a run's config asks for, in the order their events run."""
+    hooks: list[TrainerHook] = [] if objective is None else [ObjectiveHook(objective)]
+    if cfg.logging.kernel_stats_interval:
+        hooks.append(KernelStatsHook(cfg.logging.kernel_stats_interval))
+    hooks += [ProfilerHook(), FaultInjectionHook(cfg)]
+    return hooks
+
+
+class _InfiniteGradient(torch.autograd.Function):
+    """Fault injection: identity forward, infinite gradient backward (a finite loss that overflows)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return grad * float("inf")
+
+
+def _sigkill() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _kernel_reference(
+    snapshot: dict[str, torch.Tensor], run_dir: Path, state: Any, fresh: bool
+) -> dict[str, torch.Tensor]:
+    """Kernel parameters at step 0, kept in ``run_dir/kernel_init_tp{rank}.pt`` so a resumed run
+    still reports the change since the real init (a resume without the file: since the resume)."""
+    path = run_dir / f"kernel_init_tp{state.tp_rank}.pt"
+    if not fresh and path.is_file():
+        return torch.load(path, map_location="cpu")
+    if state.dp_rank == 0 and snapshot:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        torch.save(snapshot, path)
+    return snapshot
+
+
+def _kernel_statistics(
+    engine: Any, zero_stage: int, probe: torch.Tensor | None, reference: dict[str, torch.Tensor]
+) -> dict[str, float]:
+    """Per-layer kernel statistics (collective under ZeRO 3: kernel parameters are gathered)."""
+    from megaflex.attention import named_kernel_parameters
+
+    module = engine.module
+    if zero_stage == 3:
+        import deepspeed
+
+        params = [kp.param for _, kp in named_kernel_parameters(module)]
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            return module.kernel_statistics(probe, reference)
+    return module.kernel_statistics(probe, reference)
