@@ -9,6 +9,11 @@ from pathlib import Path
 # indirectly (torch, DeepSpeed) before the Triton tests are collected: set it before anything, so
 # the kernels run under the interpreter on this GPU-less machine whatever the test order.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# megaflex never calls torch.compile, but DeepSpeed's optimizer check imports its Muon module, whose
+# @torch.compile decorators import TorchInductor: ~3 s of CPU per training process, hundreds of
+# which the suite starts. Disabling TorchDynamo (inherited by every subprocess) skips that import
+# and changes no computation here.
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 import pytest  # noqa: E402
 
