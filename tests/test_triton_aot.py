@@ -35,11 +35,17 @@ def _compiler_env() -> dict[str, str]:
     return env
 
 
+# fp16 launches are the bf16 ones with the other 2-byte type (same tiles, same shared memory, same
+# mma shapes): CI compiles bf16 and fp32 only; ``python -m evaluation.triton_aot`` (all three) writes
+# the report the README cites, docs/results/triton_aot.json.
+CI_DTYPES = ("bf16", "fp32")
+
+
 @pytest.mark.slow
 def test_every_shipped_launch_fits_shared_memory_and_meets_the_spill_targets(tmp_path):
     out = tmp_path / "aot.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "evaluation.triton_aot", "--out", str(out)],
+        [sys.executable, "-m", "evaluation.triton_aot", "--out", str(out), "--dtypes", *CI_DTYPES],
         cwd=REPO_ROOT, env=_compiler_env(), capture_output=True, text=True, timeout=1800,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -47,7 +53,7 @@ def test_every_shipped_launch_fits_shared_memory_and_meets_the_spill_targets(tmp
     rows = report["kernels"]
     kernels = set(KERNELS)  # the trig maps' default path computes the features in the kernels, trig_grads their backward
     for config in ("flexformer_n_41m", "flexformer_n_247m", "flexformer_n_1.3b", "tiny"):
-        for dtype in ("bf16", "fp16", "fp32"):
+        for dtype in CI_DTYPES:
             for arch in (80, 90):
                 used = {r["kernel"] for r in rows if f"{config}/{dtype}" in r["configs"] and r["arch"] == arch}
                 assert used == kernels, (config, dtype, arch, used)
