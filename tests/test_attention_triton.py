@@ -110,11 +110,12 @@ def _run_core(fn, n, chunk, normalization, with_state, key_scale, dtype, values=
     return out, new_state, _loss_and_grads(out, new_state, leaves), steps
 
 
-# key scales x100 run with a carried state (its log_max then matters too); 60 cases in all
+# key scales x100 run with a carried state (its log_max then matters too); 54 cases in all. Every
+# length at both chunk sizes but 200 at 16 (13 interpreted chunks; 65 at 16 already runs 5, the
+# last partial, and 200 at 64 four).
 @pytest.mark.parametrize("with_state,key_scale", [(False, 1.0), (True, 1.0), (True, 100.0)])
 @pytest.mark.parametrize("normalization", NORMALIZATIONS)
-@pytest.mark.parametrize("chunk", CHUNKS)
-@pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.parametrize("n,chunk", [(n, c) for n in LENGTHS for c in CHUNKS if (n, c) != (200, 16)])
 def test_core_kernels_match_quadratic_fp32(n, chunk, normalization, with_state, key_scale):
     args = (n, chunk, normalization, with_state, key_scale)
     exact = _run_core(quadratic_linear_attention, *args, torch.float64)
@@ -210,7 +211,7 @@ def test_fused_trig_map_matches_reference_fp32(n, chunk, with_state, temperature
 
 
 def test_fused_trig_map_matches_reference_fp16():
-    args = (65, 16, True, "rms", True, 100.0)
+    args = (41, 16, True, "rms", True, 100.0)  # three chunks, the last partial
     exact = _run_trig(False, *args, torch.float64, values=torch.float16)
     steps = FP16_STEPS + fp32_steps_in(torch.float16, exact[3])
     got = _run_trig(True, *args, torch.float16, fused=True)
