@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from megaflex.parallel.mappings import copy_to_tp_region
+from megaflex.parallel.mappings import conjugate_pair, copy_to_tp_region
 from megaflex.parallel.state import ParallelState
 
 SEQUENCE_DIM = -2
@@ -73,56 +73,20 @@ def reduce_scatter_sequence(x: torch.Tensor, state: ParallelState) -> torch.Tens
     return out.movedim(0, SEQUENCE_DIM)
 
 
-class _ScatterToSequence(torch.autograd.Function):
-    """Replicated -> shard. Backward: all-gather (each rank differentiated its own shard)."""
-
-    @staticmethod
-    def forward(ctx, x, state):  # type: ignore[override]
-        ctx.state = state
-        return split_sequence(x, state)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        return gather_sequence(grad, ctx.state), None
-
-
-class _GatherFromSequence(torch.autograd.Function):
-    """Shard -> replicated full sequence. Backward: reduce-scatter (the consumers' gradients are
-    partial sums over TP: each rank's column shard saw the whole sequence)."""
-
-    @staticmethod
-    def forward(ctx, x, state):  # type: ignore[override]
-        ctx.state = state
-        return gather_sequence(x, state)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        return reduce_scatter_sequence(grad, ctx.state), None
-
-
-class _ReduceScatterToSequence(torch.autograd.Function):
-    """Partial sums over TP -> this rank's shard of the sum. Backward: all-gather."""
-
-    @staticmethod
-    def forward(ctx, x, state):  # type: ignore[override]
-        ctx.state = state
-        return reduce_scatter_sequence(x, state)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        return gather_sequence(grad, ctx.state), None
-
-
 def scatter_to_sequence(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
-    return _ScatterToSequence.apply(x, state)
+    """Replicated -> this rank's shard. Backward: all-gather (each rank differentiated its own shard)."""
+    return conjugate_pair(x, state, split_sequence, gather_sequence)
 
 
 def gather_from_sequence(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
-    return _GatherFromSequence.apply(x, state)
+    """Shard -> the replicated whole sequence. Backward: reduce-scatter (the consumers' gradients are
+    partial sums over TP: each rank's column shard saw the whole sequence)."""
+    return conjugate_pair(x, state, gather_sequence, reduce_scatter_sequence)
 
 
 def reduce_scatter_to_sequence(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
-    return _ReduceScatterToSequence.apply(x, state)
+    """Partial sums over TP -> this rank's shard of their sum. Backward: all-gather."""
+    return conjugate_pair(x, state, reduce_scatter_sequence, gather_sequence)
 
 
 class _GatheredLinear(torch.autograd.Function):
