@@ -101,11 +101,15 @@ class _GatheredLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         x, weight = ctx.saved_tensors
-        total = gather_sequence(x, ctx.state)  # [..., N, in]
-        grad_input = reduce_scatter_sequence(grad.matmul(weight), ctx.state)
+        needs_input, needs_weight, needs_bias = ctx.needs_input_grad[:3]  # the same graph on every TP rank
+        grad_input = reduce_scatter_sequence(grad.matmul(weight), ctx.state) if needs_input else None
         grad_2d = grad.reshape(-1, grad.shape[-1])
-        grad_weight = grad_2d.t().matmul(total.reshape(-1, total.shape[-1]))
-        grad_bias = grad_2d.sum(0) if ctx.has_bias else None
+        grad_weight = grad_bias = None
+        if needs_weight:
+            total = gather_sequence(x, ctx.state)  # [..., N, in]
+            grad_weight = grad_2d.t().matmul(total.reshape(-1, total.shape[-1]))
+        if needs_bias and ctx.has_bias:
+            grad_bias = grad_2d.sum(0)
         return grad_input, grad_weight, grad_bias, None
 
 
