@@ -3,7 +3,7 @@ residual stream split along the sequence equals the same TP=2 model without it, 
 loss and every parameter gradient (norm weights and biases, row-parallel biases and learned positions
 included, whose gradients are summed over the sequence shards); alone and with context parallelism.
 Dropout on the sequence shards draws different masks on the two TP ranks, and activation checkpointing
-replays them. Config validation. The training run under the deepspeed launcher is in
+replays them. Config validation; distillation refuses it. The training run under the deepspeed launcher is in
 ``test_training_sequence_parallel.py``.
 """
 
@@ -22,6 +22,7 @@ from megaflex.model.layers import LocalLayers
 from megaflex.parallel import ParallelState, TensorParallelLayers, mark_head_sharded_params
 from megaflex.parallel.context_parallel import sequence_slice
 from megaflex.training.config import ConfigError, load_config
+from megaflex.training.distill.objectives import AttentionTransfer, Finetune
 from numerics import assert_close, gpt_steps, normwise_scale
 from training_harness import TINY
 
@@ -200,3 +201,10 @@ def test_config_sequence_parallel_defaults_off_and_is_validated(tmp_path: Path) 
                                           r"with parallel.sequence_parallel, got 36"):
         _config(tmp_path, "parallel.tensor_parallel_size=4", "parallel.context_parallel_size=2",
                 "parallel.sequence_parallel=true", "data.seq_len=36")
+
+
+@pytest.mark.parametrize("objective", [AttentionTransfer, Finetune])
+def test_distillation_refuses_sequence_parallelism(tmp_path: Path, objective: type) -> None:
+    cfg = _config(tmp_path, "parallel.tensor_parallel_size=2", "parallel.sequence_parallel=true")
+    with pytest.raises(ConfigError, match="parallel.sequence_parallel: distillation .* runs without sequence parallelism"):
+        objective(cfg.distill).prepare(GPT(cfg.model), cfg)  # checked before the model is looked at
