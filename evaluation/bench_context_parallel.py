@@ -62,6 +62,18 @@ def _peak_tensor_mib(step: Any) -> float:
     return peak / 2**20
 
 
+def timed_steps(step: Any, steps: int) -> tuple[float, float]:
+    """(the last result, mean wall seconds) of ``steps`` calls of ``step()``, between barriers of all ranks."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        result = step()
+    dist.barrier()
+    return result, (time.perf_counter() - start) / steps
+
+
 def _rank_main(rank: int, cp: int, port: int, model_kw: dict[str, Any], n: int, steps: int, out: "mp.Queue") -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(cp), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
@@ -106,12 +118,7 @@ def _rank_main(rank: int, cp: int, port: int, model_kw: dict[str, Any], n: int, 
     rss_before = _rss_mib()
     loss = step()  # warm-up (allocator, lazily built buffers)
     sent[0] = 0
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(steps):
-        loss = step()
-    dist.barrier()
-    elapsed = (time.perf_counter() - start) / steps
+    loss, elapsed = timed_steps(step, steps)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     bytes_per_layer = sent[0] // (steps * config.num_layers) if cp > 1 else 0
     peak_tensors = _peak_tensor_mib(step)  # after the RSS reading: the profiler's own memory is left out
@@ -178,17 +185,26 @@ def fit_memory(points: list[dict[str, Any]]) -> dict[str, Any]:
     return fits
 
 
+MODEL_ARGUMENTS = dict(vocab_size=256, num_layers=2, hidden_size=32, num_heads=2, feature_dim=16, chunk_size=64)
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, **defaults: int) -> None:
+    """--vocab-size, --num-layers, ... of the benchmarked Flexformer-N GPT (``MODEL_ARGUMENTS``, or ``defaults``)."""
+    for name, default in {**MODEL_ARGUMENTS, **defaults}.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=default)
+
+
+def model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``ModelConfig`` keywords from ``add_model_arguments``' options."""
+    return dict({name: getattr(args, name) for name in MODEL_ARGUMENTS}, attention="flexformer_n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[32768, 65536, 131072, 262144])
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--vocab-size", type=int, default=256)
-    parser.add_argument("--num-layers", type=int, default=2)
-    parser.add_argument("--hidden-size", type=int, default=32)
-    parser.add_argument("--num-heads", type=int, default=2)
-    parser.add_argument("--feature-dim", type=int, default=16)
-    parser.add_argument("--chunk-size", type=int, default=64)
+    add_model_arguments(parser)
     parser.add_argument("--activation-checkpointing", action="store_true", help="recompute blocks in backward")
     parser.add_argument("--no-long", action="store_true", help="skip the long-sequence step")
     parser.add_argument("--long-length", type=int, default=1 << 20)
@@ -196,11 +212,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
 
-    model_kw = dict(
-        vocab_size=args.vocab_size, num_layers=args.num_layers, hidden_size=args.hidden_size, num_heads=args.num_heads,
-        attention="flexformer_n", feature_dim=args.feature_dim, chunk_size=args.chunk_size,
-        activation_checkpointing=args.activation_checkpointing,
-    )
+    model_kw = dict(model_kwargs(args), activation_checkpointing=args.activation_checkpointing)
     points = [bench_point(model_kw, n, cp, args.steps) for n in args.lengths for cp in args.cp]
     long_point = None
     if not args.no_long:

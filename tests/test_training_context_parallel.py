@@ -18,13 +18,11 @@ import math
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from megaflex.data.indexed import IndexedDatasetBuilder
 from megaflex.checkpoint import complete_tags
 from megaflex.training.metrics import read_metrics
-from training_harness import launch, logged_train_steps, write_config
+from training_harness import launch, logged_train_steps, write_config, write_pattern_data
 
 pytestmark = pytest.mark.slow
 
@@ -89,15 +87,7 @@ def test_cp2_kill_resume_is_bit_exact_and_cp1_resume_matches(tmp_path: Path, zer
 
 @pytest.fixture(scope="module")
 def pattern_data(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    """Indexed data the tiny model learns within a few steps (uniform synthetic tokens cannot fall
-    below ln(vocab)): documents counting up mod 256 from a random start, in steps of 1 to 3."""
-    prefix = tmp_path_factory.mktemp("pattern") / "pattern"
-    rng = np.random.default_rng(0)
-    with IndexedDatasetBuilder(prefix, dtype=np.uint16, vocab_size=256) as builder:
-        for _ in range(300):
-            start, stride = int(rng.integers(256)), int(rng.integers(1, 4))
-            builder.add_document((start + stride * np.arange(200)) % 256)
-    return ["data.source=indexed", f"data.train_path=[{prefix}]", "data.split=98,2,0", "train.eval_iters=1"]
+    return write_pattern_data(tmp_path_factory.mktemp("pattern"))
 
 
 @pytest.mark.parametrize("zero", [2, 3])

@@ -143,3 +143,20 @@ def logged_train_steps(run_dir: Path) -> list[int]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines if line.endswith("}")]  # not a torn last line
     return [r["step"] for r in records if r.get("kind", "train") == "train"]
+
+
+def write_pattern_data(folder: Path) -> list[str]:
+    """Indexed data the tiny model learns within a few steps (uniform synthetic tokens cannot fall
+    below ln(vocab)): documents counting up mod 256 from a random start, in steps of 1 to 3. Returns
+    the overrides that train on it."""
+    import numpy as np
+
+    from megaflex.data.indexed import IndexedDatasetBuilder
+
+    prefix = folder / "pattern"
+    rng = np.random.default_rng(0)
+    with IndexedDatasetBuilder(prefix, dtype=np.uint16, vocab_size=256) as builder:
+        for _ in range(300):
+            start, stride = int(rng.integers(256)), int(rng.integers(1, 4))
+            builder.add_document((start + stride * np.arange(200)) % 256)
+    return ["data.source=indexed", f"data.train_path=[{prefix}]", "data.split=98,2,0", "train.eval_iters=1"]

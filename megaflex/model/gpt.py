@@ -141,8 +141,9 @@ class Attention(nn.Module):
         self, x: torch.Tensor, state: LayerState | None = None, return_state: bool = False, offset: int = 0,
         padding: Padding | None = None, documents: Documents | None = None,
     ) -> tuple[torch.Tensor, LayerState | None]:
-        B, N, _ = x.shape
-        qkv = self.qkv(x).view(B, N, self.local_heads, 3, self.head_dim)
+        qkv = self.qkv(x)  # [B, N, 3h / tp]: the whole sequence, also when x is a sequence shard
+        B, N = qkv.shape[:2]
+        qkv = qkv.view(B, N, self.local_heads, 3, self.head_dim)
         q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each [B, Hl, N, d]
         if self.rope is not None:  # absolute positions offset .. offset + N - 1, or each row's own
             q, k = self.rope(q, k, offset, _row_positions(padding, documents))
@@ -195,19 +196,20 @@ class Block(nn.Module):
 
     def __init__(self, config: ModelConfig, layers: LayerFactory) -> None:
         super().__init__()
-        self.attn_norm = _norm(config)
+        self.attn_norm = _norm(config, layers)
         self.attn = Attention(config, layers)
-        self.mlp_norm = _norm(config)
+        self.mlp_norm = _norm(config, layers)
         self.mlp = MLP(config, layers)
-        self.dropout = nn.Dropout(config.hidden_dropout)  # full (replicated) activations: default RNG
+        self.dropout = nn.Dropout(config.hidden_dropout)  # on the residual stream: layers.residual_rng
+        self.layer_factory = layers
 
     def forward(
         self, x: torch.Tensor, state: LayerState | None = None, return_state: bool = False, offset: int = 0,
         padding: Padding | None = None, documents: Documents | None = None,
     ) -> tuple[torch.Tensor, LayerState | None]:
         a, new_state = self.attn(self.attn_norm(x), state, return_state, offset, padding, documents)
-        x = x + self.dropout(a)
-        x = x + self.dropout(self.mlp(self.mlp_norm(x)))
+        x = x + _residual_dropout(self.dropout, self.layer_factory, a)
+        x = x + _residual_dropout(self.dropout, self.layer_factory, self.mlp(self.mlp_norm(x)))
         return x, new_state
 
 
@@ -229,7 +231,7 @@ class GPT(nn.Module):
             init(self.pos_embed.weight)
         self.embed_dropout = nn.Dropout(config.hidden_dropout)
         self.blocks = nn.ModuleList(Block(config, layers) for _ in range(config.num_layers))
-        self.final_norm = _norm(config)
+        self.final_norm = _norm(config, layers)
         # Untied output weight: another vocab-sharded [padded_vocab / tp, h] matrix from the factory.
         self.lm_head = None
         if not config.tie_embeddings:
@@ -267,12 +269,12 @@ class GPT(nn.Module):
         if documents is not None:  # read to the host and cut into documents once, for every layer
             documents = documents.laid_out()
 
-        x = self.embed(input_ids)  # [B, N, h]
+        x = self.embed(input_ids)  # [B, N, h] (sequence parallel: this TP rank's [B, N / tp, h])
         if self.pos_embed is not None:
             row_positions = _row_positions(padding, documents)
             positions = torch.arange(offset, offset + N, device=input_ids.device) if row_positions is None else row_positions
-            x = x + self.pos_embed(positions)
-        x = self.embed_dropout(x)
+            x = x + self.layer_factory.scatter_sequence(self.pos_embed(positions))
+        x = _residual_dropout(self.embed_dropout, self.layer_factory, x)
 
         new_states = []
         checkpointing = self.activation_checkpointing and self.training and torch.is_grad_enabled()
@@ -364,10 +366,17 @@ def _scaled_std(config: ModelConfig) -> float:
     return config.init_std / math.sqrt(2 * config.num_layers)
 
 
-def _norm(config: ModelConfig) -> nn.Module:
-    if config.norm == "rmsnorm":
-        return nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
-    return nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
+def _residual_dropout(dropout: nn.Dropout, layers: LayerFactory, x: torch.Tensor) -> torch.Tensor:
+    """Dropout on the residual stream, drawn from the factory's ``residual_rng`` (per-TP-rank masks
+    where the stream is sequence-sharded)."""
+    if not dropout.training or dropout.p == 0:
+        return x
+    with layers.residual_rng():
+        return dropout(x)
+
+
+def _norm(config: ModelConfig, layers: LayerFactory) -> nn.Module:
+    return layers.norm(config.norm, config.hidden_size, config.norm_eps)
 
 
 def _build_attention_core(config: ModelConfig, layers: LayerFactory, local_heads: int) -> AttentionCore | LocalMixingCore:

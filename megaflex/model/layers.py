@@ -6,7 +6,12 @@ embedding, logits and loss; ``LocalLayers`` (here) builds plain single-device mo
 same contract. Shapes below use ``tp`` for the factory's tensor-parallel size. Under context
 parallelism (``TensorParallelLayers`` with a CP group) the model sees only this rank's slice of
 each sequence; the factory supplies the slice's global offset, the attention over the whole
-sequence and the sum of the loss over the slices.
+sequence and the sum of the loss over the slices. Under sequence parallelism (``TensorParallelLayers(...,
+sequence_parallel=True)``) the residual stream between the parallel linears is this TP rank's
+sequence shard [B, N / tp, h]: the embedding and row-parallel linears return shards, the
+column-parallel linears and the logits take them, and the factory supplies the norms (whose
+parameter gradients it sums over the shards), the position embeddings' split and the RNG of
+the residual dropouts.
 """
 
 from __future__ import annotations
@@ -57,19 +62,34 @@ class LayerFactory(Protocol):
     def column_parallel_linear(
         self, in_features: int, out_features: int, *, bias: bool, init_method: InitMethod
     ) -> nn.Module:
-        """x [..., in] (full) -> y [..., out / tp] (this rank's column shard, not gathered)."""
+        """x [..., N, in] (full; sequence parallel: [..., N / tp, in]) -> y [..., N, out / tp]
+        (this rank's column shard, not gathered)."""
 
     def row_parallel_linear(
         self, in_features: int, out_features: int, *, bias: bool, init_method: InitMethod
     ) -> nn.Module:
-        """x [..., in / tp] (this rank's shard) -> y [..., out] (full, summed over ranks)."""
+        """x [..., N, in / tp] (this rank's shard) -> y [..., N, out] (full, summed over ranks;
+        sequence parallel: this rank's sequence shard [..., N / tp, out] of it)."""
 
     def vocab_embedding(self, vocab_size: int, hidden: int, *, init_method: InitMethod) -> nn.Module:
-        """ids [...] -> [..., hidden] (full). ``.weight`` is [padded_vocab / tp, hidden] and
-        ``.vocab_size`` the true vocabulary size; rows past it are padding."""
+        """ids [..., N] -> [..., N, hidden] (full; sequence parallel: [..., N / tp, hidden]).
+        ``.weight`` is [padded_vocab / tp, hidden] and ``.vocab_size`` the true vocabulary size;
+        rows past it are padding."""
+
+    def norm(self, kind: str, hidden: int, eps: float) -> nn.Module:
+        """An ``nn.RMSNorm`` (kind "rmsnorm") or ``nn.LayerNorm`` over the residual stream."""
+
+    def scatter_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        """A replicated [..., N, h] tensor added to the residual stream (learned positions) ->
+        this rank's part of it (sequence parallel: its shard; else x itself)."""
+
+    def residual_rng(self) -> ContextManager[None]:
+        """Context for random ops on the residual stream (embedding and hidden dropout): the
+        default RNG where it is replicated over TP, ``tp_region_rng`` where it is sharded."""
 
     def lm_logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """hidden [..., h] (full) x vocab-sharded weight [padded_vocab / tp, h] -> logits shard."""
+        """hidden [..., N, h] (the residual stream) x vocab-sharded weight [padded_vocab / tp, h]
+        -> logits shard [..., N, padded_vocab / tp] over the whole sequence."""
 
     def cross_entropy(
         self, logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, label_smoothing: float = 0.0
@@ -121,6 +141,15 @@ class LocalLayers:
         init_method(embedding.weight)
         embedding.vocab_size = vocab_size
         return embedding
+
+    def norm(self, kind: str, hidden: int, eps: float) -> nn.Module:
+        return nn.RMSNorm(hidden, eps=eps) if kind == "rmsnorm" else nn.LayerNorm(hidden, eps=eps)
+
+    def scatter_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def residual_rng(self) -> ContextManager[None]:
+        return contextlib.nullcontext()
 
     def lm_logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, weight)

@@ -19,6 +19,7 @@ layers, initialise on the meta device and load a resharded checkpoint instead.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, ContextManager
 
 import torch
@@ -38,6 +39,15 @@ from megaflex.parallel.mappings import (
     scatter_to_tp_region,
 )
 from megaflex.parallel.random import TensorParallelRNGTracker, model_parallel_tracker
+from megaflex.parallel.sequence_parallel import (
+    SequenceParallelLayerNorm,
+    SequenceParallelRMSNorm,
+    gather_from_sequence,
+    gathered_linear,
+    reduce_scatter_to_sequence,
+    scatter_to_sequence,
+    summed_over_sequence,
+)
 from megaflex.parallel.state import ParallelState
 
 
@@ -79,6 +89,8 @@ class ColumnParallelLinear(nn.Module):
     ``gather_output=True`` all-gathers y to [..., out]. The output shard of rank r holds output
     features [r * out / tp, (r + 1) * out / tp), so order features so that a contiguous block
     is a self-contained unit (the fused QKV is ordered (head, {q,k,v}, head_dim)).
+    ``sequence_parallel=True``: x is this rank's sequence shard [..., N / tp, in], all-gathered
+    along the sequence first (``megaflex.parallel.sequence_parallel``).
     """
 
     def __init__(
@@ -90,12 +102,14 @@ class ColumnParallelLinear(nn.Module):
         bias: bool = True,
         init_method: InitMethod,
         gather_output: bool = False,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         check_tensor_parallel_fit("out_features", out_features, state.tp_size)
         self.state = state
         self.in_features, self.out_features = in_features, out_features
         self.gather_output = gather_output
+        self.sequence_parallel = sequence_parallel
         full = _full_linear_weight(in_features, out_features, bias, init_method)  # [out, in]
         self.weight = nn.Parameter(full.chunk(state.tp_size, dim=0)[state.tp_rank].clone())
         set_tensor_parallel_attributes(self.weight, 0)
@@ -106,7 +120,10 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(copy_to_tp_region(x, self.state), self.weight, self.bias)  # [..., out / tp]
+        if self.sequence_parallel:
+            y = gathered_linear(x, self.weight, self.bias, self.state)  # [..., N, out / tp]
+        else:
+            y = F.linear(copy_to_tp_region(x, self.state), self.weight, self.bias)  # [..., out / tp]
         return gather_from_tp_region(y, self.state) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -119,6 +136,8 @@ class RowParallelLinear(nn.Module):
     Each rank computes a partial product; one all-reduce sums them. The bias is replicated and
     added after the reduce (adding it per rank would count it tp times).
     ``input_is_parallel=False`` accepts a full x and scatters it first.
+    ``sequence_parallel=True``: the partial sums are reduce-scattered along the sequence instead,
+    y [..., N / tp, out] (this rank's shard), and the bias's gradient is summed over the shards.
     """
 
     def __init__(
@@ -130,12 +149,14 @@ class RowParallelLinear(nn.Module):
         bias: bool = True,
         init_method: InitMethod,
         input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         check_tensor_parallel_fit("in_features", in_features, state.tp_size)
         self.state = state
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel = input_is_parallel
+        self.sequence_parallel = sequence_parallel
         full = _full_linear_weight(in_features, out_features, bias, init_method)  # [out, in]
         self.weight = nn.Parameter(full.chunk(state.tp_size, dim=1)[state.tp_rank].clone())
         set_tensor_parallel_attributes(self.weight, 1)
@@ -144,6 +165,9 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.state)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence(F.linear(x, self.weight), self.state)  # [..., N / tp, out]
+            return y + summed_over_sequence(self.bias, self.state) if self.bias is not None else y
         y = reduce_from_tp_region(F.linear(x, self.weight), self.state)  # [..., out]
         return y + self.bias if self.bias is not None else y
 
@@ -160,13 +184,18 @@ class VocabParallelEmbedding(nn.Module):
 
     Init builds ``LocalLayers``' table ([pad_vocab_size(vocab_size, 1), hidden], same RNG
     draws) and zero-fills the extra TP padding rows, so all rows it has match the TP=1 model.
+    ``sequence_parallel=True``: ids [..., N] -> this rank's sequence shard [..., N / tp, hidden]
+    (a reduce-scatter instead of the all-reduce).
     """
 
-    def __init__(self, vocab_size: int, hidden: int, state: ParallelState, *, init_method: InitMethod) -> None:
+    def __init__(
+        self, vocab_size: int, hidden: int, state: ParallelState, *, init_method: InitMethod, sequence_parallel: bool = False
+    ) -> None:
         super().__init__()
         if vocab_size < 1:
             raise ValueError(f"vocab_size: expected >= 1, got {vocab_size}")
         self.state = state
+        self.sequence_parallel = sequence_parallel
         self.vocab_size = vocab_size
         self.hidden = hidden
         self.padded_vocab_size = pad_vocab_size(vocab_size, state.tp_size)
@@ -187,6 +216,8 @@ class VocabParallelEmbedding(nn.Module):
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local = (ids - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)  # [..., hidden]
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence(out, self.state)
         return reduce_from_tp_region(out, self.state)
 
     def extra_repr(self) -> str:
@@ -200,13 +231,21 @@ class TensorParallelLayers:
     created with ``model_parallel_tracker(seed, tp_rank)``. The default RNG is left alone: the
     caller seeds it identically on every TP rank (``model_parallel_seed`` does both), which the
     sharded init relies on.
+
+    ``sequence_parallel=True`` (TP > 1): the residual stream between the parallel linears is split
+    along the sequence over the TP group (``megaflex.parallel.sequence_parallel``); the model's
+    norms and residual dropouts then run on this rank's shard, and the logits gather it back.
     """
 
     def __init__(
-        self, state: ParallelState, rng_tracker: TensorParallelRNGTracker | None = None, *, seed: int = 1234
+        self, state: ParallelState, rng_tracker: TensorParallelRNGTracker | None = None, *, seed: int = 1234,
+        sequence_parallel: bool = False,
     ) -> None:
+        if sequence_parallel and state.tp_size == 1:
+            raise ValueError("sequence_parallel: needs a tensor-parallel size > 1 (it splits the sequence over TP ranks)")
         self.state = state
         self.rng_tracker = rng_tracker if rng_tracker is not None else model_parallel_tracker(seed, state.tp_rank)
+        self.sequence_parallel = sequence_parallel
 
     @property
     def tp_size(self) -> int:
@@ -219,18 +258,41 @@ class TensorParallelLayers:
     def column_parallel_linear(
         self, in_features: int, out_features: int, *, bias: bool, init_method: InitMethod
     ) -> nn.Module:
-        return ColumnParallelLinear(in_features, out_features, self.state, bias=bias, init_method=init_method)
+        return ColumnParallelLinear(
+            in_features, out_features, self.state, bias=bias, init_method=init_method, sequence_parallel=self.sequence_parallel
+        )
 
     def row_parallel_linear(
         self, in_features: int, out_features: int, *, bias: bool, init_method: InitMethod
     ) -> nn.Module:
-        return RowParallelLinear(in_features, out_features, self.state, bias=bias, init_method=init_method)
+        return RowParallelLinear(
+            in_features, out_features, self.state, bias=bias, init_method=init_method, sequence_parallel=self.sequence_parallel
+        )
 
     def vocab_embedding(self, vocab_size: int, hidden: int, *, init_method: InitMethod) -> nn.Module:
-        return VocabParallelEmbedding(vocab_size, hidden, self.state, init_method=init_method)
+        return VocabParallelEmbedding(
+            vocab_size, hidden, self.state, init_method=init_method, sequence_parallel=self.sequence_parallel
+        )
+
+    def norm(self, kind: str, hidden: int, eps: float) -> nn.Module:
+        if not self.sequence_parallel:
+            return LocalLayers().norm(kind, hidden, eps)
+        if kind == "rmsnorm":
+            return SequenceParallelRMSNorm(hidden, eps, self.state)
+        return SequenceParallelLayerNorm(hidden, eps, self.state)
+
+    def scatter_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        return scatter_to_sequence(x, self.state) if self.sequence_parallel else x
+
+    def residual_rng(self) -> ContextManager[None]:
+        # sequence shards differ per TP rank, so their dropout masks must too
+        return self.tp_region_rng() if self.sequence_parallel else contextlib.nullcontext()
 
     def lm_logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """hidden [..., h] (replicated) x weight [V_padded / tp, h] -> logits [..., V_padded / tp]."""
+        """hidden [..., h] (replicated; under sequence parallelism this rank's shard [..., N / tp, h],
+        gathered first) x weight [V_padded / tp, h] -> logits [..., N, V_padded / tp]."""
+        if self.sequence_parallel:
+            return F.linear(gather_from_sequence(hidden, self.state), weight)
         return F.linear(copy_to_tp_region(hidden, self.state), weight)
 
     def cross_entropy(

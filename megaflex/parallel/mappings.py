@@ -12,6 +12,8 @@ With a TP size of 1 all four are identities and never touch ``torch.distributed`
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -51,15 +53,31 @@ def _gather_last(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-class _CopyToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, state: ParallelState) -> torch.Tensor:
-        ctx.state = state
-        return x
+class _Conjugate(torch.autograd.Function):
+    """``forward(x, state)`` over a group; the backward applies its conjugate ``backward`` to the gradient."""
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _all_reduce(grad, ctx.state), None
+    def forward(ctx, x, state, forward, backward):  # type: ignore[override]
+        ctx.state, ctx.conjugate = state, backward
+        return forward(x, state)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return ctx.conjugate(grad, ctx.state), None, None, None
+
+
+def conjugate_pair(
+    x: torch.Tensor,
+    state: ParallelState,
+    forward: Callable[[torch.Tensor, ParallelState], torch.Tensor],
+    backward: Callable[[torch.Tensor, ParallelState], torch.Tensor],
+) -> torch.Tensor:
+    """``forward(x, state)``, differentiated by ``backward(grad, state)`` (e.g. split / all-gather)."""
+    return _Conjugate.apply(x, state, forward, backward)
+
+
+def _identity(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
+    return x
 
 
 class _ReduceFromTP(torch.autograd.Function):
@@ -79,31 +97,9 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-class _ScatterToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, state: ParallelState) -> torch.Tensor:
-        ctx.state = state
-        return _split_last(x, state)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _gather_last(grad, ctx.state), None
-
-
-class _GatherFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, state: ParallelState) -> torch.Tensor:
-        ctx.state = state
-        return _gather_last(x, state)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _split_last(grad, ctx.state), None
-
-
 def copy_to_tp_region(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
     """Identity forward; all-reduce the gradient (input replicated, consumers sharded)."""
-    return _CopyToTP.apply(x, state)
+    return conjugate_pair(x, state, _identity, _all_reduce)
 
 
 def reduce_from_tp_region(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
@@ -113,9 +109,9 @@ def reduce_from_tp_region(x: torch.Tensor, state: ParallelState) -> torch.Tensor
 
 def scatter_to_tp_region(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
     """Keep this rank's chunk of the last dim [..., n] -> [..., n / tp]; backward all-gathers."""
-    return _ScatterToTP.apply(x, state)
+    return conjugate_pair(x, state, _split_last, _gather_last)
 
 
 def gather_from_tp_region(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
     """All-gather the last dim [..., n / tp] -> [..., n] (rank order); backward splits."""
-    return _GatherFromTP.apply(x, state)
+    return conjugate_pair(x, state, _gather_last, _split_last)

@@ -81,6 +81,10 @@ class ParallelConfig:
         1, "ranks splitting each sequence along its length (LASP-2 style, linear-attention kinds only; "
         "data.seq_len must be a multiple); they hold replicated parameters, so ZeRO reduces over DP x CP",
     )
+    sequence_parallel: bool = opt(
+        False, "Megatron sequence parallelism (TP > 1): norms, dropout and the residual stream run on 1/TP of each "
+        "sequence (reduce-scatter / all-gather instead of all-reduce); data.seq_len / CP must be a multiple of TP",
+    )
     zero_stage: int = opt(1, "DeepSpeed ZeRO stage 0-3 (0: plain DDP, 1: optimizer states, 2: +grads, 3: +params)")
     zero_offload_optimizer: bool = opt(False, "keep ZeRO optimizer states in CPU memory (stage >= 1)")
     zero_overlap_comm: bool = opt(False, "overlap ZeRO reductions with backward (GPU; costs memory)")
@@ -424,6 +428,7 @@ def validate(cfg: Config) -> None:
     if s.min_lr > t.lr:
         raise _bad(cfg, "schedule.min_lr", f"expected <= train.lr ({t.lr}), got {s.min_lr}")
     parallel_dims(cfg, p.tensor_parallel_size * p.context_parallel_size)  # the model fits the grid
+    _validate_sequence_parallel(cfg)
     if p.context_parallel_size > 1:
         if d.seq_len % p.context_parallel_size != 0:
             raise _bad(
@@ -515,6 +520,18 @@ def check_device(cfg: Config, has_cuda: bool) -> None:
 
         reason = cuda_unusable_reason() or "torch.cuda.is_available() is False"
         raise _bad(cfg, "train.device", f"cuda requested but CUDA is unusable: {reason} (train.device=cpu trains on CPU)")
+
+
+def _validate_sequence_parallel(cfg: Config) -> None:
+    p, seq_len = cfg.parallel, cfg.data.seq_len
+    if not p.sequence_parallel:
+        return
+    if p.tensor_parallel_size == 1:
+        raise _bad(cfg, "parallel.sequence_parallel", "needs parallel.tensor_parallel_size > 1 (it splits each sequence "
+                   "over the TP ranks); got tensor_parallel_size 1")
+    if seq_len % (p.context_parallel_size * p.tensor_parallel_size) != 0:  # CP slices, then TP shards of them
+        raise _bad(cfg, "data.seq_len", f"expected a multiple of parallel.context_parallel_size x tensor_parallel_size "
+                   f"({p.context_parallel_size} x {p.tensor_parallel_size}) with parallel.sequence_parallel, got {seq_len}")
 
 
 def parallel_dims(cfg: Config, world_size: int) -> ParallelDims:

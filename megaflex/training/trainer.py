@@ -145,7 +145,10 @@ class Trainer:
         # identically initialised full matrices; the tracker gives each TP rank its own stream.
         self.tracker = model_parallel_seed(cfg.train.seed, state.tp_rank, device=device)
         plain = state.tp_size == 1 and state.cp_size == 1
-        self.model = model = GPT(cfg.model, layers=LocalLayers() if plain else TensorParallelLayers(state, self.tracker))
+        layers = LocalLayers() if plain else TensorParallelLayers(
+            state, self.tracker, sequence_parallel=cfg.parallel.sequence_parallel
+        )
+        self.model = model = GPT(cfg.model, layers=layers)
         if state.tp_size > 1:
             # Feature-map params (Omega, tau) are head-sharded: tag them so grad norms count every shard.
             mark_head_sharded_params(model)

@@ -85,6 +85,9 @@ def _check_runtime(cfg: Config, stage: str) -> None:
     if cfg.parallel.context_parallel_size > 1:
         raise ConfigError(f"parallel.context_parallel_size: distillation ({stage}) runs without context "
                           f"parallelism; expected 1, got {cfg.parallel.context_parallel_size}")
+    if cfg.parallel.sequence_parallel:  # its taps and LoRA adapters read the whole residual stream
+        raise ConfigError(f"parallel.sequence_parallel: distillation ({stage}) runs without sequence parallelism; "
+                          "expected false, got true")
 
 
 class AttentionTransfer:
