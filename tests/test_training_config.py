@@ -312,6 +312,7 @@ PP2 = ["parallel.pipeline_parallel_size=2", "logging.kernel_stats_interval=0"]
     [
         (["parallel.zero_stage=2"], "parallel.zero_stage", "DeepSpeed's pipeline engine refuses ZeRO-2 and ZeRO-3), got 2"),
         (["parallel.zero_stage=3"], "parallel.zero_stage", "got 3"),
+        (["parallel.zero_stage=0"], "parallel.zero_stage", "ZeRO-0 clipping norm is wrong under pipeline parallelism"),
         (["parallel.context_parallel_size=2"], "parallel.pipeline_parallel_size",
          "context parallelism and pipeline parallelism are not supported together"),
         (["model.num_layers=1"], "parallel.pipeline_parallel_size", "expected at most model.num_layers (1) stages"),

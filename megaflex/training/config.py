@@ -81,7 +81,7 @@ class ParallelConfig:
     )
     pipeline_parallel_size: int = opt(
         1, "pipeline stages, each a contiguous range of blocks (DeepSpeed's pipeline engine, 1F1B over the "
-        "step's micro-batches); ZeRO stage <= 1, no context parallelism (docs/training.md)",
+        "step's micro-batches); ZeRO stage 1 (0 without clipping), no context parallelism (docs/training.md)",
     )
     context_parallel_size: int = opt(
         1, "ranks splitting each sequence along its length (LASP-2 style, linear-attention kinds only; "
@@ -503,6 +503,12 @@ def _validate_pipeline(cfg: Config) -> None:
         # "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"
         raise _bad(cfg, "parallel.zero_stage", f"expected 0 or 1 with parallel.pipeline_parallel_size {pp} "
                    f"(DeepSpeed's pipeline engine refuses ZeRO-2 and ZeRO-3), got {p.zero_stage}")
+    if p.zero_stage == 0 and cfg.train.grad_clip > 0:
+        # deepspeed/runtime/utils.py clip_grad_norm_ (ZeRO 0 fp32 clipping) counts a gradient that is not
+        # tensor-parallel only on model-parallel rank 0, i.e. the first stage, and the tied embedding twice
+        raise _bad(cfg, "parallel.zero_stage", f"expected 1 with parallel.pipeline_parallel_size {pp} and "
+                   f"train.grad_clip {cfg.train.grad_clip} (DeepSpeed's ZeRO-0 clipping norm is wrong under "
+                   "pipeline parallelism; ZeRO-1's is right), got 0")
     if cfg.data.document_boundaries == "reset":
         raise _bad(cfg, "data.document_boundaries", f"expected 'none' with parallel.pipeline_parallel_size {pp} "
                    "(stages pass only the hidden states, not the document starts), got 'reset'")
