@@ -145,6 +145,19 @@ def build_pipeline(model: GPT, state: ParallelState) -> nn.Module:
     )
 
 
+def gpt_parameter_name(name: str, num_layers: int) -> str:
+    """A ``PipelineModule`` parameter name (``tied_modules.embedding.embed.weight``,
+    ``3.block.attn.qkv.weight``, ``0.embed.weight`` ...) -> the GPT's (``embed.weight``,
+    ``blocks.2.attn.qkv.weight``): the stage modules keep the GPT's attribute names."""
+    tied = f"tied_modules.{TIED_EMBEDDING}."
+    if name.startswith(tied):
+        return name[len(tied):]
+    index, rest = name.split(".", 1)
+    if 1 <= int(index) <= num_layers:
+        return f"blocks.{int(index) - 1}.{rest.removeprefix('block.')}"
+    return rest
+
+
 def stage_batches(batches: Any) -> Any:
     """Trainer micro-batches (ids, labels, ...) -> the pipeline engine's (inputs, labels) pairs."""
     for ids, labels, *_ in batches:

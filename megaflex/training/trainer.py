@@ -202,7 +202,7 @@ class Trainer:
         if path is not None:
             check_compatible(meta, cfg.to_dict()["model"], self.shapes, state.tp_size)
             check_same_tokenizer(meta.tokenizer, self.tokenizer, f"checkpoint {path}", "this run's tokenizer/data")
-            check_resume_layout(meta, path, cfg.parallel.zero_stage, cfg.train.precision)
+            check_resume_layout(meta, path, cfg.parallel.zero_stage, cfg.train.precision, state.pp_size)
             check_optimizer_groups(meta, [g["name"] for g in optimizer.param_groups], path)
             if needs_repartition(meta, path, cfg.parallel.zero_stage, dp_size, cp_size, state.tp_size,
                                  cfg.checkpoint.zero_universal_resume):
@@ -448,7 +448,8 @@ class Trainer:
         meta = CheckpointMeta(
             iteration=step, consumed_samples=self.consumed, nonfinite_total=self.nonfinite_total,
             world_size=state.world_size, tensor_parallel_size=state.tp_size, data_parallel_size=state.dp_size,
-            context_parallel_size=state.cp_size, zero_stage=cfg.parallel.zero_stage, precision=cfg.train.precision,
+            context_parallel_size=state.cp_size, pipeline_parallel_size=state.pp_size if state.pp_size > 1 else None,
+            zero_stage=cfg.parallel.zero_stage, precision=cfg.train.precision,
             parameter_shapes=self.shapes, num_parameters=self.num_params, config=cfg.to_dict(),
             deepspeed_config=self.ds_config, optimizer_groups=[g["name"] for g in self.optimizer.param_groups],
             sampler={"consumed_samples": self.consumed, "global_batch_size": self.gbs}, tokenizer=self.tokenizer,
