@@ -109,7 +109,7 @@ def _pipeline_state_dict(path: Path, tp_size: int, pp_size: int, num_layers: int
     return out
 
 
-def _zero_consolidated(path: Path, tp_rank: int) -> StateDict:
+def _zero_consolidated(path: Path, tp_rank: int) -> StateDict:  # tp_rank: the model-parallel rank
     """``zero_to_fp32`` over the files of one TP rank (it globs a folder, so give it a view
     holding only that rank's model- and optimizer-state files)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -118,6 +118,11 @@ def _zero_consolidated(path: Path, tp_rank: int) -> StateDict:
         view = Path(tmp) / "view"
         view.mkdir()
         for f in tp_rank_files(path, tp_rank):
+            if f == model_states_file(path, tp_rank):
+                states = torch.load(f, map_location="cpu", weights_only=False)
+                if states.get("module") is None:  # the pipeline engine keeps the weights in per-layer files
+                    torch.save({**states, "module": {}}, view / f.name)  # zero_to_fp32 reads its buffers
+                    continue
             os.symlink(f.resolve(), view / f.name)
         with contextlib.redirect_stdout(io.StringIO()):  # zero_to_fp32 prints progress
             return dict(get_fp32_state_dict_from_zero_checkpoint(tmp, tag="view"))
