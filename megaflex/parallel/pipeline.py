@@ -138,11 +138,15 @@ def build_pipeline(model: GPT, state: ParallelState) -> nn.Module:
             self.parts = bounds
             self._set_bounds(start=bounds[self.stage_id], stop=bounds[self.stage_id + 1])
 
-    return StagedPipelineModule(
+    pipeline = StagedPipelineModule(
         layers=pipeline_layers(model), topology=topology,
         loss_fn=partial(pipeline_loss, model.layer_factory, model.config.vocab_size),
         partition_method="uniform",
     )
+    # The specs hold the whole GPT; DeepSpeed reads them only while building (0.19: partitioning,
+    # _build, _index_tied_modules), so dropping them frees the other stages' weights.
+    pipeline._layer_specs = [type(spec).__name__ for spec in pipeline._layer_specs]
+    return pipeline
 
 
 def gpt_parameter_name(name: str, num_layers: int) -> str:

@@ -512,6 +512,10 @@ def _validate_pipeline(cfg: Config) -> None:
     if cfg.data.document_boundaries == "reset":
         raise _bad(cfg, "data.document_boundaries", f"expected 'none' with parallel.pipeline_parallel_size {pp} "
                    "(stages pass only the hidden states, not the document starts), got 'reset'")
+    injected = {"fault.nan_loss_at_steps": cfg.fault.nan_loss_at_steps, "fault.inf_grad_at_steps": cfg.fault.inf_grad_at_steps}
+    for key, steps in injected.items():
+        if steps:  # they act on the per-micro-batch loss, which the pipeline engine keeps to itself
+            raise _bad(cfg, key, f"expected [] with parallel.pipeline_parallel_size {pp}, got {steps}")
     if cfg.logging.kernel_stats_interval:
         raise _bad(cfg, "logging.kernel_stats_interval", f"expected 0 with parallel.pipeline_parallel_size {pp} "
                    f"(each stage holds only some blocks), got {cfg.logging.kernel_stats_interval}")

@@ -355,7 +355,8 @@ class Trainer:
             bad += (~finite).double()
             loss_sum += torch.where(finite, loss, 0.0).double() * self.grad_accum
             skipped_loss, stop_signal = self._agreed_flags(step, bad)
-        for _ in range(self.grad_accum if self.state.pp_size == 1 else 0):
+        own_micro_batches = self.grad_accum if self.state.pp_size == 1 else 0  # else train_batch ran them
+        for _ in range(own_micro_batches):
             loss, extras = self.micro_batch_loss(next(self.train_batches))
             for key, value in extras.items():
                 extra_sums[key] = extra_sums.get(key, self.zero) + value.detach().double()
