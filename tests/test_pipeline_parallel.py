@@ -104,6 +104,18 @@ def test_pipeline_parallel_run_equals_one_device(tmp_path: Path, reference: tupl
 
 
 @pytest.mark.slow
+def test_pipeline_parallel_bf16_tracks_the_fp32_run(tmp_path: Path, reference: tuple[Path, list[dict]]) -> None:
+    # bf16 weights and activations, fp32 gradient accumulation and master weights (ZeRO 1): a few
+    # steps stay within bf16 rounding of the fp32 run (measured: 6e-5 in loss, 5e-4 relative in norm)
+    records = _train(tmp_path / "run", 2, ["parallel.pipeline_parallel_size=2", "train.precision=bf16",
+                                           "checkpoint.save_at_end=false"])
+    for got, want in zip(records, reference[1]):
+        assert got["loss"] == pytest.approx(want["loss"], abs=1e-3), (got, want)
+        if want.get("grad_norm") is not None:
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-2), (got, want)
+
+
+@pytest.mark.slow
 def test_pipeline_parallel_resume_after_kill_is_bit_exact(tmp_path: Path) -> None:
     run = tmp_path / "run"
     common = ["parallel.pipeline_parallel_size=2", "checkpoint.save_interval=3", "train.train_iters=6"]
