@@ -132,3 +132,15 @@ def test_a_window_hybrid_saved_before_window_mixing_loads_as_the_gated_blend(tmp
         assert torch.equal(loaded.model.state_dict()[name], value), name
     meta["config"]["model"]["window_mixing"] = "shared_normaliser"  # written today: taken as saved
     assert CheckpointMeta.from_dict(meta).model_config["window_mixing"] == "shared_normaliser"
+
+
+def test_pipeline_checkpoints_resume_only_at_their_pipeline_size(model: GPT) -> None:
+    meta = CheckpointMeta.from_dict(_trainer_meta(model))
+    assert meta.pp_size == 1 and "pipeline_parallel_size" not in meta.to_dict()  # PP 1 writes nothing new
+    check_resume_layout(meta, Path("ck/step_3"), zero_stage=1, precision="fp32")
+    with pytest.raises(CheckpointError, match=r"pipeline_parallel_size=1, this run has 2.*pipeline_parallel_size=1"):
+        check_resume_layout(meta, Path("ck/step_3"), zero_stage=1, precision="fp32", pp_size=2)
+    staged = CheckpointMeta.from_dict({**_trainer_meta(model), "pipeline_parallel_size": 2})
+    check_resume_layout(staged, Path("ck/step_3"), zero_stage=1, precision="fp32", pp_size=2)
+    with pytest.raises(CheckpointError, match="not wired up for pipeline checkpoints"):
+        needs_repartition(staged, Path("ck/step_3"), 1, 4, 1, 1, universal_allowed=True)  # DP 2 -> 4

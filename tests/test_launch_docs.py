@@ -118,7 +118,7 @@ def test_documented_launch_line_runs(tmp_path: Path, doc: str, command: str) -> 
             (REPO / "runs" / f"hostfile-{extra['SLURM_JOB_ID']}").unlink(missing_ok=True)
     log = out.stdout[-4000:] + out.stderr[-4000:]
     assert out.returncode == 0, f"{doc}: {command}\n-> {argv}\n{log}"
-    assert "world 2 = TP 1 x CP 1 x DP 2" in out.stdout, log
+    assert "world 2 = TP 1 x CP 1 x PP 1 x DP 2" in out.stdout, log
     assert sorted(read_metrics(run / "metrics.jsonl")) == [1, 2]
     if argv[1:2] == ["launch/slurm.sbatch"]:
         stub_log = (tmp_path / "stub.log").read_text()

@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from megaflex.model import GPT, GPTState, ModelConfig
-from megaflex.model.gpt import IGNORE_INDEX, MLP, Attention, _build_attention_core
+from megaflex.model.gpt import (
+    IGNORE_INDEX, MLP, Attention, _build_attention_core, language_model_loss, run_blocks, stage_layers,
+)
 from megaflex.model.layers import LocalLayers, _linear
 from numerics import assert_close, gpt_steps, normwise_scale
 
@@ -351,3 +353,32 @@ def test_activation_checkpointing_uses_the_factory_checkpoint_context():
     with torch.no_grad():  # no recompute without autograd: the hook is not used
         model(ids(1, 8))
     assert len(layers.entered) == 4
+
+
+@pytest.mark.parametrize(("num_layers", "pp_size"), [(4, 2), (5, 2), (7, 3), (3, 3)])
+def test_stage_layers_split_blocks_contiguously_and_evenly(num_layers, pp_size):
+    stages = [stage_layers(num_layers, pp_size, r) for r in range(pp_size)]
+    assert [i for s in stages for i in s] == list(range(num_layers))  # contiguous, in order, each once
+    assert max(map(len, stages)) - min(map(len, stages)) <= 1
+    assert len(stages[0]) == max(map(len, stages))  # the extra blocks go to the first stages
+    with pytest.raises(ValueError, match="at least one block per pipeline stage"):
+        stage_layers(2, 3, 0)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_stage_parts_composed_over_any_split_equal_forward(tie):
+    torch.manual_seed(0)
+    model = GPT(tiny_config(num_layers=3, tie_embeddings=tie, position="learned", hidden_dropout=0.0)).eval()
+    ids = torch.randint(0, VOCAB, (2, 12))
+    labels = torch.randint(0, VOCAB, (2, 12))
+    expected = model(ids, labels=labels)
+    for pp_size in (1, 2, 3):
+        x = model.embed_tokens(ids)  # first stage
+        for rank in range(pp_size):
+            blocks = [model.blocks[i] for i in stage_layers(3, pp_size, rank)]
+            x, _ = run_blocks(blocks, x)
+        logits = model.output_logits(x)  # last stage
+        loss, per_token = language_model_loss(model.layer_factory, VOCAB, logits, labels)
+        torch.testing.assert_close(logits, expected.logits, rtol=0, atol=0)
+        torch.testing.assert_close(loss, expected.loss, rtol=0, atol=0)
+        torch.testing.assert_close(per_token, expected.per_token_loss, rtol=0, atol=0)

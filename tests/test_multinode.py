@@ -46,7 +46,7 @@ def test_two_nodes_train_checkpoint_resume_and_equal_one_node(tmp_path: Path) ->
     run = tmp_path / "two"
     killed = two_node_run(cfg, common + [f"logging.run_dir={run}", "fault.sigkill_after_step=4"], tmp_path)
     assert all(r.returncode != 0 for r in killed), [r.stdout[-3000:] for r in killed]
-    assert "world 2 = TP 1 x CP 1 x DP 2" in killed[0].stdout  # one rank per launcher, one world
+    assert "world 2 = TP 1 x CP 1 x PP 1 x DP 2" in killed[0].stdout  # one rank per launcher, one world
     assert "--node_rank=1" in killed[1].stdout  # node 1's launcher started global rank 1
     assert complete_tags(run / "checkpoints") == ["step_00000002", "step_00000004"]
 

@@ -98,7 +98,7 @@ def test_two_processes_without_rank_train_as_one_world(tmp_path, launcher):
     results = _ranks(tmp_path, envs, [f"logging.run_dir={run}", "train.train_iters=2", "schedule.warmup_iters=0",
                                       "checkpoint.save_interval=0", "checkpoint.save_at_end=false"])  # fmt: skip
     assert [r.returncode for r in results] == [0, 0], "\n".join(r.stdout[-3000:] for r in results)
-    assert "world 2 = TP 1 x CP 1 x DP 2" in results[0].stdout
+    assert "world 2 = TP 1 x CP 1 x PP 1 x DP 2" in results[0].stdout
     assert sorted(read_metrics(run / "metrics.jsonl")) == [1, 2]
 
 

@@ -16,7 +16,8 @@ from megaflex.model.config import ModelConfig
 from megaflex.model.gpt import GPT
 from megaflex.checkpoint import CheckpointError, CheckpointMeta, check_compatible, parameter_shapes, select_checkpoint
 from megaflex.training.config import (
-    FLOAT_RANGES, Config, ConfigError, TrainConfig, load_config, reference_markdown, validate_runtime,
+    FLOAT_RANGES, Config, ConfigError, TrainConfig, load_config, parallel_dims, reference_markdown,
+    validate_runtime,
 )
 from megaflex.training.config_loader import float_fields
 from megaflex.training.deepspeed_config import deepspeed_config
@@ -301,3 +302,36 @@ def test_reference_documents_every_field() -> None:
         assert f"`{key}`" in ref
     doc = (REPO / "docs" / "training.md").read_text()
     assert ref in doc, "docs/training.md is stale: regenerate with python -m megaflex.training.config --reference"
+
+
+PP2 = ["parallel.pipeline_parallel_size=2", "logging.kernel_stats_interval=0"]
+
+
+@pytest.mark.parametrize(
+    "overrides,key,needle",
+    [
+        (["parallel.zero_stage=2"], "parallel.zero_stage", "DeepSpeed's pipeline engine refuses ZeRO-2 and ZeRO-3), got 2"),
+        (["parallel.zero_stage=3"], "parallel.zero_stage", "got 3"),
+        (["parallel.zero_stage=0"], "parallel.zero_stage", "ZeRO-0 clipping norm is wrong under pipeline parallelism"),
+        (["parallel.context_parallel_size=2"], "parallel.pipeline_parallel_size",
+         "context parallelism and pipeline parallelism are not supported together"),
+        (["model.num_layers=1"], "parallel.pipeline_parallel_size", "expected at most model.num_layers (1) stages"),
+        (["data.document_boundaries=reset", "data.eod_token_id=0"], "data.document_boundaries", "expected 'none'"),
+        (["logging.kernel_stats_interval=5"], "logging.kernel_stats_interval", "expected 0 with"),
+        (["fault.nan_loss_at_steps=[3]"], "fault.nan_loss_at_steps", "expected [] with"),
+        (["parallel.pipeline_parallel_size=0"], "parallel.pipeline_parallel_size", "expected a positive integer, got 0"),
+    ],
+)
+def test_pipeline_parallel_refusals_name_the_key(tiny: Path, overrides: list[str], key: str, needle: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config([tiny], PP2 + overrides)
+    assert str(e.value).startswith(f"{key} (from ") and needle in str(e.value)
+
+
+def test_pipeline_parallel_grid_on_the_world(tiny: Path) -> None:
+    cfg = load_config([tiny], PP2 + ["parallel.zero_stage=1", "parallel.tensor_parallel_size=2"])
+    dims = parallel_dims(cfg, 8)
+    assert (dims.pp_size, dims.tp_size, dims.dp_size) == (2, 2, 2)
+    assert dims.coords(5) == (1, 0, 0, 1)  # pipeline stages are the outermost blocks of ranks
+    with pytest.raises(ConfigError, match=r"divisor of the world size 6, got 2 x 1 x 2 = 4"):
+        validate_runtime(cfg, world_size=6, has_cuda=False)

@@ -45,7 +45,7 @@ def test_cp2_kill_resume_is_bit_exact_and_cp1_resume_matches(tmp_path: Path, zer
     crashed = tmp_path / "crashed"
     killed = launch(cfg, cp2 + [f"logging.run_dir={crashed}", "fault.sigkill_after_step=13"], world_size=2)
     assert all(rc == -9 for rc in killed.returncodes), killed.output
-    assert "TP 1 x CP 2 x DP 1" in killed.outputs[0]
+    assert "TP 1 x CP 2 x PP 1 x DP 1" in killed.outputs[0]
     before_kill = _losses(crashed, range(11, 14))  # the uninterrupted trajectory up to the kill
     assert complete_tags(crashed / "checkpoints") == ["step_00000010"]
     other, same_count = tmp_path / "resumed_cp1", tmp_path / "resumed_cp1_dp2"
@@ -65,7 +65,7 @@ def test_cp2_kill_resume_is_bit_exact_and_cp1_resume_matches(tmp_path: Path, zer
     cp1 = [f"parallel.zero_stage={zero}", "parallel.context_parallel_size=1"]
     dp2 = launch(cfg, cp1 + [f"logging.run_dir={same_count}", "checkpoint.resume=auto"], world_size=2)
     _ok(dp2)
-    assert "at step 10" in dp2.outputs[0] and "TP 1 x CP 1 x DP 2" in dp2.outputs[0]
+    assert "at step 10" in dp2.outputs[0] and "TP 1 x CP 1 x PP 1 x DP 2" in dp2.outputs[0]
     got = _losses(same_count, range(11, 21))
     for step, loss in want.items():
         assert abs(got[step] - loss) <= 1e-5, (step, got[step], loss)
@@ -78,7 +78,7 @@ def test_cp2_kill_resume_is_bit_exact_and_cp1_resume_matches(tmp_path: Path, zer
         assert not (other / "checkpoints" / "universal").exists()
     single = launch(cfg, cp1 + [f"logging.run_dir={other}", "checkpoint.resume=auto"], world_size=1)
     _ok(single)
-    assert "at step 10" in single.outputs[0] and "TP 1 x CP 1 x DP 1" in single.outputs[0]
+    assert "at step 10" in single.outputs[0] and "TP 1 x CP 1 x PP 1 x DP 1" in single.outputs[0]
     assert ("through its universal copy" in single.outputs[0]) == (zero > 0)
     got = _losses(other, range(11, 21))
     for step, loss in want.items():
@@ -101,7 +101,7 @@ def test_cp2_at_zero_2_and_3_equals_cp1_and_resumes_on_another_world(tmp_path: P
     killed = launch(cfg, common + ["parallel.context_parallel_size=2", f"logging.run_dir={cp2_dir}",
                                    "fault.sigkill_after_step=5"], world_size=2)
     assert all(rc == -9 for rc in killed.returncodes), killed.output
-    assert "TP 1 x CP 2 x DP 1" in killed.outputs[0] and f"ZeRO {zero}" in killed.outputs[0]
+    assert "TP 1 x CP 2 x PP 1 x DP 1" in killed.outputs[0] and f"ZeRO {zero}" in killed.outputs[0]
     want = _losses(cp1_dir, range(1, 9))
     assert want[8] < want[1] - 0.2  # the model learns: the comparison is not between two flat curves
     got = _losses(cp2_dir, range(1, 6))

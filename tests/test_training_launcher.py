@@ -32,7 +32,7 @@ def test_deepspeed_launcher_two_cpu_ranks(tmp_path: Path) -> None:
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
     )
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
-    assert "world 2 = TP 1 x CP 1 x DP 2" in out.stdout
+    assert "world 2 = TP 1 x CP 1 x PP 1 x DP 2" in out.stdout
     records = read_metrics(run / "metrics.jsonl")
     assert sorted(records) == [1, 2, 3, 4] and all(r["tokens_per_s"] > 0 for r in records.values())
     assert (run / "checkpoints" / "step_00000004" / "megaflex.json").is_file()  # saved at the end

@@ -29,7 +29,7 @@ def _train(tmp_path: Path, name: str, overrides: list[str]) -> dict[int, float]:
            "--config", str(write_config(tmp_path / "cfg.yaml")), f"logging.run_dir={run}", *overrides]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert "world 2 = TP 2 x CP 1 x DP 1" in proc.stdout
+    assert "world 2 = TP 2 x CP 1 x PP 1 x DP 1" in proc.stdout
     sp = any(arg == "parallel.sequence_parallel=true" for arg in overrides)
     assert f"sequence_parallel: {str(sp).lower()}" in proc.stdout  # the resolved config the ranks ran
     records = read_metrics(run / "metrics.jsonl")

@@ -27,16 +27,23 @@ def _family(stage: int) -> set[int]:
     return next(f for f in _STAGE_FAMILIES if stage in f)
 
 
-def check_resume_layout(meta: CheckpointMeta, path: Path, zero_stage: int, precision: str) -> None:
-    """``CheckpointError`` when this run (at ``zero_stage`` and ``precision``) cannot load the
-    engine states of checkpoint ``path`` as recorded in ``meta`` (megaflex records no pipeline
-    stages: it has none)."""
+def check_resume_layout(meta: CheckpointMeta, path: Path, zero_stage: int, precision: str, pp_size: int = 1) -> None:
+    """``CheckpointError`` when this run (at ``zero_stage``, ``precision`` and ``pp_size`` pipeline
+    stages) cannot load the engine states of checkpoint ``path`` as recorded in ``meta``."""
     warm_start = (f"start a new run from its weights: checkpoint.init_from={path} checkpoint.resume=none with a new "
                   "logging.run_dir (or checkpoint.dir); the optimizer state starts fresh")
     if not meta.is_training_checkpoint:
         source = meta.source or "not megaflex-train"
         raise CheckpointError(f"checkpoint {path} holds weights only (written by {source}), no optimizer or engine "
                               f"state to resume; {warm_start}")
+    if meta.pp_size != pp_size:
+        # The pipeline engine writes per-layer weights and per-stage optimizer partitions, the plain one a
+        # module per TP rank: neither engine reads the other's files, and DeepSpeed does not re-cut stages.
+        raise CheckpointError(
+            f"checkpoint {path} was saved with pipeline_parallel_size={meta.pp_size}, this run has {pp_size}; "
+            f"DeepSpeed cannot load its engine states into another number of pipeline stages. Resume with "
+            f"parallel.pipeline_parallel_size={meta.pp_size}, or {warm_start}"
+        )
     saved_stage = meta.zero_stage or 0
     if zero_stage not in _family(saved_stage):
         raise CheckpointError(
@@ -112,6 +119,8 @@ def needs_repartition(meta: CheckpointMeta, path: Path, zero_stage: int, dp_size
                   f"{saved_stage}, this run ZeRO {zero_stage})")
     elif tp_size != 1:
         reason = f"the universal copy needs tensor_parallel_size 1 (this run {tp_size}); megaflex records no TP slicing for it"
+    elif meta.pp_size != 1:
+        reason = f"the universal copy is not wired up for pipeline checkpoints (pipeline_parallel_size {meta.pp_size})"
     if reason is None:
         return True
     raise CheckpointError(

@@ -10,6 +10,8 @@ imports nothing from megaflex but ``hashing``::
         latest                     text file naming the newest complete tag (replaced by rename)
         step_00000010/             one complete checkpoint ("tag")
             mp_rank_00_model_states.pt, *zero_pp_rank_*_optim_states.pt, ...   (DeepSpeed engine)
+            layer_03-model_01-model_states.pt   (pipeline parallelism: layer 3's weights on TP rank 1;
+                                   there mp_rank_XX counts pipeline stage x TP: XX = stage * tp + tp_rank)
             megaflex.json          metadata: iteration, sizes, shapes, config, ... and "files":
                                    {relative path: {"size": bytes, "sha256": hex}} of every other file
             rng/rank_00000.pt      per-rank RNG states
@@ -47,6 +49,7 @@ FILES_KEY = "files"  # the per-file checksum table inside the metadata
 RNG_DIR = "rng"
 UNIVERSAL_DIR = "universal"
 MODEL_STATES = "mp_rank_{:02d}_model_states.pt"
+PIPELINE_LAYER_RE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")  # DeepSpeed's pipeline engine
 CHECKPOINTS_DIR = "checkpoints"  # <run_dir>/checkpoints: the default checkpoint.dir
 MERGED_DIR = "merged"  # <run_dir>/merged: the LoRA-merged final weights of megaflex-distill
 
@@ -99,6 +102,16 @@ def zero_optim_files(tag_dir: str | Path, tp_rank: int) -> list[Path]:
 def tp_rank_files(tag_dir: str | Path, tp_rank: int) -> list[Path]:
     """Every DeepSpeed state file (model and optimizer) of one TP rank."""
     return sorted(Path(tag_dir).glob(f"*mp_rank_{tp_rank:02d}_*_states.pt"))
+
+
+def pipeline_layer_files(tag_dir: str | Path, tp_rank: int) -> dict[int, Path]:
+    """{layer index: file} of the per-layer weights DeepSpeed's pipeline engine wrote for ``tp_rank``."""
+    out = {}
+    for f in Path(tag_dir).iterdir():
+        match = PIPELINE_LAYER_RE.match(f.name)
+        if match and int(match.group(2)) == tp_rank:
+            out[int(match.group(1))] = f
+    return dict(sorted(out.items()))
 
 
 def rng_file(tag_dir: str | Path, rank: int) -> Path:

@@ -40,6 +40,7 @@ class CheckpointMeta:
     tensor_parallel_size: int = 1
     data_parallel_size: int | None = None
     context_parallel_size: int | None = None
+    pipeline_parallel_size: int | None = None  # written only when > 1 (per-stage DeepSpeed files)
     zero_stage: int | None = None
     precision: str | None = None
     parameter_shapes: dict[str, list[int]] | None = None  # per TP rank (TP shards)
@@ -107,6 +108,10 @@ class CheckpointMeta:
     @property
     def cp_size(self) -> int:
         return self.context_parallel_size or 1  # 1 before context parallelism existed
+
+    @property
+    def pp_size(self) -> int:
+        return self.pipeline_parallel_size or 1  # 1 when not recorded
 
     @property
     def zero_partitions(self) -> int:

@@ -16,6 +16,9 @@ CLI (model weights of a megaflex/DeepSpeed checkpoint tag; optimizer states are 
 
     python -m megaflex.checkpoint.reshard CKPT/step_00001000 OUT_DIR --tp 2
     python -m megaflex.checkpoint.reshard CKPT/step_00001000 OUT_DIR --safetensors   # TP=1 export
+
+A pipeline-parallel checkpoint is read through ``megaflex.checkpoint.weights`` (its stages gathered
+into plain GPT state dicts); the output is always a plain TP checkpoint (no pipeline stages).
 """
 
 from __future__ import annotations
@@ -231,6 +234,11 @@ def export_safetensors(state_dict: Mapping[str, torch.Tensor], config: Any, out_
 def _read_checkpoint(tag_dir: Path) -> tuple[list[StateDict], CheckpointMeta]:
     meta = CheckpointMeta.from_dict(verify_checkpoint(tag_dir))  # names a damaged file before torch reads it
     tp = int(meta.tensor_parallel_size)
+    if meta.pp_size > 1:  # per-stage files: gathered into GPT state dicts, one per TP rank
+        from megaflex.checkpoint.weights import load_tp_state_dicts
+
+        num_layers = ModelConfig.from_dict(meta.model_config).num_layers
+        return load_tp_state_dicts(tag_dir, tp, meta.pp_size, num_layers), meta
     shards = []
     for rank in range(tp):
         blob = torch.load(model_states_file(tag_dir, rank), map_location="cpu", weights_only=False)
@@ -259,6 +267,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     for rank, sd in enumerate(new_shards):
         torch.save({"module": sd}, model_states_file(args.output, rank))
     meta.tensor_parallel_size, meta.resharded_from, meta.files = args.tp, len(shards), None
+    meta.pipeline_parallel_size = None  # the output holds plain (non-pipeline) model-states files
     if meta.parameter_shapes is not None:  # per-rank shapes, as the trainer records and checks them
         meta.parameter_shapes = {k: list(new_shards[0][k].shape) for k in meta.parameter_shapes}
     write_meta(args.output, meta.to_dict())  # checksums of the new shards

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -269,51 +270,36 @@ class GPT(nn.Module):
         if documents is not None:  # read to the host and cut into documents once, for every layer
             documents = documents.laid_out()
 
-        x = self.embed(input_ids)  # [B, N, h] (sequence parallel: this TP rank's [B, N / tp, h])
-        if self.pos_embed is not None:
-            row_positions = _row_positions(padding, documents)
-            positions = torch.arange(offset, offset + N, device=input_ids.device) if row_positions is None else row_positions
-            x = x + self.layer_factory.scatter_sequence(self.pos_embed(positions))
-        x = _residual_dropout(self.embed_dropout, self.layer_factory, x)
-
-        new_states = []
+        x = self.embed_tokens(input_ids, offset, _row_positions(padding, documents))  # pre_process
         checkpointing = self.activation_checkpointing and self.training and torch.is_grad_enabled()
-        for i, block in enumerate(self.blocks):
-            layer_state = None if state is None else state.layers[i]
-            if checkpointing:
-                # Non-reentrant: recomputes the block in backward. torch restores the default RNG
-                # for the recompute and the factory's context_fn replays its TP-region stream, so
-                # every dropout mask is redrawn identically.
-                x, s = checkpoint(
-                    block,
-                    x,
-                    layer_state,
-                    return_state,
-                    offset,
-                    padding,
-                    documents,
-                    use_reentrant=False,
-                    context_fn=self.layer_factory.checkpoint_context,
-                )
-            else:
-                x, s = block(x, layer_state, return_state, offset, padding, documents)
-            new_states.append(s)
-
-        x = self.final_norm(x)
-        logits = self.layer_factory.lm_logits(x, self.output_weight)  # [B, N, padded_vocab / tp]
-
+        x, new_states = run_blocks(
+            self.blocks, x, None if state is None else state.layers, return_state, offset, padding, documents,
+            checkpoint_context=self.layer_factory.checkpoint_context if checkpointing else None,
+        )
+        logits = self.output_logits(x)  # post_process: [B, N, padded_vocab / tp]
         out = ModelOutput(logits=logits)
         if labels is not None:
-            valid = labels != IGNORE_INDEX
-            # Ignored labels are mapped to a valid id before the (possibly vocab-parallel) loss.
-            per_token = self.layer_factory.cross_entropy(logits, labels.masked_fill(~valid, 0), self.config.vocab_size)
-            out.per_token_loss = per_token.float() * valid  # [B, N]
-            # mean over every token of the sequences (summed over their slices under context parallelism)
-            layers = self.layer_factory
-            out.loss = layers.sequence_sum(out.per_token_loss.sum()) / layers.sequence_sum(valid.sum()).clamp(min=1)
+            out.loss, out.per_token_loss = language_model_loss(self.layer_factory, self.config.vocab_size, logits, labels)
         if return_state:
             out.state = GPTState(layers=new_states, offset=offset + N)
         return out
+
+    # ------------------------------------------------------------------ stage parts
+    # Megatron's pre_process / post_process split: a pipeline stage runs ``embed_tokens`` (first
+    # stage), ``run_blocks`` over its contiguous range (``stage_layers``) and ``output_logits`` +
+    # ``language_model_loss`` (last stage); ``forward`` above is the same calls on one device.
+
+    def embed_tokens(
+        self, input_ids: torch.Tensor, offset: int = 0, row_positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """pre_process: ids [B, N] -> hidden [B, N, h] (token + learned positions, dropout)."""
+        return embed_tokens(
+            self.layer_factory, self.embed, self.pos_embed, self.embed_dropout, input_ids, offset, row_positions
+        )
+
+    def output_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """post_process: hidden [B, N, h] -> final norm -> this rank's logits [B, N, padded_vocab / tp]."""
+        return self.layer_factory.lm_logits(self.final_norm(x), self.output_weight)
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -359,6 +345,69 @@ class GPT(nn.Module):
                 raise ValueError(
                     f"position='learned' supports max_seq_len={self.config.max_seq_len} positions, got up to {end}"
                 )
+
+
+def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
+    """The contiguous blocks pipeline stage ``pp_rank`` of ``pp_size`` holds: as equal as can be,
+    the first ``num_layers % pp_size`` stages one more. The first stage also holds the embedding
+    (pre_process), the last the final norm, head and loss (post_process)."""
+    if not 0 <= pp_rank < pp_size:
+        raise ValueError(f"pp_rank: expected 0 <= pp_rank < {pp_size}, got {pp_rank}")
+    if num_layers < pp_size:
+        raise ValueError(f"num_layers: expected at least one block per pipeline stage ({pp_size}), got {num_layers}")
+    base, extra = divmod(num_layers, pp_size)
+    start = pp_rank * base + min(pp_rank, extra)
+    return range(start, start + base + (1 if pp_rank < extra else 0))
+
+
+def embed_tokens(
+    layers: LayerFactory, embed: nn.Module, pos_embed: nn.Embedding | None, dropout: nn.Dropout,
+    input_ids: torch.Tensor, offset: int = 0, row_positions: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Token embedding (+ learned positions offset .. offset + N - 1, or ``row_positions`` [B, N]),
+    dropout: [B, N, h] (sequence parallel: this TP rank's [B, N / tp, h])."""
+    x = embed(input_ids)
+    if pos_embed is not None:
+        n = input_ids.shape[1]
+        positions = torch.arange(offset, offset + n, device=input_ids.device) if row_positions is None else row_positions
+        x = x + layers.scatter_sequence(pos_embed(positions))
+    return _residual_dropout(dropout, layers, x)
+
+
+def run_blocks(
+    blocks: Sequence[Block], x: torch.Tensor, states: Sequence[LayerState | None] | None = None,
+    return_state: bool = False, offset: int = 0, padding: Padding | None = None, documents: Documents | None = None,
+    checkpoint_context: Callable[[], Any] | None = None,
+) -> tuple[torch.Tensor, list[LayerState | None]]:
+    """``blocks`` in order over hidden ``x`` [B, N, h]; ``checkpoint_context`` (a factory's
+    ``checkpoint_context``) recomputes each block in backward instead of storing its activations."""
+    new_states = []
+    for i, block in enumerate(blocks):
+        layer_state = None if states is None else states[i]
+        if checkpoint_context is not None:
+            # Non-reentrant: recomputes the block in backward. torch restores the default RNG
+            # for the recompute and the factory's context_fn replays its TP-region stream, so
+            # every dropout mask is redrawn identically.
+            x, s = checkpoint(
+                block, x, layer_state, return_state, offset, padding, documents,
+                use_reentrant=False, context_fn=checkpoint_context,
+            )
+        else:
+            x, s = block(x, layer_state, return_state, offset, padding, documents)
+        new_states.append(s)
+    return x, new_states
+
+
+def language_model_loss(
+    layers: LayerFactory, vocab_size: int, logits: torch.Tensor, labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean loss over non-ignored tokens, per-token loss [B, N] fp32 with 0 where ignored) from
+    this rank's logits; under context parallelism the mean is over the whole sequences."""
+    valid = labels != IGNORE_INDEX
+    # Ignored labels are mapped to a valid id before the (possibly vocab-parallel) loss.
+    per_token = layers.cross_entropy(logits, labels.masked_fill(~valid, 0), vocab_size).float() * valid
+    loss = layers.sequence_sum(per_token.sum()) / layers.sequence_sum(valid.sum()).clamp(min=1)
+    return loss, per_token
 
 
 def _scaled_std(config: ModelConfig) -> float:

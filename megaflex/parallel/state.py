@@ -1,4 +1,4 @@
-"""Process-group bookkeeping for tensor, context (and, later, pipeline) parallelism.
+"""Process-group bookkeeping for tensor, context and pipeline parallelism.
 
 There are no module-level globals: a ``ParallelState`` object is built once per process and
 passed explicitly to whatever needs groups (layers, the RNG tracker, DeepSpeed's ``mpu``).
@@ -51,18 +51,33 @@ class ParallelDims:
                 f"the world size {self.world_size}, got {self.tp_size} x {self.cp_size} x {self.pp_size} = {model}"
             )
 
+        if self.pp_size > 1 and self.cp_size > 1:
+            # DeepSpeed's pipeline topology has no context axis, and each stage would need the
+            # CP state exchange of its own blocks: not wired up.
+            raise ValueError(
+                f"pipeline_parallel_size: context parallelism and pipeline parallelism are not supported together, "
+                f"got pipeline_parallel_size {self.pp_size} with context_parallel_size {self.cp_size}"
+            )
+
     @classmethod
     def for_model(
-        cls, world_size: int, tp_size: int, cp_size: int, *, num_heads: int, ffn_hidden_size: int
+        cls, world_size: int, tp_size: int, cp_size: int, *, num_heads: int, ffn_hidden_size: int,
+        pp_size: int = 1, num_layers: int | None = None,
     ) -> "ParallelDims":
         """The grid of a run, validated once against the world and the model it will split."""
-        dims = cls(world_size, tp_size, cp_size=cp_size)
-        dims.check_model_fit(num_heads, ffn_hidden_size)
+        dims = cls(world_size, tp_size, pp_size, cp_size)
+        dims.check_model_fit(num_heads, ffn_hidden_size, num_layers)
         return dims
 
-    def check_model_fit(self, num_heads: int, ffn_hidden_size: int) -> None:
-        """ValueError unless every TP rank gets whole heads and an equal MLP slice."""
+    def check_model_fit(self, num_heads: int, ffn_hidden_size: int, num_layers: int | None = None) -> None:
+        """ValueError unless every TP rank gets whole heads and an equal MLP slice, and every
+        pipeline stage at least one block (``num_layers``, when given)."""
         check_model_fit(num_heads, ffn_hidden_size, self.tp_size)
+        if num_layers is not None and num_layers < self.pp_size:
+            raise ValueError(
+                f"pipeline_parallel_size: expected at most model.num_layers ({num_layers}) stages "
+                f"(each holds at least one block), got {self.pp_size}"
+            )
 
     @property
     def dp_size(self) -> int:
@@ -188,9 +203,6 @@ class ParallelState:
                 raise ValueError(f"dims.world_size: expected the world size {dist.get_world_size()}, got {dims.world_size}")
         else:
             dims = ParallelDims(dist.get_world_size(), tensor_parallel_size, pipeline_parallel_size, context_parallel_size)
-        if dims.pp_size != 1:
-            # The grid arithmetic supports it; the model has no pipeline schedule yet.
-            raise NotImplementedError("pipeline_parallel_size > 1 is not implemented yet")
         rank = dist.get_rank()
         mine: dict[str, tuple[ProcessGroup | None, list[int]]] = {}
         # new_group is collective over the whole world: every rank creates every group, in the same

@@ -76,7 +76,13 @@ class DataConfig:
 class ParallelConfig:
     """How the world is split: tensor parallel inside a replica, ZeRO across replicas."""
 
-    tensor_parallel_size: int = opt(1, "ranks sharing one model replica (Megatron TP); data parallel = world / (TP x CP)")
+    tensor_parallel_size: int = opt(
+        1, "ranks sharing one model replica (Megatron TP); data parallel = world / (TP x CP x PP)"
+    )
+    pipeline_parallel_size: int = opt(
+        1, "pipeline stages, each a contiguous range of blocks (DeepSpeed's pipeline engine, 1F1B over the "
+        "step's micro-batches); ZeRO stage 1 (0 without clipping), no context parallelism (docs/training.md)",
+    )
     context_parallel_size: int = opt(
         1, "ranks splitting each sequence along its length (LASP-2 style, linear-attention kinds only; "
         "data.seq_len must be a multiple); they hold replicated parameters, so ZeRO reduces over DP x CP",
@@ -388,7 +394,7 @@ def validate(cfg: Config) -> None:
         "train.eval_iters": t.eval_iters, "train.max_nonfinite_in_a_row": t.max_nonfinite_in_a_row,
         "data.seq_len": d.seq_len, "parallel.tensor_parallel_size": p.tensor_parallel_size,
         "parallel.context_parallel_size": p.context_parallel_size,
-        "checkpoint.keep_last": c.keep_last, "logging.log_interval": lg.log_interval,
+        "parallel.pipeline_parallel_size": p.pipeline_parallel_size, "checkpoint.keep_last": c.keep_last, "logging.log_interval": lg.log_interval,
     }
     for key, value in positive.items():
         if value < 1:
@@ -427,8 +433,10 @@ def validate(cfg: Config) -> None:
     _validate_wsd(cfg, decay_first, decay_iters)
     if s.min_lr > t.lr:
         raise _bad(cfg, "schedule.min_lr", f"expected <= train.lr ({t.lr}), got {s.min_lr}")
-    parallel_dims(cfg, p.tensor_parallel_size * p.context_parallel_size)  # the model fits the grid
+    parallel_dims(cfg, p.tensor_parallel_size * p.context_parallel_size * p.pipeline_parallel_size)  # the model fits
     _validate_sequence_parallel(cfg)
+    if p.pipeline_parallel_size > 1:
+        _validate_pipeline(cfg)
     if p.context_parallel_size > 1:
         if d.seq_len % p.context_parallel_size != 0:
             raise _bad(
@@ -492,6 +500,32 @@ def _validate_wsd(cfg: Config, decay_first: int, decay_iters: int) -> None:
                    f"(schedule.warmup_iters={s.warmup_iters}); expected at most {(decay_iters - s.warmup_iters) / decay_iters:g}")
 
 
+def _validate_pipeline(cfg: Config) -> None:
+    """What pipeline parallelism (DeepSpeed's pipeline engine) does not run, refused before launch."""
+    p, pp = cfg.parallel, cfg.parallel.pipeline_parallel_size
+    if p.zero_stage >= 2:
+        # deepspeed/runtime/pipe/engine.py (PipelineEngine.__init__) asserts
+        # "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"
+        raise _bad(cfg, "parallel.zero_stage", f"expected 0 or 1 with parallel.pipeline_parallel_size {pp} "
+                   f"(DeepSpeed's pipeline engine refuses ZeRO-2 and ZeRO-3), got {p.zero_stage}")
+    if p.zero_stage == 0 and cfg.train.grad_clip > 0:
+        # deepspeed/runtime/utils.py clip_grad_norm_ (ZeRO 0 fp32 clipping) counts a gradient that is not
+        # tensor-parallel only on model-parallel rank 0, i.e. the first stage, and the tied embedding twice
+        raise _bad(cfg, "parallel.zero_stage", f"expected 1 with parallel.pipeline_parallel_size {pp} and "
+                   f"train.grad_clip {cfg.train.grad_clip} (DeepSpeed's ZeRO-0 clipping norm is wrong under "
+                   "pipeline parallelism; ZeRO-1's is right), got 0")
+    if cfg.data.document_boundaries == "reset":
+        raise _bad(cfg, "data.document_boundaries", f"expected 'none' with parallel.pipeline_parallel_size {pp} "
+                   "(stages pass only the hidden states, not the document starts), got 'reset'")
+    injected = {"fault.nan_loss_at_steps": cfg.fault.nan_loss_at_steps, "fault.inf_grad_at_steps": cfg.fault.inf_grad_at_steps}
+    for key, steps in injected.items():
+        if steps:  # they act on the per-micro-batch loss, which the pipeline engine keeps to itself
+            raise _bad(cfg, key, f"expected [] with parallel.pipeline_parallel_size {pp}, got {steps}")
+    if cfg.logging.kernel_stats_interval:
+        raise _bad(cfg, "logging.kernel_stats_interval", f"expected 0 with parallel.pipeline_parallel_size {pp} "
+                   f"(each stage holds only some blocks), got {cfg.logging.kernel_stats_interval}")
+
+
 def validate_runtime(cfg: Config, world_size: int, has_cuda: bool) -> None:
     """Reject combinations that depend on the launched world and the device; resolve
     ``train.precision: auto`` for the device."""
@@ -535,15 +569,16 @@ def _validate_sequence_parallel(cfg: Config) -> None:
 
 
 def parallel_dims(cfg: Config, world_size: int) -> ParallelDims:
-    """The run's TP x CP x DP grid on ``world_size`` ranks, validated against the model (ConfigError)."""
+    """The run's TP x CP x PP x DP grid on ``world_size`` ranks, validated against the model (ConfigError)."""
     p, m = cfg.parallel, cfg.model
     try:
         return ParallelDims.for_model(
-            world_size, p.tensor_parallel_size, p.context_parallel_size,
-            num_heads=m.num_heads, ffn_hidden_size=m.ffn_hidden_size,
+            world_size, p.tensor_parallel_size, p.context_parallel_size, pp_size=p.pipeline_parallel_size,
+            num_heads=m.num_heads, ffn_hidden_size=m.ffn_hidden_size, num_layers=m.num_layers,
         )
     except ValueError as err:
-        raise _bad(cfg, "parallel.tensor_parallel_size", str(err)) from None
+        key = "pipeline_parallel_size" if str(err).startswith("pipeline_parallel_size") else "tensor_parallel_size"
+        raise _bad(cfg, f"parallel.{key}", str(err)) from None
 
 
 def resolve_device(cfg: Config, has_cuda: bool) -> str:

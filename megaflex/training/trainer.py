@@ -50,7 +50,7 @@ from megaflex.training.collective_timeout import (
     apply_timeout, every_process_group, parallel_groups, progress, rendezvous_timeout,
 )
 from megaflex.training.config import (
-    Config, check_device, global_batch_size, parallel_dims, resolve_device, validate_runtime,
+    Config, ConfigError, check_device, global_batch_size, parallel_dims, resolve_device, validate_runtime,
 )
 from megaflex.data.card import check_same_tokenizer
 from megaflex.training.data import batch_documents, build_datasets, check_data_tokenizer, document_eod_id, micro_batches
@@ -133,6 +133,9 @@ class Trainer:
         if cfg.logging.wandb is not None:
             import_wandb()  # every rank, before anything is set up: a missing package stops all alike
         self.tokenizer = check_data_tokenizer(cfg)  # recorded with checkpoints; raises DataError at start
+        if self.objective is not None and cfg.parallel.pipeline_parallel_size > 1:
+            raise ConfigError("parallel.pipeline_parallel_size: expected 1 with a training objective other than the "
+                              f"LM loss (e.g. distillation), got {cfg.parallel.pipeline_parallel_size}")
         self.state = state = ParallelState.create(parallel_dims(cfg, dist.get_world_size()))
         apply_timeout(cfg.parallel.timeout_minutes, parallel_groups(state))
         hold_run_lock(self.run_dir)  # before anything is written to the run directory
@@ -163,6 +166,10 @@ class Trainer:
         self.emit("on_model_built")
         self.shapes = parameter_shapes(model)
         self.num_params = _full_parameter_count(model, state.tp_size)
+        if state.pp_size > 1:  # parallelise after build: this rank's stage of the whole GPT
+            from megaflex.parallel.pipeline import build_pipeline
+
+            self.model = build_pipeline(model, state)
 
     def _build_engine(self) -> None:
         import deepspeed
@@ -198,7 +205,7 @@ class Trainer:
         if path is not None:
             check_compatible(meta, cfg.to_dict()["model"], self.shapes, state.tp_size)
             check_same_tokenizer(meta.tokenizer, self.tokenizer, f"checkpoint {path}", "this run's tokenizer/data")
-            check_resume_layout(meta, path, cfg.parallel.zero_stage, cfg.train.precision)
+            check_resume_layout(meta, path, cfg.parallel.zero_stage, cfg.train.precision, state.pp_size)
             check_optimizer_groups(meta, [g["name"] for g in optimizer.param_groups], path)
             if needs_repartition(meta, path, cfg.parallel.zero_stage, dp_size, cp_size, state.tp_size,
                                  cfg.checkpoint.zero_universal_resume):
@@ -210,8 +217,10 @@ class Trainer:
 
         if self.is_main and cfg.logging.wandb is not None:
             logger.add_sink(WandbSink.open(cfg.logging.wandb, self.run_dir, cfg.to_dict(), resuming=path is not None))
+        # The pipeline engine brings its own grid (PipelineModule's topology) and takes no mpu.
+        mpu = deepspeed_mpu(state) if state.pp_size == 1 else None
         self.engine, _, _, _ = deepspeed.initialize(
-            model=model, optimizer=optimizer, config=engine_config, mpu=deepspeed_mpu(state), dist_init_required=False
+            model=model, optimizer=optimizer, config=engine_config, mpu=mpu, dist_init_required=False
         )
         # DeepSpeed builds groups of its own (e.g. its data-parallel group without an mpu): same timeout.
         apply_timeout(cfg.parallel.timeout_minutes, every_process_group())
@@ -226,7 +235,7 @@ class Trainer:
         (self.run_dir / "ds_config.json").write_text(json.dumps(self.ds_config, indent=1))
         logger.print("resolved config:\n" + cfg.to_yaml())
         logger.print(
-            f"world {state.world_size} = TP {state.tp_size} x CP {state.cp_size} x DP {state.dp_size} | "
+            f"world {state.world_size} = TP {state.tp_size} x CP {state.cp_size} x PP {state.pp_size} x DP {state.dp_size} | "
             f"device {self.device} | ZeRO {cfg.parallel.zero_stage} | {cfg.train.precision} | "
             f"{self.num_params / 1e6:.2f}M parameters | global batch {self.gbs} = micro {cfg.train.micro_batch_size} "
             f"x DP {state.dp_size} x accum {self.grad_accum}"
@@ -315,6 +324,10 @@ class Trainer:
             self.grad_accum * (cfg.train.train_iters - self.iteration), state.dp_rank, state.dp_size, self.device,
             state.cp_rank, state.cp_size, document_eod_id(cfg),
         )
+        if state.pp_size > 1:
+            from megaflex.parallel.pipeline import stage_batches
+
+            self.pipeline_batches = stage_batches(self.train_batches)
         self.zero = torch.zeros((), dtype=torch.float64, device=self.device)
         self.micro_batch_loss = self._lm_loss if self.objective is None else self._objective_loss
 
@@ -337,7 +350,16 @@ class Trainer:
         extra_sums: dict[str, torch.Tensor] = {}
         skipped_before, stop_signal, skipped_loss, own_grad_norm = engine_skipped_steps(engine), 0, False, None
         progress.at(step, "forward/backward (ZeRO gradient reduction) and optimizer step")
-        for _ in range(self.grad_accum):
+        if self.state.pp_size > 1:
+            # DeepSpeed's pipeline engine runs the grad_accum micro-batches (1F1B), the reductions and
+            # the update; its loss is the step's mean, averaged over DP, on every stage.
+            loss = engine.train_batch(self.pipeline_batches).detach()
+            finite = torch.isfinite(loss)
+            bad += (~finite).double()
+            loss_sum += torch.where(finite, loss, 0.0).double() * self.grad_accum
+            skipped_loss, stop_signal = self._agreed_flags(step, bad)
+        own_micro_batches = self.grad_accum if self.state.pp_size == 1 else 0  # else train_batch ran them
+        for _ in range(own_micro_batches):
             loss, extras = self.micro_batch_loss(next(self.train_batches))
             for key, value in extras.items():
                 extra_sums[key] = extra_sums.get(key, self.zero) + value.detach().double()
@@ -353,11 +375,7 @@ class Trainer:
             if engine.is_gradient_accumulation_boundary():
                 # Decided on every rank alike before the update (the last micro-batch is the boundary);
                 # a caught signal travels in the same read and stops the run after this step.
-                progress.at(step, "the step's flag all_reduce (non-finite loss, stop signal)")
-                signum = torch.tensor(float(self.signals.signum or 0), dtype=torch.float64, device=self.device)
-                flags = comm.all_reduce(torch.stack([bad, signum]), "max", comm.world_group())
-                skipped_loss, stop_signal = (int(v) for v in flags.tolist())
-                skipped_loss = skipped_loss > 0
+                skipped_loss, stop_signal = self._agreed_flags(step, bad)
                 progress.at(step, "optimizer step (ZeRO gradient reduction)")
                 if hasattr(optimizer, "skip"):
                     optimizer.skip = skipped_loss
@@ -366,7 +384,7 @@ class Trainer:
             engine.step()
         if hasattr(optimizer, "skip"):
             optimizer.skip = False
-        grad_norm = own_grad_norm if self.plain_fp32 else engine.get_global_grad_norm()
+        grad_norm = own_grad_norm if self.plain_fp32 and self.state.pp_size == 1 else engine.get_global_grad_norm()
         engine_skipped = engine_skipped_steps(engine) > skipped_before  # overflow: DeepSpeed discarded the step
         # DeepSpeed checks bf16/fp16 gradients itself (a skip above); in fp32 only the norm tells.
         grad_bad = cfg.train.precision == "fp32" and grad_norm is not None and not math.isfinite(float(grad_norm))
@@ -379,6 +397,13 @@ class Trainer:
             self.logger.print(line)
         self.nonfinite_total = self.guard.total
         return StepResult(lr, loss_sum, extra_sums, grad_norm, reason is not None, skipped_loss, stop_signal)
+
+    def _agreed_flags(self, step: int, bad: torch.Tensor) -> tuple[bool, int]:
+        """(any rank's loss non-finite, the caught signal), agreed over every rank in one read."""
+        progress.at(step, "the step's flag all_reduce (non-finite loss, stop signal)")
+        signum = torch.tensor(float(self.signals.signum or 0), dtype=torch.float64, device=self.device)
+        skipped, signal_number = (int(v) for v in comm.all_reduce(torch.stack([bad, signum]), "max", comm.world_group()).tolist())
+        return skipped > 0, signal_number
 
     def log_step(self, step: StepResult) -> None:
         """The step's train record: losses summed over data parallelism (one read), throughput, memory."""
@@ -427,7 +452,8 @@ class Trainer:
         meta = CheckpointMeta(
             iteration=step, consumed_samples=self.consumed, nonfinite_total=self.nonfinite_total,
             world_size=state.world_size, tensor_parallel_size=state.tp_size, data_parallel_size=state.dp_size,
-            context_parallel_size=state.cp_size, zero_stage=cfg.parallel.zero_stage, precision=cfg.train.precision,
+            context_parallel_size=state.cp_size, pipeline_parallel_size=state.pp_size if state.pp_size > 1 else None,
+            zero_stage=cfg.parallel.zero_stage, precision=cfg.train.precision,
             parameter_shapes=self.shapes, num_parameters=self.num_params, config=cfg.to_dict(),
             deepspeed_config=self.ds_config, optimizer_groups=[g["name"] for g in self.optimizer.param_groups],
             sampler={"consumed_samples": self.consumed, "global_batch_size": self.gbs}, tokenizer=self.tokenizer,
@@ -496,6 +522,12 @@ def evaluate(cfg: Config, engine: Any, dataset: Any, state: Any, device: str, si
         dataset, 0, cfg.train.micro_batch_size, cfg.train.eval_iters, state.dp_rank, state.dp_size, device,
         state.cp_rank, state.cp_size, document_eod_id(cfg),
     )
+    if state.pp_size > 1:  # the pipeline engine's mean over the micro-batches and DP (no stop check inside)
+        from megaflex.parallel.pipeline import stage_batches
+
+        loss = engine.eval_batch(stage_batches(batches), num_micro_batches=cfg.train.eval_iters)
+        engine.train()
+        return float(loss)
     for ids, labels, *positions in batches:
         if signals is not None:  # preempted: save promptly instead of finishing the pass
             signum = torch.tensor(float(signals.signum or 0), device=device)
