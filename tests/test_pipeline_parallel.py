@@ -3,7 +3,7 @@
 Real ``megaflex.train`` runs under the deepspeed launcher on CPU gloo ranks, fp32, ZeRO-1, tied
 embeddings (the tiny config's default): the per-step losses, gradient norms (clipping is active:
 the norms are about 1) and the validation loss of PP=2 (with activation checkpointing) and of
-TP=2 x PP=2 (and the training of PP=2 x DP=2) equal the 1 x 1 run's; their final checkpoints, read on one process by the
+TP=2 x PP=2 with sequence parallelism (and the training of PP=2 x DP=2) equal the 1 x 1 run's; their final checkpoints, read on one process by the
 evaluation loader, are the 1 x 1 model (same weights, same perplexity); a PP=2 run killed with
 kill -9 resumes (``checkpoint.resume: auto``) bit-exactly. The stage split itself is tested in
 test_model.py.
@@ -70,10 +70,11 @@ def _assert_same_run(records: list[dict], reference: list[dict], data_parallel: 
     ("ranks", "overrides"),
     [
         (2, ["parallel.pipeline_parallel_size=2", "model.activation_checkpointing=true"]),
-        (4, ["parallel.pipeline_parallel_size=2", "parallel.tensor_parallel_size=2"]),
+        # with sequence parallelism: the stages pass sequence-sharded hidden states between TP peers
+        (4, ["parallel.pipeline_parallel_size=2", "parallel.tensor_parallel_size=2", "parallel.sequence_parallel=true"]),
         (4, ["parallel.pipeline_parallel_size=2"]),  # x DP 2: the pipeline engine averages over DP
     ],
-    ids=["pp2", "tp2xpp2", "pp2xdp2"],
+    ids=["pp2", "tp2xpp2_sp", "pp2xdp2"],
 )
 def test_pipeline_parallel_run_equals_one_device(tmp_path: Path, reference: tuple[Path, list[dict]], ranks: int,
                                                  overrides: list[str]) -> None:

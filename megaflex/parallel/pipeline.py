@@ -43,7 +43,8 @@ class EmbeddingStage(nn.Module):
         self.layer_factory = model.layer_factory
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return embed_tokens(self.layer_factory, self.embed, self.pos_embed, self.embed_dropout, input_ids)
+        # contiguous: the stage boundary is a p2p send (a sequence-parallel shard may be a strided view)
+        return embed_tokens(self.layer_factory, self.embed, self.pos_embed, self.embed_dropout, input_ids).contiguous()
 
 
 class BlockStage(nn.Module):
@@ -58,7 +59,7 @@ class BlockStage(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         checkpointing = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         context = self.layer_factory.checkpoint_context if checkpointing else None
-        return run_blocks([self.block], x, checkpoint_context=context)[0]
+        return run_blocks([self.block], x, checkpoint_context=context)[0].contiguous()
 
 
 class FinalNormStage(nn.Module):

@@ -68,6 +68,11 @@ def deepspeed_config(cfg: Config, dp_size: int, cp_size: int = 1, on_cuda: bool 
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
+    if p.pipeline_parallel_size > 1 and p.sequence_parallel:
+        # DeepSpeed's pipeline engine sends each TP rank's 1/TP of an activation it assumes whole on
+        # every TP rank, and all-gathers it on the next stage; under SP the TP ranks hold different
+        # sequence shards already, which must travel as they are.
+        config["pipeline"] = {"pipe_partitioned": False, "grad_partitioned": False}
     if t.precision == "bf16":
         # Skip (do not apply) steps whose gradients are inf/NaN, as fp16 does.
         config["bf16"]["check_grad_overflow"] = True
