@@ -85,3 +85,37 @@ def test_deferred_init_equals_eager_build_tp2() -> None:
     for result in run_distributed(_compare_worker, 2, args=(CONFIGS["flex_tied"], 2)):
         assert result["partitioned"] and result["shapes_match"]
         assert result["mismatch"] == []
+
+
+def _train_losses(run_dir) -> list[float]:
+    import json
+
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if r.get("kind", "train") == "train"]
+
+
+@pytest.mark.slow
+def test_trainer_zero3_deferred_init_trains_and_warm_starts_like_eager(tmp_path) -> None:
+    """The trainer under ZeRO-3 on 2 ranks: deferred init (auto) logs the eager build's losses
+    step for step, and a warm start (checkpoint.init_from) into a deferred model equals one into
+    an eager model."""
+    from training_harness import TINY, launch, write_config
+
+    cfg = write_config(tmp_path / "tiny.yaml", dict(TINY, train=dict(TINY["train"], train_iters=3),
+                                                     checkpoint={"save_interval": 3}))
+    common = ["parallel.zero_stage=3"]
+    runs = {
+        "eager": ["parallel.deferred_init=false"],
+        "deferred": [],
+        "warm_eager": ["parallel.deferred_init=false", f"checkpoint.init_from={tmp_path / 'eager'}"],
+        "warm_deferred": [f"checkpoint.init_from={tmp_path / 'eager'}"],
+    }
+    losses = {}
+    for name, overrides in runs.items():
+        result = launch(cfg, common + overrides + [f"logging.run_dir={tmp_path / name}"], 2)
+        assert result.returncodes == [0, 0], result.output
+        assert ("deferred init: the model was built partitioned over 2" in result.outputs[0]) == ("=false" not in str(overrides))
+        losses[name] = _train_losses(tmp_path / name)
+    assert len(losses["eager"]) == 3 and losses["deferred"] == losses["eager"]
+    assert losses["warm_deferred"] == losses["warm_eager"]
+    assert losses["warm_eager"][0] < losses["eager"][0]  # the warm start did copy the trained weights

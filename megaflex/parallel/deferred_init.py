@@ -26,7 +26,8 @@ each parameter over the DP group would only cost time), and no memory-efficient
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+from typing import Any, Callable, ContextManager
 
 import torch
 from torch import nn
@@ -47,6 +48,16 @@ def full_numel(param: torch.Tensor) -> int:
 def is_partitioned(param: torch.Tensor) -> bool:
     """True for a ZeRO-3 parameter (built by ``zero3_build`` or sharded by a stage-3 engine)."""
     return hasattr(param, "ds_id")
+
+
+def gathered(param: torch.Tensor, modified: bool = False) -> ContextManager[Any]:
+    """Context holding the whole of a ZeRO-3 partitioned ``param`` (a no-op for any other);
+    ``modified``: every rank writes the same value, kept (re-partitioned) on exit."""
+    if not is_partitioned(param):
+        return contextlib.nullcontext()
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+    return GatheredParameters([param], modifier_rank=0 if modified else None)
 
 
 def zero3_build(
