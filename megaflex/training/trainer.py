@@ -45,8 +45,9 @@ from megaflex.checkpoint import (
 from megaflex.model.gpt import GPT
 from megaflex.model.layers import LocalLayers
 from megaflex.parallel import comm
-from megaflex.parallel.deferred_init import full_numel, is_partitioned, zero3_build
+from megaflex.parallel.deferred_init import full_numel, is_partitioned
 from megaflex.parallel.rendezvous import free_port
+from megaflex.training.build import build_gpt
 from megaflex.training.collective_timeout import (
     apply_timeout, every_process_group, parallel_groups, progress, rendezvous_timeout,
 )
@@ -147,7 +148,7 @@ class Trainer:
         self.tracker = model_parallel_seed(cfg.train.seed, state.tp_rank, device=device)
         plain = state.tp_size == 1 and state.cp_size == 1
         layers = LocalLayers() if plain else TensorParallelLayers(state, self.tracker)
-        self.model = model = _build_gpt(cfg, state, layers, device)
+        self.model = model = build_gpt(cfg, state, layers, device)
         if state.tp_size > 1:
             # Feature-map params (Omega, tau) are head-sharded: tag them so grad norms count every shard.
             mark_head_sharded_params(model)
@@ -465,20 +466,6 @@ def _full_parameter_count(model: torch.nn.Module, tp_size: int) -> int:
     from megaflex.parallel import is_tensor_parallel
 
     return sum(full_numel(p) * (tp_size if tp_size > 1 and is_tensor_parallel(p) else 1) for p in model.parameters())
-
-
-def _build_gpt(cfg: Config, state: Any, layers: Any, device: str) -> GPT:
-    """The GPT, eagerly or (``parallel.deferred_init``, default under ZeRO-3) partitioned block by
-    block over DeepSpeed's data-parallel group while it is built (``megaflex.parallel.deferred_init``)."""
-    from megaflex.parallel import deepspeed_mpu
-
-    deferred = cfg.parallel.deferred_init
-    if not (cfg.parallel.zero_stage == 3 if deferred == "auto" else deferred):
-        return GPT(cfg.model, layers=layers)
-    mpu = deepspeed_mpu(state)  # the group deepspeed.initialize(mpu=...) partitions over; None: the world
-    group = mpu.get_data_parallel_group() if mpu is not None else None
-    ds_config = deepspeed_config(cfg, state.dp_size, state.cp_size, on_cuda=device == "cuda")
-    return zero3_build(lambda: GPT(cfg.model, layers=layers), ds_config, group)
 
 
 def _register_zero3_external_parameters(model: GPT) -> None:
