@@ -23,9 +23,8 @@ CONFIGS = {
 }
 
 
-def _zero3_config(bf16: bool = False) -> dict:
-    return {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
-            "bf16": {"enabled": bf16}}
+def _zero3_config(dp: int) -> dict:
+    return {"train_batch_size": dp, "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
 
 
 def _compare_worker(rank: int, world: int, config: dict, tp: int) -> dict:
@@ -40,7 +39,6 @@ def _compare_worker(rank: int, world: int, config: dict, tp: int) -> dict:
     init_deepspeed_distributed("gloo")  # adopts the test's process group
     state = ParallelState.create(tensor_parallel_size=tp)
     mpu = deepspeed_mpu(state)
-    group = mpu.get_data_parallel_group() if mpu is not None else None
     model_config = ModelConfig(**config)
 
     def build() -> GPT:  # the trainer's order: seed (default RNG + TP tracker), then the model
@@ -48,7 +46,7 @@ def _compare_worker(rank: int, world: int, config: dict, tp: int) -> dict:
         return GPT(model_config, LocalLayers() if tp == 1 else TensorParallelLayers(state, tracker))
 
     eager = build()
-    deferred = zero3_build(build, _zero3_config(), group)
+    deferred = zero3_build(build, _zero3_config(dp=2 // tp), mpu)
     out = {"partitioned": all(is_partitioned(p) for p in deferred.parameters()),
            "local_numel": sum(p.ds_tensor.numel() for p in deferred.parameters()),
            "shapes_match": all(tuple(full_shape(q)) == tuple(p.shape)

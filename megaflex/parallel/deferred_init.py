@@ -1,6 +1,6 @@
 """Deferred initialisation under ZeRO-3: build a model so that no rank ever holds all its weights.
 
-    model = zero3_build(lambda: GPT(config, layers), ds_config, data_parallel_group)
+    model = zero3_build(lambda: GPT(config, layers), ds_config, deepspeed_mpu(state))
 
 An eager build holds the whole fp32 model on every rank before ``deepspeed.initialize`` shards
 it (28 GB at 7B). Here the model is built inside DeepSpeed's ``zero.Init`` context, so each
@@ -63,19 +63,21 @@ def gathered(param: torch.Tensor, modified: bool = False) -> ContextManager[Any]
 def zero3_build(
     build: Callable[[], nn.Module],
     ds_config: dict[str, Any],
-    data_parallel_group: Any = None,
+    mpu: Any = None,
     partition_at: tuple[type[nn.Module], ...] = (Block,),
 ) -> nn.Module:
     """``build()`` under ZeRO-3 ``zero.Init``: each ``partition_at`` module is partitioned over
-    ``data_parallel_group`` (None: the world, DeepSpeed's default without an mpu) as soon as its
-    ``__init__`` returns, the rest of the model when ``build`` returns. ``ds_config`` is the
-    run's DeepSpeed config (stage 3; its bf16/fp16 flag sets the dtype the shards are kept in)."""
+    the data-parallel group of ``mpu`` (what ``deepspeed.initialize(mpu=...)`` gets; None: the
+    world) as soon as its ``__init__`` returns, the rest of the model when ``build`` returns.
+    ``ds_config`` is the run's DeepSpeed config (stage 3; its bf16/fp16 flag sets the dtype the
+    shards are kept in; its batch sizes are checked against the mpu's data-parallel size)."""
     init_cls = _blockwise_init_class()
     init_config = dict(ds_config, zero_optimization=dict(ds_config["zero_optimization"], memory_efficient_linear=False))
     context = init_cls(
         partition_at,
         config_dict_or_path=init_config,
-        data_parallel_group=data_parallel_group,
+        mpu=mpu,
+        data_parallel_group=mpu.get_data_parallel_group() if mpu is not None else None,
         tensor_overrides=[],
     )
     with context:

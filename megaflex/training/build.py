@@ -27,7 +27,5 @@ def build_gpt(cfg: Config, state: ParallelState, layers: LayerFactory, device: s
     """The GPT of ``cfg.model`` through ``layers``, seeded by the caller; partitioned if deferred."""
     if not uses_deferred_init(cfg):
         return GPT(cfg.model, layers=layers)
-    mpu = deepspeed_mpu(state)  # the group deepspeed.initialize(mpu=...) partitions over; None: the world
-    group = mpu.get_data_parallel_group() if mpu is not None else None
     ds_config = deepspeed_config(cfg, state.dp_size, state.cp_size, on_cuda=device == "cuda")
-    return zero3_build(lambda: GPT(cfg.model, layers=layers), ds_config, group)
+    return zero3_build(lambda: GPT(cfg.model, layers=layers), ds_config, deepspeed_mpu(state))
