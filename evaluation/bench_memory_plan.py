@@ -43,11 +43,11 @@ def step_peak_mib(config: Path, zero: int, precision: str, micro_batch: int, seq
             "data.source=synthetic", "data.tokenizer=null", f"data.seq_len={seq_len}",
             f"train.micro_batch_size={micro_batch}", f"train.global_batch_size={micro_batch}", "train.train_iters=1",
             "schedule.warmup_iters=0", f"parallel.zero_stage={zero}", f"train.precision={precision}",
-            "train.eval_interval=0", "train.device=cpu", "checkpoint.save_interval=0", "checkpoint.save_at_end=false",
+            "data.valid_path=[]", "train.eval_interval=0", "train.device=cpu", "checkpoint.save_interval=0", "checkpoint.save_at_end=false",
             "checkpoint.resume=none", "logging.tensorboard=false", "logging.kernel_stats_interval=0",
             "logging.log_interval=1", "logging.progress_bar=false", f"logging.run_dir={tmp}/run",
         ]
-        result = launch(cfg_path, overrides, 1)
+        result = launch(cfg_path, overrides, 1, timeout=3600)  # the 247M step: ~15 min on 2 shared cores
         if result.returncodes != [0]:
             raise RuntimeError(f"training run of {config} failed:\n{result.output}")
         records = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
