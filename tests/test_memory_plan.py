@@ -55,6 +55,32 @@ def test_activations_scale_and_checkpointing_saves() -> None:
     assert staged.rank_parameters < base.rank_parameters and staged.dp == 1
 
 
+def _saved_activation_bytes(model: GPT, batch: int, seq: int) -> int:
+    """Bytes autograd keeps for backward after one forward (unique storages, parameters excluded)."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(ids, ids)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    return sum(n for ptr, n in storages.items() if ptr not in params)
+
+
+@pytest.mark.parametrize("mlp", ["gelu", "swiglu"])
+def test_activation_estimate_within_25_percent_of_what_autograd_saves(mlp: str) -> None:
+    config = ModelConfig(**dict(SMALL, hidden_size=128, max_seq_len=256, chunk_size=32, feature_dim=32), mlp=mlp)
+    torch.manual_seed(0)
+    model = GPT(config).train()
+    for batch, seq in [(2, 64), (1, 256)]:
+        plan = memory_plan(config, micro_batch=batch, seq_len=seq, precision="fp32")
+        saved = _saved_activation_bytes(model, batch, seq)
+        assert 0.75 < plan.activations / saved < 1.25, (batch, seq, plan.activations, saved)
+
+
 def test_bad_layouts_are_refused_on_the_command_line(capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as e:
         summary_main([str(REPO / "configs" / "flexformer_n_1.3b.yaml"), "--memory", "--tp", "2", "--world", "3"])
