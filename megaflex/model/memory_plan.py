@@ -20,7 +20,8 @@ dropout 0 and linear attention, which has no s^2 term):
 
     e s b h (4)                  the two norms' inputs, the QKV and MLP inputs (replicated over TP)
     e s b h/t (7)                q, k, v, RoPE'd q and k, the attention output, the gained output
-    e s b (a/t) 2 (d + F)        the feature maps of q and k (inputs and projections)
+    e s b (a/t) 2 (d + F/2)      the feature maps of q and k (inputs, and the F/2 projections
+                                 x Omega that both cos and sin features come from)
     4 s b (a/t) (2 F + 2 d)      the chunked core's fp32 saves: phi(q), phi(k), [v, 1], numerator
     e s b f/t (2 | 4)            GELU input and output | SwiGLU gate/up, silu(gate), product
 
@@ -170,7 +171,7 @@ def _activation_bytes(model: GPT, config: ModelConfig, tp: int, b: int, s: int, 
     feature_map = model.blocks[0].attn.core.feature_map
     if config.is_linear_attention and feature_map is not None:
         feat = feature_map.feature_dim
-        block += e * tokens * heads * 2 * (d + feat)  # feature maps of q and k
+        block += e * tokens * heads * 2 * (d + feat // 2)  # feature maps of q and k
         block += 4 * tokens * heads * (2 * feat + 2 * d)  # the chunked core's fp32 saves
     outside = 2 * e * tokens * h + 2 * e * tokens * pad_vocab_size(config.vocab_size, tp) // tp
     return block, outside, e * tokens * h
