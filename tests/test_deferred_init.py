@@ -95,8 +95,8 @@ def _train_losses(run_dir) -> list[float]:
 @pytest.mark.slow
 def test_trainer_zero3_deferred_init_trains_and_warm_starts_like_eager(tmp_path) -> None:
     """The trainer under ZeRO-3 on 2 ranks: deferred init (auto) logs the eager build's losses
-    step for step, and a warm start (checkpoint.init_from) into a deferred model equals one into
-    an eager model."""
+    step for step, a warm start (checkpoint.init_from) into a deferred model equals one into an
+    eager model, and a deferred run resumes from its checkpoint as the eager run does."""
     from training_harness import TINY, launch, write_config
 
     cfg = write_config(tmp_path / "tiny.yaml", dict(TINY, train=dict(TINY["train"], train_iters=3),
@@ -117,6 +117,12 @@ def test_trainer_zero3_deferred_init_trains_and_warm_starts_like_eager(tmp_path)
     assert len(losses["eager"]) == 3 and losses["deferred"] == losses["eager"]
     assert losses["warm_deferred"] == losses["warm_eager"]
     assert losses["warm_eager"][0] < losses["eager"][0]  # the warm start did copy the trained weights
+    # resuming the deferred run's checkpoint (step 3) continues like the eager run's
+    for name in ("eager", "deferred"):
+        result = launch(cfg, common + runs[name] + [f"logging.run_dir={tmp_path / name}", "train.train_iters=4"], 2)
+        assert result.returncodes == [0, 0] and "resumed from" in result.outputs[0], result.output
+    resumed = {name: _train_losses(tmp_path / name) for name in ("eager", "deferred")}
+    assert len(resumed["deferred"]) == 4 and resumed["deferred"] == resumed["eager"]
 
 
 def _rss_worker(rank: int, world: int, config_path: str) -> dict:
