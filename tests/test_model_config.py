@@ -115,6 +115,8 @@ def test_summary_count_for_a_map_built_with_data():
         ("softmax_247m", 247e6),
         ("flexformer_n_1.3b", 1.3e9),
         ("softmax_1.3b", 1.3e9),
+        ("flexformer_n_7b", 7e9),
+        ("flexformer_n_13b", 13e9),
     ],
 )
 def test_named_sizes_are_within_ten_percent(name, target):

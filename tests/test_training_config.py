@@ -62,6 +62,8 @@ def test_files_merge_in_order_then_overrides(tmp_path: Path, tiny: Path) -> None
         ("train.global_batch_size=9", "train.global_batch_size (from command line): expected a multiple of train.micro_batch_size (2), got 9"),
         ("data.seq_len=65", "data.seq_len (from command line): expected <= model.max_seq_len (64), got 65"),
         ("parallel.zero_offload_optimizer=true", "needs parallel.zero_stage >= 1"),
+        ("parallel.deferred_init=true", "parallel.deferred_init (from command line): true needs parallel.zero_stage 3, got stage 1"),
+        ("parallel.deferred_init=sometimes", "config key 'parallel.deferred_init' (from command line): expected"),
         ("parallel.tensor_parallel_size=3", "num_heads: expected a multiple of the tensor-parallel size 3, got 4"),
         ("schedule.warmup_iters=50", "schedule.warmup_iters (from"),
         ("schedule.min_lr=1.0", "expected <= train.lr"),

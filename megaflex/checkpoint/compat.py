@@ -17,6 +17,7 @@ import torch
 
 from megaflex.checkpoint.layout import CheckpointError
 from megaflex.checkpoint.metadata import CheckpointMeta
+from megaflex.parallel.deferred_init import full_shape
 
 # ZeRO stages whose optimizer states DeepSpeed loads into each other (1 and 2 share one optimizer
 # class and shard format); every other change of stage is refused.
@@ -64,7 +65,7 @@ def check_resume_layout(meta: CheckpointMeta, path: Path, zero_stage: int, preci
 
 def parameter_shapes(model: torch.nn.Module) -> dict[str, list[int]]:
     """Name -> this rank's shape (TP shards), as recorded in and checked against checkpoints."""
-    return {name: list(p.shape) for name, p in model.named_parameters()}
+    return {name: list(full_shape(p)) for name, p in model.named_parameters()}  # ZeRO-3 shards too
 
 
 def check_compatible(meta: CheckpointMeta, model_config: dict[str, Any], shapes: dict[str, list[int]], tp_size: int) -> None:

@@ -6,11 +6,20 @@ Reads the ``model:`` section of the file (or the whole file when it is a bare ma
 fields), builds the GPT on the ``meta`` device (no memory, no init cost, so the 1.3B config is
 instant) and counts its parameters; the last line is ``parameters: N``. The count is that of a
 single-device model: embeddings are counted at the padded vocabulary size, tied weights once.
+
+    python -m megaflex.model.summary configs/flexformer_n_7b.yaml --memory --tp 8 --pp 1 --zero 3 --world 64
+
+``--memory`` prints instead the per-rank memory plan of that layout (``megaflex.model.memory_plan``:
+weights, gradients, optimizer states, activations with and without activation checkpointing) at
+the file's ``train.micro_batch_size``, ``data.seq_len`` and ``train.precision`` (overridable:
+``--micro-batch``, ``--seq-len``, ``--precision``); ``--json`` prints it as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -22,6 +31,7 @@ from megaflex.attention import named_kernel_parameters
 from megaflex.model.config import ModelConfig
 from megaflex.model.gpt import GPT
 from megaflex.model.layers import pad_vocab_size
+from megaflex.model.memory_plan import PRECISIONS, memory_plan
 
 
 def load_model_config(path: str | Path) -> ModelConfig:
@@ -94,11 +104,47 @@ def summarize(config: ModelConfig) -> str:
     return "\n".join(lines)
 
 
+def training_defaults(path: str | Path) -> dict[str, Any]:
+    """micro_batch, seq_len and precision from a YAML file's ``train:``/``data:`` sections (or the
+    trainer's defaults; precision ``auto`` counts as bf16, what it resolves to on GPUs)."""
+    with open(path) as f:
+        data: Any = yaml.safe_load(f)
+    data = data if isinstance(data, dict) else {}
+    train, data_section = data.get("train") or {}, data.get("data") or {}
+    precision = train.get("precision", "auto")
+    return {"micro_batch": int(train.get("micro_batch_size", 1)), "seq_len": int(data_section.get("seq_len", 1024)),
+            "precision": "bf16" if precision == "auto" else precision}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config", help="YAML file with a 'model:' section (or a bare model mapping)")
+    plan = parser.add_argument_group("memory plan (--memory)")
+    plan.add_argument("--memory", action="store_true", help="print the per-rank memory plan instead")
+    plan.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    plan.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    plan.add_argument("--zero", type=int, default=1, choices=(0, 1, 2, 3), help="ZeRO stage")
+    plan.add_argument("--world", type=int, default=None, help="ranks in all (default: tp x pp, one replica)")
+    plan.add_argument("--micro-batch", type=int, default=None, help="default: the file's train.micro_batch_size")
+    plan.add_argument("--seq-len", type=int, default=None, help="default: the file's data.seq_len")
+    plan.add_argument("--precision", choices=PRECISIONS, default=None, help="default: the file's train.precision")
+    plan.add_argument("--json", action="store_true", help="the plan as JSON (bytes)")
     args = parser.parse_args(argv)
-    print(summarize(load_model_config(args.config)))
+    config = load_model_config(args.config)
+    if not (args.memory or args.json):
+        print(summarize(config))
+        return
+    defaults = training_defaults(args.config)
+    try:
+        result = memory_plan(
+            config, tp=args.tp, pp=args.pp, zero=args.zero, world=args.world or args.tp * args.pp,
+            micro_batch=args.micro_batch or defaults["micro_batch"], seq_len=args.seq_len or defaults["seq_len"],
+            precision=args.precision or defaults["precision"],
+        )
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(json.dumps(result.to_dict(), indent=1) if args.json else result.format())
 
 
 if __name__ == "__main__":

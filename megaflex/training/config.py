@@ -98,6 +98,11 @@ class ParallelConfig:
     zero_allgather_bucket_size: int = opt(500_000_000, "elements per ZeRO stage 1/2 parameter all-gather bucket")
     zero3_prefetch_bucket_size: int = opt(50_000_000, "elements of parameters prefetched ahead (stage 3)")
     zero3_param_persistence_threshold: int = opt(100_000, "parameters smaller than this stay unpartitioned (stage 3)")
+    deferred_init: bool | Literal["auto"] = opt(
+        "auto", "build the model under ZeRO-3 `zero.Init`, each block partitioned over DP x CP as soon as it is "
+        "built, so no rank holds all the fp32 weights (same init as the eager build for a seed); auto: on with "
+        "zero_stage 3; true needs zero_stage 3",
+    )
     backend: Literal["auto", "nccl", "gloo"] = opt("auto", "torch.distributed backend (auto: nccl with CUDA, else gloo)")
     timeout_minutes: float = opt(
         10.0, "collective timeout: a peer silent this long (hung, stopped, dead NIC) makes every rank exit naming "
@@ -414,6 +419,8 @@ def validate(cfg: Config) -> None:
             raise _bad(cfg, "logging.profile.start", f"expected <= train.train_iters ({t.train_iters}), got {lg.profile.start}")
     if p.zero_stage not in (0, 1, 2, 3):
         raise _bad(cfg, "parallel.zero_stage", f"expected one of 0, 1, 2, 3, got {p.zero_stage}")
+    if p.deferred_init is True and p.zero_stage != 3:
+        raise _bad(cfg, "parallel.deferred_init", f"true needs parallel.zero_stage 3, got stage {p.zero_stage}")
     if p.zero_offload_optimizer and p.zero_stage == 0:
         raise _bad(cfg, "parallel.zero_offload_optimizer", "needs parallel.zero_stage >= 1, got stage 0")
     if t.global_batch_size is not None and t.global_batch_size % t.micro_batch_size != 0:

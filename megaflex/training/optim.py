@@ -38,6 +38,7 @@ from torch import nn
 
 from megaflex.attention import named_kernel_parameters
 from megaflex.parallel import comm
+from megaflex.parallel.deferred_init import full_shape
 from megaflex.training.config import Config
 
 KERNEL_GROUPS = {"frequencies": "kernel_frequencies", "temperature": "kernel_temperature"}
@@ -63,7 +64,7 @@ def param_groups(
         role = kernel_role.get(id(param))
         if role in KERNEL_GROUPS and multipliers[role] != 1.0:
             buckets[KERNEL_GROUPS[role]].append(param)
-        elif role is not None or param.dim() < 2 or any(p in name.lower() for p in patterns):
+        elif role is not None or len(full_shape(param)) < 2 or any(p in name.lower() for p in patterns):
             buckets["no_decay"].append(param)
         else:
             buckets["decay"].append(param)

@@ -45,7 +45,9 @@ from megaflex.checkpoint import (
 from megaflex.model.gpt import GPT
 from megaflex.model.layers import LocalLayers
 from megaflex.parallel import comm
+from megaflex.parallel.deferred_init import full_numel, is_partitioned
 from megaflex.parallel.rendezvous import free_port
+from megaflex.training.build import build_gpt
 from megaflex.training.collective_timeout import (
     apply_timeout, every_process_group, parallel_groups, progress, rendezvous_timeout,
 )
@@ -151,7 +153,7 @@ class Trainer:
         layers = LocalLayers() if plain else TensorParallelLayers(
             state, self.tracker, sequence_parallel=cfg.parallel.sequence_parallel
         )
-        self.model = model = GPT(cfg.model, layers=layers)
+        self.model = model = build_gpt(cfg, state, layers, device)
         if state.tp_size > 1:
             # Feature-map params (Omega, tau) are head-sharded: tag them so grad norms count every shard.
             mark_head_sharded_params(model)
@@ -191,6 +193,8 @@ class Trainer:
         )
         if self.is_main:
             self._write_run_files(space_warning)
+        if any(is_partitioned(p) for p in model.parameters()):
+            logger.print(f"deferred init: the model was built partitioned over {dp_size * cp_size} DP x CP ranks (ZeRO-3)")
         if self.init_record is not None:
             logger.print(f"initialised {self.init_record['copied']} parameter tensors ({self.init_record['parameters']}) "
                          f"from {self.init_record['path']}; the others keep their init")
@@ -489,7 +493,7 @@ def _full_parameter_count(model: torch.nn.Module, tp_size: int) -> int:
     """Parameters of the whole model (TP shards counted once per shard, replicated ones once)."""
     from megaflex.parallel import is_tensor_parallel
 
-    return sum(p.numel() * (tp_size if tp_size > 1 and is_tensor_parallel(p) else 1) for p in model.parameters())
+    return sum(full_numel(p) * (tp_size if tp_size > 1 and is_tensor_parallel(p) else 1) for p in model.parameters())
 
 
 def _register_zero3_external_parameters(model: GPT) -> None:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from megaflex.checkpoint.weights import StateDict, load_checkpoint_weights
+from megaflex.parallel.deferred_init import gathered
 from megaflex.training.config_loader import ConfigError
 
 INIT_PARAMETERS = ("all", "kernel", "non_kernel")
@@ -65,23 +66,30 @@ def copy_parameters(model: nn.Module, state: StateDict, selection: str, source: 
     copied = []
     for name in select_parameters(model, selection):
         param = params[name]
-        if name not in state:
-            if name in optional:
-                continue  # e.g. a softmax source: the student's kernel starts fresh
-            raise ConfigError(
-                f"checkpoint.init_from: {source} has no parameter {name!r} (the model's is {list(param.shape)}); "
-                + ("init_parameters=kernel needs a source with this kernel" if selection == "kernel"
-                   else "only kernel parameters and linear attention's out_gain may be missing")
-            )
-        value = state[name]
-        if tuple(value.shape) != tuple(param.shape):
-            raise ConfigError(
-                f"checkpoint.init_from: parameter {name!r}: expected shape {list(param.shape)} (this model), "
-                f"got {list(value.shape)} in {source}"
-            )
-        param.copy_(value.to(param.dtype))
-        copied.append(name)
+        with gathered(param, modified=True):  # a deferred-init (ZeRO-3) model: one whole parameter at a time
+            if _copy_one(name, param, state, selection, optional, source):
+                copied.append(name)
     return copied
+
+
+def _copy_one(name: str, param: nn.Parameter, state: StateDict, selection: str, optional: set[str], source: str) -> bool:
+    """Copy ``state[name]`` into ``param``; False when it is an optional parameter ``state`` lacks."""
+    if name not in state:
+        if name in optional:
+            return False  # e.g. a softmax source: the student's kernel starts fresh
+        raise ConfigError(
+            f"checkpoint.init_from: {source} has no parameter {name!r} (the model's is {list(param.shape)}); "
+            + ("init_parameters=kernel needs a source with this kernel" if selection == "kernel"
+               else "only kernel parameters and linear attention's out_gain may be missing")
+        )
+    value = state[name]
+    if tuple(value.shape) != tuple(param.shape):
+        raise ConfigError(
+            f"checkpoint.init_from: parameter {name!r}: expected shape {list(param.shape)} (this model), "
+            f"got {list(value.shape)} in {source}"
+        )
+    param.copy_(value.to(param.dtype))
+    return True
 
 
 def init_from_checkpoint(
