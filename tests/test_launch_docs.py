@@ -25,7 +25,7 @@ def launch_lines() -> list[tuple[str, str]]:
     found = []
     for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
         fenced = False
-        for line in doc.read_text().splitlines():
+        for line in doc.read_text().replace("\\\n", " ").splitlines():  # continued lines joined
             if line.lstrip().startswith("```"):
                 fenced = not fenced
                 continue
@@ -64,6 +64,23 @@ STUBS = {
 }
 
 
+PARALLEL_SIZES = ("tensor", "context", "pipeline")
+DROPPED = ("train.micro_batch_size=", "train.global_batch_size=")  # the tiny config's batch
+
+
+def _two_rank_layout(words: list[str]) -> dict[str, int]:
+    """The documented layout cut to 2 ranks: the axis the line is about at 2 (TP when it turns on
+    sequence parallelism, else PP, CP, TP in that order), the others 1."""
+    sizes = {axis: 1 for axis in PARALLEL_SIZES}
+    for word in words:
+        for axis in PARALLEL_SIZES:
+            if word.startswith(f"parallel.{axis}_parallel_size="):
+                sizes[axis] = int(word.split("=", 1)[1])
+    keep = "tensor" if "parallel.sequence_parallel=true" in words else next(
+        (axis for axis in ("pipeline", "context", "tensor") if sizes[axis] > 1), None)
+    return {axis: 2 if axis == keep else 1 for axis in PARALLEL_SIZES}
+
+
 def adapt(command: str, cfg: Path, tmp_path: Path) -> tuple[list[str], dict[str, str]]:
     """The documented command on 2 CPU ranks with the tiny config: (argv, extra environment)."""
     words = shlex.split(command)
@@ -76,16 +93,20 @@ def adapt(command: str, cfg: Path, tmp_path: Path) -> tuple[list[str], dict[str,
     if "HOSTFILE" in env:
         env["HOSTFILE"] = str(tmp_path / "hostfile")  # one host: the launcher starts both ranks here
     argv = []
+    layout = _two_rank_layout(words)
     for i, word in enumerate(words):
-        if word == "...":
+        if word == "..." or word.startswith(DROPPED) or word.startswith(tuple(f"parallel.{a}_parallel_size=" for a in PARALLEL_SIZES)):
             continue
         if i > 0 and words[i - 1] == "--num_gpus":
             word = "2"
+        if i > 0 and words[i - 1] == "--hostfile":
+            word = str(tmp_path / "hostfile")
         if word.startswith("configs/") and not word.startswith("configs/zero/"):
             word = str(cfg)  # the model config: the tiny test model
         argv.append(word)
     if cfg.as_posix() not in argv:
         argv.insert(argv.index("--config") + 1, str(cfg))
+    argv += [f"parallel.{axis}_parallel_size={size}" for axis, size in layout.items() if size > 1]
     if argv[0] == "sbatch":  # run the batch script as Slurm would, on 2 "nodes" of 1 rank
         argv = ["bash", *[w for w in argv[1:] if not w.startswith("--nodes")]]
         env.update(SLURM_JOB_NUM_NODES="2", SLURM_JOB_NODELIST="node[0-1]", SLURM_GPUS_PER_NODE="1",
@@ -118,7 +139,8 @@ def test_documented_launch_line_runs(tmp_path: Path, doc: str, command: str) -> 
             (REPO / "runs" / f"hostfile-{extra['SLURM_JOB_ID']}").unlink(missing_ok=True)
     log = out.stdout[-4000:] + out.stderr[-4000:]
     assert out.returncode == 0, f"{doc}: {command}\n-> {argv}\n{log}"
-    assert "world 2 = TP 1 x CP 1 x PP 1 x DP 2" in out.stdout, log
+    tp, cp, pp = (_two_rank_layout(argv)[axis] for axis in ("tensor", "context", "pipeline"))
+    assert f"world 2 = TP {tp} x CP {cp} x PP {pp} x DP {2 // (tp * cp * pp)}" in out.stdout, log
     assert sorted(read_metrics(run / "metrics.jsonl")) == [1, 2]
     if argv[1:2] == ["launch/slurm.sbatch"]:
         stub_log = (tmp_path / "stub.log").read_text()

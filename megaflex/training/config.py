@@ -528,9 +528,6 @@ def _validate_pipeline(cfg: Config) -> None:
     for key, steps in injected.items():
         if steps:  # they act on the per-micro-batch loss, which the pipeline engine keeps to itself
             raise _bad(cfg, key, f"expected [] with parallel.pipeline_parallel_size {pp}, got {steps}")
-    if cfg.logging.kernel_stats_interval:
-        raise _bad(cfg, "logging.kernel_stats_interval", f"expected 0 with parallel.pipeline_parallel_size {pp} "
-                   f"(each stage holds only some blocks), got {cfg.logging.kernel_stats_interval}")
 
 
 def validate_runtime(cfg: Config, world_size: int, has_cuda: bool) -> None:

@@ -180,7 +180,8 @@ class ProfilerHook(BaseHook):
 def default_hooks(cfg: Config, objective: Objective | None) -> list[TrainerHook]:
     """The hooks a run's config asks for, in the order their events run."""
     hooks: list[TrainerHook] = [] if objective is None else [ObjectiveHook(objective)]
-    if cfg.logging.kernel_stats_interval:
+    # Under pipeline parallelism each stage holds only some blocks: no statistics (the trainer says so).
+    if cfg.logging.kernel_stats_interval and cfg.parallel.pipeline_parallel_size == 1:
         hooks.append(KernelStatsHook(cfg.logging.kernel_stats_interval))
     hooks += [ProfilerHook(), FaultInjectionHook(cfg)]
     return hooks

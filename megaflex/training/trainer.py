@@ -245,6 +245,9 @@ class Trainer:
             f"x DP {state.dp_size} x accum {self.grad_accum}"
         )
         logger.print(group_summary(self.model, cfg))
+        if state.pp_size > 1 and cfg.logging.kernel_stats_interval:
+            logger.print("logging.kernel_stats_interval: no kernel statistics under pipeline parallelism "
+                         "(each stage holds only some blocks)")
         if space_warning:
             logger.print(space_warning)
 
