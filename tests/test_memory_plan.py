@@ -55,6 +55,23 @@ def test_activations_scale_and_checkpointing_saves() -> None:
     assert staged.rank_parameters < base.rank_parameters and staged.dp == 1
 
 
+def test_context_and_sequence_parallelism_split_the_activations() -> None:
+    config = ModelConfig(**SMALL)
+    tp2 = memory_plan(config, tp=2, world=2, micro_batch=1, seq_len=64)
+    # CP 2: each rank holds half of every sequence; ZeRO-1 shards the optimizer over DP x CP = 2
+    cp2 = memory_plan(config, tp=2, cp=2, world=4, micro_batch=1, seq_len=64)
+    assert cp2.dp == 1 and cp2.activations == memory_plan(config, tp=2, world=2, micro_batch=1, seq_len=32).activations
+    assert cp2.optimizer == tp2.optimizer // 2 and cp2.weights == tp2.weights
+    # SP: the h-wide residual-stream terms (4 per block, block input, embedding out / final norm in) / TP
+    sp = memory_plan(config, tp=2, sequence_parallel=True, world=2, micro_batch=1, seq_len=64)
+    h, e, tokens = config.hidden_size, 2, 64
+    saved_per_block = e * tokens * 4 * (h - h // 2)
+    assert tp2.activations - sp.activations == config.num_layers * saved_per_block + 2 * e * tokens * (h - h // 2)
+    assert sp.activations_checkpointed < tp2.activations_checkpointed and sp.weights == tp2.weights
+    with pytest.raises(ValueError, match="sequence_parallel: needs tp > 1"):
+        memory_plan(config, sequence_parallel=True)
+
+
 def _saved_activation_bytes(model: GPT, batch: int, seq: int) -> int:
     """Bytes autograd keeps for backward after one forward (unique storages, parameters excluded)."""
     storages: dict[int, int] = {}
@@ -85,7 +102,7 @@ def test_bad_layouts_are_refused_on_the_command_line(capsys: pytest.CaptureFixtu
     with pytest.raises(SystemExit) as e:
         summary_main([str(REPO / "configs" / "flexformer_n_1.3b.yaml"), "--memory", "--tp", "2", "--world", "3"])
     assert e.value.code == 2
-    assert capsys.readouterr().err.strip() == "error: world: expected a multiple of tp x pp = 2, got 3"
+    assert capsys.readouterr().err.strip() == "error: world: expected a multiple of tp x cp x pp = 2, got 3"
 
 
 @pytest.mark.parametrize("name", ["flexformer_n_7b", "flexformer_n_13b"])

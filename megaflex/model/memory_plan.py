@@ -18,7 +18,8 @@ a heads, d head dim, F feature-map size per head, f ffn width, t TP size, V padd
 block kept for backward (after Korthikanti et al., "Reducing Activation Recomputation", with
 dropout 0 and linear attention, which has no s^2 term):
 
-    e s b h (4)                  the two norms' inputs, the QKV and MLP inputs (replicated over TP)
+    e s b h (4)                  the two norms' inputs, the QKV and MLP inputs (replicated over TP;
+                                 / t under sequence parallelism, which keeps them sequence-sharded)
     e s b h/t (7)                q, k, v, RoPE'd q and k, the attention output, the gained output
     e s b (a/t) 2 (d + F/2)      the feature maps of q and k (inputs, and the F/2 projections
                                  x Omega that both cos and sin features come from)
@@ -30,7 +31,10 @@ so its core keeps q, k, v and the output only. Outside the blocks: the embedding
 norm input (2 e s b h) and the logits with their gradient (2 e s b V/t). With activation
 checkpointing a block keeps only its input (e s b h) and one block is recomputed at a time (its
 full activations once). Under pipeline parallelism (1F1B) the first stage holds ``pp``
-micro-batches in flight. Not counted: the interpreter, communication buckets and allocator slack.
+micro-batches in flight. Context parallelism gives each rank s / cp tokens (and ZeRO partitions
+over DP x CP, the group it reduces over); sequence parallelism divides the h-wide replicated
+terms (and the checkpointed block inputs, the embedding output and final norm input) by t. Not
+counted: the interpreter, communication buckets and allocator slack.
 """
 
 from __future__ import annotations
@@ -59,6 +63,8 @@ class MemoryPlan:
     tp: int
     pp: int
     dp: int
+    cp: int
+    sequence_parallel: bool
     zero: int
     precision: str
     micro_batch: int
@@ -89,7 +95,9 @@ class MemoryPlan:
             ("activations (checkpointed)", self.activations_checkpointed),
             ("total (checkpointed)", self.total_checkpointed),
         ]
-        head = (f"memory plan per rank: TP {self.tp} x PP {self.pp} x DP {self.dp}, ZeRO {self.zero}, {self.precision}, "
+        sp = " (sequence parallel)" if self.sequence_parallel else ""
+        head = (f"memory plan per rank: TP {self.tp}{sp} x CP {self.cp} x PP {self.pp} x DP {self.dp}, ZeRO {self.zero}, "
+                f"{self.precision}, "
                 f"micro-batch {self.micro_batch} x seq {self.seq_len}\n"
                 f"  parameters {self.parameters:,d} ({self.rank_parameters:,d} on the heaviest rank before ZeRO)")
         return "\n".join([head] + [f"  {name:<28s} {value / GIB:>9.2f} GiB" for name, value in rows])
@@ -100,6 +108,8 @@ def memory_plan(
     *,
     tp: int = 1,
     pp: int = 1,
+    cp: int = 1,
+    sequence_parallel: bool = False,
     zero: int = 1,
     world: int = 1,
     micro_batch: int = 1,
@@ -107,16 +117,19 @@ def memory_plan(
     precision: str = "bf16",
     grad_accum_dtype: str = "fp32",
 ) -> MemoryPlan:
-    """The plan of ``config`` on ``world`` ranks split TP x PP x DP (pure: builds on the meta device)."""
-    if tp < 1 or pp < 1 or world % (tp * pp) != 0:
-        raise ValueError(f"world: expected a multiple of tp x pp = {tp * pp}, got {world}")
+    """The plan of ``config`` on ``world`` ranks split TP x CP x PP x DP (pure: builds on the meta device)."""
+    if tp < 1 or pp < 1 or cp < 1 or world % (tp * pp * cp) != 0:
+        raise ValueError(f"world: expected a multiple of tp x cp x pp = {tp * cp * pp}, got {world}")
+    if sequence_parallel and tp == 1:
+        raise ValueError("sequence_parallel: needs tp > 1")
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero: expected one of 0, 1, 2, 3, got {zero}")
     if precision not in PRECISIONS:
         raise ValueError(f"precision: expected one of {PRECISIONS}, got {precision!r}")
     if pp > config.num_layers:
         raise ValueError(f"pp: expected at most num_layers={config.num_layers} stages, got {pp}")
-    dp = world // (tp * pp)
+    dp = world // (tp * pp * cp)
+    shards = dp * cp  # ZeRO partitions over the DP x CP group it reduces over
     seq_len = config.max_seq_len if seq_len is None else seq_len
     with torch.device("meta"):
         model = GPT(config)
@@ -125,16 +138,18 @@ def memory_plan(
     low = 4 if precision == "fp32" else 2
     accumulate = 4 if precision != "fp32" and zero >= 1 and grad_accum_dtype == "fp32" else 0
     master = 0 if precision == "fp32" else 4
-    weights = low * rank_params / (dp if zero == 3 else 1)
-    gradients = (low + accumulate) * rank_params / (dp if zero >= 2 else 1)
-    optimizer = (8 + master) * rank_params / (dp if zero >= 1 else 1)
+    weights = low * rank_params / (shards if zero == 3 else 1)
+    gradients = (low + accumulate) * rank_params / (shards if zero >= 2 else 1)
+    optimizer = (8 + master) * rank_params / (shards if zero >= 1 else 1)
 
-    block, outside, block_input = _activation_bytes(model, config, tp, micro_batch, seq_len, low)
+    block, outside, block_input = _activation_bytes(
+        model, config, tp, micro_batch, seq_len // cp, low, sequence_parallel
+    )
     blocks = math.ceil(config.num_layers / pp)
     activations = pp * blocks * block + outside
     checkpointed = pp * blocks * block_input + block + outside
     return MemoryPlan(
-        tp=tp, pp=pp, dp=dp, zero=zero, precision=precision, micro_batch=micro_batch, seq_len=seq_len,
+        tp=tp, pp=pp, dp=dp, cp=cp, sequence_parallel=sequence_parallel, zero=zero, precision=precision, micro_batch=micro_batch, seq_len=seq_len,
         parameters=model.num_parameters(), rank_parameters=rank_params,
         weights=int(weights), gradients=int(gradients), optimizer=int(optimizer),
         activations=int(activations), activations_checkpointed=int(checkpointed),
@@ -161,17 +176,21 @@ def _heaviest_stage_parameters(model: GPT, config: ModelConfig, tp: int, pp: int
     return max(first, last)
 
 
-def _activation_bytes(model: GPT, config: ModelConfig, tp: int, b: int, s: int, e: int) -> tuple[int, int, int]:
-    """(one block's saved activations, those outside the blocks, one block's checkpointed input)."""
+def _activation_bytes(
+    model: GPT, config: ModelConfig, tp: int, b: int, s: int, e: int, sequence_parallel: bool = False
+) -> tuple[int, int, int]:
+    """(one block's saved activations, those outside the blocks, one block's checkpointed input)
+    for ``s`` tokens per sequence on this rank."""
     h, d, f = config.hidden_size, config.head_dim, config.ffn_hidden_size
     heads = config.num_heads // tp
     tokens = b * s
-    block = e * tokens * (4 * h + 7 * h // tp)
+    residual = h // tp if sequence_parallel else h  # h-wide tensors on the residual stream
+    block = e * tokens * (4 * residual + 7 * h // tp)
     block += e * tokens * f // tp * (4 if config.mlp == "swiglu" else 2)
     feature_map = model.blocks[0].attn.core.feature_map
     if config.is_linear_attention and feature_map is not None:
         feat = feature_map.feature_dim
         block += e * tokens * heads * 2 * (d + feat // 2)  # feature maps of q and k
         block += 4 * tokens * heads * (2 * feat + 2 * d)  # the chunked core's fp32 saves
-    outside = 2 * e * tokens * h + 2 * e * tokens * pad_vocab_size(config.vocab_size, tp) // tp
-    return block, outside, e * tokens * h
+    outside = 2 * e * tokens * residual + 2 * e * tokens * pad_vocab_size(config.vocab_size, tp) // tp
+    return block, outside, e * tokens * residual

@@ -123,8 +123,10 @@ def main(argv: list[str] | None = None) -> None:
     plan.add_argument("--memory", action="store_true", help="print the per-rank memory plan instead")
     plan.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     plan.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    plan.add_argument("--cp", type=int, default=1, help="context-parallel size")
+    plan.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp > 1)")
     plan.add_argument("--zero", type=int, default=1, choices=(0, 1, 2, 3), help="ZeRO stage")
-    plan.add_argument("--world", type=int, default=None, help="ranks in all (default: tp x pp, one replica)")
+    plan.add_argument("--world", type=int, default=None, help="ranks in all (default: tp x cp x pp, one replica)")
     plan.add_argument("--micro-batch", type=int, default=None, help="default: the file's train.micro_batch_size")
     plan.add_argument("--seq-len", type=int, default=None, help="default: the file's data.seq_len")
     plan.add_argument("--precision", choices=PRECISIONS, default=None, help="default: the file's train.precision")
@@ -137,7 +139,8 @@ def main(argv: list[str] | None = None) -> None:
     defaults = training_defaults(args.config)
     try:
         result = memory_plan(
-            config, tp=args.tp, pp=args.pp, zero=args.zero, world=args.world or args.tp * args.pp,
+            config, tp=args.tp, pp=args.pp, cp=args.cp, sequence_parallel=args.sp, zero=args.zero,
+            world=args.world or args.tp * args.cp * args.pp,
             micro_batch=args.micro_batch or defaults["micro_batch"], seq_len=args.seq_len or defaults["seq_len"],
             precision=args.precision or defaults["precision"],
         )
