@@ -53,7 +53,7 @@ def _key_blocks(x: torch.Tensor, c0: int, g: int, c: int, lookback: int, fill: f
 def _scatter_blocks(grad: torch.Tensor, blocks: torch.Tensor, c0: int, c: int, lookback: int) -> None:
     """grad [BH, T, *] += the block gradients [BH, g, (L + 1) C, *] of chunks c0 .. c0 + g - 1."""
     bh, g = blocks.shape[:2]
-    chunked = grad.view(bh, -1, c, *grad.shape[2:])
+    chunked = grad.view(bh, grad.shape[1] // c, c, *grad.shape[2:])
     parts = blocks.view(bh, g, lookback + 1, c, *blocks.shape[3:])
     for part in range(lookback + 1):
         first = c0 - lookback + part  # the chunk that block i's part ``part`` covers is first + i
@@ -106,7 +106,7 @@ def _increments(plan: _Plan, kf: torch.Tensor, v_aug: torch.Tensor, lo: int, hi:
     """U_j for chunks lo .. hi - 1: [BH, hi - lo, F, Dv + 1], and the scaled keys kw [BH, hi - lo, C, F]."""
     bh, c = kf.shape[0], plan.c
     sl = slice(lo * c, hi * c)
-    kw = kf[:, sl].view(bh, hi - lo, c, -1) * plan.key_scale[:, sl].view(bh, hi - lo, c, 1)
+    kw = kf[:, sl].view(bh, hi - lo, c, kf.shape[-1]) * plan.key_scale[:, sl].view(bh, hi - lo, c, 1)
     return kw.transpose(-1, -2) @ v_aug[:, sl].view(bh, hi - lo, c, -1), kw
 
 
@@ -128,7 +128,7 @@ def _group_weights(
     [BH, g, C, (L + 1) C] and G); ``m`` None: computed here (forward) and returned as the last item."""
     bh, c, lb = q.shape[0], plan.c, plan.lookback
     rows = slice(c0 * c, (c0 + g) * c)
-    qg, qfg, qlsg = q[:, rows].view(bh, g, c, -1), qf[:, rows].view(bh, g, c, -1), qls[:, rows].view(bh, g, c)
+    qg, qfg, qlsg = q[:, rows].view(bh, g, c, q.shape[-1]), qf[:, rows].view(bh, g, c, qf.shape[-1]), qls[:, rows].view(bh, g, c)
     kb, kfb = _key_blocks(k, c0, g, c, lb, 0.0), _key_blocks(kf, c0, g, c, lb, 0.0)
     klsb = _key_blocks(kls, c0, g, c, lb, float("-inf"))  # [BH, g, (L + 1) C]
     near, far = plan.masks(c0, g)
@@ -200,7 +200,7 @@ class ChunkedWindowNumerator(torch.autograd.Function):
             d_gram = (dw * x).masked_fill_(~far, 0.0)
             z = dw.mul_(w)
             z_near, z_far = z.masked_fill(~near, 0.0), z.masked_fill_(~far, 0.0)
-            dq[:, rows] = (z_near @ kb).mul_(scale).view(bh, -1, q.shape[-1])
+            dq[:, rows] = (z_near @ kb).mul_(scale).view(bh, g * c, q.shape[-1])
             _scatter_blocks(dk, (z_near.transpose(-1, -2) @ qg).mul_(scale), c0, c, plan.lookback)
             dqf_g = d_gram @ kfb
             _scatter_blocks(dkf, d_gram.transpose(-1, -2) @ qfg, c0, c, plan.lookback)
@@ -213,7 +213,7 @@ class ChunkedWindowNumerator(torch.autograd.Function):
             dn_c = dn * carried.unsqueeze(-1)
             dqf_g += dn_c @ reads.transpose(-1, -2)
             d_reads = qfg.transpose(-1, -2) @ dn_c  # [BH, g, F, Dv + 1]
-            dqf[:, rows] = dqf_g.view(bh, -1, qf.shape[-1])
+            dqf[:, rows] = dqf_g.view(bh, g * c, qf.shape[-1])
             dqls[:, rows] = dqls_g.view(bh, -1)
             # reverse scan over the states the group read and the chunks it absorbed
             d_inc = d_reads.new_empty(bh, hi - lo, *d_reads.shape[2:])
@@ -228,7 +228,7 @@ class ChunkedWindowNumerator(torch.autograd.Function):
                 d_kw = v_chunks @ d_inc.transpose(-1, -2)  # [BH, n, C, F]
                 dv[:, keys] += (kw @ d_inc).view(bh, -1, v_aug.shape[-1])
                 key_scale = plan.key_scale[:, keys].view(bh, hi - lo, c, 1)
-                dkf[:, keys] += (d_kw * key_scale).view(bh, -1, kf.shape[-1])
+                dkf[:, keys] += (d_kw * key_scale).view(bh, (hi - lo) * c, kf.shape[-1])
                 dkls[:, keys] += (d_kw * kw).sum(-1).view(bh, -1)
         d_s0 = carry if needs_s0 else None
         return dq, dqf, dqls, dk, dkf, dkls, dv, d_s0, None, None, None
