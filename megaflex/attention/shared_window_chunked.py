@@ -51,15 +51,15 @@ def _key_blocks(x: torch.Tensor, c0: int, g: int, c: int, lookback: int, fill: f
 
 
 def _scatter_blocks(grad: torch.Tensor, blocks: torch.Tensor, c0: int, c: int, lookback: int) -> None:
-    """grad [BH, T, *] += the block gradients [BH, g, (L + 1) C, *] of chunks c0 .. c0 + g - 1."""
-    bh, g = blocks.shape[:2]
+    """grad [BH, T, *] += the block gradients [BH, g, R, *] (the first R <= (L + 1) C keys of each
+    block) of chunks c0 .. c0 + g - 1."""
+    bh, g, rows = blocks.shape[:3]
     chunked = grad.view(bh, grad.shape[1] // c, c, *grad.shape[2:])
-    parts = blocks.view(bh, g, lookback + 1, c, *blocks.shape[3:])
-    for part in range(lookback + 1):
+    for part in range(-(-rows // c)):
         first = c0 - lookback + part  # the chunk that block i's part ``part`` covers is first + i
-        skip = max(-first, 0)
+        skip, width = max(-first, 0), min(c, rows - part * c)
         if skip < g:
-            chunked[:, first + skip : first + g].add_(parts[:, skip:, part])
+            chunked[:, first + skip : first + g, :width].add_(blocks[:, skip:, part * c : part * c + width])
 
 
 class _Plan:
@@ -72,6 +72,9 @@ class _Plan:
         per_chunk = bh * c * (self.lookback + 1) * c
         self.per_group = max(1, _GROUP_ELEMENTS // per_chunk)
         self.near, self.far = block_masks(c, self.lookback, window, q.device)
+        # far keys are s <= t - W: only the block's first L C - W + C keys can be (for W = L C: the
+        # chunk c - L alone), so the feature products qf . kf cover those columns only
+        self.far_cols = max(0, min((self.lookback + 1) * c, self.lookback * c - window + c))
         kls = kls.detach()
         # B_0 = m0, B_{j+1} = max(B_j, max kls of chunk j); decay_j = exp(B_j - B_{j+1}) (0 for empty states)
         ends = kls.view(bh, self.chunks, c).amax(-1)
@@ -107,7 +110,7 @@ def _increments(plan: _Plan, kf: torch.Tensor, v_aug: torch.Tensor, lo: int, hi:
     bh, c = kf.shape[0], plan.c
     sl = slice(lo * c, hi * c)
     kw = kf[:, sl].view(bh, hi - lo, c, kf.shape[-1]) * plan.key_scale[:, sl].view(bh, hi - lo, c, 1)
-    return kw.transpose(-1, -2) @ v_aug[:, sl].view(bh, hi - lo, c, -1), kw
+    return kw.transpose(-1, -2) @ v_aug[:, sl].view(bh, hi - lo, c, v_aug.shape[-1]), kw
 
 
 def _read_states(plan: _Plan, start: torch.Tensor, a: int, g: int, lo: int, increments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,12 +127,13 @@ def _read_states(plan: _Plan, start: torch.Tensor, a: int, g: int, lo: int, incr
 def _group_weights(
     plan: _Plan, q, qf, qls, k, kf, kls, m, c0: int, g: int, scale: float,
 ) -> tuple[torch.Tensor, ...]:  # fmt: skip
-    """Chunks c0 .. c0 + g - 1: (q, qf, qls of the group, key blocks k, kf, the masks, X = exp(A - m)
-    [BH, g, C, (L + 1) C] and G); ``m`` None: computed here (forward) and returned as the last item."""
-    bh, c, lb = q.shape[0], plan.c, plan.lookback
+    """Chunks c0 .. c0 + g - 1: (q, qf, qls of the group, key blocks k [BH, g, (L + 1) C, d] and
+    kf [BH, g, R, F] (R = ``plan.far_cols``), the masks, X = exp(A - m) [BH, g, C, (L + 1) C], G on
+    the first R columns, m); ``m`` None: computed here (the forward)."""
+    bh, c, lb, fc = q.shape[0], plan.c, plan.lookback, plan.far_cols
     rows = slice(c0 * c, (c0 + g) * c)
     qg, qfg, qlsg = q[:, rows].view(bh, g, c, q.shape[-1]), qf[:, rows].view(bh, g, c, qf.shape[-1]), qls[:, rows].view(bh, g, c)
-    kb, kfb = _key_blocks(k, c0, g, c, lb, 0.0), _key_blocks(kf, c0, g, c, lb, 0.0)
+    kb, kfb = _key_blocks(k, c0, g, c, lb, 0.0), _key_blocks(kf, c0, g, c, lb, 0.0)[:, :, :fc]
     klsb = _key_blocks(kls, c0, g, c, lb, float("-inf"))  # [BH, g, (L + 1) C]
     near, far = plan.masks(c0, g)
     logits = (qg @ kb.transpose(-1, -2)).mul_(scale)
@@ -142,8 +146,15 @@ def _group_weights(
         m = m[:, rows].view(bh, g, c)
     x = torch.where(near, logits, qlsg.unsqueeze(-1) + klsb.unsqueeze(-2))
     x = x.masked_fill_(~(near | far), float("-inf")).sub_(m.unsqueeze(-1)).exp_()
-    gram = (qfg @ kfb.transpose(-1, -2)).masked_fill_(near, 1.0)
+    gram = (qfg @ kfb.transpose(-1, -2)).masked_fill_(near[..., :fc], 1.0)
     return qg, qfg, qlsg, kb, kfb, near, far, x, gram, m
+
+
+def _weights(x: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
+    """w = X G (G = 1 beyond its columns: window keys only)."""
+    w = x.clone()
+    w[..., : gram.shape[-1]].mul_(gram)
+    return w
 
 
 class ChunkedWindowNumerator(torch.autograd.Function):
@@ -168,9 +179,10 @@ class ChunkedWindowNumerator(torch.autograd.Function):
             rows = slice(c0 * c, (c0 + g) * c)
             m_all[:, rows] = m.reshape(bh, -1)
             carried = _carried_bounds(plan, a, g, qlsg, m)
-            out = (x.mul_(gram) @ _key_blocks(v_aug, c0, g, c, plan.lookback, 0.0))
+            x[..., : gram.shape[-1]].mul_(gram)
+            out = x @ _key_blocks(v_aug, c0, g, c, plan.lookback, 0.0)
             out.addcmul_(carried.unsqueeze(-1), qfg @ reads)
-            numer[:, rows] = out.view(bh, -1, v_aug.shape[-1])
+            numer[:, rows] = out.view(bh, g * c, v_aug.shape[-1])
         ctx.save_for_backward(q, qf, qls, k, kf, kls, v_aug, s0, m0, m_all, torch.stack(starts, dim=1))
         ctx.meta = (window, c, s0.requires_grad)
         return numer
@@ -183,8 +195,8 @@ class ChunkedWindowNumerator(torch.autograd.Function):
         scale = 1.0 / math.sqrt(q.shape[-1])
         bh = q.shape[0]
         d_numer = d_numer.contiguous()
-        dq, dk, dqf, dkf = (torch.zeros_like(t) for t in (q, k, qf, kf))
-        dqls, dkls, dv = torch.zeros_like(qls), torch.zeros_like(kls), torch.zeros_like(v_aug)
+        dq, dqf, dqls = torch.empty_like(q), torch.empty_like(qf), torch.empty_like(qls)  # every row written once
+        dk, dkf, dkls, dv = (torch.zeros_like(t) for t in (k, kf, kls, v_aug))  # blocks overlap: sums
         carry = torch.zeros_like(s0)  # dL/dS at the end of the group being walked
         for gi, (c0, g) in reversed(list(enumerate(plan.groups()))):
             a, lo, hi = plan.state_range(c0, g)
@@ -192,12 +204,13 @@ class ChunkedWindowNumerator(torch.autograd.Function):
             reads, _ = _read_states(plan, starts[:, gi], a, g, lo, increments)
             qg, qfg, qlsg, kb, kfb, near, far, x, gram, m = _group_weights(plan, q, qf, qls, k, kf, kls, m_all, c0, g, scale)
             rows = slice(c0 * c, (c0 + g) * c)
-            dn = d_numer[:, rows].view(bh, g, c, -1)
+            dn = d_numer[:, rows].view(bh, g, c, v_aug.shape[-1])
             vb = _key_blocks(v_aug, c0, g, c, plan.lookback, 0.0)
-            w = x * gram
+            w = _weights(x, gram)
             dw = dn @ vb.transpose(-1, -2)
             _scatter_blocks(dv, w.transpose(-1, -2) @ dn, c0, c, plan.lookback)
-            d_gram = (dw * x).masked_fill_(~far, 0.0)
+            fc = gram.shape[-1]
+            d_gram = (dw[..., :fc] * x[..., :fc]).masked_fill_(~far[..., :fc], 0.0)
             z = dw.mul_(w)
             z_near, z_far = z.masked_fill(~near, 0.0), z.masked_fill_(~far, 0.0)
             dq[:, rows] = (z_near @ kb).mul_(scale).view(bh, g * c, q.shape[-1])
@@ -214,7 +227,7 @@ class ChunkedWindowNumerator(torch.autograd.Function):
             dqf_g += dn_c @ reads.transpose(-1, -2)
             d_reads = qfg.transpose(-1, -2) @ dn_c  # [BH, g, F, Dv + 1]
             dqf[:, rows] = dqf_g.view(bh, g * c, qf.shape[-1])
-            dqls[:, rows] = dqls_g.view(bh, -1)
+            dqls[:, rows] = dqls_g.view(bh, g * c)
             # reverse scan over the states the group read and the chunks it absorbed
             d_inc = d_reads.new_empty(bh, hi - lo, *d_reads.shape[2:])
             for i in reversed(range(g)):
@@ -224,12 +237,12 @@ class ChunkedWindowNumerator(torch.autograd.Function):
                 carry = carry + d_reads[:, i]
             if hi > lo:  # U_j = kw_j^T v_j, kw = kf * key_scale
                 keys = slice(lo * c, hi * c)
-                v_chunks = v_aug[:, keys].view(bh, hi - lo, c, -1)
+                v_chunks = v_aug[:, keys].view(bh, hi - lo, c, v_aug.shape[-1])
                 d_kw = v_chunks @ d_inc.transpose(-1, -2)  # [BH, n, C, F]
-                dv[:, keys] += (kw @ d_inc).view(bh, -1, v_aug.shape[-1])
+                dv[:, keys] += (kw @ d_inc).view(bh, (hi - lo) * c, v_aug.shape[-1])
                 key_scale = plan.key_scale[:, keys].view(bh, hi - lo, c, 1)
                 dkf[:, keys] += (d_kw * key_scale).view(bh, (hi - lo) * c, kf.shape[-1])
-                dkls[:, keys] += (d_kw * kw).sum(-1).view(bh, -1)
+                dkls[:, keys] += (d_kw * kw).sum(-1).view(bh, (hi - lo) * c)
         d_s0 = carry if needs_s0 else None
         return dq, dqf, dqls, dk, dkf, dkls, dv, d_s0, None, None, None
 
