@@ -72,6 +72,7 @@ class _Plan:
         per_chunk = bh * c * (self.lookback + 1) * c
         self.per_group = max(1, _GROUP_ELEMENTS // per_chunk)
         self.near, self.far = block_masks(c, self.lookback, window, q.device)
+        self.bias = _bias(self.near | self.far)
         # far keys are s <= t - W: only the block's first L C - W + C keys can be (for W = L C: the
         # chunk c - L alone), so the feature products qf . kf cover those columns only
         self.far_cols = max(0, min((self.lookback + 1) * c, self.lookback * c - window + c))
@@ -90,19 +91,24 @@ class _Plan:
     def groups(self) -> list[tuple[int, int]]:
         return [(c0, min(self.per_group, self.chunks - c0)) for c0 in range(0, self.chunks, self.per_group)]
 
-    def masks(self, c0: int, g: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Near / far masks of chunks c0 .. c0 + g - 1 ([C, (L + 1) C], or [g, C, (L + 1) C] when a
-        block reaches before the first key)."""
+    def masks(self, c0: int, g: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Near / far masks and the additive bias (0 on either, -inf elsewhere) of chunks c0 .. c0 + g - 1
+        ([C, (L + 1) C], or [g, C, (L + 1) C] when a block reaches before the first key)."""
         if c0 >= self.lookback:
-            return self.near, self.far
+            return self.near, self.far, self.bias
         first_key = (self.lookback - c0 - torch.arange(g, device=self.near.device)) * self.c  # block index of key 0
-        real = torch.arange((self.lookback + 1) * self.c, device=self.near.device) >= first_key.unsqueeze(-1)
-        return self.near & real.unsqueeze(1), self.far & real.unsqueeze(1)
+        real = (torch.arange((self.lookback + 1) * self.c, device=self.near.device) >= first_key.unsqueeze(-1)).unsqueeze(1)
+        near, far = self.near & real, self.far & real
+        return near, far, _bias(near | far)
 
     def state_range(self, c0: int, g: int) -> tuple[int, int, int]:
         """(first read state index a = c0 - L, first and end chunk whose increments the group absorbs)."""
         a = c0 - self.lookback
         return a, max(a, 0), max(a + g, 0)
+
+
+def _bias(mask: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
 def _increments(plan: _Plan, kf: torch.Tensor, v_aug: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,7 +133,7 @@ def _read_states(plan: _Plan, start: torch.Tensor, a: int, g: int, lo: int, incr
 def _group_weights(
     plan: _Plan, q, qf, qls, k, kf, kls, m, c0: int, g: int, scale: float,
 ) -> tuple[torch.Tensor, ...]:  # fmt: skip
-    """Chunks c0 .. c0 + g - 1: (q, qf, qls of the group, key blocks k [BH, g, (L + 1) C, d] and
+    """Chunks c0 .. c0 + g - 1: (q / sqrt d, qf, qls of the group, key blocks k [BH, g, (L + 1) C, d] and
     kf [BH, g, R, F] (R = ``plan.far_cols``), the masks, X = exp(A - m) [BH, g, C, (L + 1) C], G on
     the first R columns, m); ``m`` None: computed here (the forward)."""
     bh, c, lb, fc = q.shape[0], plan.c, plan.lookback, plan.far_cols
@@ -135,26 +141,18 @@ def _group_weights(
     qg, qfg, qlsg = q[:, rows].view(bh, g, c, q.shape[-1]), qf[:, rows].view(bh, g, c, qf.shape[-1]), qls[:, rows].view(bh, g, c)
     kb, kfb = _key_blocks(k, c0, g, c, lb, 0.0), _key_blocks(kf, c0, g, c, lb, 0.0)[:, :, :fc]
     klsb = _key_blocks(kls, c0, g, c, lb, float("-inf"))  # [BH, g, (L + 1) C]
-    near, far = plan.masks(c0, g)
-    logits = (qg @ kb.transpose(-1, -2)).mul_(scale)
+    near, far, bias = plan.masks(c0, g)
+    qg = qg * scale
+    x = torch.where(near, qg @ kb.transpose(-1, -2), qlsg.unsqueeze(-1) + klsb.unsqueeze(-2)).add_(bias.to(qg.dtype))
     if m is None:
-        window_max = logits.masked_fill(~near, float("-inf")).amax(-1)
-        far_max = plan.far_max[:, rows].view(bh, g, c)
-        m = torch.maximum(window_max, qlsg.detach() + far_max)
+        # the block's far entries qls_t + kls_s are <= qls_t + far_max_t: the row max is the window's or below
+        m = torch.maximum(x.amax(-1), qlsg.detach() + plan.far_max[:, rows].view(bh, g, c))
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # a row that sees nothing: weights 0 anyway
     else:
         m = m[:, rows].view(bh, g, c)
-    x = torch.where(near, logits, qlsg.unsqueeze(-1) + klsb.unsqueeze(-2))
-    x = x.masked_fill_(~(near | far), float("-inf")).sub_(m.unsqueeze(-1)).exp_()
+    x = x.sub_(m.unsqueeze(-1)).exp_()
     gram = (qfg @ kfb.transpose(-1, -2)).masked_fill_(near[..., :fc], 1.0)
     return qg, qfg, qlsg, kb, kfb, near, far, x, gram, m
-
-
-def _weights(x: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
-    """w = X G (G = 1 beyond its columns: window keys only)."""
-    w = x.clone()
-    w[..., : gram.shape[-1]].mul_(gram)
-    return w
 
 
 class ChunkedWindowNumerator(torch.autograd.Function):
@@ -206,15 +204,18 @@ class ChunkedWindowNumerator(torch.autograd.Function):
             rows = slice(c0 * c, (c0 + g) * c)
             dn = d_numer[:, rows].view(bh, g, c, v_aug.shape[-1])
             vb = _key_blocks(v_aug, c0, g, c, plan.lookback, 0.0)
-            w = _weights(x, gram)
             dw = dn @ vb.transpose(-1, -2)
-            _scatter_blocks(dv, w.transpose(-1, -2) @ dn, c0, c, plan.lookback)
             fc = gram.shape[-1]
             d_gram = (dw[..., :fc] * x[..., :fc]).masked_fill_(~far[..., :fc], 0.0)
-            z = dw.mul_(w)
-            z_near, z_far = z.masked_fill(~near, 0.0), z.masked_fill_(~far, 0.0)
+            w = x
+            w[..., :fc].mul_(gram)  # w = X G (G = 1 beyond the far columns)
+            _scatter_blocks(dv, w.transpose(-1, -2) @ dn, c0, c, plan.lookback)
+            z = dw.mul_(w)  # dlogits on window entries, d(qls + kls) on far ones (zero elsewhere)
+            z_far = z[..., :fc].masked_fill(~far[..., :fc], 0.0)
+            z_near = z
+            z_near[..., :fc].masked_fill_(far[..., :fc], 0.0)
             dq[:, rows] = (z_near @ kb).mul_(scale).view(bh, g * c, q.shape[-1])
-            _scatter_blocks(dk, (z_near.transpose(-1, -2) @ qg).mul_(scale), c0, c, plan.lookback)
+            _scatter_blocks(dk, z_near.transpose(-1, -2) @ qg, c0, c, plan.lookback)  # qg: q / sqrt d
             dqf_g = d_gram @ kfb
             _scatter_blocks(dkf, d_gram.transpose(-1, -2) @ qfg, c0, c, plan.lookback)
             dqls_g = z_far.sum(-1)
