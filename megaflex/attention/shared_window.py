@@ -35,7 +35,9 @@ Three forms that agree to rounding:
   c - L .. c as one [C, (L + 1) C] block (window and near far-field keys, by two complementary
   masks on t - s) and to the linear state of the chunks before c - L (a scan over chunk states,
   as in ``chunked.py``). No N x N or N x (W + N) mask or weight exists: memory is O(N (L + 1) C).
-  Autograd through torch ops (a training path; the Triton kernel is not written yet).
+  One autograd Function that recomputes each group's blocks in the backward
+  (``shared_window_chunked.py``); ``_chunked_blocks`` below, the same in torch ops under autograd,
+  is its reference and serves padded keys (``key_valid``). No Triton kernel yet.
 """
 
 from __future__ import annotations
