@@ -29,6 +29,9 @@ import torch
 
 # elements of a group's [heads, g, C, (L + 1) C] temporaries (x 4 bytes = 4 MiB)
 _GROUP_ELEMENTS = 1 << 20
+# up to this many block elements in all (short sequences, a long one's segments), the forward keeps
+# X and G for the backward instead of recomputing them (two matmuls and ~6 elementwise passes)
+_KEEP_ELEMENTS = 1 << 22
 
 
 @functools.lru_cache(maxsize=32)
@@ -71,6 +74,7 @@ class _Plan:
         self.lookback = min(-(-window // c), self.chunks - 1)
         per_chunk = bh * c * (self.lookback + 1) * c
         self.per_group = max(1, _GROUP_ELEMENTS // per_chunk)
+        self.keep = per_chunk * self.chunks <= _KEEP_ELEMENTS
         self.near, self.far = block_masks(c, self.lookback, window, q.device)
         self.bias = _bias(self.near | self.far)
         # far keys are s <= t - W: only the block's first L C - W + C keys can be (for W = L C: the
@@ -131,11 +135,11 @@ def _read_states(plan: _Plan, start: torch.Tensor, a: int, g: int, lo: int, incr
 
 
 def _group_weights(
-    plan: _Plan, q, qf, qls, k, kf, kls, m, c0: int, g: int, scale: float,
+    plan: _Plan, q, qf, qls, k, kf, kls, m, c0: int, g: int, scale: float, kept: tuple | None = None,
 ) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """Chunks c0 .. c0 + g - 1: (q / sqrt d, qf, qls of the group, key blocks k [BH, g, (L + 1) C, d] and
     kf [BH, g, R, F] (R = ``plan.far_cols``), the masks, X = exp(A - m) [BH, g, C, (L + 1) C], G on
-    the first R columns, m); ``m`` None: computed here (the forward)."""
+    the first R columns, m); ``m`` None: computed here (the forward); ``kept``: (X, G) kept by the forward."""
     bh, c, lb, fc = q.shape[0], plan.c, plan.lookback, plan.far_cols
     rows = slice(c0 * c, (c0 + g) * c)
     qg, qfg, qlsg = q[:, rows].view(bh, g, c, q.shape[-1]), qf[:, rows].view(bh, g, c, qf.shape[-1]), qls[:, rows].view(bh, g, c)
@@ -143,6 +147,8 @@ def _group_weights(
     klsb = _key_blocks(kls, c0, g, c, lb, float("-inf"))  # [BH, g, (L + 1) C]
     near, far, bias = plan.masks(c0, g)
     qg = qg * scale
+    if kept is not None:
+        return qg, qfg, qlsg, kb, kfb, near, far, *kept, m[:, rows].view(bh, g, c)
     x = torch.where(near, qg @ kb.transpose(-1, -2), qlsg.unsqueeze(-1) + klsb.unsqueeze(-2)).add_(bias.to(qg.dtype))
     if m is None:
         # the block's far entries qls_t + kls_s are <= qls_t + far_max_t: the row max is the window's or below
@@ -167,7 +173,7 @@ class ChunkedWindowNumerator(torch.autograd.Function):
         bh, t_pad = q.shape[:2]
         numer = v_aug.new_empty(bh, t_pad, v_aug.shape[-1])
         m_all = q.new_empty(bh, t_pad)
-        starts, state = [], s0
+        starts, state, kept = [], s0, []
         for c0, g in plan.groups():
             a, lo, hi = plan.state_range(c0, g)
             starts.append(state)
@@ -177,17 +183,19 @@ class ChunkedWindowNumerator(torch.autograd.Function):
             rows = slice(c0 * c, (c0 + g) * c)
             m_all[:, rows] = m.reshape(bh, -1)
             carried = _carried_bounds(plan, a, g, qlsg, m)
+            if plan.keep:
+                kept += [x.clone(), gram]
             x[..., : gram.shape[-1]].mul_(gram)
             out = x @ _key_blocks(v_aug, c0, g, c, plan.lookback, 0.0)
             out.addcmul_(carried.unsqueeze(-1), qfg @ reads)
             numer[:, rows] = out.view(bh, g * c, v_aug.shape[-1])
-        ctx.save_for_backward(q, qf, qls, k, kf, kls, v_aug, s0, m0, m_all, torch.stack(starts, dim=1))
+        ctx.save_for_backward(q, qf, qls, k, kf, kls, v_aug, s0, m0, m_all, torch.stack(starts, dim=1), *kept)
         ctx.meta = (window, c, s0.requires_grad)
         return numer
 
     @staticmethod
     def backward(ctx, d_numer):  # type: ignore[override]
-        q, qf, qls, k, kf, kls, v_aug, s0, m0, m_all, starts = ctx.saved_tensors
+        q, qf, qls, k, kf, kls, v_aug, s0, m0, m_all, starts, *kept = ctx.saved_tensors
         window, c, needs_s0 = ctx.meta
         plan = _Plan(q, kls, m0, window, c)
         scale = 1.0 / math.sqrt(q.shape[-1])
@@ -200,14 +208,15 @@ class ChunkedWindowNumerator(torch.autograd.Function):
             a, lo, hi = plan.state_range(c0, g)
             increments, kw = _increments(plan, kf, v_aug, lo, hi)
             reads, _ = _read_states(plan, starts[:, gi], a, g, lo, increments)
-            qg, qfg, qlsg, kb, kfb, near, far, x, gram, m = _group_weights(plan, q, qf, qls, k, kf, kls, m_all, c0, g, scale)
+            pair = tuple(kept[2 * gi : 2 * gi + 2]) if kept else None
+            qg, qfg, qlsg, kb, kfb, near, far, x, gram, m = _group_weights(plan, q, qf, qls, k, kf, kls, m_all, c0, g, scale, pair)
             rows = slice(c0 * c, (c0 + g) * c)
             dn = d_numer[:, rows].view(bh, g, c, v_aug.shape[-1])
             vb = _key_blocks(v_aug, c0, g, c, plan.lookback, 0.0)
             dw = dn @ vb.transpose(-1, -2)
             fc = gram.shape[-1]
             d_gram = (dw[..., :fc] * x[..., :fc]).masked_fill_(~far[..., :fc], 0.0)
-            w = x
+            w = x.clone() if kept else x  # kept tensors stay intact (a second backward reads them)
             w[..., :fc].mul_(gram)  # w = X G (G = 1 beyond the far columns)
             _scatter_blocks(dv, w.transpose(-1, -2) @ dn, c0, c, plan.lookback)
             z = dw.mul_(w)  # dlogits on window entries, d(qls + kls) on far ones (zero elsewhere)
