@@ -6,7 +6,7 @@ One causal attention layer (``AttentionCore``: feature map included for the line
 batch 1, 8 heads, head_dim 64, feature dim F = 128 (64 frequencies for the trig maps), fp32 on
 CPU, for: softmax (``F.scaled_dot_product_attention``, causal), flexformer_n / flexformer_s /
 performer (chunked form), and flexformer_n with a W-token softmax window under one normaliser
-(``flexformer_n_window16`` / ``flexformer_n_window64``: its torch chunked form; ``peak_vs_sdpa``
+(``flexformer_n_window16`` / ``flexformer_n_window64``: its chunked form, ``shared_window_chunked.py``; ``peak_vs_sdpa``
 compares its peak memory with SDPA's). Each (impl, seq_len) runs in a *fresh subprocess*:
 
 * time: one warm-up fwd+bwd, then ``--repeats`` timed fwd+bwd (loss = <out, fixed random probe>);
@@ -16,8 +16,8 @@ compares its peak memory with SDPA's). Each (impl, seq_len) runs in a *fresh sub
 * allocator: workers run with ``MALLOC_TUNING`` (glibc never mmaps/trims; see below) unless
   ``--no-malloc-tuning``.
 * peak memory: ``peak_mem_mb`` = the process's peak RSS (VmHWM) during the first fwd+bwd minus its
-  RSS just before it (inputs and parameters already allocated): the extra memory the layer's
-  forward + backward needs, activations and temporaries included.
+  RSS just before it (inputs and parameters already allocated, ``torch.utils.checkpoint`` imported):
+  the extra memory the layer's forward + backward needs, activations and temporaries included.
 
 Also measured: this machine's dense fp32 matmul GFLOP/s (best of 2048^3 and 4096^3 products)
 and, for the linear kinds, the GFLOP/s of the matmuls the chunked algorithm executes (see
@@ -127,6 +127,11 @@ def run_one(impl: str, seq_len: int, chunk_size: int, repeats: int, warmup: bool
         out.backward(probe)
         return time.perf_counter() - t0
 
+    # torch.utils.checkpoint's first call (the hybrid's long-sequence segments) imports ~900 modules
+    # (~146 MB RSS): a one-time cost of the process, not the layer's memory; pay it before measuring
+    from torch.utils.checkpoint import checkpoint
+
+    checkpoint(torch.neg, torch.zeros(1, requires_grad=True), use_reentrant=True)
     rss_before = _rss_kb("VmRSS")
     first = step()
     peak_mb = (_rss_kb("VmHWM") - rss_before) / 1024

@@ -116,6 +116,48 @@ def test_forms_agree_in_outputs_states_and_every_gradient(window, n, carried):
             assert_close(a, b, steps=2 * steps + 2 * n * HEADS, floor=floor, name=f"{form} grad")
 
 
+@pytest.mark.parametrize("kind,window", [("flexformer_n", w) for w in (0, 5, 8, 20)] + [("softmax", 5), ("softmax", 20)])
+def test_chunk_groups_agree_with_the_quadratic_form(window, kind, monkeypatch):
+    """The chunked Function one chunk per group (states, and dL/dS in the backward, carried from group
+    to group; blocks reaching before the first key in several groups; blocks recomputed in the
+    backward, where the other tests' short sequences keep them), after a carried state and
+    window cache: outputs, states and every gradient as the quadratic form. ``softmax``: no far field
+    (zero-width features, from the first token)."""
+    from megaflex.attention import shared_window_chunked
+
+    monkeypatch.setattr(shared_window_chunked, "_GROUP_ELEMENTS", 1)
+    monkeypatch.setattr(shared_window_chunked, "_KEEP_ELEMENTS", 0)  # the backward recomputes every block
+    fmap = make_map("flexformer_n", HEADS, D, FEAT, seed=21)
+    n, chunk = 3 * 8 + 5, 8
+    far, cache = (None, None) if kind == "softmax" else prefix_state(fmap, window, 1, n=11)
+    leaves = [] if far is None else [far.kv.requires_grad_()]
+    q0, k0, v0 = make_qkv(1, HEADS, n, D, seed=22)
+    results = {}
+    for form in ("quadratic", "chunked"):
+        q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
+        for p in [*leaves, *fmap.parameters()]:
+            p.grad = None
+        (qf, qls), (kf, kls) = features(fmap, q), features(fmap, k)
+        if kind == "softmax":  # zero-width features, key log-scales -inf: sliding-window softmax
+            qf, kf, qls, kls = qf[..., :0], kf[..., :0], None, torch.full_like(kls, float("-inf"))
+        out, state, _ = windowed_linear_attention(q, qf, qls, k, kf, kls, v, window=window, form=form, chunk_size=chunk,
+                                                  normalization="denominator", far_state=far, cache=cache)  # fmt: skip
+        loss = (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum()
+        if kind != "softmax":
+            loss = loss + state.kv.square().sum() * 1e-3
+        loss.backward()
+        grads = [q.grad, k.grad, v.grad] + ([] if kind == "softmax" else [far.kv.grad, *(p.grad for p in fmap.parameters())])
+        results[form] = (out.detach(), state.kv.detach(), grads)
+    steps = steps_of(fmap, q0, k0, v0, 0 if far is None else 11)
+    ref, got = results["quadratic"], results["chunked"]
+    assert_close(got[0], ref[0], steps=steps, name="out")
+    assert_close(got[1], ref[1], steps=steps, name="kv")
+    floor = max(normwise_scale(g) for g in ref[2])
+    for a, b in zip(got[2], ref[2]):
+        assert a is not None and b is not None
+        assert_close(a, b, steps=2 * steps + 2 * n * HEADS, floor=floor, name="grad")
+
+
 @pytest.mark.parametrize("window", [1, 16])
 def test_token_by_token_and_segments_continue_the_full_sequence(window):
     fmap = make_map("flexformer_n", HEADS, D, FEAT, seed=4)

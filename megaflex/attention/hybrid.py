@@ -34,18 +34,18 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from .base import KernelParameter, LinearAttentionState, normalize_output
 from .core import AttentionCore, mask_padded_keys, padding_mask
 from .documents import DocumentLayout, document_layout, run_documents_batched
+from .segments import run_segments
 from .shared_window import WindowCache, windowed_linear_attention
 from .softmax import padded_causal_mask
 
 WINDOW_MIXINGS = ("shared_normaliser", "gated")
 # padded keys' log-scale below the row's lowest real one (finite: no -inf - -inf anywhere); exp(-1e4) = 0
 _PAD_LOG_SCALE_MARGIN = 1e4
-# training sequences longer than twice this run in checkpointed segments of this many tokens (memory)
+# training sequences longer than twice this run in recomputed segments of this many tokens (memory)
 _SEGMENT_TOKENS = 512
 
 
@@ -208,27 +208,17 @@ class LocalMixingCore(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: HybridState | None, offset: int, segment: int
     ) -> tuple[torch.Tensor, LinearAttentionState, WindowCache]:
         """Training on long sequences: segments of ``segment`` tokens, each continuing the previous one's
-        (far state, window cache) under activation checkpointing, so between forward and backward only
-        q, k, v, the outputs and a state per segment live (no features, no [N, (L + 1) C] blocks);
-        the backward recomputes one segment at a time. Same maths as one call (segments agree to rounding)."""
+        (far state, window cache) (``segments.py``), so between forward and backward only q, k, v, the
+        output and a state per segment live (no features, no [N, (L + 1) C] blocks); the backward
+        recomputes one segment at a time. Same maths as one call (segments agree to rounding)."""
         far = None if state is None else state.linear
         cache = None if state is None else state.window_cache
-        # reentrant checkpointing builds no graph in the forward (the non-reentrant kind kept ~25 MB per
-        # 1k-token segment alive at 8 heads); it needs an input that requires grad, else the map's
-        # parameters would get none (e.g. frozen projections in distillation): then non-reentrant
-        reentrant = q.requires_grad or k.requires_grad or v.requires_grad
-        outs, lo = [], 0
-        # split, not slices: a slice's backward would materialise a full-length gradient per segment
-        for qs, ks, vs in zip(q.split(segment, dim=2), k.split(segment, dim=2), v.split(segment, dim=2)):
-            carried = [] if far is None else [far.kv, far.k_sum, far.log_max]
-            carried += [] if cache is None else [cache.k, cache.kf, cache.kls, cache.v]
-            out, *new = checkpoint(self._segment, offset + lo, far is not None, cache is not None, qs, ks, vs, *carried,
-                                   use_reentrant=reentrant)  # fmt: skip
-            outs.append(out)
-            lo += qs.shape[2]
-            far = LinearAttentionState(new[0], new[1], new[2].detach(), offset + lo)
-            cache = WindowCache(*new[3:])
-        return torch.cat(outs, dim=2), far, cache
+        carried = [] if far is None else [far.kv, far.k_sum, far.log_max]
+        carried += [] if cache is None else [cache.k, cache.kf, cache.kls, cache.v]
+        out, *new = run_segments(self._segment, offset, segment, q, k, v, carried, far is not None, cache is not None,
+                                 list(self.core.parameters()))  # fmt: skip
+        far = LinearAttentionState(new[0], new[1], new[2].detach(), offset + q.shape[2])
+        return out, far, WindowCache(*new[3:])
 
     def _segment(self, offset: int, has_far: bool, has_cache: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  *carried: torch.Tensor) -> tuple[torch.Tensor, ...]:  # fmt: skip

@@ -35,18 +35,20 @@ Three forms that agree to rounding:
   c - L .. c as one [C, (L + 1) C] block (window and near far-field keys, by two complementary
   masks on t - s) and to the linear state of the chunks before c - L (a scan over chunk states,
   as in ``chunked.py``). No N x N or N x (W + N) mask or weight exists: memory is O(N (L + 1) C).
-  Autograd through torch ops (a training path; the Triton kernel is not written yet).
+  One autograd Function that recomputes each group's blocks in the backward
+  (``shared_window_chunked.py``); ``_chunked_blocks`` below, the same in torch ops under autograd,
+  is its reference and serves padded keys (``key_valid``). No Triton kernel yet.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
 import torch
 
 from .base import LinearAttentionState, accumulation_dtype, normalize_output
+from .shared_window_chunked import ChunkedWindowNumerator, block_masks
 
 WINDOW_FORMS = ("quadratic", "recurrent", "chunked")
 
@@ -186,14 +188,6 @@ def _recurrent(x: _Inputs, window: int) -> tuple[torch.Tensor, LinearAttentionSt
     return torch.stack(outs, dim=2), state
 
 
-@functools.lru_cache(maxsize=32)
-def _block_masks(c: int, lookback: int, window: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """[C, (L + 1) C] bool (near, far-within-block) for query i of a chunk and key j of its block
-    (chunks c - L .. c): t - s = i - j + L C."""
-    lag = torch.arange(c, device=device).unsqueeze(1) - torch.arange((lookback + 1) * c, device=device) + lookback * c
-    return (lag >= 0) & (lag < window), lag >= window
-
-
 def _blocks(x: torch.Tensor, c: int, lookback: int, fill: float) -> torch.Tensor:
     """Keys [B, H, T_pad, *] (T_pad = nC C) -> [B, H, nC, (L + 1) C, *]: chunk c's keys from chunks c - L .. c
     (``fill`` before the first key)."""
@@ -210,9 +204,36 @@ def _pad(x: torch.Tensor, n_pad: int, fill: float = 0.0) -> torch.Tensor:
     return torch.cat([x, x.new_full((*x.shape[:2], n_pad - n, *x.shape[3:]), fill)], dim=2)
 
 
+def _aligned_queries(y: torch.Tensor, prefix: int, t_pad: int) -> torch.Tensor:
+    """Queries [B, H, N, *] -> [B, H, T_pad, *] aligned with the keys: the P cached keys get
+    placeholder queries (zeros: finite, their rows are dropped), the end is zero-padded."""
+    aligned = torch.cat([y.new_zeros(*y.shape[:2], prefix, *y.shape[3:]), y], dim=2) if prefix else y
+    return _pad(aligned, t_pad)
+
+
 def _chunked(x: _Inputs, window: int, chunk_size: int) -> torch.Tensor:
-    """Chunked form on the key-aligned sequence: the P cached keys get placeholder queries (zeros:
-    finite, their rows are dropped)."""
+    """The chunked form: ``ChunkedWindowNumerator`` (one autograd Function, ``shared_window_chunked.py``);
+    with padded keys (``key_valid``) the torch-ops blocks below (the reference it is tested against)."""
+    if x.key_valid is not None:
+        return _chunked_blocks(x, window, chunk_size)
+    b, h, n, d = x.q.shape
+    p, total = x.prefix, x.k.shape[2]
+    c = min(chunk_size, total)
+    t_pad = -(-total // c) * c
+
+    def flat(y: torch.Tensor) -> torch.Tensor:
+        return y.reshape(b * h, t_pad, *y.shape[3:]).contiguous()
+
+    q, qf, qls = (flat(_aligned_queries(y, p, t_pad)) for y in (x.q, x.qf, x.qls))
+    k, kf, v_aug = (flat(_pad(y, t_pad)) for y in (x.k, x.kf, x.v_aug))
+    kls = flat(_pad(x.kls, t_pad, float("-inf")))
+    s0 = _state_aug(x.far).flatten(0, 1)
+    numer = ChunkedWindowNumerator.apply(q, qf, qls, k, kf, kls, v_aug, s0, x.far.log_max.reshape(b * h), window, c)
+    return numer.view(b, h, t_pad, -1)[:, :, p : p + n]
+
+
+def _chunked_blocks(x: _Inputs, window: int, chunk_size: int) -> torch.Tensor:
+    """The chunked form in torch ops on the key-aligned sequence (autograd keeps every block)."""
     b, h, n, d = x.q.shape
     p, total = x.prefix, x.k.shape[2]
     c = min(chunk_size, total)
@@ -220,16 +241,15 @@ def _chunked(x: _Inputs, window: int, chunk_size: int) -> torch.Tensor:
     lookback = min(-(-window // c), chunks - 1)  # a window beyond the sequence needs no more than every chunk
     t_pad = chunks * c
 
-    def queries(y: torch.Tensor) -> torch.Tensor:  # [B, H, N, *] -> [B, H, nC, C, *], aligned with the keys
-        aligned = torch.cat([y.new_zeros(*y.shape[:2], p, *y.shape[3:]), y], dim=2) if p else y
-        return _pad(aligned, t_pad).view(b, h, chunks, c, *y.shape[3:])
+    def queries(y: torch.Tensor) -> torch.Tensor:  # [B, H, N, *] -> [B, H, nC, C, *]
+        return _aligned_queries(y, p, t_pad).view(b, h, chunks, c, *y.shape[3:])
 
     q, qf, qls = queries(x.q), queries(x.qf), queries(x.qls)
     k, kf, v_aug = (_pad(y, t_pad) for y in (x.k, x.kf, x.v_aug))
     kls = _pad(x.kls, t_pad, float("-inf"))  # padded keys: no weight, and no effect on any max
     valid = torch.arange(t_pad, device=q.device) < total  # [T_pad]
     valid = valid.expand(b, t_pad) if x.key_valid is None else _pad(x.key_valid.unsqueeze(1), t_pad, False).squeeze(1)
-    near_mask, far_mask = _block_masks(c, lookback, window, q.device)
+    near_mask, far_mask = block_masks(c, lookback, window, q.device)
     valid_blocks = _blocks(valid.unsqueeze(1), c, lookback, False)  # [B, 1, nC, (L + 1) C]
     near_mask = near_mask & valid_blocks.unsqueeze(-2)  # [B, 1, nC, C, (L + 1) C]
 

@@ -1,0 +1,264 @@
+"""The one-normaliser hybrid's chunked form as one autograd Function (the training path).
+
+Same maths as ``shared_window.py`` (see its module doc; ``_chunked_blocks`` there is the torch-ops
+reference this agrees with to rounding). Chunks of C queries; with L = ceil(W / C), chunk c attends
+to the keys of chunks c - L .. c as a [C, (L + 1) C] block (one window mask, one far mask on
+t - s, both built once) and reads S_{c - L}, the linear state of every key before chunk c - L:
+
+    S_{j+1} = exp(B_j - B_{j+1}) S_j + sum_{s in chunk j} exp(kls_s - B_{j+1}) kf_s v_s^T
+    w_ts    = exp(A_ts - m_t) G_ts,  A = q.k / sqrt d (window) | qls_t + kls_s (far), G = 1 | qf_t . kf_s
+    n_t     = sum_{s in block} w_ts v_s + exp(qls_t + B_{c-L} - m_t) qf_t S_{c-L}
+
+Memory: the forward keeps its inputs (aligned q, k, features, log-scales, v), the stabiliser m
+[T] and the state before each group of chunks; every [C, (L + 1) C] temporary lives for one group
+(~1M elements). The backward recomputes a group's blocks and states from those (one extra
+q.k / qf.kf matmul pair per group), walking the groups in reverse with dL/dS carried between them:
+
+    dw = dn v^T,  Z = dw * w:   dlogits = Z (window),  dqls_t / dkls_s = sum Z (far)
+    dG = dw * exp(A - m) (far):  dqf = dG kf,  dkf = dG^T qf
+    dS_{c-L} += qf^T (c_t dn_t),  dU_j = dS_{j+1},  dS_j = exp(B_j - B_{j+1}) dS_{j+1} + reads
+    dkf_s, dv_s, dkls_s from dU_j as in ``chunked.py``; m and B are detached (no gradient).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+# elements of a group's [heads, g, C, (L + 1) C] temporaries (x 4 bytes = 4 MiB)
+_GROUP_ELEMENTS = 1 << 20
+# up to this many block elements in all (short sequences, a long one's segments), the forward keeps
+# X and G for the backward instead of recomputing them (two matmuls and ~6 elementwise passes)
+_KEEP_ELEMENTS = 1 << 22
+
+
+@functools.lru_cache(maxsize=32)
+def block_masks(c: int, lookback: int, window: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """[C, (L + 1) C] bool (near, far-within-block) for query i of a chunk and key j of its block
+    (chunks c - L .. c): t - s = i - j + L C."""
+    lag = torch.arange(c, device=device).unsqueeze(1) - torch.arange((lookback + 1) * c, device=device) + lookback * c
+    return (lag >= 0) & (lag < window), lag >= window
+
+
+def _key_blocks(x: torch.Tensor, c0: int, g: int, c: int, lookback: int, fill: float) -> torch.Tensor:
+    """Keys x [BH, T, *] -> chunk c0 + i's block (chunks c0 + i - L .. c0 + i) for i < g:
+    [BH, g, (L + 1) C, *] (``fill`` before the first key; a view when no padding is needed)."""
+    lo, hi = (c0 - lookback) * c, (c0 + g) * c
+    part = x[:, max(lo, 0) : hi]
+    if lo < 0:
+        part = torch.cat([part.new_full((part.shape[0], -lo, *part.shape[2:]), fill), part], dim=1)
+    blocks = part.unfold(1, (lookback + 1) * c, c)  # [BH, g, *, (L + 1) C]
+    return blocks.movedim(-1, 2) if x.dim() == 3 else blocks
+
+
+def _scatter_blocks(grad: torch.Tensor, blocks: torch.Tensor, c0: int, c: int, lookback: int) -> None:
+    """grad [BH, T, *] += the block gradients [BH, g, R, *] (the first R <= (L + 1) C keys of each
+    block) of chunks c0 .. c0 + g - 1."""
+    bh, g, rows = blocks.shape[:3]
+    chunked = grad.view(bh, grad.shape[1] // c, c, *grad.shape[2:])
+    for part in range(-(-rows // c)):
+        first = c0 - lookback + part  # the chunk that block i's part ``part`` covers is first + i
+        skip, width = max(-first, 0), min(c, rows - part * c)
+        if skip < g:
+            chunked[:, first + skip : first + g, :width].add_(blocks[:, skip:, part * c : part * c + width])
+
+
+class _Plan:
+    """Sizes, masks and the far-field stabiliser pieces shared by the forward and the backward."""
+
+    def __init__(self, q: torch.Tensor, kls: torch.Tensor, m0: torch.Tensor, window: int, c: int) -> None:
+        bh, t_pad, _ = q.shape
+        self.c, self.window, self.chunks = c, window, t_pad // c
+        self.lookback = min(-(-window // c), self.chunks - 1)
+        per_chunk = bh * c * (self.lookback + 1) * c
+        self.per_group = max(1, _GROUP_ELEMENTS // per_chunk)
+        self.keep = per_chunk * self.chunks <= _KEEP_ELEMENTS
+        self.near, self.far = block_masks(c, self.lookback, window, q.device)
+        self.bias = _bias(self.near | self.far)
+        # far keys are s <= t - W: only the block's first L C - W + C keys can be (for W = L C: the
+        # chunk c - L alone), so the feature products qf . kf cover those columns only
+        self.far_cols = max(0, min((self.lookback + 1) * c, self.lookback * c - window + c))
+        kls = kls.detach()
+        # B_0 = m0, B_{j+1} = max(B_j, max kls of chunk j); decay_j = exp(B_j - B_{j+1}) (0 for empty states)
+        ends = kls.view(bh, self.chunks, c).amax(-1)
+        self.bounds = torch.cat([m0.unsqueeze(-1), torch.maximum(ends.cummax(-1).values, m0.unsqueeze(-1))], dim=-1)
+        self.decay = torch.exp(self.bounds[:, :-1] - self.bounds[:, 1:]).nan_to_num_(0.0)
+        # exp(kls_s - B_{j+1}) for key s of chunk j (nan for an all -inf prefix: no far field there)
+        self.key_scale = torch.exp(kls.view(bh, self.chunks, c) - self.bounds[:, 1:, None]).nan_to_num_(0.0).view(bh, t_pad)
+        # the far field's max log-scale for query t: max(m0, max_{s <= t - W} kls_s)
+        running = torch.maximum(kls.cummax(-1).values, m0.unsqueeze(-1))
+        shifted = torch.cat([m0.unsqueeze(-1).expand(bh, min(window, t_pad)), running], dim=-1)
+        self.far_max = shifted[:, :t_pad]
+
+    def groups(self) -> list[tuple[int, int]]:
+        return [(c0, min(self.per_group, self.chunks - c0)) for c0 in range(0, self.chunks, self.per_group)]
+
+    def masks(self, c0: int, g: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Near / far masks and the additive bias (0 on either, -inf elsewhere) of chunks c0 .. c0 + g - 1
+        ([C, (L + 1) C], or [g, C, (L + 1) C] when a block reaches before the first key)."""
+        if c0 >= self.lookback:
+            return self.near, self.far, self.bias
+        first_key = (self.lookback - c0 - torch.arange(g, device=self.near.device)) * self.c  # block index of key 0
+        real = (torch.arange((self.lookback + 1) * self.c, device=self.near.device) >= first_key.unsqueeze(-1)).unsqueeze(1)
+        near, far = self.near & real, self.far & real
+        return near, far, _bias(near | far)
+
+    def state_range(self, c0: int, g: int) -> tuple[int, int, int]:
+        """(first read state index a = c0 - L, first and end chunk whose increments the group absorbs)."""
+        a = c0 - self.lookback
+        return a, max(a, 0), max(a + g, 0)
+
+
+def _bias(mask: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+def _increments(plan: _Plan, kf: torch.Tensor, v_aug: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """U_j for chunks lo .. hi - 1: [BH, hi - lo, F, Dv + 1], and the scaled keys kw [BH, hi - lo, C, F]."""
+    bh, c = kf.shape[0], plan.c
+    sl = slice(lo * c, hi * c)
+    kw = kf[:, sl].view(bh, hi - lo, c, kf.shape[-1]) * plan.key_scale[:, sl].view(bh, hi - lo, c, 1)
+    return kw.transpose(-1, -2) @ v_aug[:, sl].view(bh, hi - lo, c, v_aug.shape[-1]), kw
+
+
+def _read_states(plan: _Plan, start: torch.Tensor, a: int, g: int, lo: int, increments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """States read by the group's chunks (S_{max(a + i, 0)}, [BH, g, F, Dv + 1]) and S_{max(a + g, 0)}."""
+    reads = start.new_empty(start.shape[0], g, *start.shape[1:])
+    state = start
+    for i in range(g):
+        reads[:, i] = state
+        if a + i >= 0:
+            state = state * plan.decay[:, a + i, None, None] + increments[:, a + i - lo]
+    return reads, state
+
+
+def _group_weights(
+    plan: _Plan, q, qf, qls, k, kf, kls, m, c0: int, g: int, scale: float, kept: tuple | None = None,
+) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """Chunks c0 .. c0 + g - 1: (q / sqrt d, qf, qls of the group, key blocks k [BH, g, (L + 1) C, d] and
+    kf [BH, g, R, F] (R = ``plan.far_cols``), the masks, X = exp(A - m) [BH, g, C, (L + 1) C], G on
+    the first R columns, m); ``m`` None: computed here (the forward); ``kept``: (X, G) kept by the forward."""
+    bh, c, lb, fc = q.shape[0], plan.c, plan.lookback, plan.far_cols
+    rows = slice(c0 * c, (c0 + g) * c)
+    qg, qfg, qlsg = q[:, rows].view(bh, g, c, q.shape[-1]), qf[:, rows].view(bh, g, c, qf.shape[-1]), qls[:, rows].view(bh, g, c)
+    kb, kfb = _key_blocks(k, c0, g, c, lb, 0.0), _key_blocks(kf, c0, g, c, lb, 0.0)[:, :, :fc]
+    klsb = _key_blocks(kls, c0, g, c, lb, float("-inf"))  # [BH, g, (L + 1) C]
+    near, far, bias = plan.masks(c0, g)
+    qg = qg * scale
+    if kept is not None:
+        return qg, qfg, qlsg, kb, kfb, near, far, *kept, m[:, rows].view(bh, g, c)
+    x = torch.where(near, qg @ kb.transpose(-1, -2), qlsg.unsqueeze(-1) + klsb.unsqueeze(-2)).add_(bias.to(qg.dtype))
+    if m is None:
+        # the block's far entries qls_t + kls_s are <= qls_t + far_max_t: the row max is the window's or below
+        m = torch.maximum(x.amax(-1), qlsg.detach() + plan.far_max[:, rows].view(bh, g, c))
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # a row that sees nothing: weights 0 anyway
+    else:
+        m = m[:, rows].view(bh, g, c)
+    x = x.sub_(m.unsqueeze(-1)).exp_()
+    gram = (qfg @ kfb.transpose(-1, -2)).masked_fill_(near[..., :fc], 1.0)
+    return qg, qfg, qlsg, kb, kfb, near, far, x, gram, m
+
+
+class ChunkedWindowNumerator(torch.autograd.Function):
+    """(q, qf, qls, k, kf, kls, v_aug [BH, T, *] key-aligned, T a multiple of C, padded keys with
+    k = kf = v_aug = 0 and kls = -inf; s0 [BH, F, Dv + 1], m0 [BH]; window, C)
+    -> numerators [BH, T, Dv + 1] (the ones column of v_aug gives the denominator)."""
+
+    @staticmethod
+    def forward(ctx, q, qf, qls, k, kf, kls, v_aug, s0, m0, window, c):  # type: ignore[override]
+        plan = _Plan(q, kls, m0, window, c)
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        bh, t_pad = q.shape[:2]
+        numer = v_aug.new_empty(bh, t_pad, v_aug.shape[-1])
+        m_all = q.new_empty(bh, t_pad)
+        starts, state, kept = [], s0, []
+        for c0, g in plan.groups():
+            a, lo, hi = plan.state_range(c0, g)
+            starts.append(state)
+            increments, _ = _increments(plan, kf, v_aug, lo, hi)
+            reads, state = _read_states(plan, state, a, g, lo, increments)
+            qg, qfg, qlsg, kb, kfb, near, far, x, gram, m = _group_weights(plan, q, qf, qls, k, kf, kls, None, c0, g, scale)
+            rows = slice(c0 * c, (c0 + g) * c)
+            m_all[:, rows] = m.reshape(bh, -1)
+            carried = _carried_bounds(plan, a, g, qlsg, m)
+            if plan.keep:
+                kept += [x.clone(), gram]
+            x[..., : gram.shape[-1]].mul_(gram)
+            out = x @ _key_blocks(v_aug, c0, g, c, plan.lookback, 0.0)
+            out.addcmul_(carried.unsqueeze(-1), qfg @ reads)
+            numer[:, rows] = out.view(bh, g * c, v_aug.shape[-1])
+        ctx.save_for_backward(q, qf, qls, k, kf, kls, v_aug, s0, m0, m_all, torch.stack(starts, dim=1), *kept)
+        ctx.meta = (window, c, s0.requires_grad)
+        return numer
+
+    @staticmethod
+    def backward(ctx, d_numer):  # type: ignore[override]
+        q, qf, qls, k, kf, kls, v_aug, s0, m0, m_all, starts, *kept = ctx.saved_tensors
+        window, c, needs_s0 = ctx.meta
+        plan = _Plan(q, kls, m0, window, c)
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        bh = q.shape[0]
+        d_numer = d_numer.contiguous()
+        dq, dqf, dqls = torch.empty_like(q), torch.empty_like(qf), torch.empty_like(qls)  # every row written once
+        dk, dkf, dkls, dv = (torch.zeros_like(t) for t in (k, kf, kls, v_aug))  # blocks overlap: sums
+        carry = torch.zeros_like(s0)  # dL/dS at the end of the group being walked
+        for gi, (c0, g) in reversed(list(enumerate(plan.groups()))):
+            a, lo, hi = plan.state_range(c0, g)
+            increments, kw = _increments(plan, kf, v_aug, lo, hi)
+            reads, _ = _read_states(plan, starts[:, gi], a, g, lo, increments)
+            pair = tuple(kept[2 * gi : 2 * gi + 2]) if kept else None
+            qg, qfg, qlsg, kb, kfb, near, far, x, gram, m = _group_weights(plan, q, qf, qls, k, kf, kls, m_all, c0, g, scale, pair)
+            rows = slice(c0 * c, (c0 + g) * c)
+            dn = d_numer[:, rows].view(bh, g, c, v_aug.shape[-1])
+            vb = _key_blocks(v_aug, c0, g, c, plan.lookback, 0.0)
+            dw = dn @ vb.transpose(-1, -2)
+            fc = gram.shape[-1]
+            d_gram = (dw[..., :fc] * x[..., :fc]).masked_fill_(~far[..., :fc], 0.0)
+            w = x.clone() if kept else x  # kept tensors stay intact (a second backward reads them)
+            w[..., :fc].mul_(gram)  # w = X G (G = 1 beyond the far columns)
+            _scatter_blocks(dv, w.transpose(-1, -2) @ dn, c0, c, plan.lookback)
+            z = dw.mul_(w)  # dlogits on window entries, d(qls + kls) on far ones (zero elsewhere)
+            z_far = z[..., :fc].masked_fill(~far[..., :fc], 0.0)
+            z_near = z
+            z_near[..., :fc].masked_fill_(far[..., :fc], 0.0)
+            dq[:, rows] = (z_near @ kb).mul_(scale).view(bh, g * c, q.shape[-1])
+            _scatter_blocks(dk, z_near.transpose(-1, -2) @ qg, c0, c, plan.lookback)  # qg: q / sqrt d
+            dqf_g = d_gram @ kfb
+            _scatter_blocks(dkf, d_gram.transpose(-1, -2) @ qfg, c0, c, plan.lookback)
+            dqls_g = z_far.sum(-1)
+            _scatter_blocks(dkls.unsqueeze(-1), z_far.sum(-2).unsqueeze(-1), c0, c, plan.lookback)
+            # the carried state: n_t += c_t qf_t S_{c - L}
+            carried = _carried_bounds(plan, a, g, qlsg, m)
+            y = qfg @ reads  # [BH, g, C, Dv + 1]
+            dqls_g += carried * (dn * y).sum(-1)
+            dn_c = dn * carried.unsqueeze(-1)
+            dqf_g += dn_c @ reads.transpose(-1, -2)
+            d_reads = qfg.transpose(-1, -2) @ dn_c  # [BH, g, F, Dv + 1]
+            dqf[:, rows] = dqf_g.view(bh, g * c, qf.shape[-1])
+            dqls[:, rows] = dqls_g.view(bh, g * c)
+            # reverse scan over the states the group read and the chunks it absorbed
+            d_inc = d_reads.new_empty(bh, hi - lo, *d_reads.shape[2:])
+            for i in reversed(range(g)):
+                if a + i >= 0:
+                    d_inc[:, a + i - lo] = carry
+                    carry = carry * plan.decay[:, a + i, None, None]
+                carry = carry + d_reads[:, i]
+            if hi > lo:  # U_j = kw_j^T v_j, kw = kf * key_scale
+                keys = slice(lo * c, hi * c)
+                v_chunks = v_aug[:, keys].view(bh, hi - lo, c, v_aug.shape[-1])
+                d_kw = v_chunks @ d_inc.transpose(-1, -2)  # [BH, n, C, F]
+                dv[:, keys] += (kw @ d_inc).view(bh, (hi - lo) * c, v_aug.shape[-1])
+                key_scale = plan.key_scale[:, keys].view(bh, hi - lo, c, 1)
+                dkf[:, keys] += (d_kw * key_scale).view(bh, (hi - lo) * c, kf.shape[-1])
+                dkls[:, keys] += (d_kw * kw).sum(-1).view(bh, (hi - lo) * c)
+        d_s0 = carry if needs_s0 else None
+        return dq, dqf, dqls, dk, dkf, dkls, dv, d_s0, None, None, None
+
+
+def _carried_bounds(plan: _Plan, a: int, g: int, qlsg: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """exp(qls_t + B_{max(c - L, 0)} - m_t) [BH, g, C] for the group's queries (0 for an empty state)."""
+    index = torch.clamp(torch.arange(a, a + g, device=qlsg.device), min=0)
+    bounds = plan.bounds.index_select(1, index)  # [BH, g]
+    return torch.exp(qlsg + bounds.unsqueeze(-1) - m).nan_to_num_(0.0)
