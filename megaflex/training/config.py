@@ -7,7 +7,8 @@ command-line overrides. Unknown keys and wrongly-typed values are rejected by th
 (``config_loader``) with the key, its source and what is allowed; impossible combinations are
 rejected by ``validate`` (static) and ``validate_runtime`` (needs the world size and device).
 The DeepSpeed JSON is *generated* from this config (``deepspeed_config.py``), never written by
-hand. Every field carries its documentation in ``metadata["doc"]``; ``reference_markdown()``
+hand. Validation lives in ``config_checks`` (re-exported here). Every field carries its
+documentation in ``metadata["doc"]``; ``reference_markdown()``
 renders the reference in docs/training.md.
 """
 
@@ -22,7 +23,13 @@ import yaml
 
 from megaflex.checkpoint.layout import CHECKPOINTS_DIR, run_checkpoint_dir
 from megaflex.model.config import ModelConfig
-from megaflex.parallel.state import ParallelDims
+from megaflex.training.config_checks import (  # re-exported: the config's one import for callers
+    check_device,
+    parallel_dims,
+    resolve_device,
+    validate,
+    validate_runtime,
+)
 from megaflex.training.config_loader import (
     ConfigError,
     Range,
@@ -34,6 +41,35 @@ from megaflex.training.config_loader import (
     to_dict,
     type_name,
 )
+
+
+__all__ = [
+    "check_device",
+    "CheckpointConfig",
+    "Config",
+    "FLOAT_RANGES",
+    "config_from_sources",
+    "ConfigError",
+    "DataConfig",
+    "DistillConfig",
+    "FaultConfig",
+    "global_batch_size",
+    "load_config",
+    "LoggingConfig",
+    "opt",
+    "OptimizerConfig",
+    "parallel_dims",
+    "ParallelConfig",
+    "ProfileConfig",
+    "reference_markdown",
+    "resolve_device",
+    "ScheduleConfig",
+    "SECTIONS",
+    "TrainConfig",
+    "validate",
+    "validate_runtime",
+    "WandbConfig",
+]
 
 
 def opt(default: Any, doc: str) -> Any:
@@ -385,211 +421,6 @@ def config_from_sources(sources: list[Source]) -> Config:
     cfg.origins = origins
     validate(cfg)
     return cfg
-
-
-def _bad(cfg: Config, key: str, message: str) -> ConfigError:
-    return ConfigError(f"{key} (from {cfg.where(key)}): {message}")
-
-
-def validate(cfg: Config) -> None:
-    """Reject impossible combinations that need no knowledge of the world size or device."""
-    t, s, p, d, c, lg = cfg.train, cfg.schedule, cfg.parallel, cfg.data, cfg.checkpoint, cfg.logging
-    positive = {
-        "train.train_iters": t.train_iters, "train.micro_batch_size": t.micro_batch_size,
-        "train.eval_iters": t.eval_iters, "train.max_nonfinite_in_a_row": t.max_nonfinite_in_a_row,
-        "data.seq_len": d.seq_len, "parallel.tensor_parallel_size": p.tensor_parallel_size,
-        "parallel.context_parallel_size": p.context_parallel_size,
-        "parallel.pipeline_parallel_size": p.pipeline_parallel_size, "checkpoint.keep_last": c.keep_last, "logging.log_interval": lg.log_interval,
-    }
-    for key, value in positive.items():
-        if value < 1:
-            raise _bad(cfg, key, f"expected a positive integer, got {value}")
-    non_negative = {
-        "train.eval_interval": t.eval_interval, "checkpoint.save_interval": c.save_interval,
-        "schedule.warmup_iters": s.warmup_iters, "logging.kernel_stats_interval": lg.kernel_stats_interval,
-    }
-    for key, value in non_negative.items():
-        if value < 0:
-            raise _bad(cfg, key, f"expected >= 0, got {value}")
-    if lg.profile is not None:
-        for key, value in {"logging.profile.start": lg.profile.start, "logging.profile.steps": lg.profile.steps}.items():
-            if value < 1:
-                raise _bad(cfg, key, f"expected a positive integer, got {value}")
-        if lg.profile.start > t.train_iters:
-            raise _bad(cfg, "logging.profile.start", f"expected <= train.train_iters ({t.train_iters}), got {lg.profile.start}")
-    if p.zero_stage not in (0, 1, 2, 3):
-        raise _bad(cfg, "parallel.zero_stage", f"expected one of 0, 1, 2, 3, got {p.zero_stage}")
-    if p.deferred_init is True and p.zero_stage != 3:
-        raise _bad(cfg, "parallel.deferred_init", f"true needs parallel.zero_stage 3, got stage {p.zero_stage}")
-    if p.zero_offload_optimizer and p.zero_stage == 0:
-        raise _bad(cfg, "parallel.zero_offload_optimizer", "needs parallel.zero_stage >= 1, got stage 0")
-    if t.global_batch_size is not None and t.global_batch_size % t.micro_batch_size != 0:
-        raise _bad(
-            cfg, "train.global_batch_size",
-            f"expected a multiple of train.micro_batch_size ({t.micro_batch_size}), got {t.global_batch_size}",
-        )
-    if d.seq_len > cfg.model.max_seq_len:
-        raise _bad(cfg, "data.seq_len", f"expected <= model.max_seq_len ({cfg.model.max_seq_len}), got {d.seq_len}")
-    if d.document_boundaries == "reset" and d.eod_token_id is None and not d.tokenizer:
-        raise _bad(cfg, "data.document_boundaries", "'reset' needs the EOD id: set data.tokenizer or data.eod_token_id")
-    if d.reset_positions and d.document_boundaries != "reset":
-        raise _bad(cfg, "data.reset_positions", f"needs data.document_boundaries=reset, got {d.document_boundaries!r}")
-    decay_first, decay_iters = s.decay_window(t.train_iters)
-    if s.warmup_iters > decay_iters:
-        raise _bad(cfg, "schedule.warmup_iters", f"expected <= decay iterations ({decay_iters}), got {s.warmup_iters}")
-    _validate_wsd(cfg, decay_first, decay_iters)
-    if s.min_lr > t.lr:
-        raise _bad(cfg, "schedule.min_lr", f"expected <= train.lr ({t.lr}), got {s.min_lr}")
-    parallel_dims(cfg, p.tensor_parallel_size * p.context_parallel_size * p.pipeline_parallel_size)  # the model fits
-    _validate_sequence_parallel(cfg)
-    if p.pipeline_parallel_size > 1:
-        _validate_pipeline(cfg)
-    if p.context_parallel_size > 1:
-        if d.seq_len % p.context_parallel_size != 0:
-            raise _bad(
-                cfg, "data.seq_len",
-                f"expected a multiple of parallel.context_parallel_size ({p.context_parallel_size}), got {d.seq_len}",
-            )
-        if not cfg.model.is_linear_attention and not cfg.model.softmax_window:
-            raise _bad(
-                cfg, "parallel.context_parallel_size",
-                f"expected 1 for model.attention={cfg.model.attention!r} (context parallelism passes the fixed-size "
-                f"state of linear attention; softmax has none), got {p.context_parallel_size}",
-            )
-        if cfg.model.qkv_conv_size or (cfg.model.softmax_window and cfg.model.window_mixing == "gated"):
-            # they read the tokens just before each position, which may live on the previous CP rank (the
-            # one-normaliser window exchanges that halo: parallel/context_parallel_window.py)
-            raise _bad(
-                cfg, "parallel.context_parallel_size",
-                f"expected 1 with model.qkv_conv_size ({cfg.model.qkv_conv_size}) or a gated model.softmax_window "
-                f"({cfg.model.softmax_window}) set (they need the previous rank's tokens), got {p.context_parallel_size}",
-            )
-        if cfg.model.softmax_window and d.document_boundaries == "reset":
-            raise _bad(cfg, "parallel.context_parallel_size", f"expected 1 with model.softmax_window and "
-                       f"data.document_boundaries=reset (not supported together yet), got {p.context_parallel_size}")
-        slice_len = d.seq_len // p.context_parallel_size
-        if cfg.model.softmax_window and slice_len < cfg.model.softmax_window - 1:
-            raise _bad(
-                cfg, "parallel.context_parallel_size",
-                f"expected slices of at least model.softmax_window - 1 = {cfg.model.softmax_window - 1} tokens "
-                f"(the halo comes from the previous rank), got data.seq_len / {p.context_parallel_size} = {slice_len}",
-            )
-    dc = cfg.distill
-    if dc.lora_rank < 0:
-        raise _bad(cfg, "distill.lora_rank", f"expected >= 0, got {dc.lora_rank}")
-    if dc.weights_window < 1:
-        raise _bad(cfg, "distill.weights_window", f"expected a positive integer, got {dc.weights_window}")
-    if d.source == "indexed" and not d.train_path:
-        raise _bad(cfg, "data.train_path", "data.source is 'indexed' but no training data prefixes are given")
-    if d.train_weights is not None and len(d.train_weights) != len(d.train_path):
-        raise _bad(
-            cfg, "data.train_weights",
-            f"expected one weight per data.train_path entry ({len(d.train_path)}), got {len(d.train_weights)}",
-        )
-    if d.train_weights and not any(w > 0 for w in d.train_weights):
-        raise _bad(cfg, "data.train_weights", f"expected at least one weight > 0 (they are >= 0), got {d.train_weights}")
-
-
-def _validate_wsd(cfg: Config, decay_first: int, decay_iters: int) -> None:
-    """The WSD keys act only with decay_style wsd, and its decay fits after the warmup."""
-    s = cfg.schedule
-    if s.decay_style != "wsd":
-        for key in ("schedule.wsd_decay_fraction", "schedule.wsd_decay_shape"):
-            if cfg.where(key) != "defaults":
-                raise _bad(cfg, key, f"only used with schedule.decay_style=wsd, got decay_style={s.decay_style!r}")
-        return
-    if decay_first == decay_iters:
-        raise _bad(cfg, "schedule.wsd_decay_fraction",
-                   f"{s.wsd_decay_fraction:g} of {decay_iters} decay iterations rounds to no decay step; raise it")
-    if decay_first < s.warmup_iters:
-        raise _bad(cfg, "schedule.wsd_decay_fraction",
-                   f"the decay ({decay_iters - decay_first} of {decay_iters} iterations) overlaps the warmup "
-                   f"(schedule.warmup_iters={s.warmup_iters}); expected at most {(decay_iters - s.warmup_iters) / decay_iters:g}")
-
-
-def _validate_pipeline(cfg: Config) -> None:
-    """What pipeline parallelism (DeepSpeed's pipeline engine) does not run, refused before launch."""
-    p, pp = cfg.parallel, cfg.parallel.pipeline_parallel_size
-    if p.zero_stage >= 2:
-        # deepspeed/runtime/pipe/engine.py (PipelineEngine.__init__) asserts
-        # "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"
-        raise _bad(cfg, "parallel.zero_stage", f"expected 0 or 1 with parallel.pipeline_parallel_size {pp} "
-                   f"(DeepSpeed's pipeline engine refuses ZeRO-2 and ZeRO-3), got {p.zero_stage}")
-    if p.zero_stage == 0 and cfg.train.grad_clip > 0:
-        # deepspeed/runtime/utils.py clip_grad_norm_ (ZeRO 0 fp32 clipping) counts a gradient that is not
-        # tensor-parallel only on model-parallel rank 0, i.e. the first stage, and the tied embedding twice
-        raise _bad(cfg, "parallel.zero_stage", f"expected 1 with parallel.pipeline_parallel_size {pp} and "
-                   f"train.grad_clip {cfg.train.grad_clip} (DeepSpeed's ZeRO-0 clipping norm is wrong under "
-                   "pipeline parallelism; ZeRO-1's is right), got 0")
-    if cfg.data.document_boundaries == "reset":
-        raise _bad(cfg, "data.document_boundaries", f"expected 'none' with parallel.pipeline_parallel_size {pp} "
-                   "(stages pass only the hidden states, not the document starts), got 'reset'")
-    injected = {"fault.nan_loss_at_steps": cfg.fault.nan_loss_at_steps, "fault.inf_grad_at_steps": cfg.fault.inf_grad_at_steps}
-    for key, steps in injected.items():
-        if steps:  # they act on the per-micro-batch loss, which the pipeline engine keeps to itself
-            raise _bad(cfg, key, f"expected [] with parallel.pipeline_parallel_size {pp}, got {steps}")
-
-
-def validate_runtime(cfg: Config, world_size: int, has_cuda: bool) -> None:
-    """Reject combinations that depend on the launched world and the device; resolve
-    ``train.precision: auto`` for the device."""
-    t = cfg.train
-    dp = parallel_dims(cfg, world_size).dp_size
-    if t.global_batch_size is not None and t.global_batch_size % (t.micro_batch_size * dp) != 0:
-        raise _bad(
-            cfg, "train.global_batch_size",
-            f"expected a multiple of micro_batch_size x data-parallel size ({t.micro_batch_size} x {dp}), "
-            f"got {t.global_batch_size}",
-        )
-    device = resolve_device(cfg, has_cuda)
-    if t.precision == "auto":  # resolved here, once: the engine, checkpoints and logs see the concrete value
-        t.precision = "bf16" if device == "cuda" else "fp32"
-    if t.precision == "fp16" and device != "cuda":
-        raise _bad(cfg, "train.precision", "fp16 needs a GPU (dynamic loss scaling on CPU is unsupported); use bf16 or fp32")
-    if cfg.parallel.backend == "nccl" and device != "cuda":
-        raise _bad(cfg, "parallel.backend", "nccl needs CUDA; use gloo or auto on CPU")
-    check_device(cfg, has_cuda)
-
-
-def check_device(cfg: Config, has_cuda: bool) -> None:
-    """ConfigError when ``train.device`` is cuda and CUDA is unusable (never a silent CPU run)."""
-    if cfg.train.device == "cuda" and not has_cuda:
-        from megaflex.parallel.launcher_env import cuda_unusable_reason
-
-        reason = cuda_unusable_reason() or "torch.cuda.is_available() is False"
-        raise _bad(cfg, "train.device", f"cuda requested but CUDA is unusable: {reason} (train.device=cpu trains on CPU)")
-
-
-def _validate_sequence_parallel(cfg: Config) -> None:
-    p, seq_len = cfg.parallel, cfg.data.seq_len
-    if not p.sequence_parallel:
-        return
-    if p.tensor_parallel_size == 1:
-        raise _bad(cfg, "parallel.sequence_parallel", "needs parallel.tensor_parallel_size > 1 (it splits each sequence "
-                   "over the TP ranks); got tensor_parallel_size 1")
-    if seq_len % (p.context_parallel_size * p.tensor_parallel_size) != 0:  # CP slices, then TP shards of them
-        raise _bad(cfg, "data.seq_len", f"expected a multiple of parallel.context_parallel_size x tensor_parallel_size "
-                   f"({p.context_parallel_size} x {p.tensor_parallel_size}) with parallel.sequence_parallel, got {seq_len}")
-
-
-def parallel_dims(cfg: Config, world_size: int) -> ParallelDims:
-    """The run's TP x CP x PP x DP grid on ``world_size`` ranks, validated against the model (ConfigError)."""
-    p, m = cfg.parallel, cfg.model
-    try:
-        return ParallelDims.for_model(
-            world_size, p.tensor_parallel_size, p.context_parallel_size, pp_size=p.pipeline_parallel_size,
-            num_heads=m.num_heads, ffn_hidden_size=m.ffn_hidden_size, num_layers=m.num_layers,
-        )
-    except ValueError as err:
-        key = "pipeline_parallel_size" if str(err).startswith("pipeline_parallel_size") else "tensor_parallel_size"
-        raise _bad(cfg, f"parallel.{key}", str(err)) from None
-
-
-def resolve_device(cfg: Config, has_cuda: bool) -> str:
-    """``train.device`` with ``auto`` resolved."""
-    if cfg.train.device == "auto":
-        return "cuda" if has_cuda else "cpu"
-    return cfg.train.device
 
 
 def global_batch_size(cfg: Config, dp_size: int) -> int:
