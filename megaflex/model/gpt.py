@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -100,8 +100,12 @@ def _row_positions(padding: Padding | None, documents: Documents | None) -> torc
     return None if documents is None else documents.position_ids
 
 
-@dataclass
-class ModelOutput:
+class ModelOutput(NamedTuple):
+    """A tuple, not a dataclass: DeepSpeed hooks the backward of the tensors the engine's forward
+    returns only inside tensors/tuples/lists/dicts; that hook runs its backward prologue, which at
+    bf16 ZeRO 1 (BF16_Optimizer) zeroes the bf16 gradients of the previous micro-batch. Without it
+    the fp32 accumulator summed running totals (4 g1 + 3 g2 + 2 g3 + g4 at grad_accum 4)."""
+
     # [B, N, padded_vocab / tp]: this rank's vocab shard, padding columns included; use
     # ``GPT.gather_logits`` for the full [B, N, vocab_size] logits.
     logits: torch.Tensor
@@ -277,12 +281,11 @@ class GPT(nn.Module):
             checkpoint_context=self.layer_factory.checkpoint_context if checkpointing else None,
         )
         logits = self.output_logits(x)  # post_process: [B, N, padded_vocab / tp]
-        out = ModelOutput(logits=logits)
+        loss = per_token_loss = None
         if labels is not None:
-            out.loss, out.per_token_loss = language_model_loss(self.layer_factory, self.config.vocab_size, logits, labels)
-        if return_state:
-            out.state = GPTState(layers=new_states, offset=offset + N)
-        return out
+            loss, per_token_loss = language_model_loss(self.layer_factory, self.config.vocab_size, logits, labels)
+        state_out = GPTState(layers=new_states, offset=offset + N) if return_state else None
+        return ModelOutput(logits, loss, per_token_loss, state_out)
 
     # ------------------------------------------------------------------ stage parts
     # Megatron's pre_process / post_process split: a pipeline stage runs ``embed_tokens`` (first
