@@ -11,10 +11,11 @@ the loss) -> ``on_step_applied`` (after the update, before the step is logged) -
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ContextManager, Protocol
 
 import torch
 import torch.distributed as dist
@@ -142,7 +143,8 @@ class KernelStatsHook(BaseHook):
         self.probe: torch.Tensor | None = None
 
     def on_model_built(self, trainer: Trainer) -> None:
-        self.reference = kernel_snapshot(trainer.model)  # before ZeRO 3 partitions anything; replaced on resume
+        with _kernel_parameters_whole(trainer.model):  # a deferred (ZeRO-3) build is partitioned already
+            self.reference = kernel_snapshot(trainer.model)  # the init; replaced on resume
 
     def on_start(self, trainer: Trainer) -> None:
         cfg = trainer.cfg
@@ -153,7 +155,8 @@ class KernelStatsHook(BaseHook):
 
     def on_step_applied(self, trainer: Trainer, step: int) -> None:
         if step % self.interval == 0:
-            kernel = _kernel_statistics(trainer.engine, trainer.cfg.parallel.zero_stage, self.probe, self.reference)
+            with _kernel_parameters_whole(trainer.engine.module):
+                kernel = trainer.engine.module.kernel_statistics(self.probe, self.reference)
             trainer.logger.log({"kind": "kernel", "step": step, **kernel})
 
 
@@ -217,17 +220,14 @@ def _kernel_reference(
     return snapshot
 
 
-def _kernel_statistics(
-    engine: Any, zero_stage: int, probe: torch.Tensor | None, reference: dict[str, torch.Tensor]
-) -> dict[str, float]:
-    """Per-layer kernel statistics (collective under ZeRO 3: kernel parameters are gathered)."""
+def _kernel_parameters_whole(module: torch.nn.Module) -> ContextManager[Any]:
+    """Context in which the kernel parameters are whole on every rank: gathered (collective) when
+    ZeRO 3 has partitioned them, else as they are."""
     from megaflex.attention import named_kernel_parameters
 
-    module = engine.module
-    if zero_stage == 3:
-        import deepspeed
+    params = [kp.param for _, kp in named_kernel_parameters(module)]
+    if not any(hasattr(p, "ds_id") for p in params):  # DeepSpeed tags the parameters it partitions
+        return contextlib.nullcontext()
+    import deepspeed
 
-        params = [kp.param for _, kp in named_kernel_parameters(module)]
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-            return module.kernel_statistics(probe, reference)
-    return module.kernel_statistics(probe, reference)
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
