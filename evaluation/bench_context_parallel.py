@@ -9,7 +9,7 @@ optimizer update is O(parameters), independent of N, and left out) of the tiny G
 ``--num-layers``/``--hidden-size``/... (default: 2 layers, hidden 32, 2 heads, F 16, vocab 256).
 Reported per rank:
 
-* ``peak_rss_mib``: the process's peak resident memory (``ru_maxrss``: Python, torch, the model
+* ``peak_rss_mib``: the process's peak resident memory (VmHWM: Python, torch, the model
   and the step's activations); ``step_rss_mib`` is what the step added over the RSS before it
   (taken after a barrier and a first ``torch.utils.checkpoint`` call, so the communicator's setup
   and the ~150 MiB of modules that call imports, loaded in DeepSpeed training anyway, are not counted).
@@ -32,7 +32,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import resource
 import sys
 import time
 from pathlib import Path
@@ -85,6 +84,7 @@ def _rank_main(rank: int, cp: int, port: int, model_kw: dict[str, Any], n: int, 
     from megaflex.model.gpt import GPT
     from megaflex.model.layers import LocalLayers
     from megaflex.parallel import ParallelState, TensorParallelLayers, sequence_slice
+    from megaflex.training.metrics import peak_rss_kib
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=cp)
@@ -119,7 +119,7 @@ def _rank_main(rank: int, cp: int, port: int, model_kw: dict[str, Any], n: int, 
     loss = step()  # warm-up (allocator, lazily built buffers)
     sent[0] = 0
     loss, elapsed = timed_steps(step, steps)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = peak_rss_kib() / 1024
     bytes_per_layer = sent[0] // (steps * config.num_layers) if cp > 1 else 0
     peak_tensors = _peak_tensor_mib(step)  # after the RSS reading: the profiler's own memory is left out
     out.put({

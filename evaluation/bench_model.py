@@ -11,7 +11,7 @@ training step (forward, backward, AdamW) untimed, then ``--steps`` timed ones of
 sequences (default 1). The kinds alternate per length, ``--rounds`` times; each row keeps its
 best round (on a shared machine, the least disturbed one).
 Peak memory: ``torch.cuda.max_memory_allocated`` on GPU; on CPU the growth of the process's
-peak resident set (``ru_maxrss``) over its value once the model and optimizer exist, i.e.
+peak resident set (VmHWM, ``megaflex.training.metrics.peak_rss_kib``) over its value once the model and optimizer exist, i.e.
 activations, gradients and optimizer states. A run that exceeds ``--timeout`` seconds is
 recorded as such. Writes ``model.json``, ``model_throughput.png`` and ``model_memory.png`` under
 ``--out``. Not a test.
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import time
@@ -31,13 +30,14 @@ from typing import Any, Sequence
 import torch
 
 from evaluation.bench_common import add_model_arguments, model_config
+from megaflex.training.metrics import peak_rss_kib
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_SEQ_LENS = "1024,2048,4096,8192,16384,32768"
 
 
 def _rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    return peak_rss_kib() / 1024  # this process's own peak (megaflex.training.metrics)
 
 
 def worker(args: argparse.Namespace) -> dict[str, Any]:

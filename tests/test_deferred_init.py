@@ -127,22 +127,21 @@ def test_trainer_zero3_deferred_init_trains_and_warm_starts_like_eager(tmp_path)
 
 def _rss_worker(rank: int, world: int, config_path: str) -> dict:
     """Build the config's model as the trainer does (ZeRO-3, deferred) and report peak RSS."""
-    import resource
-
     from megaflex.model.layers import LocalLayers
     from megaflex.parallel import ParallelState, model_parallel_seed
     from megaflex.parallel.deferred_init import full_numel
     from megaflex.training.build import build_gpt
     from megaflex.training.config import load_config
     from megaflex.training.deepspeed_config import init_deepspeed_distributed
+    from megaflex.training.metrics import peak_rss_kib
 
     init_deepspeed_distributed("gloo")
     cfg = load_config([config_path], ["parallel.zero_stage=3", "train.device=cpu", "data.source=synthetic"])
     state = ParallelState.create(tensor_parallel_size=1)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    before = peak_rss_kib() * 1024  # this process's own peak (not the pytest worker's, see peak_rss_kib)
     model_parallel_seed(cfg.train.seed, 0)
     model = build_gpt(cfg, state, LocalLayers(), "cpu")
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_rss_kib() * 1024
     return {"before": before, "peak": peak, "params": sum(full_numel(p) for p in model.parameters()),
             "local_bytes": sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in model.parameters()),
             "dtype": str(next(model.parameters()).dtype)}

@@ -73,8 +73,21 @@ def peak_memory_mb(device: str) -> float:
     """Peak memory of this process: CUDA allocator peak on GPU, peak RSS on CPU."""
     if device == "cuda" and torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 2**20
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    return rss / 1024.0
+    return peak_rss_kib() / 1024.0
+
+
+def peak_rss_kib() -> int:
+    """This process's own peak resident set (KiB): Linux's VmHWM. ``getrusage``'s ru_maxrss is
+    not it: Linux carries the peak of the process that forked this one across exec, so a
+    launcher (or a test runner) that had grown large sets every child's floor."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:  # no procfs (not Linux)
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
 
 
 def device_peak_tflops(configured: float | None, device: str) -> float | None:
