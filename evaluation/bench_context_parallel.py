@@ -47,17 +47,31 @@ def _rss_mib() -> float:
 
 def _peak_tensor_mib(step: Any) -> float:
     """Peak bytes of live CPU tensors during ``step()``, over those alive when it starts: the
-    allocator-independent memory of the step (RSS also counts glibc heap fragmentation)."""
-    from torch.profiler import ProfilerActivity, profile
-    from torch.profiler._memory_profiler import Action, MemoryProfile
+    allocator-independent memory of the step (RSS also counts glibc heap fragmentation).
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+    Read from the profiler's raw allocation events (a free counts only when its allocation was in
+    the step). torch's ``MemoryProfile`` timeline gave the same numbers but builds a data-flow
+    graph that sometimes fails its own "version mismatch" assertion (pytorch/pytorch#167838)."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        stack.extend(event.children)
+        if event.typed[0] == _EventType.Allocation and event.typed[1].device.type == "cpu":
+            events.append((event.start_time_ns, event.typed[1].alloc_size, event.typed[1].allocation_id))
     live = peak = 0
-    for _, action, (key, _), size in MemoryProfile(prof.profiler.kineto_results).timeline:
-        if key.device.type == "cpu" and action != Action.PREEXISTING:  # tensors from before the step are left out
-            live += size if action == Action.CREATE else -size if action == Action.DESTROY else 0
-            peak = max(peak, live)
+    made: set[int] = set()
+    for _, size, allocation in sorted(events, key=lambda e: e[0]):
+        if size > 0:
+            made.add(allocation)
+        elif allocation not in made:  # a tensor from before the step
+            continue
+        live += size
+        peak = max(peak, live)
     return peak / 2**20
 
 
