@@ -156,8 +156,10 @@ def test_1_3b_zero3_build_peak_rss_per_rank_below_the_fp32_model(tmp_path) -> No
     fp32_bytes = 4 * results[0]["params"]  # 5.14 GB: what an eager build holds on every rank, before its bf16 cast
     for r in results:
         assert r["dtype"] == "torch.bfloat16" and r["local_bytes"] <= fp32_bytes / 4 + 2**20  # bf16, half each
-        # Measured (2 gloo ranks, this CPU): peak 2.0 GB = 0.40 x fp32 size = ~0.28 GB interpreter
-        # + 1.29 GB bf16 shard + ~0.5 GB transient (the fp32 embedding until the build ends, one
-        # fp32 block and its bf16 copy while it is partitioned). Bound: half the fp32 size, 25%
-        # above the measurement; the eager build needs at least the whole fp32 size.
-        assert r["peak"] < fp32_bytes / 2, (r, fp32_bytes)
+        # Bound: the fp32 model size, as the issue asks. An eager build holds the whole fp32 model
+        # (5.14 GB) plus the interpreter on every rank before its bf16 cast, so it cannot pass;
+        # the deferred build holds its bf16 shard (1.29 GB) plus transients (the fp32 embedding
+        # until the build ends, one fp32 block and its bf16 copy while it is partitioned).
+        # Measured (2 gloo ranks, this 2-core CPU): 2.0 GB run alone, 3.2 GB inside the full
+        # parallel CI run (allocator reuse differs under load), i.e. 0.40-0.62 x the fp32 size.
+        assert r["peak"] < fp32_bytes, (r, fp32_bytes)
