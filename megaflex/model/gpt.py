@@ -5,11 +5,13 @@
     Attention: fused QKV -> RoPE(q, k) -> AttentionCore (Flexformer linear attention by default,
                or exact softmax) -> per-head gain -> output projection
 
-Every linear layer, the embedding, the logits and the loss come from a ``LayerFactory``
-(``LocalLayers`` on one device, ``megaflex.parallel.TensorParallelLayers`` for Megatron-style
-tensor parallelism), so this file never touches process groups. Under tensor parallelism each
-rank holds ``num_heads / tp`` whole heads and ``ffn_hidden_size / tp`` MLP channels; the fused
-layouts below are chosen so that a *contiguous* shard of an output dim is exactly that.
+The model is always built plain, as on one device (``megaflex.model.layers``); parallelism is
+applied afterwards (``megaflex.parallel.parallelize_gpt``: build, then parallelise), which swaps
+its linears and embeddings for this rank's shards and sets the ``LayerFactory`` the logits, loss,
+RNG contexts and attention run through (``LocalLayers`` until then), so this file never touches
+process groups. Under tensor parallelism each rank holds ``num_heads / tp`` whole heads and
+``ffn_hidden_size / tp`` MLP channels; the fused layouts below are chosen so that a
+*contiguous* shard of an output dim is exactly that.
 
 Training runs the parallel (chunked) attention form over whole sequences. Decoding passes the
 ``GPTState`` returned by ``forward(..., return_state=True)`` back in: each layer continues from its
@@ -34,7 +36,7 @@ from megaflex.attention.documents import DocumentLayout
 from megaflex.attention.hybrid import HybridState, LocalMixingCore
 from megaflex.model.config import ModelConfig
 from megaflex.model.kernel_stats import kernel_statistics
-from megaflex.model.layers import LayerFactory, LocalLayers, normal_init
+from megaflex.model.layers import LayerFactory, LocalLayers, linear, norm, normal_init, vocab_embedding
 from megaflex.model.rope import RotaryEmbedding
 
 IGNORE_INDEX = -100  # labels equal to this contribute no loss
@@ -117,17 +119,17 @@ class ModelOutput(NamedTuple):
 class Attention(nn.Module):
     """Multi-head attention over this rank's ``num_heads / tp`` heads."""
 
-    def __init__(self, config: ModelConfig, layers: LayerFactory) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         h, d = config.hidden_size, config.head_dim
         self.head_dim = d
-        self.local_heads = config.num_heads // layers.tp_size
-        self.layer_factory = layers
+        self.local_heads = config.num_heads  # parallelisation keeps num_heads / tp of them
+        self.layer_factory: LayerFactory = LocalLayers()
         # Output features ordered (head, {q, k, v}, head_dim): a contiguous 1/tp shard of the
         # 3h outputs is exactly the q, k and v of num_heads / tp whole heads.
-        self.qkv = layers.column_parallel_linear(h, 3 * h, bias=config.bias, init_method=normal_init(config.init_std))
+        self.qkv = linear(h, 3 * h, bias=config.bias, init_method=normal_init(config.init_std))
         self.rope = RotaryEmbedding(d, config.rope_theta) if config.position == "rope" else None
-        self.core = _build_attention_core(config, layers, self.local_heads)
+        self.core = build_attention_core(config, config.num_heads)
         # The core's "rms" normalisation is parameter-free; this per-head, per-channel gain is its
         # learnable scale. Flat [heads * d], head-major: a contiguous 1/tp shard is whole heads,
         # and being 1-D it is exempt from weight decay like every other norm gain.
@@ -138,9 +140,7 @@ class Attention(nn.Module):
             self.out_gain.partition_dim = 0
             self.out_gain.partition_stride = 1
         self.dropout = nn.Dropout(config.attention_dropout)
-        self.proj = layers.row_parallel_linear(
-            h, h, bias=config.bias, init_method=normal_init(_scaled_std(config))
-        )
+        self.proj = linear(h, h, bias=config.bias, init_method=normal_init(_scaled_std(config)))
 
     def forward(
         self, x: torch.Tensor, state: LayerState | None = None, return_state: bool = False, offset: int = 0,
@@ -173,18 +173,16 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """Column-parallel in, activation, row-parallel out (GELU or SwiGLU)."""
 
-    def __init__(self, config: ModelConfig, layers: LayerFactory) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         h, ffn = config.hidden_size, config.ffn_hidden_size
         self.swiglu = config.mlp == "swiglu"
         # SwiGLU's gate and up projections are fused with outputs interleaved as (ffn, {gate, up}),
         # so any contiguous shard holds matching gate/up channel pairs, independent of tp.
-        self.fc_in = layers.column_parallel_linear(
+        self.fc_in = linear(
             h, (2 if self.swiglu else 1) * ffn, bias=config.bias, init_method=normal_init(config.init_std)
         )
-        self.fc_out = layers.row_parallel_linear(
-            ffn, h, bias=config.bias, init_method=normal_init(_scaled_std(config))
-        )
+        self.fc_out = linear(ffn, h, bias=config.bias, init_method=normal_init(_scaled_std(config)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.fc_in(x)  # [B, N, ffn / tp] (gelu) or [B, N, 2 ffn / tp] (swiglu)
@@ -199,14 +197,14 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block."""
 
-    def __init__(self, config: ModelConfig, layers: LayerFactory) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.attn_norm = _norm(config, layers)
-        self.attn = Attention(config, layers)
-        self.mlp_norm = _norm(config, layers)
-        self.mlp = MLP(config, layers)
-        self.dropout = nn.Dropout(config.hidden_dropout)  # on the residual stream: layers.residual_rng
-        self.layer_factory = layers
+        self.attn_norm = _norm(config)
+        self.attn = Attention(config)
+        self.mlp_norm = _norm(config)
+        self.mlp = MLP(config)
+        self.dropout = nn.Dropout(config.hidden_dropout)  # on the residual stream: layer_factory.residual_rng
+        self.layer_factory: LayerFactory = LocalLayers()
 
     def forward(
         self, x: torch.Tensor, state: LayerState | None = None, return_state: bool = False, offset: int = 0,
@@ -219,28 +217,27 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Decoder-only language model built through a ``LayerFactory`` (default: single device)."""
+    """Decoder-only language model, built plain (one device); ``megaflex.parallel.parallelize_gpt``
+    parallelises it in place."""
 
-    def __init__(self, config: ModelConfig, layers: LayerFactory | None = None) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        layers = LocalLayers() if layers is None else layers
-        layers.check_model_fit(config.num_heads, config.ffn_hidden_size)
         self.config = config
-        self.layer_factory = layers
+        self.layer_factory: LayerFactory = LocalLayers()
         init = normal_init(config.init_std)
 
-        self.embed = layers.vocab_embedding(config.vocab_size, config.hidden_size, init_method=init)
+        self.embed = vocab_embedding(config.vocab_size, config.hidden_size, init_method=init)
         self.pos_embed = None
         if config.position == "learned":
             self.pos_embed = nn.Embedding(config.max_seq_len, config.hidden_size)
             init(self.pos_embed.weight)
         self.embed_dropout = nn.Dropout(config.hidden_dropout)
-        self.blocks = nn.ModuleList(Block(config, layers) for _ in range(config.num_layers))
-        self.final_norm = _norm(config, layers)
-        # Untied output weight: another vocab-sharded [padded_vocab / tp, h] matrix from the factory.
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.final_norm = _norm(config)
+        # Untied output weight: another [padded_vocab, h] matrix (vocab-sharded once parallelised).
         self.lm_head = None
         if not config.tie_embeddings:
-            self.lm_head = layers.vocab_embedding(config.vocab_size, config.hidden_size, init_method=init)
+            self.lm_head = vocab_embedding(config.vocab_size, config.hidden_size, init_method=init)
         self.activation_checkpointing = False
         self.set_activation_checkpointing(config.activation_checkpointing)
 
@@ -427,49 +424,27 @@ def _residual_dropout(dropout: nn.Dropout, layers: LayerFactory, x: torch.Tensor
         return dropout(x)
 
 
-def _norm(config: ModelConfig, layers: LayerFactory) -> nn.Module:
-    return layers.norm(config.norm, config.hidden_size, config.norm_eps)
+def _norm(config: ModelConfig) -> nn.Module:
+    return norm(config.norm, config.hidden_size, config.norm_eps)
 
 
-def _build_attention_core(config: ModelConfig, layers: LayerFactory, local_heads: int) -> AttentionCore | LocalMixingCore:
-    """AttentionCore over this rank's heads, initialised as the tp=1 core sliced by heads, wrapped in
-    a ``LocalMixingCore`` when ``softmax_window`` or ``qkv_conv_size`` is set.
-
-    Under TP the full core is drawn from the default RNG (identical on every rank, and consumed
-    exactly as at tp=1) and this rank's heads of every feature-map tensor (heads on dim 0) are
-    copied into a core built from a throwaway RNG fork. So the model's init does not depend on
-    tp, and different ranks never duplicate heads.
-    """
-
-    def build(num_heads: int) -> AttentionCore | LocalMixingCore:
-        core = AttentionCore(
-            config.attention,
-            num_heads,
-            config.head_dim,
-            feature_dim=config.feature_dim,
-            normalization=config.normalization,
-            chunk_size=config.chunk_size,
-            max_seq_len=config.max_seq_len,
-            backend=config.attention_backend,
-            **config.feature_kwargs,
+def build_attention_core(config: ModelConfig, num_heads: int) -> AttentionCore | LocalMixingCore:
+    """AttentionCore over ``num_heads`` heads (the model's, or one TP rank's), wrapped in a
+    ``LocalMixingCore`` when ``softmax_window`` or ``qkv_conv_size`` is set. Draws the feature
+    map's random init from the default RNG."""
+    core = AttentionCore(
+        config.attention,
+        num_heads,
+        config.head_dim,
+        feature_dim=config.feature_dim,
+        normalization=config.normalization,
+        chunk_size=config.chunk_size,
+        max_seq_len=config.max_seq_len,
+        backend=config.attention_backend,
+        **config.feature_kwargs,
+    )
+    if config.softmax_window or config.qkv_conv_size:  # deterministic init: no RNG drawn here
+        return LocalMixingCore(
+            core, window=config.softmax_window, conv_size=config.qkv_conv_size, mixing=config.window_mixing
         )
-        if config.softmax_window or config.qkv_conv_size:  # deterministic init: no RNG drawn here
-            return LocalMixingCore(
-                core, window=config.softmax_window, conv_size=config.qkv_conv_size, mixing=config.window_mixing
-            )
-        return core
-
-    if layers.tp_size == 1:
-        return build(config.num_heads)
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else []):
-        core = build(local_heads)
-    full = build(config.num_heads)
-    if full.feature_map is not None:
-        lo, hi = layers.tp_rank * local_heads, (layers.tp_rank + 1) * local_heads
-        sliced = {
-            name: t[lo:hi] if t.dim() > 0 and t.shape[0] == config.num_heads else t
-            for name, t in full.feature_map.state_dict().items()
-        }
-        core.feature_map.load_state_dict(sliced)
     return core

@@ -1,17 +1,19 @@
-"""The layer interface the GPT is built from, and its single-device implementation.
+"""The model's plain layers and the runtime interface it runs them through.
 
-The model never talks to process groups. It asks a ``LayerFactory`` for its linear layers,
-embedding, logits and loss; ``LocalLayers`` (here) builds plain single-device modules and
-``megaflex.parallel.TensorParallelLayers`` builds Megatron-style tensor-parallel ones with the
-same contract. Shapes below use ``tp`` for the factory's tensor-parallel size. Under context
-parallelism (``TensorParallelLayers`` with a CP group) the model sees only this rank's slice of
-each sequence; the factory supplies the slice's global offset, the attention over the whole
-sequence and the sum of the loss over the slices. Under sequence parallelism (``TensorParallelLayers(...,
-sequence_parallel=True)``) the residual stream between the parallel linears is this TP rank's
-sequence shard [B, N / tp, h]: the embedding and row-parallel linears return shards, the
-column-parallel linears and the logits take them, and the factory supplies the norms (whose
-parameter gradients it sums over the shards), the position embeddings' split and the RNG of
-the residual dropouts.
+The GPT is always built from the plain single-device modules below (``linear``,
+``vocab_embedding``, ``norm``: one device's init, whatever the run's parallelism), and parallelised
+afterwards (``megaflex.parallel.parallelize_gpt``, torchtitan's build-then-parallelise): that swaps
+its modules for this rank's tensor-parallel shards and sets its ``LayerFactory``. The model never
+talks to process groups; it asks its factory for what runs differently per layout: the logits,
+the loss, the RNG contexts, the attention over a split sequence. ``LocalLayers`` (here) is the
+single-device factory, ``megaflex.parallel.TensorParallelLayers`` the Megatron-style one. Shapes
+below use ``tp`` for the factory's tensor-parallel size. Under context parallelism the model sees
+only this rank's slice of each sequence; the factory supplies the slice's global offset, the
+attention over the whole sequence and the sum of the loss over the slices. Under sequence
+parallelism the residual stream between the parallel linears is this TP rank's sequence shard
+[B, N / tp, h]: the embedding and row-parallel linears return shards, the column-parallel linears
+and the logits take them, the norms sum their parameter gradients over the shards, and the factory
+supplies the position embeddings' split and the RNG of the residual dropouts.
 """
 
 from __future__ import annotations
@@ -54,30 +56,10 @@ def check_model_fit(num_heads: int, ffn_hidden_size: int, tp_size: int) -> None:
 
 
 class LayerFactory(Protocol):
-    """What the model needs from a (possibly tensor-parallel) layer provider."""
+    """What the model runs through that depends on its parallel layout (set by parallelisation)."""
 
     tp_size: int
     tp_rank: int
-
-    def column_parallel_linear(
-        self, in_features: int, out_features: int, *, bias: bool, init_method: InitMethod
-    ) -> nn.Module:
-        """x [..., N, in] (full; sequence parallel: [..., N / tp, in]) -> y [..., N, out / tp]
-        (this rank's column shard, not gathered)."""
-
-    def row_parallel_linear(
-        self, in_features: int, out_features: int, *, bias: bool, init_method: InitMethod
-    ) -> nn.Module:
-        """x [..., N, in / tp] (this rank's shard) -> y [..., N, out] (full, summed over ranks;
-        sequence parallel: this rank's sequence shard [..., N / tp, out] of it)."""
-
-    def vocab_embedding(self, vocab_size: int, hidden: int, *, init_method: InitMethod) -> nn.Module:
-        """ids [..., N] -> [..., N, hidden] (full; sequence parallel: [..., N / tp, hidden]).
-        ``.weight`` is [padded_vocab / tp, hidden] and ``.vocab_size`` the true vocabulary size;
-        rows past it are padding."""
-
-    def norm(self, kind: str, hidden: int, eps: float) -> nn.Module:
-        """An ``nn.RMSNorm`` (kind "rmsnorm") or ``nn.LayerNorm`` over the residual stream."""
 
     def scatter_sequence(self, x: torch.Tensor) -> torch.Tensor:
         """A replicated [..., N, h] tensor added to the residual stream (learned positions) ->
@@ -106,9 +88,6 @@ class LayerFactory(Protocol):
         """``context_fn`` for non-reentrant ``torch.utils.checkpoint``: (forward, recompute)
         contexts under which the recompute replays ``tp_region_rng``'s random stream."""
 
-    def check_model_fit(self, num_heads: int, ffn_hidden_size: int) -> None:
-        """ValueError unless heads and MLP width split evenly over the TP ranks."""
-
     def sequence_offset(self, local_len: int) -> int:
         """Global position of this rank's first token, its slices holding ``local_len`` tokens each."""
 
@@ -125,25 +104,6 @@ class LocalLayers:
 
     tp_size = 1
     tp_rank = 0
-
-    def column_parallel_linear(
-        self, in_features: int, out_features: int, *, bias: bool, init_method: InitMethod
-    ) -> nn.Module:
-        return _linear(in_features, out_features, bias, init_method)
-
-    def row_parallel_linear(
-        self, in_features: int, out_features: int, *, bias: bool, init_method: InitMethod
-    ) -> nn.Module:
-        return _linear(in_features, out_features, bias, init_method)
-
-    def vocab_embedding(self, vocab_size: int, hidden: int, *, init_method: InitMethod) -> nn.Module:
-        embedding = nn.Embedding(pad_vocab_size(vocab_size, 1), hidden)
-        init_method(embedding.weight)
-        embedding.vocab_size = vocab_size
-        return embedding
-
-    def norm(self, kind: str, hidden: int, eps: float) -> nn.Module:
-        return nn.RMSNorm(hidden, eps=eps) if kind == "rmsnorm" else nn.LayerNorm(hidden, eps=eps)
 
     def scatter_sequence(self, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -170,9 +130,6 @@ class LocalLayers:
         # No TP-region stream: torch's own RNG restore covers the default generator.
         return contextlib.nullcontext(), contextlib.nullcontext()
 
-    def check_model_fit(self, num_heads: int, ffn_hidden_size: int) -> None:
-        check_model_fit(num_heads, ffn_hidden_size, self.tp_size)
-
     def sequence_offset(self, local_len: int) -> int:
         return 0
 
@@ -183,9 +140,24 @@ class LocalLayers:
         return core
 
 
-def _linear(in_features: int, out_features: int, bias: bool, init_method: InitMethod) -> nn.Linear:
+def linear(in_features: int, out_features: int, *, bias: bool, init_method: InitMethod) -> nn.Linear:
+    """nn.Linear with ``init_method`` on its weight and a zero bias."""
     layer = nn.Linear(in_features, out_features, bias=bias)
     init_method(layer.weight)
     if bias:
         nn.init.zeros_(layer.bias)
     return layer
+
+
+def vocab_embedding(vocab_size: int, hidden: int, *, init_method: InitMethod) -> nn.Embedding:
+    """ids [..., N] -> [..., N, hidden]: ``.weight`` [pad_vocab_size(vocab_size, 1), hidden] and
+    ``.vocab_size`` the true vocabulary size; rows past it are padding."""
+    embedding = nn.Embedding(pad_vocab_size(vocab_size, 1), hidden)
+    init_method(embedding.weight)
+    embedding.vocab_size = vocab_size
+    return embedding
+
+
+def norm(kind: str, hidden: int, eps: float) -> nn.Module:
+    """An ``nn.RMSNorm`` (kind "rmsnorm") or ``nn.LayerNorm`` over the residual stream."""
+    return nn.RMSNorm(hidden, eps=eps) if kind == "rmsnorm" else nn.LayerNorm(hidden, eps=eps)

@@ -1,6 +1,7 @@
 """Megatron-style tensor parallelism and LASP-2-style context parallelism: the parallel grid
-(``ParallelDims``) and process-group state, region mappings, sharded layers, vocab-parallel
-cross-entropy, context-parallel linear attention, a TP-aware RNG tracker and checkpoint resharding.
+(``ParallelDims``) and process-group state, region mappings, sharded layers, the parallelisation
+of a plain GPT (``parallelize_gpt``), vocab-parallel cross-entropy, context-parallel linear
+attention, a TP-aware RNG tracker and checkpoint resharding.
 
 Layering: this package may import ``megaflex.attention`` and ``megaflex.model`` (the
 ``LayerFactory`` protocol it implements); the model never imports it.
@@ -27,6 +28,7 @@ from megaflex.parallel.mappings import (
     reduce_from_tp_region,
     scatter_to_tp_region,
 )
+from megaflex.parallel.parallelize import parallel_layers, parallelize_gpt, parallelize_with
 from megaflex.parallel.random import TensorParallelRNGTracker, model_parallel_seed, model_parallel_tracker
 from megaflex.parallel.state import (
     DeepSpeedMPU,
@@ -56,6 +58,9 @@ __all__ = [
     "mark_head_sharded_params",
     "model_parallel_seed",
     "model_parallel_tracker",
+    "parallel_layers",
+    "parallelize_gpt",
+    "parallelize_with",
     "reduce_from_tp_region",
     "scatter_to_tp_region",
     "set_tensor_parallel_attributes",

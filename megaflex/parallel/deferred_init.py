@@ -1,6 +1,7 @@
 """Deferred initialisation under ZeRO-3: build a model so that no rank ever holds all its weights.
 
-    model = zero3_build(lambda: GPT(config, layers), ds_config, deepspeed_mpu(state))
+    model = zero3_build(lambda: GPT(config), ds_config, deepspeed_mpu(state),
+                        prepare=lambda module: parallelize_with(module, layers, config))
 
 An eager build holds the whole fp32 model on every rank before ``deepspeed.initialize`` shards
 it (28 GB at 7B). Here the model is built inside DeepSpeed's ``zero.Init`` context, so each
@@ -9,13 +10,14 @@ holds at most one whole block (plus the embeddings until the build ends) and its
 everything else.
 
 Why per block and not per module (``zero.Init``'s own granularity): our layers are initialised
-*after* their module is built (``LocalLayers`` calls ``init_method`` on an ``nn.Linear``), the
-tensor-parallel layers build the whole layer and keep their slice, and the attention core under
-TP copies its heads from a whole core; all of that must see real tensors. Within a block the
-build is therefore exactly the eager one: same default-RNG draws in the same order, on the CPU,
-in fp32; only then is the block cast to the training dtype (as ``deepspeed.initialize`` casts an
-eager model) and partitioned. So a deferred model's parameters equal the eager model's for a
-given seed, on any TP size (``tests/test_deferred_init.py``).
+*after* their module is built (``init_method`` on an ``nn.Linear``), and tensor parallelism is
+applied to the whole plain block (``prepare``: ``megaflex.parallel.parallelize_with``, which
+slices each full layer and copies the core's heads from the whole core); all of that must see
+real tensors. Within a block the build is therefore exactly the eager one: same default-RNG
+draws in the same order, on the CPU, in fp32, then parallelised; only then is the block cast to
+the training dtype (as ``deepspeed.initialize`` casts an eager model) and partitioned. So a
+deferred model's parameters equal the eager model's for a given seed, on any TP size
+(``tests/test_deferred_init.py``). The embeddings are held whole until the build ends.
 
 Other differences from ``zero.Init``'s defaults, all to keep the build identical to the eager one:
 no tensor-constructor overrides (they would draw on the accelerator's RNG and in bf16), no
@@ -65,16 +67,20 @@ def zero3_build(
     ds_config: dict[str, Any],
     mpu: Any = None,
     partition_at: tuple[type[nn.Module], ...] = (Block,),
+    prepare: Callable[[nn.Module], Any] | None = None,
 ) -> nn.Module:
     """``build()`` under ZeRO-3 ``zero.Init``: each ``partition_at`` module is partitioned over
     the data-parallel group of ``mpu`` (what ``deepspeed.initialize(mpu=...)`` gets; None: the
     world) as soon as its ``__init__`` returns, the rest of the model when ``build`` returns.
+    ``prepare(module)`` (in place) runs on each of them, and on the whole model, just before it
+    is partitioned (e.g. tensor parallelism: parallelise each plain block before partitioning).
     ``ds_config`` is the run's DeepSpeed config (stage 3; its bf16/fp16 flag sets the dtype the
     shards are kept in; its batch sizes are checked against the mpu's data-parallel size)."""
     init_cls = _blockwise_init_class()
     init_config = dict(ds_config, zero_optimization=dict(ds_config["zero_optimization"], memory_efficient_linear=False))
     context = init_cls(
         partition_at,
+        prepare,
         config_dict_or_path=init_config,
         mpu=mpu,
         data_parallel_group=mpu.get_data_parallel_group() if mpu is not None else None,
@@ -82,6 +88,8 @@ def zero3_build(
     )
     with context:
         model = build()
+        if prepare is not None:
+            prepare(model)
         context.partition_tree(model)
     return model
 
@@ -93,12 +101,17 @@ def _blockwise_init_class() -> type:
     class BlockwiseInit(deepspeed.zero.Init):
         """``zero.Init`` that partitions whole ``partition_at`` subtrees, not every module."""
 
-        def __init__(self, partition_at: tuple[type[nn.Module], ...], **kwargs: Any) -> None:
+        def __init__(
+            self, partition_at: tuple[type[nn.Module], ...], prepare: Callable[[nn.Module], Any] | None, **kwargs: Any
+        ) -> None:
             super().__init__(**kwargs)
             self.partition_at = partition_at
+            self.prepare = prepare
 
         def _post_init_method(self, module: nn.Module) -> None:  # called after every module's __init__
             if isinstance(module, self.partition_at):
+                if self.prepare is not None:
+                    self.prepare(module)
                 self.partition_tree(module)
 
         def partition_tree(self, root: nn.Module) -> None:

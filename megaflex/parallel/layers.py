@@ -9,12 +9,13 @@ Every sharded parameter carries Megatron's attributes
 and vocabulary-padded ones additionally ``true_vocab_size`` (rows at or past it are padding).
 ``megaflex.checkpoint.reshard`` uses these tags to convert checkpoints between TP sizes.
 
-Initialisation: each layer builds the *full* layer exactly as ``LocalLayers`` does (same
-default-RNG draws, identical on every TP rank) and keeps its slice. So a TP=k model built
-after ``torch.manual_seed(s)`` holds exactly the slices of the TP=1 model built after the
-same seed (as long as the model draws its other random numbers in the same order).
-Materialising the full weight is cheap at the sizes this project trains; for very large
-layers, initialise on the meta device and load a resharded checkpoint instead.
+Initialisation: ``from_local`` keeps this rank's slice of an existing full layer (the GPT is
+built plain, then parallelised: ``megaflex.parallel.parallelize``); the constructors build the
+full layer exactly as the plain model does (``megaflex.model.layers``, same default-RNG draws,
+identical on every TP rank) and keep their slice the same way. So a TP=k model holds exactly the
+slices of the TP=1 model built after the same seed. Materialising the full weight is cheap at the
+sizes this project trains; for very large models build under ZeRO-3
+(``megaflex.parallel.deferred_init``) or on the meta device and load a resharded checkpoint.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megaflex.attention import named_kernel_parameters
-from megaflex.model.layers import InitMethod, LocalLayers, check_tensor_parallel_fit, pad_vocab_size
+from megaflex.model.layers import InitMethod, LocalLayers, check_tensor_parallel_fit, linear, pad_vocab_size, vocab_embedding
 from megaflex.attention.hybrid import LocalMixingCore
 from megaflex.parallel.context_parallel import ContextParallelAttention, sequence_sum
 from megaflex.parallel.context_parallel_window import ContextParallelWindowAttention
@@ -40,8 +41,6 @@ from megaflex.parallel.mappings import (
 )
 from megaflex.parallel.random import TensorParallelRNGTracker, model_parallel_tracker
 from megaflex.parallel.sequence_parallel import (
-    SequenceParallelLayerNorm,
-    SequenceParallelRMSNorm,
     gather_from_sequence,
     gathered_linear,
     reduce_scatter_to_sequence,
@@ -78,9 +77,11 @@ def mark_head_sharded_params(model: nn.Module) -> int:
     return count
 
 
-def _full_linear_weight(in_features: int, out_features: int, bias: bool, init_method: InitMethod) -> torch.Tensor:
-    """The [out, in] weight ``LocalLayers`` would build: same RNG draws, so shards are its slices."""
-    return LocalLayers().column_parallel_linear(in_features, out_features, bias=bias, init_method=init_method).weight.data
+def shard_parameter(param: torch.Tensor, state: ParallelState, dim: int) -> nn.Parameter:
+    """This TP rank's contiguous slice of ``param`` along ``dim`` (a copy), tagged as split there."""
+    shard = nn.Parameter(param.detach().chunk(state.tp_size, dim=dim)[state.tp_rank].clone(), param.requires_grad)
+    set_tensor_parallel_attributes(shard, dim)
+    return shard
 
 
 class ColumnParallelLinear(nn.Module):
@@ -105,19 +106,27 @@ class ColumnParallelLinear(nn.Module):
         sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
-        check_tensor_parallel_fit("out_features", out_features, state.tp_size)
+        local = linear(in_features, out_features, bias=bias, init_method=init_method)
+        self._take_shard(local, state, gather_output, sequence_parallel)
+
+    @classmethod
+    def from_local(
+        cls, linear: nn.Linear, state: ParallelState, *, gather_output: bool = False, sequence_parallel: bool = False
+    ) -> "ColumnParallelLinear":
+        """This rank's shard of an existing full ``linear`` (its weight rows and bias entries)."""
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        module._take_shard(linear, state, gather_output, sequence_parallel)
+        return module
+
+    def _take_shard(self, linear: nn.Linear, state: ParallelState, gather_output: bool, sequence_parallel: bool) -> None:
+        check_tensor_parallel_fit("out_features", linear.out_features, state.tp_size)
         self.state = state
-        self.in_features, self.out_features = in_features, out_features
+        self.in_features, self.out_features = linear.in_features, linear.out_features
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel
-        full = _full_linear_weight(in_features, out_features, bias, init_method)  # [out, in]
-        self.weight = nn.Parameter(full.chunk(state.tp_size, dim=0)[state.tp_rank].clone())
-        set_tensor_parallel_attributes(self.weight, 0)
-        if bias:
-            self.bias = nn.Parameter(torch.zeros(out_features // state.tp_size))
-            set_tensor_parallel_attributes(self.bias, 0)
-        else:
-            self.register_parameter("bias", None)
+        self.weight = shard_parameter(linear.weight, state, 0)  # [out / tp, in]
+        self.bias = None if linear.bias is None else shard_parameter(linear.bias, state, 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
@@ -152,15 +161,27 @@ class RowParallelLinear(nn.Module):
         sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
-        check_tensor_parallel_fit("in_features", in_features, state.tp_size)
+        local = linear(in_features, out_features, bias=bias, init_method=init_method)
+        self._take_shard(local, state, input_is_parallel, sequence_parallel)
+
+    @classmethod
+    def from_local(
+        cls, linear: nn.Linear, state: ParallelState, *, input_is_parallel: bool = True, sequence_parallel: bool = False
+    ) -> "RowParallelLinear":
+        """This rank's shard of an existing full ``linear`` (its weight columns; the bias replicated)."""
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        module._take_shard(linear, state, input_is_parallel, sequence_parallel)
+        return module
+
+    def _take_shard(self, linear: nn.Linear, state: ParallelState, input_is_parallel: bool, sequence_parallel: bool) -> None:
+        check_tensor_parallel_fit("in_features", linear.in_features, state.tp_size)
         self.state = state
-        self.in_features, self.out_features = in_features, out_features
+        self.in_features, self.out_features = linear.in_features, linear.out_features
         self.input_is_parallel = input_is_parallel
         self.sequence_parallel = sequence_parallel
-        full = _full_linear_weight(in_features, out_features, bias, init_method)  # [out, in]
-        self.weight = nn.Parameter(full.chunk(state.tp_size, dim=1)[state.tp_rank].clone())
-        set_tensor_parallel_attributes(self.weight, 1)
-        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.weight = shard_parameter(linear.weight, state, 1)  # [out, in / tp]
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), linear.bias.requires_grad)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
@@ -182,7 +203,7 @@ class VocabParallelEmbedding(nn.Module):
     [r * V_local, (r + 1) * V_local). Ids outside a rank's slice produce zeros there and the
     all-reduce assembles the full embedding.
 
-    Init builds ``LocalLayers``' table ([pad_vocab_size(vocab_size, 1), hidden], same RNG
+    Init builds the plain model's table ([pad_vocab_size(vocab_size, 1), hidden], same RNG
     draws) and zero-fills the extra TP padding rows, so all rows it has match the TP=1 model.
     ``sequence_parallel=True``: ids [..., N] -> this rank's sequence shard [..., N / tp, hidden]
     (a reduce-scatter instead of the all-reduce).
@@ -194,19 +215,34 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         if vocab_size < 1:
             raise ValueError(f"vocab_size: expected >= 1, got {vocab_size}")
+        local = vocab_embedding(vocab_size, hidden, init_method=init_method)
+        self._take_shard(local, state, sequence_parallel)
+
+    @classmethod
+    def from_local(
+        cls, embedding: nn.Embedding, state: ParallelState, *, sequence_parallel: bool = False
+    ) -> "VocabParallelEmbedding":
+        """This rank's rows of an existing plain embedding (``.vocab_size`` set; its
+        table padded further with zero rows to ``pad_vocab_size(vocab_size, tp)``)."""
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        module._take_shard(embedding, state, sequence_parallel)
+        return module
+
+    def _take_shard(self, embedding: nn.Embedding, state: ParallelState, sequence_parallel: bool) -> None:
         self.state = state
         self.sequence_parallel = sequence_parallel
-        self.vocab_size = vocab_size
-        self.hidden = hidden
+        self.vocab_size = vocab_size = embedding.vocab_size
+        table = embedding.weight
+        self.hidden = table.shape[1]
         self.padded_vocab_size = pad_vocab_size(vocab_size, state.tp_size)
         per_rank = self.padded_vocab_size // state.tp_size
         self.vocab_start = state.tp_rank * per_rank
         self.vocab_end = self.vocab_start + per_rank
-
-        local_table = LocalLayers().vocab_embedding(vocab_size, hidden, init_method=init_method).weight.data
-        full = torch.zeros(self.padded_vocab_size, hidden, dtype=local_table.dtype, device=local_table.device)
-        full[: local_table.shape[0]] = local_table
-        self.weight = nn.Parameter(full[self.vocab_start : self.vocab_end].clone())
+        rows = table.detach()[self.vocab_start : self.vocab_end]  # the rows the table has
+        shard = torch.zeros(per_rank, self.hidden, dtype=table.dtype, device=table.device)
+        shard[: rows.shape[0]] = rows
+        self.weight = nn.Parameter(shard, table.requires_grad)
         set_tensor_parallel_attributes(self.weight, 0)
         self.weight.true_vocab_size = vocab_size
 
@@ -225,16 +261,17 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class TensorParallelLayers:
-    """``LayerFactory`` building Megatron-style tensor-parallel layers over ``state``'s TP group.
+    """``LayerFactory`` of a model parallelised over ``state`` (``parallelize_gpt`` sets it): the
+    vocab-parallel logits and loss, the TP RNG contexts and the context-parallel attention.
 
     ``rng_tracker`` provides the per-rank stream for ``tp_region_rng``; by default one is
     created with ``model_parallel_tracker(seed, tp_rank)``. The default RNG is left alone: the
-    caller seeds it identically on every TP rank (``model_parallel_seed`` does both), which the
-    sharded init relies on.
+    caller seeds it identically on every TP rank (``model_parallel_seed`` does both), so the
+    plain model the shards are cut from is the same on every rank.
 
     ``sequence_parallel=True`` (TP > 1): the residual stream between the parallel linears is split
     along the sequence over the TP group (``megaflex.parallel.sequence_parallel``); the model's
-    norms and residual dropouts then run on this rank's shard, and the logits gather it back.
+    residual dropouts then run on this rank's shard, and the logits gather it back.
     """
 
     def __init__(
@@ -254,32 +291,6 @@ class TensorParallelLayers:
     @property
     def tp_rank(self) -> int:
         return self.state.tp_rank
-
-    def column_parallel_linear(
-        self, in_features: int, out_features: int, *, bias: bool, init_method: InitMethod
-    ) -> nn.Module:
-        return ColumnParallelLinear(
-            in_features, out_features, self.state, bias=bias, init_method=init_method, sequence_parallel=self.sequence_parallel
-        )
-
-    def row_parallel_linear(
-        self, in_features: int, out_features: int, *, bias: bool, init_method: InitMethod
-    ) -> nn.Module:
-        return RowParallelLinear(
-            in_features, out_features, self.state, bias=bias, init_method=init_method, sequence_parallel=self.sequence_parallel
-        )
-
-    def vocab_embedding(self, vocab_size: int, hidden: int, *, init_method: InitMethod) -> nn.Module:
-        return VocabParallelEmbedding(
-            vocab_size, hidden, self.state, init_method=init_method, sequence_parallel=self.sequence_parallel
-        )
-
-    def norm(self, kind: str, hidden: int, eps: float) -> nn.Module:
-        if not self.sequence_parallel:
-            return LocalLayers().norm(kind, hidden, eps)
-        if kind == "rmsnorm":
-            return SequenceParallelRMSNorm(hidden, eps, self.state)
-        return SequenceParallelLayerNorm(hidden, eps, self.state)
 
     def scatter_sequence(self, x: torch.Tensor) -> torch.Tensor:
         return scatter_to_sequence(x, self.state) if self.sequence_parallel else x
@@ -315,9 +326,6 @@ class TensorParallelLayers:
         return self.rng_tracker.checkpoint_context()
 
     # context parallelism: the model holds this CP rank's slice of every sequence
-    def check_model_fit(self, num_heads: int, ffn_hidden_size: int) -> None:
-        self.state.dims.check_model_fit(num_heads, ffn_hidden_size)
-
     def sequence_offset(self, local_len: int) -> int:
         return self.state.cp_rank * local_len
 

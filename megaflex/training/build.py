@@ -1,18 +1,20 @@
 """The run's model: built eagerly, or partitioned while it is built under ZeRO-3.
 
-    model = build_gpt(cfg, state, layers, device)
+    model = build_gpt(cfg, state, device, rng_tracker)
 
 ``parallel.deferred_init`` (``auto``: on with ``parallel.zero_stage: 3``) builds the GPT inside
-DeepSpeed's ``zero.Init``, each block partitioned over DeepSpeed's data-parallel group (DP x CP)
-as soon as it is built (``megaflex.parallel.deferred_init``), so no rank ever holds all the fp32
-weights; the parameters equal the eager build's for the same seed.
+DeepSpeed's ``zero.Init``, each block parallelised and partitioned over DeepSpeed's data-parallel
+group (DP x CP) as soon as it is built (``megaflex.parallel.deferred_init``), so no rank ever holds
+all the fp32 weights; the parameters equal the eager build's for the same seed. Either way the GPT
+is built plain and parallelised over ``state`` (``megaflex.parallel.parallelize``).
 """
 
 from __future__ import annotations
 
+from torch import nn
+
 from megaflex.model.gpt import GPT
-from megaflex.model.layers import LayerFactory
-from megaflex.parallel import ParallelState, deepspeed_mpu
+from megaflex.parallel import ParallelState, TensorParallelRNGTracker, deepspeed_mpu, parallel_layers, parallelize_with
 from megaflex.parallel.deferred_init import zero3_build
 from megaflex.training.config import Config
 from megaflex.training.deepspeed_config import deepspeed_config
@@ -23,9 +25,15 @@ def uses_deferred_init(cfg: Config) -> bool:
     return cfg.parallel.zero_stage == 3 if deferred == "auto" else bool(deferred)
 
 
-def build_gpt(cfg: Config, state: ParallelState, layers: LayerFactory, device: str) -> GPT:
-    """The GPT of ``cfg.model`` through ``layers``, seeded by the caller; partitioned if deferred."""
+def build_gpt(cfg: Config, state: ParallelState, device: str, rng_tracker: TensorParallelRNGTracker | None = None) -> GPT:
+    """The GPT of ``cfg.model`` parallelised over ``state`` (``rng_tracker``: its TP-region
+    stream), seeded by the caller; partitioned if deferred."""
+    layers = parallel_layers(state, rng_tracker, sequence_parallel=cfg.parallel.sequence_parallel)
+
+    def parallelize(module: nn.Module) -> nn.Module:
+        return module if layers is None else parallelize_with(module, layers, cfg.model)
+
     if not uses_deferred_init(cfg):
-        return GPT(cfg.model, layers=layers)
+        return parallelize(GPT(cfg.model))
     ds_config = deepspeed_config(cfg, state.dp_size, state.cp_size, on_cuda=device == "cuda")
-    return zero3_build(lambda: GPT(cfg.model, layers=layers), ds_config, deepspeed_mpu(state))
+    return zero3_build(lambda: GPT(cfg.model), ds_config, deepspeed_mpu(state), prepare=parallelize)

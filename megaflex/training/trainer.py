@@ -43,7 +43,6 @@ from megaflex.checkpoint import (
     preflight,
 )
 from megaflex.model.gpt import GPT
-from megaflex.model.layers import LocalLayers
 from megaflex.parallel import comm
 from megaflex.parallel.deferred_init import full_numel, is_partitioned
 from megaflex.parallel.rendezvous import free_port
@@ -128,7 +127,7 @@ class Trainer:
         self.emit("on_start")
 
     def _build_model(self) -> None:
-        from megaflex.parallel import ParallelState, TensorParallelLayers, mark_head_sharded_params, model_parallel_seed
+        from megaflex.parallel import ParallelState, model_parallel_seed
 
         cfg = self.cfg
         self.device = device = init_distributed(cfg)
@@ -147,16 +146,10 @@ class Trainer:
             torch.set_default_dtype(torch.float32)  # DeepSpeed casts the module itself
 
         # Same default-RNG seed on every rank: replicas start identical and TP shards are cut from
-        # identically initialised full matrices; the tracker gives each TP rank its own stream.
+        # identically initialised plain models; the tracker gives each TP rank its own stream.
         self.tracker = model_parallel_seed(cfg.train.seed, state.tp_rank, device=device)
-        plain = state.tp_size == 1 and state.cp_size == 1
-        layers = LocalLayers() if plain else TensorParallelLayers(
-            state, self.tracker, sequence_parallel=cfg.parallel.sequence_parallel
-        )
-        self.model = model = build_gpt(cfg, state, layers, device)
-        if state.tp_size > 1:
-            # Feature-map params (Omega, tau) are head-sharded: tag them so grad norms count every shard.
-            mark_head_sharded_params(model)
+        # Built plain, then parallelised over the grid (feature-map params tagged head-sharded).
+        self.model = model = build_gpt(cfg, state, device, self.tracker)
         # The one resume decision (checksums verified; warnings printed once the logger exists).
         self.manager = CheckpointManager(Path(cfg.checkpoint_dir), cfg.checkpoint.keep_last, self.rank)
         self.resume_warnings: list[str] = []
