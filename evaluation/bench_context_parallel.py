@@ -96,8 +96,7 @@ def _rank_main(rank: int, cp: int, port: int, model_kw: dict[str, Any], n: int, 
     import megaflex.parallel.context_parallel as cp_module
     from megaflex.model.config import ModelConfig
     from megaflex.model.gpt import GPT
-    from megaflex.model.layers import LocalLayers
-    from megaflex.parallel import ParallelState, TensorParallelLayers, sequence_slice
+    from megaflex.parallel import ParallelState, parallelize_gpt, sequence_slice
     from megaflex.training.metrics import peak_rss_kib
 
     torch.set_num_threads(1)
@@ -113,7 +112,7 @@ def _rank_main(rank: int, cp: int, port: int, model_kw: dict[str, Any], n: int, 
     cp_module._all_gather = counting_gather  # count what this rank puts into each CP collective
     config = ModelConfig(max_seq_len=n, **model_kw)
     torch.manual_seed(0)
-    model = GPT(config, LocalLayers() if cp == 1 else TensorParallelLayers(state, seed=0))
+    model = parallelize_gpt(GPT(config), state, seed=0)
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, config.vocab_size, (1, n + 1), generator=gen)
     ids, labels = (sequence_slice(t, state.cp_rank, cp) for t in (tokens[:, :-1], tokens[:, 1:]))

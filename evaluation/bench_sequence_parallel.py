@@ -58,14 +58,14 @@ def _rank_main(rank: int, tp: int, port: int, sp: bool, model_kw: dict[str, Any]
     from evaluation.bench_context_parallel import timed_steps
     from megaflex.model.config import ModelConfig
     from megaflex.model.gpt import GPT
-    from megaflex.parallel import ParallelState, TensorParallelLayers
+    from megaflex.parallel import ParallelState, parallelize_gpt
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=tp)
     state = ParallelState.create(tensor_parallel_size=tp)
     config = ModelConfig(max_seq_len=shape[1], **model_kw)
     torch.manual_seed(0)
-    model = GPT(config, TensorParallelLayers(state, seed=0, sequence_parallel=sp))
+    model = parallelize_gpt(GPT(config), state, seed=0, sequence_parallel=sp)
     tokens = torch.randint(0, config.vocab_size, (shape[0], shape[1] + 1), generator=torch.Generator().manual_seed(1))
 
     def step() -> float:

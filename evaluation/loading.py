@@ -12,13 +12,16 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from megaflex.checkpoint import CheckpointError, CheckpointMeta, load_checkpoint_weights, resolve_checkpoint
 from megaflex.model.config import ModelConfig
 from megaflex.model.gpt import GPT
+
+if TYPE_CHECKING:
+    from megaflex.parallel import ParallelState, TensorParallelRNGTracker
 
 __all__ = ["USER_ERRORS", "LoadedCheckpoint", "load_for_eval", "resolve_checkpoint"]  # resolve_checkpoint: re-exported
 
@@ -52,21 +55,26 @@ def load_for_eval(
     tag: str | None = None,
     tokenizer: str | None = None,
     device: str | torch.device = "cpu",
-    layers: Any = None,
+    parallel: "ParallelState | None" = None,
+    rng_tracker: "TensorParallelRNGTracker | None" = None,
 ) -> LoadedCheckpoint:
-    """Build the checkpoint's GPT with ``layers`` (default single device) and load its weights.
+    """Build the checkpoint's GPT, parallelised over ``parallel`` (default single device;
+    ``rng_tracker``: its TP-region stream), and load its weights.
 
-    ``layers`` may be a ``TensorParallelLayers`` of any TP size; the saved shards are resharded
-    to it (exactly: ``megaflex.checkpoint.reshard``). ``tokenizer`` overrides the tokenizer path
-    recorded in the run config (``data.tokenizer``).
+    ``parallel`` may have any TP size; the saved shards are resharded to it (exactly:
+    ``megaflex.checkpoint.reshard``). ``tokenizer`` overrides the tokenizer path recorded in the
+    run config (``data.tokenizer``).
     """
     from megaflex.checkpoint.reshard import load_state_dict_checked
+    from megaflex.parallel import parallelize_gpt
 
-    tp_size, tp_rank = (layers.tp_size, layers.tp_rank) if layers is not None else (1, 0)
-    state, meta, path = load_checkpoint_weights(checkpoint, tp_size, tp_rank, tag)
+    tp_size, tp_rank = (parallel.tp_size, parallel.tp_rank) if parallel is not None else (1, 0)
+    weights, meta, path = load_checkpoint_weights(checkpoint, tp_size, tp_rank, tag)
     config = meta.config
-    model = GPT(ModelConfig.from_dict(meta.model_config), layers)
-    load_state_dict_checked(model, state)
+    model = GPT(ModelConfig.from_dict(meta.model_config))
+    if parallel is not None:
+        model = parallelize_gpt(model, parallel, rng_tracker)
+    load_state_dict_checked(model, weights)
     model.to(device).eval()
     tok_path = tokenizer or (config.get("data") or {}).get("tokenizer")
     tok = None

@@ -79,14 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _distributed(tp_size: int) -> tuple[Any, Any]:
-    """(ParallelState, layer factory) under torchrun, else (None, None) for one process."""
+    """(ParallelState, TP RNG tracker) under torchrun, else (None, None) for one process."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 and tp_size == 1:
         return None, None
-    from megaflex.parallel import TensorParallelLayers, initialize_parallel_state, model_parallel_seed
+    from megaflex.parallel import initialize_parallel_state, model_parallel_seed
 
     state = initialize_parallel_state(tp_size)
-    tracker = model_parallel_seed(0, state.tp_rank)
-    return state, (TensorParallelLayers(state, tracker) if tp_size > 1 else None)
+    return state, model_parallel_seed(0, state.tp_rank)
 
 
 def run_eval(
@@ -159,8 +158,9 @@ def run_cli(argv: Sequence[str] | None = None) -> dict[str, Any]:
     from evaluation.plotting import write_json
 
     args = build_parser().parse_args(argv)
-    state, layers = _distributed(args.tensor_parallel_size)
-    loaded = load_for_eval(args.checkpoint, tag=args.tag, tokenizer=args.tokenizer, device=args.device, layers=layers)
+    state, tracker = _distributed(args.tensor_parallel_size)
+    loaded = load_for_eval(args.checkpoint, tag=args.tag, tokenizer=args.tokenizer, device=args.device,
+                           parallel=state, rng_tracker=tracker)
     check_eval_tokenizer(loaded.meta.tokenizer, loaded.tokenizer, args.data, str(loaded.path))
     context = args.context if args.context is not None else loaded.model.config.max_seq_len
     contexts = _parse_contexts(args.contexts)

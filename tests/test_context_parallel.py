@@ -21,7 +21,7 @@ from megaflex.parallel import (
     ParallelDims,
     ParallelState,
     TensorParallelLayers,
-    mark_head_sharded_params,
+    parallelize_gpt,
     sequence_slice,
 )
 from megaflex.checkpoint.reshard import gpt_layout, load_state_dict_checked, merge_shards, split_state_dict
@@ -230,8 +230,7 @@ def _gpt_worker(rank: int, world: int, tp: int, cp: int, refs: list[dict]) -> li
     results = []
     for ref in refs:
         config = ModelConfig(**ref["config"])
-        model = GPT(config, TensorParallelLayers(state, seed=3))
-        mark_head_sharded_params(model)
+        model = parallelize_gpt(GPT(config), state, seed=3)
         load_state_dict_checked(model, split_state_dict(ref["state_dict"], gpt_layout(config), tp)[state.tp_rank])
         ids, labels = (sequence_slice(t, state.cp_rank, state.cp_size) for t in (ref["ids"], ref["labels"]))
         out = model(ids, labels=labels)
@@ -273,8 +272,8 @@ def test_gpt_context_parallel_equals_single_rank(tp: int, cp: int) -> None:
 
 def test_gpt_under_cp_refuses_softmax() -> None:
     config = ModelConfig(**CONFIGS["softmax"])
-    layers = TensorParallelLayers(ParallelState(ParallelDims(2, cp_size=2), 1), seed=0)
-    model = GPT(config, layers)
+    model = parallelize_gpt(GPT(config), ParallelState(ParallelDims(2, cp_size=2), 1), seed=0)
+    assert isinstance(model.layer_factory, TensorParallelLayers)  # CP alone: modules plain, the factory swapped
     with pytest.raises(ValueError, match="context_parallel_size: expected 1 for attention kind 'softmax'"):
         model(torch.zeros(1, 4, dtype=torch.long))
 

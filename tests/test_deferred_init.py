@@ -31,8 +31,7 @@ def _compare_worker(rank: int, world: int, config: dict, tp: int) -> dict:
     """Eager and deferred builds of the same seed on this rank; the deferred one gathered."""
     from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
-    from megaflex.model.layers import LocalLayers
-    from megaflex.parallel import ParallelState, TensorParallelLayers, deepspeed_mpu, model_parallel_seed
+    from megaflex.parallel import ParallelState, deepspeed_mpu, model_parallel_seed, parallel_layers, parallelize_with
     from megaflex.parallel.deferred_init import full_shape, is_partitioned, zero3_build
     from megaflex.training.deepspeed_config import init_deepspeed_distributed
 
@@ -41,12 +40,17 @@ def _compare_worker(rank: int, world: int, config: dict, tp: int) -> dict:
     mpu = deepspeed_mpu(state)
     model_config = ModelConfig(**config)
 
-    def build() -> GPT:  # the trainer's order: seed (default RNG + TP tracker), then the model
-        tracker = model_parallel_seed(7, state.tp_rank)
-        return GPT(model_config, LocalLayers() if tp == 1 else TensorParallelLayers(state, tracker))
+    def build() -> GPT:  # the trainer's order: seed, then the plain model
+        model_parallel_seed(7, state.tp_rank)
+        return GPT(model_config)
 
-    eager = build()
-    deferred = zero3_build(build, _zero3_config(dp=2 // tp), mpu)
+    layers = parallel_layers(state, seed=7)
+
+    def parallelize(module):  # the eager model whole; the deferred one block by block, then the rest
+        return module if layers is None else parallelize_with(module, layers, model_config)
+
+    eager = parallelize(build())
+    deferred = zero3_build(build, _zero3_config(dp=2 // tp), mpu, prepare=parallelize)
     out = {"partitioned": all(is_partitioned(p) for p in deferred.parameters()),
            "local_numel": sum(p.ds_tensor.numel() for p in deferred.parameters()),
            "shapes_match": all(tuple(full_shape(q)) == tuple(p.shape)
@@ -78,8 +82,8 @@ def test_deferred_init_equals_eager_build_dp2(name: str) -> None:
 
 @pytest.mark.slow
 def test_deferred_init_equals_eager_build_tp2() -> None:
-    """Under TP=2 the layers draw whole matrices and the core copies its heads from a whole core:
-    inside a block the build is eager, so the deferred TP shards equal the eager ones."""
+    """Under TP=2 each plain block is parallelised (whole matrices sliced, the core's heads copied
+    from the whole core) before it is partitioned, so the deferred TP shards equal the eager ones."""
     for result in run_distributed(_compare_worker, 2, args=(CONFIGS["flex_tied"], 2)):
         assert result["partitioned"] and result["shapes_match"]
         assert result["mismatch"] == []
@@ -127,7 +131,6 @@ def test_trainer_zero3_deferred_init_trains_and_warm_starts_like_eager(tmp_path)
 
 def _rss_worker(rank: int, world: int, config_path: str) -> dict:
     """Build the config's model as the trainer does (ZeRO-3, deferred) and report peak RSS."""
-    from megaflex.model.layers import LocalLayers
     from megaflex.parallel import ParallelState, model_parallel_seed
     from megaflex.parallel.deferred_init import full_numel
     from megaflex.training.build import build_gpt
@@ -140,7 +143,7 @@ def _rss_worker(rank: int, world: int, config_path: str) -> dict:
     state = ParallelState.create(tensor_parallel_size=1)
     before = peak_rss_kib() * 1024  # this process's own peak (not the pytest worker's, see peak_rss_kib)
     model_parallel_seed(cfg.train.seed, 0)
-    model = build_gpt(cfg, state, LocalLayers(), "cpu")
+    model = build_gpt(cfg, state, "cpu")
     peak = peak_rss_kib() * 1024
     return {"before": before, "peak": peak, "params": sum(full_numel(p) for p in model.parameters()),
             "local_bytes": sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in model.parameters()),

@@ -11,7 +11,7 @@ import torch
 from distributed import run_distributed
 from megaflex.model.config import ModelConfig
 from megaflex.model.gpt import GPT
-from megaflex.parallel import ParallelState, TensorParallelLayers
+from megaflex.parallel import ParallelState, parallelize_gpt
 from megaflex.parallel.lora import LoRAAdapter, add_lora, lora_parameters, merge_lora
 from megaflex.checkpoint.reshard import ShardSpec, derive_layout, gpt_layout, load_state_dict_checked, merge_shards, split_state_dict
 from megaflex.training.optim import param_groups
@@ -53,8 +53,8 @@ def _lora_model(name: str, targets=("qkv", "proj"), seed: int = 0) -> GPT:
 
 
 def _lora_layout(config: ModelConfig, targets) -> dict[str, ShardSpec]:
-    def build(layers):
-        model = GPT(config, layers)
+    def build(state):
+        model = parallelize_gpt(GPT(config), state, seed=0)
         add_lora(model, RANK, ALPHA, targets)
         return model
     return derive_layout(build)
@@ -153,7 +153,7 @@ def test_lora_layout_and_tp_init_are_slices_of_tp1() -> None:
     expected = split_state_dict(full, layout, 2)
     for tp_rank in range(2):
         torch.manual_seed(5)
-        shard = GPT(config, TensorParallelLayers(ParallelState.detached(2, tp_rank), seed=0))
+        shard = parallelize_gpt(GPT(config), ParallelState.detached(2, tp_rank), seed=0)
         add_lora(shard, RANK, ALPHA, ALL_TARGETS)
         for key, value in shard.state_dict().items():
             assert torch.equal(value, expected[tp_rank][key]), key
@@ -224,7 +224,7 @@ def _reference(name: str, targets) -> dict:
 
 def _tp_lora_model(ref: dict, state: ParallelState, layout: dict) -> GPT:
     torch.manual_seed(0)
-    model = GPT(ModelConfig(**CONFIGS[ref["name"]]), TensorParallelLayers(state, seed=3))
+    model = parallelize_gpt(GPT(ModelConfig(**CONFIGS[ref["name"]])), state, seed=3)
     add_lora(model, RANK, ALPHA, ref["targets"])
     load_state_dict_checked(model, split_state_dict(ref["state_dict"], layout, state.tp_size)[state.tp_rank])
     return model
@@ -244,7 +244,7 @@ def _tp_worker(rank: int, world: int, refs: list[dict]) -> list[dict]:
         config = ModelConfig(**CONFIGS[ref["name"]])
         layout = _lora_layout(config, ref["targets"])
         torch.manual_seed(0)  # the adapters' init is the slice of TP=1's
-        fresh = GPT(config, TensorParallelLayers(state, seed=3))
+        fresh = parallelize_gpt(GPT(config), state, seed=3)
         add_lora(fresh, RANK, ALPHA, ref["targets"])
         initial = split_state_dict(ref["initial"], layout, world)[state.tp_rank]
         init_ok = all(torch.equal(v, initial[k]) for k, v in fresh.state_dict().items())

@@ -13,7 +13,7 @@ import torch
 from megaflex.model import GPT, ModelConfig
 from megaflex.model.memory_plan import memory_plan
 from megaflex.model.summary import load_model_config, main as summary_main
-from megaflex.parallel import ParallelState, TensorParallelLayers
+from megaflex.parallel import ParallelState, parallelize_gpt
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = dict(vocab_size=301, num_layers=4, hidden_size=64, num_heads=4, ffn_hidden_size=256, attention="flexformer_n",
@@ -25,7 +25,7 @@ SMALL = dict(vocab_size=301, num_layers=4, hidden_size=64, num_heads=4, ffn_hidd
 def test_rank_parameters_equal_a_tensor_parallel_build(tp: int, extra: dict) -> None:
     config = ModelConfig(**SMALL, **extra)
     with torch.device("meta"):
-        shard = GPT(config, TensorParallelLayers(ParallelState.detached(tp, 0), seed=0))
+        shard = parallelize_gpt(GPT(config), ParallelState.detached(tp, 0), seed=0)
     assert memory_plan(config, tp=tp, world=tp).rank_parameters == shard.num_parameters()
 
 

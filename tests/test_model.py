@@ -11,9 +11,9 @@ import torch.nn.functional as F
 
 from megaflex.model import GPT, GPTState, ModelConfig
 from megaflex.model.gpt import (
-    IGNORE_INDEX, MLP, Attention, _build_attention_core, language_model_loss, run_blocks, stage_layers,
+    IGNORE_INDEX, MLP, Attention, build_attention_core, language_model_loss, run_blocks, stage_layers,
 )
-from megaflex.model.layers import LocalLayers, _linear
+from megaflex.model.layers import LocalLayers
 from numerics import assert_close, gpt_steps, normwise_scale
 
 pytestmark = pytest.mark.numerics
@@ -218,20 +218,31 @@ def test_kernel_statistics_reports_tau_and_frequency_norms():
 
 # ---------------------------------------------------------------- tensor-parallel layouts
 # A single-process stand-in for a TP rank: column layers keep out/tp outputs, row layers take
-# in/tp inputs and return partial sums (the real factory all-reduces them). Summing the
+# in/tp inputs and return partial sums (the parallel layers all-reduce them). Summing the
 # partial outputs of all ranks must reproduce the tp=1 module when every weight is the
-# contiguous shard of the tp=1 weight: that is the layout contract the model promises.
+# contiguous shard of the tp=1 weight: that is the layout contract the model promises
+# (``megaflex.parallel.parallelize_gpt`` cuts exactly these shards).
 
 
-class ShardShapeLayers(LocalLayers):
-    def __init__(self, tp_size: int, tp_rank: int) -> None:
-        self.tp_size, self.tp_rank = tp_size, tp_rank
+def shard_attention(config: ModelConfig, full: Attention, rank: int, tp: int) -> Attention:
+    h, local_heads = config.hidden_size, config.num_heads // tp
+    part = Attention(config)
+    part.qkv = torch.nn.Linear(h, 3 * h // tp, bias=config.bias)
+    part.proj = torch.nn.Linear(h // tp, h, bias=config.bias)
+    part.core, part.local_heads = build_attention_core(config, local_heads), local_heads
+    if part.out_gain is not None:
+        part.out_gain = torch.nn.Parameter(torch.ones(h // tp))
+    part.load_state_dict(shard_state_dict(full.state_dict(), rank, tp))
+    return part
 
-    def column_parallel_linear(self, in_features, out_features, *, bias, init_method):
-        return _linear(in_features, out_features // self.tp_size, bias, init_method)
 
-    def row_parallel_linear(self, in_features, out_features, *, bias, init_method):
-        return _linear(in_features // self.tp_size, out_features, bias, init_method)
+def shard_mlp(config: ModelConfig, full: MLP, rank: int, tp: int) -> MLP:
+    part = MLP(config)
+    h, ffn = config.hidden_size, config.ffn_hidden_size
+    part.fc_in = torch.nn.Linear(h, (2 if part.swiglu else 1) * ffn // tp, bias=config.bias)
+    part.fc_out = torch.nn.Linear(ffn // tp, h, bias=config.bias)
+    part.load_state_dict(shard_state_dict(full.state_dict(), rank, tp))
+    return part
 
 
 def shard_state_dict(full: dict[str, torch.Tensor], rank: int, tp: int) -> dict[str, torch.Tensor]:
@@ -253,7 +264,7 @@ def shard_state_dict(full: dict[str, torch.Tensor], rank: int, tp: int) -> dict[
 def test_attention_contiguous_shards_hold_whole_heads(kind):
     config, tp = tiny_config(kind), 2
     torch.manual_seed(0)
-    full = Attention(config, LocalLayers()).eval()
+    full = Attention(config).eval()
     with torch.no_grad():
         if full.out_gain is not None:
             full.out_gain.uniform_(0.5, 1.5)  # make the per-head gain layout observable
@@ -261,9 +272,7 @@ def test_attention_contiguous_shards_hold_whole_heads(kind):
         want, _ = full(x)
         got = 0
         for rank in range(tp):
-            part = Attention(config, ShardShapeLayers(tp, rank)).eval()
-            part.load_state_dict(shard_state_dict(full.state_dict(), rank, tp))
-            assert part.local_heads == config.num_heads // tp
+            part = shard_attention(config, full, rank, tp).eval()
             got = got + part(x)[0]
     assert_close(got, want, steps=gpt_steps(config, 11) / config.num_layers)  # one layer's attention
 
@@ -272,42 +281,19 @@ def test_attention_contiguous_shards_hold_whole_heads(kind):
 def test_mlp_contiguous_shards_are_consistent(mlp):
     config, tp = tiny_config(mlp=mlp), 2
     torch.manual_seed(0)
-    full = MLP(config, LocalLayers())
+    full = MLP(config)
     x = torch.randn(3, 5, config.hidden_size)
     with torch.no_grad():
         want = full(x)
         got = 0
         for rank in range(tp):
-            part = MLP(config, ShardShapeLayers(tp, rank))
-            part.load_state_dict(shard_state_dict(full.state_dict(), rank, tp))
+            part = shard_mlp(config, full, rank, tp)
             got = got + part(x)
     # hidden- and ffn-term sums (the ffn split over tp shards, their partial sums added)
     assert_close(got, want, steps=config.hidden_size + (config.ffn_hidden_size or 4 * config.hidden_size) + tp + 4)
 
 
-@pytest.mark.parametrize("kind,kwargs", [("flexformer_n", {}), ("performer", {"variant": "trig"}), ("hedgehog", {})])
-def test_tp_feature_map_init_is_the_tp1_init_sliced_by_heads(kind, kwargs):
-    config, tp = tiny_config(kind, feature_kwargs=kwargs), 2
-    torch.manual_seed(7)
-    reference = _build_attention_core(config, LocalLayers(), config.num_heads).feature_map.state_dict()
-    after_reference = torch.rand(1)
-    for rank in range(tp):
-        torch.manual_seed(7)
-        local = _build_attention_core(config, ShardShapeLayers(tp, rank), config.num_heads // tp)
-        # The default RNG advances exactly as at tp=1, so later inits do not depend on tp either.
-        assert torch.equal(torch.rand(1), after_reference)
-        for name, t in local.feature_map.state_dict().items():
-            assert torch.equal(t, reference[name].chunk(tp, dim=0)[rank]), name
-
-
 # ---------------------------------------------------------------- validation
-
-
-def test_tp_size_must_divide_heads_and_ffn():
-    with pytest.raises(ValueError, match="num_heads"):
-        GPT(tiny_config(), ShardShapeLayers(3, 0))
-    with pytest.raises(ValueError, match="ffn_hidden_size"):
-        GPT(tiny_config(ffn_hidden_size=66), ShardShapeLayers(4, 0))
 
 
 def test_forward_rejects_bad_inputs():
@@ -345,7 +331,8 @@ def test_activation_checkpointing_uses_the_factory_checkpoint_context():
     """The TP factory replays its TP-region RNG in the recompute through this hook."""
     layers = RecordingCheckpointLayers()
     torch.manual_seed(0)
-    model = GPT(tiny_config(activation_checkpointing=True), layers).train()
+    model = GPT(tiny_config(activation_checkpointing=True)).train()
+    model.layer_factory = layers  # the runtime factory (what parallelisation sets)
     loss = model(ids(1, 8), labels=ids(1, 8, seed=2)).loss
     assert layers.entered == ["forward"] * 2  # one per block
     loss.backward()

@@ -3,7 +3,7 @@
 DeepSpeed reduces grad norms over the model-parallel group, counting a parameter on every
 rank only when it is tagged ``tensor_model_parallel`` (others only on model-parallel rank 0),
 and averages gradients over the data-parallel group: so the adapter's groups and the tags
-(including the feature maps', added by ``mark_head_sharded_params``) must all be right.
+(including the feature maps', added by ``mark_head_sharded_params`` in ``parallelize_gpt``) must all be right.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def _ds_worker(rank: int, world: int, ref_state: dict, zero_stage: int) -> dict:
     import deepspeed
     from deepspeed.runtime.utils import clip_grad_norm_
 
-    from megaflex.parallel import DeepSpeedMPU, ParallelState, TensorParallelLayers, mark_head_sharded_params
+    from megaflex.parallel import DeepSpeedMPU, ParallelState, mark_head_sharded_params, parallelize_gpt
     from megaflex.checkpoint.reshard import gpt_layout, load_state_dict_checked, split_state_dict
 
     from megaflex.training.deepspeed_config import init_deepspeed_distributed
@@ -37,7 +37,7 @@ def _ds_worker(rank: int, world: int, ref_state: dict, zero_stage: int) -> dict:
     init_deepspeed_distributed("gloo")  # adopts the existing process group
     state = ParallelState.create(tensor_parallel_size=2)
     config = ModelConfig(**CONFIG)
-    model = GPT(config, TensorParallelLayers(state, seed=0))
+    model = parallelize_gpt(GPT(config), state, seed=0)
     load_state_dict_checked(model, split_state_dict(ref_state, gpt_layout(config), 2)[state.tp_rank])
     mpu = DeepSpeedMPU(state)
     ids, labels = _batch()
@@ -46,6 +46,9 @@ def _ds_worker(rank: int, world: int, ref_state: dict, zero_stage: int) -> dict:
     # feature-map tags the TP rank 1 halves of Omega/tau are left out.
     model(ids, labels=labels).loss.backward()
     feature_map = [p for name, p in model.named_parameters() if ".feature_map." in name]
+    assert all(p.tensor_model_parallel and p.partition_dim == 0 for p in feature_map)  # tagged by parallelize_gpt
+    for p in feature_map:
+        p.tensor_model_parallel = False  # as an untagged model would be
     untagged_fm_norm = float(clip_grad_norm_(feature_map, max_norm=1e9, mpu=mpu))
     assert mark_head_sharded_params(model) == 3  # omega1, omega2, tau of the single layer
     fm_norm = float(clip_grad_norm_(feature_map, max_norm=1e9, mpu=mpu))

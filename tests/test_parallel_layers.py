@@ -13,13 +13,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from distributed import run_distributed
-from megaflex.model.layers import LocalLayers, normal_init, pad_vocab_size
+from megaflex.model.layers import linear, normal_init, pad_vocab_size, vocab_embedding
 from megaflex.parallel import (
+    ColumnParallelLinear,
     DeepSpeedMPU,
     ParallelDims,
     ParallelState,
+    RowParallelLinear,
     TensorParallelLayers,
     TensorParallelRNGTracker,
+    VocabParallelEmbedding,
     copy_to_tp_region,
     gather_from_tp_region,
     initialize_parallel_state,
@@ -177,18 +180,51 @@ def test_rng_tracker_replays_tp_dropout_under_activation_checkpointing() -> None
 
 def test_bad_sizes_name_the_argument() -> None:
     state = ParallelState.detached(tp_size=4, tp_rank=1)
-    layers = TensorParallelLayers(state, seed=0)
     with pytest.raises(ValueError, match="out_features: expected a multiple of the tensor-parallel size 4, got 6"):
-        layers.column_parallel_linear(8, 6, bias=False, init_method=normal_init(0.02))
+        ColumnParallelLinear(8, 6, state, bias=False, init_method=normal_init(0.02))
     with pytest.raises(ValueError, match="in_features: expected a multiple of the tensor-parallel size 4, got 10"):
-        layers.row_parallel_linear(10, 8, bias=False, init_method=normal_init(0.02))
+        RowParallelLinear.from_local(linear(10, 8, bias=False, init_method=normal_init(0.02)), state)
+
+
+@pytest.mark.parametrize("tp_rank", [0, 1])
+def test_from_local_keeps_this_ranks_slice_of_a_plain_layer(tp_rank: int) -> None:
+    """``from_local`` cuts a built layer (what ``parallelize_gpt`` does); the constructors draw the
+    plain layer from the default RNG and cut it the same way."""
+    state, init = ParallelState.detached(tp_size=2, tp_rank=tp_rank), normal_init(0.5)
+    torch.manual_seed(3)
+    plain_col = linear(8, 12, bias=True, init_method=init)
+    plain_row = linear(12, 8, bias=True, init_method=init)
+    plain_emb = vocab_embedding(300, 8, init_method=init)
+    torch.manual_seed(3)
+    built = (
+        ColumnParallelLinear(8, 12, state, bias=True, init_method=init),
+        RowParallelLinear(12, 8, state, bias=True, init_method=init),
+        VocabParallelEmbedding(300, 8, state, init_method=init),
+    )
+    with torch.no_grad():
+        plain_col.bias.normal_(), plain_row.bias.normal_()  # non-zero biases: their slicing is visible
+    plain_row.weight.requires_grad_(False)  # a frozen weight stays frozen
+    col = ColumnParallelLinear.from_local(plain_col, state)
+    row = RowParallelLinear.from_local(plain_row, state)
+    emb = VocabParallelEmbedding.from_local(plain_emb, state)
+    assert torch.equal(col.weight, plain_col.weight.chunk(2)[tp_rank])
+    assert torch.equal(col.bias, plain_col.bias.chunk(2)[tp_rank])
+    assert torch.equal(row.weight, plain_row.weight.chunk(2, dim=1)[tp_rank]) and torch.equal(row.bias, plain_row.bias)
+    assert not row.weight.requires_grad and col.weight.requires_grad
+    table = torch.zeros(pad_vocab_size(300, 2), 8)  # 512 rows: the plain 384 and zero TP padding
+    table[:384] = plain_emb.weight.detach()
+    assert torch.equal(emb.weight, table.chunk(2)[tp_rank]) and emb.weight.true_vocab_size == 300
+    for module, from_local in zip(built, (col, row, emb)):
+        assert torch.equal(module.weight, from_local.weight)
+    assert (col.weight.partition_dim, col.bias.partition_dim, row.weight.partition_dim) == (0, 0, 1)
+    assert not getattr(row.bias, "tensor_model_parallel", False)  # replicated
 
 
 def test_detached_state_shapes_and_tags() -> None:
-    layers = TensorParallelLayers(ParallelState.detached(tp_size=2, tp_rank=1), seed=0)
-    col = layers.column_parallel_linear(8, 12, bias=True, init_method=normal_init(0.02))
-    row = layers.row_parallel_linear(12, 8, bias=True, init_method=normal_init(0.02))
-    emb = layers.vocab_embedding(300, 8, init_method=normal_init(0.02))
+    state = ParallelState.detached(tp_size=2, tp_rank=1)
+    col = ColumnParallelLinear(8, 12, state, bias=True, init_method=normal_init(0.02))
+    row = RowParallelLinear(12, 8, state, bias=True, init_method=normal_init(0.02))
+    emb = VocabParallelEmbedding(300, 8, state, init_method=normal_init(0.02))
     assert col.weight.shape == (6, 8) and col.weight.partition_dim == 0 and col.bias.partition_dim == 0
     assert row.weight.shape == (8, 6) and row.weight.partition_dim == 1
     assert not getattr(row.bias, "tensor_model_parallel", False)  # replicated
@@ -287,18 +323,19 @@ def _mappings_and_layers_worker(rank: int, world: int) -> dict:
     torch.testing.assert_close(mine.grad, weights[:, r * 2:(r + 1) * 2])  # bwd split
 
     # --- layers: TP shards == slices of the TP=1 init, forward and grads equal -----------
-    def build(factory):
-        torch.manual_seed(123)
-        init = normal_init(0.5)
-        return (
-            factory.vocab_embedding(200, 8, init_method=init),
-            factory.column_parallel_linear(8, 12, bias=True, init_method=init),
-            factory.row_parallel_linear(12, 8, bias=True, init_method=init),
-        )
-
-    ref_mods = build(LocalLayers())
-    tp_layers = TensorParallelLayers(state, seed=5)
-    tp_mods = build(tp_layers)
+    torch.manual_seed(123)
+    init = normal_init(0.5)
+    ref_mods = (
+        vocab_embedding(200, 8, init_method=init),
+        linear(8, 12, bias=True, init_method=init),
+        linear(12, 8, bias=True, init_method=init),
+    )
+    torch.manual_seed(123)  # the constructors draw the full layers as the plain ones do
+    tp_mods = (
+        VocabParallelEmbedding(200, 8, state, init_method=init),
+        ColumnParallelLinear(8, 12, state, bias=True, init_method=init),
+        RowParallelLinear(12, 8, state, bias=True, init_method=init),
+    )
     for ref_mod in ref_mods[1:]:
         torch.nn.init.normal_(ref_mod.bias)  # non-zero biases so their handling is tested
     for ref_mod, tp_mod in zip(ref_mods[1:], tp_mods[1:]):
@@ -336,6 +373,7 @@ def _mappings_and_layers_worker(rank: int, world: int) -> dict:
     assert_close(emb.weight.grad, ref_emb_grad[r * v_local:(r + 1) * v_local], steps=steps, name="embedding")
 
     # lm_logits + gather_logits == full logits; tp_region_rng differs per TP rank.
+    tp_layers = TensorParallelLayers(state, seed=5)
     hidden = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(4))
     logits = tp_layers.gather_logits(tp_layers.lm_logits(hidden, emb.weight), 200)
     assert_close(logits, F.linear(hidden, emb_ref.weight)[..., :200], steps=8, name="logits")  # 8-term dots

@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 from distributed import run_distributed
 from megaflex.model.config import ModelConfig
 from megaflex.model.gpt import GPT
-from megaflex.model.layers import pad_vocab_size
-from megaflex.parallel import ParallelState, TensorParallelLayers, mark_head_sharded_params
+from megaflex.model.layers import LocalLayers, pad_vocab_size
+from megaflex.parallel import ParallelState, TensorParallelLayers, parallelize_gpt
 from megaflex.checkpoint.reshard import (
     CONFIG_FILE,
     SAFETENSORS_FILE,
@@ -84,8 +84,7 @@ def _tp_worker(rank: int, world: int, tp: int, refs: list[dict]) -> list[dict]:
     for ref in refs:
         config = ModelConfig(**ref["config"])
         layout = gpt_layout(config)
-        model = GPT(config, TensorParallelLayers(state, seed=3))
-        assert mark_head_sharded_params(model) >= 0
+        model = parallelize_gpt(GPT(config), state, seed=3)
         load_state_dict_checked(model, split_state_dict(ref["state_dict"], layout, tp)[state.tp_rank])
         out = model(ref["ids"], labels=ref["labels"])
         out.loss.backward()
@@ -198,23 +197,76 @@ def test_reshard_round_trip_is_exact(name: str) -> None:
         assert torch.equal(reloaded(ids).logits, model(ids).logits)
 
 
-def test_tp_init_equals_slices_of_tp1_init() -> None:
-    config = ModelConfig(**CONFIGS["hedgehog_untied"])
+PARALLELIZE_CONFIGS = {
+    "flex_tied": CONFIGS["flex_tied"],
+    "flex_untied_swiglu": dict(CONFIGS["flex_tied"], tie_embeddings=False, mlp="swiglu", bias=True),
+    "flex_window": CONFIGS["flex_window"],
+    # gated window mixing and a q/k/v convolution: per-head core tensors besides the feature map
+    "flex_window_gated_conv": dict(CONFIGS["flex_window"], window_mixing="gated", qkv_conv_size=3),
+    "hedgehog_untied": CONFIGS["hedgehog_untied"],
+}
+
+
+def _expected_shard(full: dict[str, torch.Tensor], config: ModelConfig, tp: int, rank: int) -> dict[str, torch.Tensor]:
+    """TP rank ``rank``'s shard of a plain GPT's state dict, by name (Megatron's layout, written
+    out independently of ``gpt_layout``, which is itself derived through ``parallelize_gpt``)."""
+    out = {}
+    for name, t in full.items():
+        if name in ("embed.weight", "lm_head.weight"):  # zero padding rows up to the TP-padded vocab
+            table = torch.zeros(pad_vocab_size(config.vocab_size, tp), t.shape[1])
+            table[: t.shape[0]] = t
+            out[name] = table.chunk(tp)[rank]
+        elif name.endswith(("qkv.weight", "qkv.bias", "fc_in.weight", "fc_in.bias", "out_gain")):
+            out[name] = t.chunk(tp)[rank]  # column-parallel outputs, per-head gains
+        elif ".core." in name:
+            assert t.shape[0] == config.num_heads, name  # every core tensor is per head (dim 0)
+            out[name] = t.chunk(tp)[rank]
+        elif name.endswith(("proj.weight", "fc_out.weight")):
+            out[name] = t.chunk(tp, dim=1)[rank]  # row-parallel inputs
+        else:
+            out[name] = t
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(PARALLELIZE_CONFIGS))
+def test_parallelize_gpt_holds_the_plain_models_slices(name: str) -> None:
+    """Build plain, then parallelise: every parameter and buffer of TP rank r is rank r's slice of
+    the plain model built from the same seed, the default RNG is left where the plain build left
+    it, and the model runs through the TP factory with its head-sharded tensors tagged."""
+    config = ModelConfig(**PARALLELIZE_CONFIGS[name])
     torch.manual_seed(5)
-    full = GPT(config).state_dict()
-    layout = gpt_layout(config)
-    expected = split_state_dict(full, layout, 2)
+    full = {k: v.clone() for k, v in GPT(config).state_dict().items()}
+    after_plain = torch.rand(4)
     for tp_rank in range(2):
         torch.manual_seed(5)
-        shard = GPT(config, TensorParallelLayers(ParallelState.detached(2, tp_rank), seed=0)).state_dict()
-        for key, value in shard.items():
-            assert torch.equal(value, expected[tp_rank][key]), key
+        model = parallelize_gpt(GPT(config), ParallelState.detached(2, tp_rank), seed=0)
+        assert torch.equal(torch.rand(4), after_plain)  # parallelising drew nothing from the default RNG
+        shard, expected = model.state_dict(), _expected_shard(full, config, 2, tp_rank)
+        assert shard.keys() == expected.keys()
+        for key, value in expected.items():
+            assert torch.equal(shard[key], value), key
+        factories = {id(m.layer_factory) for m in model.modules() if hasattr(m, "layer_factory")}
+        assert factories == {id(model.layer_factory)} and isinstance(model.layer_factory, TensorParallelLayers)
+        assert all(block.attn.local_heads == config.num_heads // 2 for block in model.blocks)
+        for key, p in model.named_parameters():
+            if ".core." in key or key.endswith("out_gain"):
+                assert p.tensor_model_parallel and p.partition_dim == 0, key
+
+
+def test_parallelize_gpt_leaves_a_single_rank_model_plain() -> None:
+    config = ModelConfig(**CONFIGS["flex_tied"])
+    model = GPT(config)
+    modules = dict(model.named_modules())
+    assert parallelize_gpt(model, ParallelState.single()) is model
+    assert dict(model.named_modules()) == modules and type(model.layer_factory) is LocalLayers
+    with pytest.raises(ValueError, match="ffn_hidden_size: expected a multiple of the tensor-parallel size 4, got 66"):
+        parallelize_gpt(GPT(ModelConfig(**dict(CONFIGS["flex_tied"], ffn_hidden_size=66))), ParallelState.detached(4, 0))
 
 
 def test_bad_tp_and_shape_errors() -> None:
     config = ModelConfig(**CONFIGS["flex_tied"])
     with pytest.raises(ValueError, match="num_heads: expected a multiple of the tensor-parallel size 3, got 4"):
-        GPT(config, TensorParallelLayers(ParallelState.detached(3, 0), seed=0))
+        parallelize_gpt(GPT(config), ParallelState.detached(3, 0), seed=0)
     layout = gpt_layout(config)
     torch.manual_seed(0)
     shards = split_state_dict(GPT(config).state_dict(), layout, 2)

@@ -19,7 +19,7 @@ from distributed import run_distributed
 from megaflex.model.config import ModelConfig
 from megaflex.model.gpt import GPT, Documents
 from megaflex.model.layers import LocalLayers
-from megaflex.parallel import ParallelState, TensorParallelLayers, mark_head_sharded_params
+from megaflex.parallel import ParallelState, parallelize_gpt
 from megaflex.parallel.context_parallel import sequence_slice
 from megaflex.training.config import ConfigError, load_config
 from megaflex.training.distill.objectives import AttentionTransfer, Finetune
@@ -80,9 +80,7 @@ def _sp_worker(rank: int, world: int, tp: int, cp: int, name: str, with_document
     results = {}
     for sp in (False, True):
         torch.manual_seed(0)
-        layers = TensorParallelLayers(state, seed=3, sequence_parallel=sp)
-        model = GPT(config, layers)
-        mark_head_sharded_params(model)
+        model = parallelize_gpt(GPT(config), state, seed=3, sequence_parallel=sp)
         with torch.no_grad():  # gains and biases start as constants: make them (and their gradients) generic
             gen = torch.Generator().manual_seed(2)
             for pname, p in model.named_parameters():
@@ -138,7 +136,7 @@ def _dropout_worker(rank: int, world: int) -> dict:
     results = {}
     for checkpointing in (False, True):
         torch.manual_seed(0)
-        model = GPT(config, TensorParallelLayers(state, seed=3, sequence_parallel=True))
+        model = parallelize_gpt(GPT(config), state, seed=3, sequence_parallel=True)
         model.set_activation_checkpointing(checkpointing)
         masks = []
         model.embed_dropout.register_forward_hook(lambda _m, args, out: masks.append((out == 0) & (args[0] != 0)))
@@ -166,19 +164,26 @@ def test_dropout_on_sequence_shards_differs_per_rank_and_is_replayed_by_checkpoi
 # single process: factory and config
 # ----------------------------------------------------------------------------------------
 def test_local_layers_leave_the_residual_stream_whole() -> None:
-    layers = LocalLayers()
     x = torch.randn(2, 5, 8)
-    assert layers.scatter_sequence(x) is x
-    assert type(layers.norm("rmsnorm", 8, 1e-5)) is torch.nn.RMSNorm
-    assert type(layers.norm("layernorm", 8, 1e-5)) is torch.nn.LayerNorm
+    assert LocalLayers().scatter_sequence(x) is x
 
 
-def test_sequence_parallel_needs_tensor_parallel_ranks() -> None:
+@pytest.mark.parametrize("norm", ["rmsnorm", "layernorm"])
+def test_sequence_parallel_needs_tensor_parallel_ranks(norm: str) -> None:
+    config = ModelConfig(vocab_size=64, num_layers=1, hidden_size=16, num_heads=2, feature_dim=8, norm=norm)
     with pytest.raises(ValueError, match="sequence_parallel: needs a tensor-parallel size > 1"):
-        TensorParallelLayers(ParallelState.single(), sequence_parallel=True)
-    # without it, the TP factory's norms are the plain modules (checkpoints never see a difference)
-    layers = TensorParallelLayers(ParallelState.detached(2, 1), seed=0)
-    assert type(layers.norm("layernorm", 8, 1e-5)) is torch.nn.LayerNorm
+        parallelize_gpt(GPT(config), ParallelState.single(), sequence_parallel=True)
+    plain = GPT(config)
+    norms = ("blocks.0.attn_norm", "blocks.0.mlp_norm", "final_norm")
+    # without it, the TP model's norms are the plain modules (checkpoints never see a difference)
+    model = parallelize_gpt(GPT(config), ParallelState.detached(2, 1), seed=0)
+    assert [type(model.get_submodule(n)) for n in norms] == [type(plain.get_submodule(n)) for n in norms]
+    # with it, their sequence-parallel versions holding the same parameters
+    model = parallelize_gpt(GPT(config), ParallelState.detached(2, 1), seed=0, sequence_parallel=True)
+    for name in norms:
+        module = model.get_submodule(name)
+        assert type(module).__name__.startswith("SequenceParallel") and isinstance(module, type(plain.get_submodule(name)))
+        assert module.state_dict().keys() == plain.get_submodule(name).state_dict().keys()
 
 
 def _config(tmp_path: Path, *overrides: str):

@@ -3,7 +3,7 @@
 A *layout* maps every state-dict key to a ``ShardSpec``: replicated, split along one dim, or
 vocabulary-padded (split on dim 0 with padding rows at or past ``vocab_size``). It is derived
 once from the model itself: ``derive_layout(build)`` builds the model (on the meta device when
-it can) at TP=1 and at a small TP>1 (with a group-less ``ParallelState.detached``) and compares
+it can) at TP=1 and at a small TP>1 (parallelised over a group-less ``ParallelState.detached``) and compares
 shapes, so every sharded tensor is found (column/row weights, feature-map Omega/tau,
 per-head gains, buffers) without a hand-written name list; vocabulary tensors are recognised
 by their ``true_vocab_size`` tag.
@@ -36,8 +36,8 @@ from megaflex.checkpoint.layout import META_FILE, MODEL_STATES, model_states_fil
 from megaflex.checkpoint.metadata import CheckpointMeta
 from megaflex.model.config import ModelConfig
 from megaflex.model.gpt import GPT
-from megaflex.model.layers import LayerFactory, LocalLayers, pad_vocab_size
-from megaflex.parallel.layers import TensorParallelLayers
+from megaflex.model.layers import pad_vocab_size
+from megaflex.parallel.parallelize import parallelize_gpt
 from megaflex.parallel.random import TensorParallelRNGTracker
 from megaflex.parallel.state import ParallelState
 
@@ -63,27 +63,25 @@ def _entries(model: nn.Module) -> dict[str, Any]:
     return model.state_dict(keep_vars=True)
 
 
-def _skeleton(build: Callable[[LayerFactory], nn.Module], layers: LayerFactory) -> dict[str, Any]:
-    """State-dict entries of ``build(layers)``, built on the meta device when the model allows
+def _skeleton(build: Callable[[ParallelState], nn.Module], state: ParallelState) -> dict[str, Any]:
+    """State-dict entries of ``build(state)``, built on the meta device when the model allows
     it (no memory, no compute) and on CPU otherwise (e.g. a feature map that draws frequencies
     from a seeded generator at construction). The default RNG is left as it was."""
     with torch.random.fork_rng(devices=[]):
         try:
             with torch.device("meta"):
-                return _entries(build(layers))
+                return _entries(build(state))
         except (NotImplementedError, RuntimeError):
-            return _entries(build(layers))
+            return _entries(build(state))
 
 
-def derive_layout(build: Callable[[LayerFactory], nn.Module], probe_tp: int = 2) -> Layout:
-    """Layout of the model ``build(factory)`` builds, from skeletons at TP=1 and TP=``probe_tp``.
+def derive_layout(build: Callable[[ParallelState], nn.Module], probe_tp: int = 2) -> Layout:
+    """Layout of the model ``build(state)`` builds, from skeletons at TP=1 and TP=``probe_tp``.
 
-    ``build`` must build the same architecture for any factory (e.g.
-    ``lambda layers: GPT(config, layers)``); ``probe_tp`` must divide its sharded dims.
+    ``build`` must build the same architecture parallelised over any (group-less) state (e.g.
+    ``gpt_layout``'s); ``probe_tp`` must divide its sharded dims.
     """
-    # A throwaway tracker: building must not depend on any RNG stream.
-    tp_layers = TensorParallelLayers(ParallelState.detached(probe_tp, 0), TensorParallelRNGTracker("cpu"))
-    full, shard = _skeleton(build, LocalLayers()), _skeleton(build, tp_layers)
+    full, shard = _skeleton(build, ParallelState.single()), _skeleton(build, ParallelState.detached(probe_tp, 0))
     if full.keys() != shard.keys():
         raise ValueError(f"build: TP=1 and TP={probe_tp} models have different entries: "
                          f"{sorted(set(full) ^ set(shard))}")
@@ -114,7 +112,10 @@ def derive_layout(build: Callable[[LayerFactory], nn.Module], probe_tp: int = 2)
 
 def gpt_layout(config: ModelConfig) -> Layout:
     """Layout of ``megaflex.model.GPT(config)``."""
-    return derive_layout(lambda layers: GPT(config, layers), probe_tp=_probe_tp(config))
+    # A throwaway tracker: building must not depend on any RNG stream.
+    return derive_layout(
+        lambda state: parallelize_gpt(GPT(config), state, TensorParallelRNGTracker("cpu")), probe_tp=_probe_tp(config)
+    )
 
 
 def _probe_tp(config: ModelConfig) -> int:

@@ -28,7 +28,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from megaflex.attention import named_kernel_parameters
-from megaflex.model.layers import InitMethod, LocalLayers, check_tensor_parallel_fit, linear, pad_vocab_size, vocab_embedding
+from megaflex.model.layers import (
+    InitMethod,
+    LocalLayers,
+    check_tensor_parallel_fit,
+    linear,
+    pad_vocab_size,
+    vocab_embedding,
+)
 from megaflex.attention.hybrid import LocalMixingCore
 from megaflex.parallel.context_parallel import ContextParallelAttention, sequence_sum
 from megaflex.parallel.context_parallel_window import ContextParallelWindowAttention

@@ -75,9 +75,10 @@ def parallelize_with(module: ModuleT, layers: TensorParallelLayers, config: Mode
     for block in module.blocks:
         _parallelize_block(block, layers, config)
     if state.tp_size > 1:
-        module.embed = VocabParallelEmbedding.from_local(module.embed, state, sequence_parallel=layers.sequence_parallel)
+        sp = layers.sequence_parallel
+        module.embed = VocabParallelEmbedding.from_local(module.embed, state, sequence_parallel=sp)
         if module.lm_head is not None:
-            module.lm_head = VocabParallelEmbedding.from_local(module.lm_head, state, sequence_parallel=layers.sequence_parallel)
+            module.lm_head = VocabParallelEmbedding.from_local(module.lm_head, state, sequence_parallel=sp)
     if layers.sequence_parallel:
         module.final_norm = _sequence_parallel_norm(module.final_norm, state)
     module.layer_factory = layers

@@ -36,8 +36,10 @@ from megaflex.training.weights import linear_attention_parameter_names
 
 
 def load_teacher(checkpoint: str | os.PathLike, layers: Any) -> GPT:
-    """The frozen fp32 softmax teacher from ``checkpoint`` on ``layers`` (the student's factory)."""
+    """The frozen fp32 softmax teacher from ``checkpoint``, parallelised as the student is
+    (``layers``: the student's factory, which it then runs through too)."""
     from megaflex.checkpoint.reshard import load_state_dict_checked
+    from megaflex.parallel import TensorParallelLayers, parallelize_with
 
     try:
         state, meta, path = load_checkpoint_weights(checkpoint, layers.tp_size, layers.tp_rank)
@@ -45,12 +47,10 @@ def load_teacher(checkpoint: str | os.PathLike, layers: Any) -> GPT:
         raise ConfigError(f"distill.teacher: {e}") from None
     config = ModelConfig.from_dict(meta.model_config)
     check_softmax_teacher(config, path)
-    tracker = getattr(layers, "rng_tracker", None)
-    tracker_states = tracker.get_states() if tracker is not None else None
-    with torch.random.fork_rng(devices=[]):  # its (overwritten) init must not move the student's streams
-        teacher = GPT(config, layers)
-    if tracker is not None:
-        tracker.set_states(tracker_states)
+    with torch.random.fork_rng(devices=[]):  # its (overwritten) init must not move the student's stream
+        teacher = GPT(config)
+    if isinstance(layers, TensorParallelLayers):  # parallelising draws no random numbers
+        parallelize_with(teacher, layers, config)
     load_state_dict_checked(teacher, state)
     teacher.requires_grad_(False)
     return teacher.eval()
