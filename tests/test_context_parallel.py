@@ -273,7 +273,7 @@ def test_gpt_context_parallel_equals_single_rank(tp: int, cp: int) -> None:
 def test_gpt_under_cp_refuses_softmax() -> None:
     config = ModelConfig(**CONFIGS["softmax"])
     model = parallelize_gpt(GPT(config), ParallelState(ParallelDims(2, cp_size=2), 1), seed=0)
-    assert isinstance(model.layer_factory, TensorParallelLayers)  # CP alone: modules plain, the factory swapped
+    assert isinstance(model.layer_factory, TensorParallelLayers)  # CP alone parallelises the model too
     with pytest.raises(ValueError, match="context_parallel_size: expected 1 for attention kind 'softmax'"):
         model(torch.zeros(1, 4, dtype=torch.long))
 

@@ -8,7 +8,8 @@ Tensor parallelism (Megatron layout) swaps, per block, the fused QKV and the MLP
 ``ColumnParallelLinear``, the attention and MLP outputs for ``RowParallelLinear``, the attention
 core for one over this rank's ``num_heads / tp`` heads and the per-head gain for its slice; the
 embedding (and an untied head) become ``VocabParallelEmbedding``; under sequence parallelism the
-norms become their sequence-parallel versions. Every shard is the plain weight's slice, so the
+norms become their sequence-parallel versions. Context parallelism alone (TP=1) gets the same
+layer classes (whole weights, tagged with their TP layout), cores and gains unchanged. Every shard is the plain weight's slice, so the
 parallel model holds exactly the TP=1 model's values for the seed, and parallelising draws no
 random numbers. Every module's ``layer_factory`` becomes the ``TensorParallelLayers`` that runs
 the logits, loss, RNG contexts and (context parallelism, also alone) the attention.
@@ -74,11 +75,10 @@ def parallelize_with(module: ModuleT, layers: TensorParallelLayers, config: Mode
         return module
     for block in module.blocks:
         _parallelize_block(block, layers, config)
-    if state.tp_size > 1:
-        sp = layers.sequence_parallel
-        module.embed = VocabParallelEmbedding.from_local(module.embed, state, sequence_parallel=sp)
-        if module.lm_head is not None:
-            module.lm_head = VocabParallelEmbedding.from_local(module.lm_head, state, sequence_parallel=sp)
+    sp = layers.sequence_parallel
+    module.embed = VocabParallelEmbedding.from_local(module.embed, state, sequence_parallel=sp)
+    if module.lm_head is not None:
+        module.lm_head = VocabParallelEmbedding.from_local(module.lm_head, state, sequence_parallel=sp)
     if layers.sequence_parallel:
         module.final_norm = _sequence_parallel_norm(module.final_norm, state)
     module.layer_factory = layers
@@ -90,11 +90,12 @@ def _parallelize_block(block: Block, layers: TensorParallelLayers, config: Model
         return
     state, sp = layers.state, layers.sequence_parallel
     attn, mlp = block.attn, block.mlp
+    # also at TP=1 (context parallelism alone): the TP layers' partition tags name the layout
+    attn.qkv = ColumnParallelLinear.from_local(attn.qkv, state, sequence_parallel=sp)
+    attn.proj = RowParallelLinear.from_local(attn.proj, state, sequence_parallel=sp)
+    mlp.fc_in = ColumnParallelLinear.from_local(mlp.fc_in, state, sequence_parallel=sp)
+    mlp.fc_out = RowParallelLinear.from_local(mlp.fc_out, state, sequence_parallel=sp)
     if state.tp_size > 1:
-        attn.qkv = ColumnParallelLinear.from_local(attn.qkv, state, sequence_parallel=sp)
-        attn.proj = RowParallelLinear.from_local(attn.proj, state, sequence_parallel=sp)
-        mlp.fc_in = ColumnParallelLinear.from_local(mlp.fc_in, state, sequence_parallel=sp)
-        mlp.fc_out = RowParallelLinear.from_local(mlp.fc_out, state, sequence_parallel=sp)
         _shard_heads(attn, state, config)
     if sp:
         block.attn_norm = _sequence_parallel_norm(block.attn_norm, state)
