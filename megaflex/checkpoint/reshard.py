@@ -37,7 +37,8 @@ from megaflex.checkpoint.metadata import CheckpointMeta
 from megaflex.model.config import ModelConfig
 from megaflex.model.gpt import GPT
 from megaflex.model.layers import pad_vocab_size
-from megaflex.parallel.parallelize import parallelize_gpt
+from megaflex.parallel.layers import TensorParallelLayers
+from megaflex.parallel.parallelize import parallelize_with
 from megaflex.parallel.random import TensorParallelRNGTracker
 from megaflex.parallel.state import ParallelState
 
@@ -112,10 +113,12 @@ def derive_layout(build: Callable[[ParallelState], nn.Module], probe_tp: int = 2
 
 def gpt_layout(config: ModelConfig) -> Layout:
     """Layout of ``megaflex.model.GPT(config)``."""
-    # A throwaway tracker: building must not depend on any RNG stream.
-    return derive_layout(
-        lambda state: parallelize_gpt(GPT(config), state, TensorParallelRNGTracker("cpu")), probe_tp=_probe_tp(config)
-    )
+    def build(state: ParallelState) -> GPT:
+        # Through the TP layers also at TP=1: a one-head model's layout comes from their tags.
+        # A throwaway tracker: building must not depend on any RNG stream.
+        return parallelize_with(GPT(config), TensorParallelLayers(state, TensorParallelRNGTracker("cpu")), config)
+
+    return derive_layout(build, probe_tp=_probe_tp(config))
 
 
 def _probe_tp(config: ModelConfig) -> int:
