@@ -21,7 +21,7 @@ sizes this project trains; for very large models build under ZeRO-3
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, ContextManager, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +56,8 @@ from megaflex.parallel.sequence_parallel import (
 )
 from megaflex.parallel.state import ParallelState
 
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
+
 
 def set_tensor_parallel_attributes(param: torch.Tensor, partition_dim: int, stride: int = 1) -> None:
     """Tag ``param`` as split along ``partition_dim`` over the TP group (Megatron's convention)."""
@@ -82,6 +84,14 @@ def mark_head_sharded_params(model: nn.Module) -> int:
             set_tensor_parallel_attributes(kp.param, 0)
             count += 1
     return count
+
+
+def _built_from(cls: type[ModuleT], *args: Any) -> ModuleT:
+    """An instance of ``cls`` set up by its ``_take_shard(*args)`` instead of its constructor."""
+    module = cls.__new__(cls)
+    nn.Module.__init__(module)
+    module._take_shard(*args)
+    return module
 
 
 def shard_parameter(param: torch.Tensor, state: ParallelState, dim: int) -> nn.Parameter:
@@ -118,22 +128,19 @@ class ColumnParallelLinear(nn.Module):
 
     @classmethod
     def from_local(
-        cls, linear: nn.Linear, state: ParallelState, *, gather_output: bool = False, sequence_parallel: bool = False
+        cls, layer: nn.Linear, state: ParallelState, *, gather_output: bool = False, sequence_parallel: bool = False
     ) -> "ColumnParallelLinear":
-        """This rank's shard of an existing full ``linear`` (its weight rows and bias entries)."""
-        module = cls.__new__(cls)
-        nn.Module.__init__(module)
-        module._take_shard(linear, state, gather_output, sequence_parallel)
-        return module
+        """This rank's shard of an existing full ``layer`` (its weight rows and bias entries)."""
+        return _built_from(cls, layer, state, gather_output, sequence_parallel)
 
-    def _take_shard(self, linear: nn.Linear, state: ParallelState, gather_output: bool, sequence_parallel: bool) -> None:
-        check_tensor_parallel_fit("out_features", linear.out_features, state.tp_size)
+    def _take_shard(self, layer: nn.Linear, state: ParallelState, gather_output: bool, sequence_parallel: bool) -> None:
+        check_tensor_parallel_fit("out_features", layer.out_features, state.tp_size)
         self.state = state
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.in_features, self.out_features = layer.in_features, layer.out_features
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel
-        self.weight = shard_parameter(linear.weight, state, 0)  # [out / tp, in]
-        self.bias = None if linear.bias is None else shard_parameter(linear.bias, state, 0)
+        self.weight = shard_parameter(layer.weight, state, 0)  # [out / tp, in]
+        self.bias = None if layer.bias is None else shard_parameter(layer.bias, state, 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
@@ -173,22 +180,19 @@ class RowParallelLinear(nn.Module):
 
     @classmethod
     def from_local(
-        cls, linear: nn.Linear, state: ParallelState, *, input_is_parallel: bool = True, sequence_parallel: bool = False
+        cls, layer: nn.Linear, state: ParallelState, *, input_is_parallel: bool = True, sequence_parallel: bool = False
     ) -> "RowParallelLinear":
-        """This rank's shard of an existing full ``linear`` (its weight columns; the bias replicated)."""
-        module = cls.__new__(cls)
-        nn.Module.__init__(module)
-        module._take_shard(linear, state, input_is_parallel, sequence_parallel)
-        return module
+        """This rank's shard of an existing full ``layer`` (its weight columns; the bias replicated)."""
+        return _built_from(cls, layer, state, input_is_parallel, sequence_parallel)
 
-    def _take_shard(self, linear: nn.Linear, state: ParallelState, input_is_parallel: bool, sequence_parallel: bool) -> None:
-        check_tensor_parallel_fit("in_features", linear.in_features, state.tp_size)
+    def _take_shard(self, layer: nn.Linear, state: ParallelState, input_is_parallel: bool, sequence_parallel: bool) -> None:
+        check_tensor_parallel_fit("in_features", layer.in_features, state.tp_size)
         self.state = state
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.in_features, self.out_features = layer.in_features, layer.out_features
         self.input_is_parallel = input_is_parallel
         self.sequence_parallel = sequence_parallel
-        self.weight = shard_parameter(linear.weight, state, 1)  # [out, in / tp]
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), linear.bias.requires_grad)
+        self.weight = shard_parameter(layer.weight, state, 1)  # [out, in / tp]
+        self.bias = None if layer.bias is None else nn.Parameter(layer.bias.detach().clone(), layer.bias.requires_grad)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
@@ -231,10 +235,7 @@ class VocabParallelEmbedding(nn.Module):
     ) -> "VocabParallelEmbedding":
         """This rank's rows of an existing plain embedding (``.vocab_size`` set; its
         table padded further with zero rows to ``pad_vocab_size(vocab_size, tp)``)."""
-        module = cls.__new__(cls)
-        nn.Module.__init__(module)
-        module._take_shard(embedding, state, sequence_parallel)
-        return module
+        return _built_from(cls, embedding, state, sequence_parallel)
 
     def _take_shard(self, embedding: nn.Embedding, state: ParallelState, sequence_parallel: bool) -> None:
         self.state = state

@@ -8,7 +8,7 @@ unhooks, leaving a model whose state dict is a normal megaflex checkpoint's.
 
 Shapes per kind of linear (x: the linear's input; s = alpha / r):
 
-    nn.Linear (LocalLayers)  A [r, in]               B [out, r]               y += s B (A x)
+    nn.Linear (plain model) A [r, in]               B [out, r]               y += s B (A x)
     ColumnParallelLinear     A [r, in] replicated    B [out/tp, r] dim 0      y_shard += s B copy(A x)
     RowParallelLinear        A [r, in/tp] dim 1      B [out, r] replicated    y += s B reduce(A x_shard)
 
