@@ -67,11 +67,13 @@ def parallelize_gpt(
 
 def parallelize_with(module: ModuleT, layers: TensorParallelLayers, config: ModelConfig) -> ModuleT:
     """``module`` (a plain ``GPT`` of ``config``, or one of its ``Block``s) parallelised in place
-    over ``layers.state``, running through ``layers``; blocks already on ``layers`` are skipped."""
+    over ``layers.state``, running through ``layers``; what is already on ``layers`` is skipped."""
     state = layers.state
     state.dims.check_model_fit(config.num_heads, config.ffn_hidden_size)
     if isinstance(module, Block):
         _parallelize_block(module, layers, config)
+        return module
+    if module.layer_factory is layers:
         return module
     for block in module.blocks:
         _parallelize_block(block, layers, config)
