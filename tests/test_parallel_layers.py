@@ -181,32 +181,25 @@ def test_rng_tracker_replays_tp_dropout_under_activation_checkpointing() -> None
 def test_bad_sizes_name_the_argument() -> None:
     state = ParallelState.detached(tp_size=4, tp_rank=1)
     with pytest.raises(ValueError, match="out_features: expected a multiple of the tensor-parallel size 4, got 6"):
-        ColumnParallelLinear(8, 6, state, bias=False, init_method=normal_init(0.02))
+        ColumnParallelLinear(linear(8, 6, bias=False, init_method=normal_init(0.02)), state)
     with pytest.raises(ValueError, match="in_features: expected a multiple of the tensor-parallel size 4, got 10"):
-        RowParallelLinear.from_local(linear(10, 8, bias=False, init_method=normal_init(0.02)), state)
+        RowParallelLinear(linear(10, 8, bias=False, init_method=normal_init(0.02)), state)
 
 
 @pytest.mark.parametrize("tp_rank", [0, 1])
-def test_from_local_keeps_this_ranks_slice_of_a_plain_layer(tp_rank: int) -> None:
-    """``from_local`` cuts a built layer (what ``parallelize_gpt`` does); the constructors draw the
-    plain layer from the default RNG and cut it the same way."""
+def test_parallel_layers_keep_this_ranks_slice_of_a_plain_layer(tp_rank: int) -> None:
+    """Each TP layer is cut from a built plain layer (what ``parallelize_gpt`` does)."""
     state, init = ParallelState.detached(tp_size=2, tp_rank=tp_rank), normal_init(0.5)
     torch.manual_seed(3)
     plain_col = linear(8, 12, bias=True, init_method=init)
     plain_row = linear(12, 8, bias=True, init_method=init)
     plain_emb = vocab_embedding(300, 8, init_method=init)
-    torch.manual_seed(3)
-    built = (
-        ColumnParallelLinear(8, 12, state, bias=True, init_method=init),
-        RowParallelLinear(12, 8, state, bias=True, init_method=init),
-        VocabParallelEmbedding(300, 8, state, init_method=init),
-    )
     with torch.no_grad():
         plain_col.bias.normal_(), plain_row.bias.normal_()  # non-zero biases: their slicing is visible
     plain_row.weight.requires_grad_(False)  # a frozen weight stays frozen
-    col = ColumnParallelLinear.from_local(plain_col, state)
-    row = RowParallelLinear.from_local(plain_row, state)
-    emb = VocabParallelEmbedding.from_local(plain_emb, state)
+    col = ColumnParallelLinear(plain_col, state)
+    row = RowParallelLinear(plain_row, state)
+    emb = VocabParallelEmbedding(plain_emb, state)
     assert torch.equal(col.weight, plain_col.weight.chunk(2)[tp_rank])
     assert torch.equal(col.bias, plain_col.bias.chunk(2)[tp_rank])
     assert torch.equal(row.weight, plain_row.weight.chunk(2, dim=1)[tp_rank]) and torch.equal(row.bias, plain_row.bias)
@@ -214,17 +207,15 @@ def test_from_local_keeps_this_ranks_slice_of_a_plain_layer(tp_rank: int) -> Non
     table = torch.zeros(pad_vocab_size(300, 2), 8)  # 512 rows: the plain 384 and zero TP padding
     table[:384] = plain_emb.weight.detach()
     assert torch.equal(emb.weight, table.chunk(2)[tp_rank]) and emb.weight.true_vocab_size == 300
-    for module, from_local in zip(built, (col, row, emb)):
-        assert torch.equal(module.weight, from_local.weight)
     assert (col.weight.partition_dim, col.bias.partition_dim, row.weight.partition_dim) == (0, 0, 1)
     assert not getattr(row.bias, "tensor_model_parallel", False)  # replicated
 
 
 def test_detached_state_shapes_and_tags() -> None:
     state = ParallelState.detached(tp_size=2, tp_rank=1)
-    col = ColumnParallelLinear(8, 12, state, bias=True, init_method=normal_init(0.02))
-    row = RowParallelLinear(12, 8, state, bias=True, init_method=normal_init(0.02))
-    emb = VocabParallelEmbedding(300, 8, state, init_method=normal_init(0.02))
+    col = ColumnParallelLinear(linear(8, 12, bias=True, init_method=normal_init(0.02)), state)
+    row = RowParallelLinear(linear(12, 8, bias=True, init_method=normal_init(0.02)), state)
+    emb = VocabParallelEmbedding(vocab_embedding(300, 8, init_method=normal_init(0.02)), state)
     assert col.weight.shape == (6, 8) and col.weight.partition_dim == 0 and col.bias.partition_dim == 0
     assert row.weight.shape == (8, 6) and row.weight.partition_dim == 1
     assert not getattr(row.bias, "tensor_model_parallel", False)  # replicated
@@ -330,11 +321,10 @@ def _mappings_and_layers_worker(rank: int, world: int) -> dict:
         linear(8, 12, bias=True, init_method=init),
         linear(12, 8, bias=True, init_method=init),
     )
-    torch.manual_seed(123)  # the constructors draw the full layers as the plain ones do
     tp_mods = (
-        VocabParallelEmbedding(200, 8, state, init_method=init),
-        ColumnParallelLinear(8, 12, state, bias=True, init_method=init),
-        RowParallelLinear(12, 8, state, bias=True, init_method=init),
+        VocabParallelEmbedding(ref_mods[0], state),
+        ColumnParallelLinear(ref_mods[1], state),
+        RowParallelLinear(ref_mods[2], state),
     )
     for ref_mod in ref_mods[1:]:
         torch.nn.init.normal_(ref_mod.bias)  # non-zero biases so their handling is tested

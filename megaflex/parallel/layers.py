@@ -9,11 +9,9 @@ Every sharded parameter carries Megatron's attributes
 and vocabulary-padded ones additionally ``true_vocab_size`` (rows at or past it are padding).
 ``megaflex.checkpoint.reshard`` uses these tags to convert checkpoints between TP sizes.
 
-Initialisation: ``from_local`` keeps this rank's slice of an existing full layer (the GPT is
-built plain, then parallelised: ``megaflex.parallel.parallelize``); the constructors build the
-full layer exactly as the plain model does (``megaflex.model.layers``, same default-RNG draws,
-identical on every TP rank) and keep their slice the same way. So a TP=k model holds exactly the
-slices of the TP=1 model built after the same seed. Materialising the full weight is cheap at the
+Initialisation: each layer is constructed from an existing plain layer and keeps this rank's
+slice of it (the GPT is built plain, then parallelised: ``megaflex.parallel.parallelize``). So a
+TP=k model holds exactly the slices of the TP=1 model built after the same seed. Materialising the full weight is cheap at the
 sizes this project trains; for very large models build under ZeRO-3
 (``megaflex.parallel.deferred_init``) or on the meta device and load a resharded checkpoint.
 """
@@ -21,21 +19,14 @@ sizes this project trains; for very large models build under ZeRO-3
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, TypeVar
+from typing import Any, Callable, ContextManager
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from megaflex.attention import named_kernel_parameters
-from megaflex.model.layers import (
-    InitMethod,
-    LocalLayers,
-    check_tensor_parallel_fit,
-    linear,
-    pad_vocab_size,
-    vocab_embedding,
-)
+from megaflex.model.layers import LocalLayers, check_tensor_parallel_fit, pad_vocab_size
 from megaflex.attention.hybrid import LocalMixingCore
 from megaflex.parallel.context_parallel import ContextParallelAttention, sequence_sum
 from megaflex.parallel.context_parallel_window import ContextParallelWindowAttention
@@ -56,7 +47,6 @@ from megaflex.parallel.sequence_parallel import (
 )
 from megaflex.parallel.state import ParallelState
 
-ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
 
 def set_tensor_parallel_attributes(param: torch.Tensor, partition_dim: int, stride: int = 1) -> None:
@@ -86,14 +76,6 @@ def mark_head_sharded_params(model: nn.Module) -> int:
     return count
 
 
-def _built_from(cls: type[ModuleT], *args: Any) -> ModuleT:
-    """An instance of ``cls`` set up by its ``_take_shard(*args)`` instead of its constructor."""
-    module = cls.__new__(cls)
-    nn.Module.__init__(module)
-    module._take_shard(*args)
-    return module
-
-
 def shard_parameter(param: torch.Tensor, state: ParallelState, dim: int) -> nn.Parameter:
     """This TP rank's contiguous slice of ``param`` along ``dim`` (a copy), tagged as split there."""
     shard = nn.Parameter(param.detach().chunk(state.tp_size, dim=dim)[state.tp_rank].clone(), param.requires_grad)
@@ -112,28 +94,10 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        state: ParallelState,
-        *,
-        bias: bool = True,
-        init_method: InitMethod,
-        gather_output: bool = False,
-        sequence_parallel: bool = False,
+        self, layer: nn.Linear, state: ParallelState, *, gather_output: bool = False, sequence_parallel: bool = False
     ) -> None:
+        """This rank's shard of the plain ``layer`` (its weight rows and bias entries)."""
         super().__init__()
-        local = linear(in_features, out_features, bias=bias, init_method=init_method)
-        self._take_shard(local, state, gather_output, sequence_parallel)
-
-    @classmethod
-    def from_local(
-        cls, layer: nn.Linear, state: ParallelState, *, gather_output: bool = False, sequence_parallel: bool = False
-    ) -> "ColumnParallelLinear":
-        """This rank's shard of an existing full ``layer`` (its weight rows and bias entries)."""
-        return _built_from(cls, layer, state, gather_output, sequence_parallel)
-
-    def _take_shard(self, layer: nn.Linear, state: ParallelState, gather_output: bool, sequence_parallel: bool) -> None:
         check_tensor_parallel_fit("out_features", layer.out_features, state.tp_size)
         self.state = state
         self.in_features, self.out_features = layer.in_features, layer.out_features
@@ -164,28 +128,10 @@ class RowParallelLinear(nn.Module):
     """
 
     def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        state: ParallelState,
-        *,
-        bias: bool = True,
-        init_method: InitMethod,
-        input_is_parallel: bool = True,
-        sequence_parallel: bool = False,
+        self, layer: nn.Linear, state: ParallelState, *, input_is_parallel: bool = True, sequence_parallel: bool = False
     ) -> None:
+        """This rank's shard of the plain ``layer`` (its weight columns; the bias replicated)."""
         super().__init__()
-        local = linear(in_features, out_features, bias=bias, init_method=init_method)
-        self._take_shard(local, state, input_is_parallel, sequence_parallel)
-
-    @classmethod
-    def from_local(
-        cls, layer: nn.Linear, state: ParallelState, *, input_is_parallel: bool = True, sequence_parallel: bool = False
-    ) -> "RowParallelLinear":
-        """This rank's shard of an existing full ``layer`` (its weight columns; the bias replicated)."""
-        return _built_from(cls, layer, state, input_is_parallel, sequence_parallel)
-
-    def _take_shard(self, layer: nn.Linear, state: ParallelState, input_is_parallel: bool, sequence_parallel: bool) -> None:
         check_tensor_parallel_fit("in_features", layer.in_features, state.tp_size)
         self.state = state
         self.in_features, self.out_features = layer.in_features, layer.out_features
@@ -214,30 +160,16 @@ class VocabParallelEmbedding(nn.Module):
     [r * V_local, (r + 1) * V_local). Ids outside a rank's slice produce zeros there and the
     all-reduce assembles the full embedding.
 
-    Init builds the plain model's table ([pad_vocab_size(vocab_size, 1), hidden], same RNG
-    draws) and zero-fills the extra TP padding rows, so all rows it has match the TP=1 model.
+    Built from the plain model's table ([pad_vocab_size(vocab_size, 1), hidden]) with the extra
+    TP padding rows zero-filled, so all rows it has match the TP=1 model.
     ``sequence_parallel=True``: ids [..., N] -> this rank's sequence shard [..., N / tp, hidden]
     (a reduce-scatter instead of the all-reduce).
     """
 
-    def __init__(
-        self, vocab_size: int, hidden: int, state: ParallelState, *, init_method: InitMethod, sequence_parallel: bool = False
-    ) -> None:
+    def __init__(self, embedding: nn.Embedding, state: ParallelState, *, sequence_parallel: bool = False) -> None:
+        """This rank's rows of the plain ``embedding`` (``.vocab_size`` set; its table padded
+        further with zero rows to ``pad_vocab_size(vocab_size, tp)``)."""
         super().__init__()
-        if vocab_size < 1:
-            raise ValueError(f"vocab_size: expected >= 1, got {vocab_size}")
-        local = vocab_embedding(vocab_size, hidden, init_method=init_method)
-        self._take_shard(local, state, sequence_parallel)
-
-    @classmethod
-    def from_local(
-        cls, embedding: nn.Embedding, state: ParallelState, *, sequence_parallel: bool = False
-    ) -> "VocabParallelEmbedding":
-        """This rank's rows of an existing plain embedding (``.vocab_size`` set; its
-        table padded further with zero rows to ``pad_vocab_size(vocab_size, tp)``)."""
-        return _built_from(cls, embedding, state, sequence_parallel)
-
-    def _take_shard(self, embedding: nn.Embedding, state: ParallelState, sequence_parallel: bool) -> None:
         self.state = state
         self.sequence_parallel = sequence_parallel
         self.vocab_size = vocab_size = embedding.vocab_size

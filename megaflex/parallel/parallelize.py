@@ -78,9 +78,9 @@ def parallelize_with(module: ModuleT, layers: TensorParallelLayers, config: Mode
     for block in module.blocks:
         _parallelize_block(block, layers, config)
     sp = layers.sequence_parallel
-    module.embed = VocabParallelEmbedding.from_local(module.embed, state, sequence_parallel=sp)
+    module.embed = VocabParallelEmbedding(module.embed, state, sequence_parallel=sp)
     if module.lm_head is not None:
-        module.lm_head = VocabParallelEmbedding.from_local(module.lm_head, state, sequence_parallel=sp)
+        module.lm_head = VocabParallelEmbedding(module.lm_head, state, sequence_parallel=sp)
     if layers.sequence_parallel:
         module.final_norm = _sequence_parallel_norm(module.final_norm, state)
     module.layer_factory = layers
@@ -93,10 +93,10 @@ def _parallelize_block(block: Block, layers: TensorParallelLayers, config: Model
     state, sp = layers.state, layers.sequence_parallel
     attn, mlp = block.attn, block.mlp
     # also at TP=1 (context parallelism alone): the TP layers' partition tags name the layout
-    attn.qkv = ColumnParallelLinear.from_local(attn.qkv, state, sequence_parallel=sp)
-    attn.proj = RowParallelLinear.from_local(attn.proj, state, sequence_parallel=sp)
-    mlp.fc_in = ColumnParallelLinear.from_local(mlp.fc_in, state, sequence_parallel=sp)
-    mlp.fc_out = RowParallelLinear.from_local(mlp.fc_out, state, sequence_parallel=sp)
+    attn.qkv = ColumnParallelLinear(attn.qkv, state, sequence_parallel=sp)
+    attn.proj = RowParallelLinear(attn.proj, state, sequence_parallel=sp)
+    mlp.fc_in = ColumnParallelLinear(mlp.fc_in, state, sequence_parallel=sp)
+    mlp.fc_out = RowParallelLinear(mlp.fc_out, state, sequence_parallel=sp)
     if state.tp_size > 1:
         _shard_heads(attn, state, config)
     if sp:
