@@ -48,7 +48,6 @@ from megaflex.parallel.sequence_parallel import (
 from megaflex.parallel.state import ParallelState
 
 
-
 def set_tensor_parallel_attributes(param: torch.Tensor, partition_dim: int, stride: int = 1) -> None:
     """Tag ``param`` as split along ``partition_dim`` over the TP group (Megatron's convention)."""
     param.tensor_model_parallel = True
