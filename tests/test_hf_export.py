@@ -161,6 +161,21 @@ def test_trust_remote_code_without_megaflex(exported: dict[str, Path], tmp_path:
     assert torch.equal(result["generated"][:, 8:], generate(reference, ids[:, :8], 6, SamplingConfig(temperature=0)))
 
 
+# What ``lm_eval --model hf --model_args pretrained=HF,trust_remote_code=True,dtype=float32 --include_path
+# TASKS --tasks megaflex_wikitext2 --batch_size 4 --device cpu`` runs (simple_evaluate on the task found
+# under --include_path), minus the CLI's indexing of lm-eval's ~14,000 built-in task files (~10 s).
+_LM_EVAL = """
+import json, sys
+from lm_eval import simple_evaluate
+from lm_eval.tasks import TaskManager
+hf, tasks, out = sys.argv[1:]
+results = simple_evaluate(model="hf", model_args=f"pretrained={hf},trust_remote_code=True,dtype=float32",
+                          tasks=["megaflex_wikitext2"], task_manager=TaskManager(include_path=tasks, include_defaults=False),
+                          batch_size=4, device="cpu")
+json.dump(results["results"]["megaflex_wikitext2"], open(out, "w"))
+"""
+
+
 @pytest.mark.slow
 def test_lm_eval_local_task_perplexity_matches_megaflex_eval(exported: dict[str, Path], tmp_path: Path,
                                                              shared_data: Path) -> None:
@@ -168,7 +183,7 @@ def test_lm_eval_local_task_perplexity_matches_megaflex_eval(exported: dict[str,
     from evaluation.perplexity import run_cli
 
     tasks = tmp_path / "tasks"
-    assert tasks_main(["--out", str(tasks), "--hf-model", str(exported["hf"]), "--max-docs", "2",
+    assert tasks_main(["--out", str(tasks), "--hf-model", str(exported["hf"]), "--max-docs", "1",
                        "--data", str(shared_data / "wikitext-2-raw" / "wiki.test.raw")]) == 0
     jsonl = tasks / "megaflex_wikitext2.jsonl"
     records = [json.loads(line) for line in jsonl.read_text().splitlines()]
@@ -176,13 +191,10 @@ def test_lm_eval_local_task_perplexity_matches_megaflex_eval(exported: dict[str,
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # lm-eval runs the exported remote code
     env.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                HF_DATASETS_CACHE=str(tmp_path / "datasets"), HF_MODULES_CACHE=str(tmp_path / "modules"))
-    cmd = [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
-           f"pretrained={exported['hf']},trust_remote_code=True,dtype=float32", "--include_path", str(tasks),
-           "--tasks", "megaflex_wikitext2", "--batch_size", "4", "--device", "cpu", "--output_path", str(tmp_path / "out")]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", _LM_EVAL, str(exported["hf"]), str(tasks), str(tmp_path / "lm.json")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result_file = next((tmp_path / "out").rglob("results_*.json"))
-    lm = json.loads(result_file.read_text())["results"]["megaflex_wikitext2"]
+    lm = json.loads((tmp_path / "lm.json").read_text())
     ours = run_cli(["--checkpoint", str(exported["run"]), "--data", str(jsonl), "--mode", "windows",
                     "--context", "256", "--device", "cpu"])
     assert ours["tokens"] == sum(r["num_tokens"] for r in records)  # both score exactly these targets
