@@ -1,7 +1,8 @@
 """megaflex-export on a real TP=2 / ZeRO-3 checkpoint: HF model, remote code, round trip, lm-eval.
 
 One tiny run (2 steps, 2 gloo ranks, tensor parallel 2, ZeRO stage 3) with the training
-arguments of test_eval_cli, exported once; every test reads that export.
+arguments of test_eval_cli, exported once; every test reads that export. The remote-code and lm-eval
+tests read one process that runs the export without megaflex.
 """
 
 from __future__ import annotations
@@ -127,63 +128,73 @@ def test_bf16_export(exported: dict[str, Path], tmp_path: Path) -> None:
     assert all(torch.equal(back[k[len("model."):]], fp32[k].to(torch.bfloat16).float()) for k in fp32)
 
 
-@pytest.mark.slow
-def test_trust_remote_code_without_megaflex(exported: dict[str, Path], tmp_path: Path) -> None:
-    script = tmp_path / "remote.py"
-    script.write_text(
-        "import sys\n"
-        "sys.modules['megaflex'] = None  # an installed megaflex must not be used\n"
-        "import torch\n"
-        "from transformers import AutoModelForCausalLM\n"
-        "model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()\n"
-        "ids = torch.load(sys.argv[2])\n"
-        "with torch.no_grad():\n"
-        "    logits = model(ids).logits\n"
-        "out = model.generate(ids[:, :8], max_new_tokens=6, do_sample=False, eos_token_id=None)\n"
-        "assert not [m for m in sys.modules if m.startswith('megaflex.') or m == 'megaflex' and sys.modules[m]]\n"
-        "torch.save({'logits': logits, 'generated': out, 'module': type(model).__module__}, sys.argv[3])\n"
-    )
+# One process without megaflex on its path runs the exported remote code: AutoModelForCausalLM
+# (trust_remote_code) logits and greedy tokens of fixed ids, then lm-eval's harness on the local task:
+# what ``lm_eval --model hf --model_args pretrained=HF,trust_remote_code=True,dtype=float32 --include_path
+# TASKS --tasks megaflex_wikitext2 --batch_size 4 --device cpu`` runs (simple_evaluate on the task found
+# under --include_path), minus the CLI's indexing of lm-eval's ~14,000 built-in task files (~10 s).
+_REMOTE = """
+import sys
+sys.modules["megaflex"] = None  # an installed megaflex must not be used
+import torch
+from lm_eval import simple_evaluate
+from lm_eval.tasks import TaskManager
+from transformers import AutoModelForCausalLM
+hf, ids_file, tasks, out = sys.argv[1:]
+model = AutoModelForCausalLM.from_pretrained(hf, trust_remote_code=True).eval()
+ids = torch.load(ids_file)
+with torch.no_grad():
+    logits = model(ids).logits
+generated = model.generate(ids[:, :8], max_new_tokens=6, do_sample=False, eos_token_id=None)
+lm = simple_evaluate(model="hf", model_args=f"pretrained={hf},trust_remote_code=True,dtype=float32",
+                     tasks=["megaflex_wikitext2"], task_manager=TaskManager(include_path=tasks, include_defaults=False),
+                     batch_size=4, device="cpu")["results"]["megaflex_wikitext2"]
+assert not [m for m in sys.modules if m.startswith("megaflex.") or m == "megaflex" and sys.modules[m]]
+torch.save({"logits": logits, "generated": generated, "module": type(model).__module__, "lm_eval": lm}, out)
+"""
+
+
+@pytest.fixture(scope="module")
+def remote(exported: dict[str, Path], tmp_path_factory: pytest.TempPathFactory, shared_data: Path) -> dict:
+    """The ``_REMOTE`` process's results, its ids and the lm-eval task's JSONL."""
+    from evaluation.lm_eval_tasks import main as tasks_main
+
+    root = tmp_path_factory.mktemp("remote")
+    tasks = root / "tasks"
+    assert tasks_main(["--out", str(tasks), "--hf-model", str(exported["hf"]), "--max-docs", "1",
+                       "--data", str(shared_data / "wikitext-2-raw" / "wiki.test.raw")]) == 0
     ids = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(0))
-    torch.save(ids, tmp_path / "ids.pt")
+    torch.save(ids, root / "ids.pt")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
-    proc = subprocess.run([sys.executable, str(script), str(exported["hf"]), str(tmp_path / "ids.pt"),
-                           str(tmp_path / "out.pt")], cwd=tmp_path, env=env, capture_output=True, text=True)
+    env.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               HF_DATASETS_CACHE=str(root / "datasets"), HF_MODULES_CACHE=str(root / "modules"))
+    proc = subprocess.run([sys.executable, "-c", _REMOTE, str(exported["hf"]), str(root / "ids.pt"), str(tasks),
+                           str(root / "out.pt")], cwd=root, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = torch.load(tmp_path / "out.pt")
-    assert result["module"].startswith("_megaflex_bundle_")
+    return {"ids": ids, "jsonl": tasks / "megaflex_wikitext2.jsonl", **torch.load(root / "out.pt")}
+
+
+@pytest.mark.slow
+def test_trust_remote_code_without_megaflex(exported: dict[str, Path], remote: dict) -> None:
+    assert remote["module"].startswith("_megaflex_bundle_")
+    ids = remote["ids"]
     reference = load_for_eval(exported["run"]).model
     with torch.no_grad():
         expected = reference.gather_logits(reference(ids).logits)
-    assert_close(result["logits"], expected, steps=gpt_steps(reference.config, ids.shape[-1]))
+    assert_close(remote["logits"], expected, steps=gpt_steps(reference.config, ids.shape[-1]))
     from evaluation.generate import SamplingConfig, generate
 
-    assert torch.equal(result["generated"][:, 8:], generate(reference, ids[:, :8], 6, SamplingConfig(temperature=0)))
+    assert torch.equal(remote["generated"][:, 8:], generate(reference, ids[:, :8], 6, SamplingConfig(temperature=0)))
 
 
 @pytest.mark.slow
-def test_lm_eval_local_task_perplexity_matches_megaflex_eval(exported: dict[str, Path], tmp_path: Path,
-                                                             shared_data: Path) -> None:
-    from evaluation.lm_eval_tasks import main as tasks_main
+def test_lm_eval_local_task_perplexity_matches_megaflex_eval(exported: dict[str, Path], remote: dict) -> None:
     from evaluation.perplexity import run_cli
 
-    tasks = tmp_path / "tasks"
-    assert tasks_main(["--out", str(tasks), "--hf-model", str(exported["hf"]), "--max-docs", "2",
-                       "--data", str(shared_data / "wikitext-2-raw" / "wiki.test.raw")]) == 0
-    jsonl = tasks / "megaflex_wikitext2.jsonl"
-    records = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    records = [json.loads(line) for line in remote["jsonl"].read_text().splitlines()]
     assert len(records) > 2 and max(r["num_tokens"] for r in records) <= 256  # cut to the model's max_seq_len
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # lm-eval runs the exported remote code
-    env.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               HF_DATASETS_CACHE=str(tmp_path / "datasets"), HF_MODULES_CACHE=str(tmp_path / "modules"))
-    cmd = [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
-           f"pretrained={exported['hf']},trust_remote_code=True,dtype=float32", "--include_path", str(tasks),
-           "--tasks", "megaflex_wikitext2", "--batch_size", "4", "--device", "cpu", "--output_path", str(tmp_path / "out")]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result_file = next((tmp_path / "out").rglob("results_*.json"))
-    lm = json.loads(result_file.read_text())["results"]["megaflex_wikitext2"]
-    ours = run_cli(["--checkpoint", str(exported["run"]), "--data", str(jsonl), "--mode", "windows",
+    lm = remote["lm_eval"]  # lm-eval ran the exported remote code, without megaflex
+    ours = run_cli(["--checkpoint", str(exported["run"]), "--data", str(remote["jsonl"]), "--mode", "windows",
                     "--context", "256", "--device", "cpu"])
     assert ours["tokens"] == sum(r["num_tokens"] for r in records)  # both score exactly these targets
     assert lm["token_perplexity,none"] == pytest.approx(ours["ppl"], rel=1e-3)

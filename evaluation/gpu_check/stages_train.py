@@ -9,7 +9,8 @@
   fp32, bf16 and bf16 with fp32 gradient accumulation: final-loss gaps and tau trajectories.
 
 Under ``--dry-run`` the same code runs configs/tiny.yaml on CPU at seq 64 for a few steps (the
-precision stage trains fp32 and bf16; the fp32-accumulation run only checks its config).
+trainer stage keeps its 12-step plan, softmax runs 4 steps; the precision stage trains fp32 and
+bf16 for 6 steps of batch 2; the fp32-accumulation run only checks its config).
 """
 
 from __future__ import annotations
@@ -25,11 +26,12 @@ from megaflex.checkpoint.layout import complete_tags, run_checkpoint_dir
 ZERO1 = str(REPO / "configs" / "zero" / "zero1.yaml")
 
 
-def _shape(stage: Stage, config_name: str) -> tuple[str, list[str], list[str]]:
-    """(config path, extra --config files, overrides) of a 247M-shape run (tiny on a dry run)."""
+def _shape(stage: Stage, config_name: str, dry_steps: int = 12) -> tuple[str, list[str], list[str]]:
+    """(config path, extra --config files, overrides) of a 247M-shape run (tiny, ``dry_steps`` steps
+    on a dry run)."""
     if stage.dry_run:
         attention = "softmax" if config_name.startswith("softmax") else "flexformer_n"
-        over = base_overrides(64, 2, 4, 12, "fp32", True) + [f"model.attention={attention}"]
+        over = base_overrides(64, 2, 4, dry_steps, "fp32", True) + [f"model.attention={attention}"]
         return str(REPO / "configs" / "tiny.yaml"), [ZERO1], over
     return str(REPO / "configs" / f"{config_name}.yaml"), [ZERO1], base_overrides(1024, 8, 32, 12, "bf16", False)
 
@@ -68,7 +70,7 @@ def trainer_247m(stage: Stage) -> dict[str, Any]:
 
 
 def softmax_247m(stage: Stage) -> dict[str, Any]:
-    config, extra, over = _shape(stage, "softmax_247m")
+    config, extra, over = _shape(stage, "softmax_247m", dry_steps=4)  # tokens/s: steps 3-4 past the warm-up
     run = run_trainer(["--config", config, *extra, *over, "checkpoint.resume=none"], stage.work_dir / "softmax_247m",
                       stage.dry_run, 900 if stage.dry_run else 150)  # fmt: skip
     if "error" in run:
@@ -94,7 +96,7 @@ def precision_41m(stage: Stage) -> dict[str, Any]:
     from megaflex.training.config import ConfigError, load_config
 
     if stage.dry_run:
-        config, seq, micro, gbs, steps, vocab = str(REPO / "configs" / "tiny.yaml"), 64, 2, 4, 10, 256
+        config, seq, micro, gbs, steps, vocab = str(REPO / "configs" / "tiny.yaml"), 64, 2, 2, 6, 256
     else:
         config, seq, micro, gbs, steps, vocab = str(REPO / "configs" / "flexformer_n_41m.yaml"), 1024, 8, 32, 100, 32000
     tokens_needed = steps * gbs * (seq + 1)

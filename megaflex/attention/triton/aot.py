@@ -145,17 +145,23 @@ def _attrs(launch: Launch) -> dict:
     return {(i,): [["tt.divisibility", 16]] for i, (_, kind) in enumerate(launch.signature) if kind.startswith("*")}
 
 
-def _compile(launch: Launch, arch: int):
-    """(Triton's compiled kernel, the ptxas -v log) of ``launch`` for sm_``arch``."""
-    import triton
-    from triton.backends.compiler import GPUTarget
+def _source(launch: Launch):
+    """Triton's ``ASTSource`` of ``launch`` (the kernel with its signature and constexprs)."""
     from triton.compiler import ASTSource
 
     fn = _jit_function(launch.kernel)
     constexprs = dict(launch.constexprs)
     signature = dict(launch.signature) | {name: "constexpr" for name in constexprs}
     index = {name: i for i, name in enumerate(fn.arg_names)}
-    source = ASTSource(fn, signature, constexprs={(index[k],): v for k, v in constexprs.items()}, attrs=_attrs(launch))
+    return ASTSource(fn, signature, constexprs={(index[k],): v for k, v in constexprs.items()}, attrs=_attrs(launch))
+
+
+def _compile(launch: Launch, arch: int):
+    """(Triton's compiled kernel, the ptxas -v log) of ``launch`` for sm_``arch``."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    source = _source(launch)
     log = io.StringIO()
     knobs = triton.knobs
     # a fresh cache: ptxas must run (its -v log is the only source of registers and spills here)
@@ -169,8 +175,23 @@ def _compile(launch: Launch, arch: int):
 
 
 def launch_ttir(launch: Launch, arch: int = 80) -> str:
-    """The Triton IR (TTIR) of ``launch``: what its address arithmetic is, before any lowering."""
-    return _compile(launch, arch)[0].asm["ttir"]
+    """The Triton IR (TTIR) of ``launch``: what its address arithmetic is, before any lowering.
+    Only the front end and the TTIR passes run (the same stage ``triton.compile`` starts with),
+    not the GPU lowering and ptxas that ``compile_launch`` needs."""
+    from triton._C.libtriton import ir
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+
+    backend = make_backend(GPUTarget("cuda", arch, 32))
+    options = backend.parse_options(dict(num_warps=launch.num_warps, num_stages=launch.num_stages))
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    source = _source(launch)
+    module = source.make_ir(backend.target, options, backend.get_codegen_implementation(options), backend.get_module_map(), context)
+    stages: dict = {}
+    backend.add_stages(stages, options, source.language)
+    return str(stages["ttir"](module, {}))
 
 
 def compile_launch(launch: Launch, arch: int) -> Compiled:
