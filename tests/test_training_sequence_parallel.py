@@ -1,4 +1,5 @@
-"""Training with sequence parallelism under the real deepspeed launcher (``deepspeed --num_gpus 2``).
+"""Training with sequence parallelism under the real deepspeed launcher (``deepspeed --num_gpus 2``;
+the reference run without it on the test's own launcher of 2 ranks).
 
 TP=2 on 2 CPU ranks with 4 micro-batches accumulated per step: ``parallel.sequence_parallel=true``
 follows the loss curve of the same run without it to 1e-5, at ZeRO 1 and ZeRO 2 (the norms'
