@@ -4,8 +4,9 @@ CP=2 on 2 gloo ranks: a kill -9 mid-run and ``checkpoint.resume=auto`` continue 
 for bit (ZeRO 0 and 1); the same checkpoint resumed with CP=1 x DP=2 on 2 ranks (the same DP x CP
 count, so ZeRO shards load as saved) and with CP=1 on one rank continues with equal losses (CP
 holds no state of its own; only the reduction order differs). At ZeRO 1 the one-rank resume
-changes the DP x CP count: it is refused with ``checkpoint.zero_universal_resume=false`` and
-otherwise goes through DeepSpeed's universal checkpoint (converted once, repartitioned).
+changes the DP x CP count: it is refused with ``checkpoint.zero_universal_resume=false`` (and
+otherwise goes through DeepSpeed's universal checkpoint, converted once, repartitioned: checked at
+ZeRO 2, which runs ZeRO 1's DeepSpeed optimizer and conversion, below).
 
 ZeRO 2 and 3 (fp32): CP=2 on 2 ranks equals CP=1 on one rank step by step on a learnable data
 set, and their checkpoints resume at CP=1 on one rank (universal copy) with the same losses. bf16
@@ -77,10 +78,13 @@ def test_cp2_kill_resume_is_bit_exact_and_cp1_resume_matches(tmp_path: Path, zer
         assert refused.returncodes == [2], refused.output
         assert "partitioned over DP 1 x CP 2 = 2 ranks, this run has DP 1 x CP 1 = 1" in refused.outputs[0]
         assert not (other / "checkpoints" / "universal").exists()
+        # Resuming through the universal copy: test_cp2_at_zero_2_and_3_... at ZeRO 2 (ZeRO 1's optimizer,
+        # DeepSpeed's stage-1/2 one, and its conversion), with one less launch here.
+        return
     single = launch(cfg, cp1 + [f"logging.run_dir={other}"], world_size=1)
     _ok(single)
     assert "at step 4" in single.outputs[0] and "TP 1 x CP 1 x PP 1 x DP 1" in single.outputs[0]
-    assert ("through its universal copy" in single.outputs[0]) == (zero > 0)
+    assert "through its universal copy" not in single.outputs[0]  # ZeRO 0: nothing to repartition
     got = _losses(other, range(5, 8))
     for step, loss in want.items():
         assert abs(got[step] - loss) <= 1e-5, (step, got[step], loss)
