@@ -90,43 +90,46 @@ def test_deferred_init_equals_eager_build_tp2() -> None:
 
 
 def _train_losses(run_dir) -> list[float]:
-    import json
+    """The loss of each step in order (its latest record)."""
+    from megaflex.training.metrics import read_metrics
 
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in records if r.get("kind", "train") == "train"]
+    records = read_metrics(run_dir / "metrics.jsonl")
+    return [records[step]["loss"] for step in sorted(records)]
 
 
 @pytest.mark.slow
 def test_trainer_zero3_deferred_init_trains_and_warm_starts_like_eager(tmp_path) -> None:
     """The trainer under ZeRO-3 on 2 ranks: deferred init (auto) logs the eager build's losses
     step for step, a warm start (checkpoint.init_from) into a deferred model equals one into an
-    eager model, and a deferred run resumes from its checkpoint as the eager run does."""
+    eager model, and a deferred run killed after its step-3 checkpoint resumes onto the eager
+    run's uninterrupted curve."""
     from training_harness import TINY, launch, write_config
 
-    cfg = write_config(tmp_path / "tiny.yaml", dict(TINY, train=dict(TINY["train"], train_iters=3),
+    cfg = write_config(tmp_path / "tiny.yaml", dict(TINY, train=dict(TINY["train"], train_iters=4, eval_iters=1),
                                                      checkpoint={"save_interval": 3}))
     common = ["parallel.zero_stage=3"]
-    runs = {
-        "eager": ["parallel.deferred_init=false"],
-        "deferred": [],
-        "warm_eager": ["parallel.deferred_init=false", f"checkpoint.init_from={tmp_path / 'eager'}"],
-        "warm_deferred": [f"checkpoint.init_from={tmp_path / 'eager'}"],
+    warm = ["train.train_iters=3", "checkpoint.save_interval=0", "checkpoint.save_at_end=false"]
+    runs = {  # name: overrides, the ranks' exit status
+        "eager": (["parallel.deferred_init=false"], 0),
+        "deferred": (["fault.sigkill_after_step=3"], -9),  # after its step-3 checkpoint
+        "warm_eager": (["parallel.deferred_init=false", f"checkpoint.init_from={tmp_path / 'eager'}", *warm], 0),
+        "warm_deferred": ([f"checkpoint.init_from={tmp_path / 'eager'}", *warm], 0),
     }
     losses = {}
-    for name, overrides in runs.items():
+    for name, (overrides, status) in runs.items():
         result = launch(cfg, common + overrides + [f"logging.run_dir={tmp_path / name}"], 2)
-        assert result.returncodes == [0, 0], result.output
-        assert ("deferred init: the model was built partitioned over 2" in result.outputs[0]) == ("=false" not in str(overrides))
+        assert result.returncodes == [status, status], result.output
+        deferred = "parallel.deferred_init=false" not in overrides
+        assert ("deferred init: the model was built partitioned over 2" in result.outputs[0]) == deferred
         losses[name] = _train_losses(tmp_path / name)
-    assert len(losses["eager"]) == 3 and losses["deferred"] == losses["eager"]
-    assert losses["warm_deferred"] == losses["warm_eager"]
+    assert len(losses["eager"]) == 4 and losses["deferred"] == losses["eager"][:3]
+    assert len(losses["warm_eager"]) == 3 and losses["warm_deferred"] == losses["warm_eager"]
     assert losses["warm_eager"][0] < losses["eager"][0]  # the warm start did copy the trained weights
-    # resuming the deferred run's checkpoint (step 3) continues like the eager run's
-    for name in ("eager", "deferred"):
-        result = launch(cfg, common + runs[name] + [f"logging.run_dir={tmp_path / name}", "train.train_iters=4"], 2)
-        assert result.returncodes == [0, 0] and "resumed from" in result.outputs[0], result.output
-    resumed = {name: _train_losses(tmp_path / name) for name in ("eager", "deferred")}
-    assert len(resumed["deferred"]) == 4 and resumed["deferred"] == resumed["eager"]
+    # resuming the deferred run's checkpoint (step 3) continues as the eager run did
+    result = launch(cfg, common + [f"logging.run_dir={tmp_path / 'deferred'}"], 2)
+    assert result.returncodes == [0, 0] and "resumed from" in result.outputs[0], result.output
+    assert "deferred init: the model was built partitioned over 2" in result.outputs[0]
+    assert _train_losses(tmp_path / "deferred") == losses["eager"]
 
 
 def _rss_worker(rank: int, world: int, config_path: str) -> dict:

@@ -60,11 +60,12 @@ class Result:
 
 
 def launch(
-    config: Path, overrides: list[str], world_size: int = 1, timeout: float = 900, module: str = "megaflex.train"
+    config: Path, overrides: list[str], world_size: int = 1, timeout: float = 900, module: str = "megaflex.train",
+    grace: float = 15,
 ) -> Result:
     """Run ``module`` (default ``megaflex.train``) on ``world_size`` local gloo ranks; wait for all of them.
 
-    When a rank exits with an error the others are given a few seconds, then killed (they may
+    When a rank exits with an error the others are given ``grace`` seconds, then killed (they may
     be blocked in a collective with the dead rank)."""
     port = free_port()
     procs, logs = [], []
@@ -87,7 +88,7 @@ def launch(
             break
         if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
             failed_at = time.time()
-        if failed_at is not None and time.time() - failed_at > 15:
+        if failed_at is not None and time.time() - failed_at > grace:
             break
         time.sleep(0.1)
     for p in procs:
