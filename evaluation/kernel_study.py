@@ -167,12 +167,28 @@ def reused_run_data(
 
 
 # ------------------------------------------------------------------------------- evaluation
+# (set path, its size and mtime, tokenizer sha256, token cap) -> token documents: every run of a
+# study is scored on the same two sets with the same tokenizer, and tokenizing them (~4 MB of
+# text, whole even when capped) costs more than scoring a capped set
+_EVAL_DOCS: dict[tuple[str, int, int, str, int | None], list[torch.Tensor]] = {}
+
+
+def eval_documents(path: str, tokenizer: Any, max_tokens: int | None) -> list[torch.Tensor]:
+    """``load_eval_set(path, tokenizer, max_tokens=...)``'s documents, tokenized once per process."""
+    from evaluation.eval_data import load_eval_set
+
+    stat = os.stat(path)
+    key = (path, stat.st_size, stat.st_mtime_ns, tokenizer.record["sha256"], max_tokens)
+    if key not in _EVAL_DOCS:
+        _EVAL_DOCS[key] = load_eval_set(path, tokenizer, max_tokens=max_tokens).docs
+    return _EVAL_DOCS[key]
+
+
 def evaluate_run(
     cfg: StudyConfig, run: RunSpec, seed: int, run_dir: Path, checkpoint: Path | None = None
 ) -> dict[str, Any]:
     """Perplexities, throughput, kernel statistics and the learned spectrum of one trained run
     (its model from ``checkpoint``, default the run's checkpoint folder)."""
-    from evaluation.eval_data import load_eval_set
     from evaluation.loading import load_for_eval
     from evaluation.scoring import evaluate
     from megaflex.checkpoint import run_checkpoint_dir
@@ -189,8 +205,8 @@ def evaluate_run(
     row: dict[str, Any] = {"label": run.label, "kind": run.kind, "seed": seed, "overrides": run.overrides,
                            "num_parameters": loaded.meta.num_parameters}
     for name, path in sets.items():
-        eval_set = load_eval_set(path, tok, max_tokens=cfg.eval_tokens or None)
-        r = evaluate(model, eval_set.docs, "windows", cfg.seq_len, batch_size=cfg.eval_batch_size, token_bytes=token_bytes)
+        docs = eval_documents(path, tok, cfg.eval_tokens or None)
+        r = evaluate(model, docs, "windows", cfg.seq_len, batch_size=cfg.eval_batch_size, token_bytes=token_bytes)
         row[f"{name}_ppl"], row[f"{name}_bpb"], row[f"{name}_tokens"] = r.ppl, r.bits_per_byte, r.tokens
     train = read_metrics(run_dir / "metrics.jsonl", "train")
     steps = sorted(train)
@@ -327,16 +343,18 @@ def run_study(
     todo = [(run, seed) for run, seed in todo if (run.label, seed) not in rows]
     print(f"[kernel_study] {len(rows)} of {len(report_order)} runs stored; training {len(todo)} now", flush=True)
     data = prepare_data(cfg) if todo else {}
+    available = []
     for run, seed in todo:
         t0 = time.perf_counter()
         row = evaluate_run(cfg, run, seed, train_run(cfg, run, seed, data))
         row["seconds"] = time.perf_counter() - t0
         save_row(cfg, run, seed, row, command)
         rows[run.label, seed] = row
-        report()
+        available = report()
         print(f"[kernel_study] {run.label} seed {seed}: valid ppl {row['english_docs_valid_ppl']:.2f}, "
               f"WikiText-2 test ppl {row['wikitext2_test_ppl']:.2f} ({row['seconds']:.0f}s)", flush=True)
-    available = report()
+    if not todo:  # else the last run's report is the final one
+        available = report()
     print(f"[kernel_study] results in {cfg.out}")
     return available
 

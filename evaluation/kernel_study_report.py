@@ -210,8 +210,9 @@ def plot_spectrum(path: Path, rows: list[dict[str, Any]], cfg: StudyConfig) -> N
             learned, init = row["spectrum"]["learned"][layer], row["spectrum"]["init"][layer]
             hi = max(max(learned), max(init)) * 1.05
             bins = torch.linspace(0, hi, 40).tolist()
-            ax.hist(init, bins=bins, density=True, alpha=0.5, label="init")
-            ax.hist(learned, bins=bins, density=True, alpha=0.5, label="learned")
+            # stepfilled: one polygon per histogram, drawn like the bars but without 40 patches each
+            ax.hist(init, bins=bins, density=True, alpha=0.5, label="init", histtype="stepfilled")
+            ax.hist(learned, bins=bins, density=True, alpha=0.5, label="learned", histtype="stepfilled")
             xs = torch.linspace(1e-3, hi, 200)
             ax.plot(xs.tolist(), chi_density(xs / scale, head_dim).div(scale).tolist(), "k--", lw=1, label="Gaussian")
             ax.set_title(f"{row['label']} layer {layer}", fontsize=9)

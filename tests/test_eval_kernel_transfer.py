@@ -60,20 +60,24 @@ def test_kernel_transfer_arms_freeze_the_right_kernels_and_report_the_drops(shar
     assert [r["wikitext2_test_ppl"] for r in again] == [r["wikitext2_test_ppl"] for r in rows]
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
 
-    # --a-runs: a kernel study's finished runs (named <kind>_s<seed>) are domain A, evaluated, not retrained
+    # --a-runs: a kernel study's finished runs (named <kind>_s<seed>) are domain A, evaluated, not retrained.
+    # In the same folders the B rows that do not depend on A (learned_b, random) are reused too; the
+    # transfer arm starts from the reused A's checkpoint now (another fingerprint) and is retrained.
     ks_runs = tmp_path / "kernel_study_runs"
     ks_runs.mkdir()
     (ks_runs / "flexformer_n_s1234").symlink_to(runs["flexformer_n", "A"])
-    work2 = tmp_path / "work2"
-    reuse = [*TINY, "--kinds", "flexformer_n", "--a-runs", str(ks_runs), "--data-root", str(shared_data),
-             "--data-work-dir", str(tmp_path / "data"), "--work-dir", str(work2), "--out", str(tmp_path / "out2")]
+    reuse = [*TINY, "--kinds", "flexformer_n", "--a-runs", str(ks_runs), *places]
     reused = {r["arm"]: r for r in main(reuse)}
     assert reused["A"]["reused_from"] == str(ks_runs / "flexformer_n_s1234")
     assert reused["A"]["wikitext2_test_ppl"] == pytest.approx(by["flexformer_n", "A"]["wikitext2_test_ppl"], rel=1e-6)
-    assert not (work2 / "runs" / "flexformer_n_A_s1234").exists()
-    transferred = kernel_state(work2 / "runs" / "flexformer_n_B_transfer_s1234")
+    transfer_latest = runs["flexformer_n", "transfer"] / "checkpoints" / "latest"
+    assert {p for p in stamps if p.stat().st_mtime_ns != stamps[p]} == {transfer_latest}  # A not retrained
+    for arm in ("learned_b", "random"):  # the stored rows, timings included
+        assert {k: reused[arm][k] for k in by["flexformer_n", arm]} == by["flexformer_n", arm]
+    assert reused["transfer"]["kernel_max_abs_diff_vs_A"] == 0
+    transferred = kernel_state(runs["flexformer_n", "transfer"])
     assert max_abs_diff(transferred, kernel_state(runs["flexformer_n", "A"])) == 0
-    assert "not retrained" in (tmp_path / "out2" / "results.md").read_text()
+    assert "not retrained" in (out / "results.md").read_text()
     # a reused run of another length, or one that is missing, is refused before any training
     with pytest.raises(ValueError, match=r"--a-runs: .*flexformer_n_s1234 does not match the study's shape "
                                          r"\(A run, study\): \{'steps': \(4, 5\)\}"):
