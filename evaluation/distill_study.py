@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from megaflex.checkpoint.layout import run_checkpoint_dir
+
 from evaluation.kernel_study import RunSpec, StudyConfig, evaluate_run, prepare_data, reused_run_data, train_run
 
 DISTILL_ENTRY = "megaflex.distill"  # megaflex-distill's module, run with python -m
@@ -98,12 +100,12 @@ class DistillStudyConfig(StudyConfig):
 # ------------------------------------------------------------------------------- runs
 def distill_overrides(cfg: DistillStudyConfig, student: str, stage: str, teacher: Path, init_from: Path | None) -> list[str]:
     """megaflex-distill settings of one stage (on top of the kernel study's training overrides)."""
-    out = [f"distill.teacher={teacher / 'checkpoints'}", f"distill.student_attention={student}"]
+    out = [f"distill.teacher={run_checkpoint_dir(teacher)}", f"distill.student_attention={student}"]
     if stage == "stage1":
         out += ["distill.stage=attention_transfer", f"distill.output_mse_weight={cfg.output_mse_weight}",
                 f"distill.weights_ce_weight={cfg.weights_ce_weight}", *cfg.student_model_overrides()]
     else:
-        out += ["distill.stage=finetune", f"checkpoint.init_from={init_from / 'checkpoints'}",
+        out += ["distill.stage=finetune", f"checkpoint.init_from={run_checkpoint_dir(init_from)}",
                 f"distill.lora_rank={cfg.lora_rank}", f"distill.lora_alpha={cfg.lora_alpha}",
                 f"distill.kl_weight={cfg.kl_weight}"]
     return out
