@@ -121,3 +121,29 @@ def test_prefetcher_keeps_order_and_raises_in_place() -> None:
     done = Prefetcher(iter([(torch.zeros(1),)]), "cpu")
     assert len(list(done)) == 1 and list(done) == []  # exhausted stays exhausted
     done.close()
+
+
+def test_prefetcher_close_waits_for_its_reader_thread() -> None:
+    """``close`` returns only once the reader has stopped, also mid-read: a daemon thread still
+    inside an ATen op at interpreter exit aborts the process (exit -6 instead of the run's code)."""
+    import threading
+
+    import torch
+
+    from megaflex.training.data import Prefetcher
+
+    reading = threading.Event()
+
+    def slow_source():
+        for i in range(1000):
+            if i == 3:  # the queue (depth 2) is full: the reader is held here, inside the source
+                reading.set()
+                torch.randn(64, 64) @ torch.randn(64, 64)
+                threading.Event().wait(0.5)
+            yield (torch.full((2,), i),)
+
+    with Prefetcher(slow_source(), "cpu") as batches:
+        assert next(batches)[0].tolist() == [0, 0]
+        assert reading.wait(10)
+    assert not batches._thread.is_alive()
+    assert batches._queue.qsize() <= 2  # it stopped at the next put instead of reading on

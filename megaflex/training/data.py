@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 from typing import Any, Iterator, Protocol
@@ -198,7 +199,7 @@ def batch_documents(batch: tuple[torch.Tensor, ...], reset_positions: bool) -> D
 def micro_batches(
     dataset: TokenDataset, consumed_samples: int, micro: int, count: int, dp_rank: int, dp_size: int, device: str,
     cp_rank: int = 0, cp_size: int = 1, eod_id: int | None = None,
-) -> Iterator[tuple[torch.Tensor, ...]]:
+) -> "Prefetcher":
     """This rank's next ``count`` micro-batches after ``consumed_samples`` (all ranks together),
     cut to CP rank ``cp_rank``'s slice of the sequence, on ``device``: (input_ids, labels), plus
     with ``eod_id`` each token's position in its document (``attention.documents.document_positions``,
@@ -206,7 +207,8 @@ def micro_batches(
 
     Prepared one ahead on a background thread (reading, stacking, pinning) and copied with
     ``non_blocking`` from pinned memory on CUDA, so neither the read nor the copy waits on the
-    step in flight; the order is that of the sampler either way."""
+    step in flight; the order is that of the sampler either way. A caller that stops before the
+    last batch closes it (``with micro_batches(...) as batches``) so no reader outlives the use."""
 
     def host_batches() -> Iterator[tuple[torch.Tensor, ...]]:
         sampler = PretrainingSampler(len(dataset), consumed_samples, micro, dp_rank, dp_size)
@@ -230,7 +232,6 @@ class Prefetcher:
 
     def __init__(self, source: Iterator[tuple[torch.Tensor, ...]], device: str, depth: int = 2) -> None:
         import queue
-        import threading
 
         self.device = torch.device(device)
         self._pin = self.device.type == "cuda"
@@ -274,9 +275,25 @@ class Prefetcher:
             raise item
         return tuple(t.to(self.device, non_blocking=self._pin) for t in item)
 
-    def close(self) -> None:
-        """Stop the reader thread (it also stops on its own after the last batch)."""
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Stop the reader thread and wait for it (it also stops on its own after the last batch).
+
+        Waiting matters at exit: a daemon thread still inside an ATen op (GIL released) when the
+        interpreter finalises is unwound through C++ ``noexcept`` frames, which aborts the process
+        (``terminate called without an active exception``, exit -6 instead of the run's code)."""
         self._stop.set()
+        if self._thread is threading.current_thread() or not self._thread.is_alive():
+            return
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            warnings.warn(f"the batch-prefetch thread did not stop within {timeout_s:.0f} s (a blocked read?)",
+                          RuntimeWarning, stacklevel=2)
+
+    def __enter__(self) -> "Prefetcher":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def __del__(self) -> None:
         self._stop.set()

@@ -151,7 +151,8 @@ class KernelStatsHook(BaseHook):
         self.reference = _kernel_reference(self.reference, trainer.run_dir, trainer.state,
                                            fresh=trainer.resume_path is None)
         data = trainer.valid_data or trainer.train_data
-        self.probe = next(micro_batches(data, 0, min(2, cfg.train.micro_batch_size), 1, 0, 1, trainer.device))[0]
+        with micro_batches(data, 0, min(2, cfg.train.micro_batch_size), 1, 0, 1, trainer.device) as batches:
+            self.probe = next(batches)[0]
 
     def on_step_applied(self, trainer: Trainer, step: int) -> None:
         if step % self.interval == 0:

@@ -269,25 +269,10 @@ class Trainer:
         """The step loop, then the final save and validation; returns the run's summary."""
         cfg = self.cfg
         self._start_loop()
-        stop_reason = "done"
-        while self.iteration < cfg.train.train_iters:
-            self.emit("on_step_start", self.iteration + 1)
-            step = self.train_step()
-            self.emit("on_step_applied", self.iteration)
-            if self.iteration % cfg.logging.log_interval == 0 or step.skipped or self.iteration == cfg.train.train_iters:
-                self.log_step(step)
-            stop_signal = step.stop_signal
-            if cfg.train.eval_interval and self.iteration % cfg.train.eval_interval == 0 and self.valid_data is not None:
-                if self.evaluate() is None:
-                    # Preempted mid-validation (every rank agreed there): stop after saving this step.
-                    stop_signal = stop_signal or self._agreed_signal()
-            if cfg.checkpoint.save_interval and self.iteration % cfg.checkpoint.save_interval == 0:
-                self.save()
-            self.emit("on_step_end", self.iteration)
-            if stop_signal > 0:
-                stop_reason = f"signal {signal.Signals(stop_signal).name}"
-                break
-        self.train_batches.close()
+        try:
+            stop_reason = self._run_steps()
+        finally:
+            self.train_batches.close()  # also when a step raises: no reader thread outlives the loop
         self.emit("on_loop_end")
 
         if (stop_reason != "done" or cfg.checkpoint.save_at_end) and self.last_saved != self.iteration:
@@ -304,6 +289,27 @@ class Trainer:
         self.logger.close()
         return {"iteration": self.iteration, "stop_reason": stop_reason, "valid_loss": valid_loss,
                 "nonfinite_total": self.nonfinite_total}
+
+    def _run_steps(self) -> str:
+        """Steps until ``train.train_iters`` or a stop signal; returns why the loop stopped."""
+        cfg = self.cfg
+        while self.iteration < cfg.train.train_iters:
+            self.emit("on_step_start", self.iteration + 1)
+            step = self.train_step()
+            self.emit("on_step_applied", self.iteration)
+            if self.iteration % cfg.logging.log_interval == 0 or step.skipped or self.iteration == cfg.train.train_iters:
+                self.log_step(step)
+            stop_signal = step.stop_signal
+            if cfg.train.eval_interval and self.iteration % cfg.train.eval_interval == 0 and self.valid_data is not None:
+                if self.evaluate() is None:
+                    # Preempted mid-validation (every rank agreed there): stop after saving this step.
+                    stop_signal = stop_signal or self._agreed_signal()
+            if cfg.checkpoint.save_interval and self.iteration % cfg.checkpoint.save_interval == 0:
+                self.save()
+            self.emit("on_step_end", self.iteration)
+            if stop_signal > 0:
+                return f"signal {signal.Signals(stop_signal).name}"
+        return "done"
 
     def _start_loop(self) -> None:
         # Host reads of device values (each one waits for the GPU): one per step in this loop, the
@@ -518,24 +524,24 @@ def evaluate(cfg: Config, engine: Any, dataset: Any, state: Any, device: str, si
     engine.eval()
     progress.at(progress.step, "validation")
     total = torch.zeros((), dtype=torch.float64, device=device)
-    batches = micro_batches(
+    with micro_batches(
         dataset, 0, cfg.train.micro_batch_size, cfg.train.eval_iters, state.dp_rank, state.dp_size, device,
         state.cp_rank, state.cp_size, document_eod_id(cfg),
-    )
-    if state.pp_size > 1:  # the pipeline engine's mean over the micro-batches and DP (no stop check inside)
-        from megaflex.parallel.pipeline import stage_batches
+    ) as batches:
+        if state.pp_size > 1:  # the pipeline engine's mean over the micro-batches and DP (no stop check inside)
+            from megaflex.parallel.pipeline import stage_batches
 
-        loss = engine.eval_batch(stage_batches(batches), num_micro_batches=cfg.train.eval_iters)
-        engine.train()
-        return float(loss)
-    for ids, labels, *positions in batches:
-        if signals is not None:  # preempted: save promptly instead of finishing the pass
-            signum = torch.tensor(float(signals.signum or 0), device=device)
-            if comm.all_reduce(signum, "max", comm.world_group()).item() > 0:
-                engine.train()
-                return None
-        documents = batch_documents((ids, labels, *positions), cfg.data.reset_positions)
-        total += engine(ids, labels, documents=documents).loss.double()
+            loss = engine.eval_batch(stage_batches(batches), num_micro_batches=cfg.train.eval_iters)
+            engine.train()
+            return float(loss)
+        for ids, labels, *positions in batches:
+            if signals is not None:  # preempted: save promptly instead of finishing the pass
+                signum = torch.tensor(float(signals.signum or 0), device=device)
+                if comm.all_reduce(signum, "max", comm.world_group()).item() > 0:
+                    engine.train()
+                    return None
+            documents = batch_documents((ids, labels, *positions), cfg.data.reset_positions)
+            total += engine(ids, labels, documents=documents).loss.double()
     engine.train()
     total = comm.all_reduce(total, "sum", state.dp_group)
     return total.item() / (cfg.train.eval_iters * state.dp_size)
