@@ -22,7 +22,9 @@ from typing import Any, Literal, get_type_hints
 import yaml
 
 from megaflex.checkpoint.layout import CHECKPOINTS_DIR, run_checkpoint_dir
+from megaflex.config_field import opt
 from megaflex.model.config import ModelConfig
+from megaflex.parallel.config import ParallelConfig
 from megaflex.training.config_checks import (  # re-exported: the config's one import for callers
     check_device,
     parallel_dims,
@@ -72,13 +74,6 @@ __all__ = [
 ]
 
 
-def opt(default: Any, doc: str) -> Any:
-    """A documented dataclass field (lists/dicts get a default factory)."""
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"doc": doc})
-    return field(default=default, metadata={"doc": doc})
-
-
 @dataclass
 class DataConfig:
     """Where the tokens come from."""
@@ -106,44 +101,6 @@ class DataConfig:
     )
     reset_positions: bool = opt(False, "with document_boundaries=reset: RoPE / learned positions restart at 0 in each document")
     eod_token_id: int | None = opt(None, "the EOD id document_boundaries=reset cuts after (default: data.tokenizer's)")
-
-
-@dataclass
-class ParallelConfig:
-    """How the world is split: tensor parallel inside a replica, ZeRO across replicas."""
-
-    tensor_parallel_size: int = opt(
-        1, "ranks sharing one model replica (Megatron TP); data parallel = world / (TP x CP x PP)"
-    )
-    pipeline_parallel_size: int = opt(
-        1, "pipeline stages, each a contiguous range of blocks (DeepSpeed's pipeline engine, 1F1B over the "
-        "step's micro-batches); ZeRO stage 1 (0 without clipping), no context parallelism (docs/training.md)",
-    )
-    context_parallel_size: int = opt(
-        1, "ranks splitting each sequence along its length (LASP-2 style, linear-attention kinds only; "
-        "data.seq_len must be a multiple); they hold replicated parameters, so ZeRO reduces over DP x CP",
-    )
-    sequence_parallel: bool = opt(
-        False, "Megatron sequence parallelism (TP > 1): norms, dropout and the residual stream run on 1/TP of each "
-        "sequence (reduce-scatter / all-gather instead of all-reduce); data.seq_len / CP must be a multiple of TP",
-    )
-    zero_stage: int = opt(1, "DeepSpeed ZeRO stage 0-3 (0: plain DDP, 1: optimizer states, 2: +grads, 3: +params)")
-    zero_offload_optimizer: bool = opt(False, "keep ZeRO optimizer states in CPU memory (stage >= 1)")
-    zero_overlap_comm: bool = opt(False, "overlap ZeRO reductions with backward (GPU; costs memory)")
-    zero_reduce_bucket_size: int = opt(500_000_000, "elements per ZeRO gradient-reduction bucket")
-    zero_allgather_bucket_size: int = opt(500_000_000, "elements per ZeRO stage 1/2 parameter all-gather bucket")
-    zero3_prefetch_bucket_size: int = opt(50_000_000, "elements of parameters prefetched ahead (stage 3)")
-    zero3_param_persistence_threshold: int = opt(100_000, "parameters smaller than this stay unpartitioned (stage 3)")
-    deferred_init: bool | Literal["auto"] = opt(
-        "auto", "build the model under ZeRO-3 `zero.Init`, each block partitioned over DP x CP as soon as it is "
-        "built, so no rank holds all the fp32 weights (same init as the eager build for a seed); auto: on with "
-        "zero_stage 3; true needs zero_stage 3",
-    )
-    backend: Literal["auto", "nccl", "gloo"] = opt("auto", "torch.distributed backend (auto: nccl with CUDA, else gloo)")
-    timeout_minutes: float = opt(
-        10.0, "collective timeout: a peer silent this long (hung, stopped, dead NIC) makes every rank exit naming "
-        "the step and the collective (fractions allowed, e.g. 0.1 in tests); torch's default is 30",
-    )
 
 
 @dataclass

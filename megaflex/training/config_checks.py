@@ -5,8 +5,10 @@ key and the file (or override) it came from."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Iterator
 
+from megaflex.parallel import config as parallel_config
 from megaflex.parallel.state import ParallelDims
 from megaflex.training.config_loader import ConfigError
 
@@ -18,15 +20,22 @@ def _bad(cfg: Config, key: str, message: str) -> ConfigError:
     return ConfigError(f"{key} (from {cfg.where(key)}): {message}")
 
 
+@contextmanager
+def _named_source(cfg: Config) -> Iterator[None]:
+    """The parallel package's refusals as ConfigErrors naming where the key was set."""
+    try:
+        yield
+    except parallel_config.ParallelConfigError as err:
+        raise _bad(cfg, err.key, err.message) from None
+
+
 def validate(cfg: Config) -> None:
     """Reject impossible combinations that need no knowledge of the world size or device."""
-    t, s, p, d, c, lg = cfg.train, cfg.schedule, cfg.parallel, cfg.data, cfg.checkpoint, cfg.logging
+    t, s, d, c, lg = cfg.train, cfg.schedule, cfg.data, cfg.checkpoint, cfg.logging
     positive = {
         "train.train_iters": t.train_iters, "train.micro_batch_size": t.micro_batch_size,
         "train.eval_iters": t.eval_iters, "train.max_nonfinite_in_a_row": t.max_nonfinite_in_a_row,
-        "data.seq_len": d.seq_len, "parallel.tensor_parallel_size": p.tensor_parallel_size,
-        "parallel.context_parallel_size": p.context_parallel_size,
-        "parallel.pipeline_parallel_size": p.pipeline_parallel_size, "checkpoint.keep_last": c.keep_last, "logging.log_interval": lg.log_interval,
+        "data.seq_len": d.seq_len, "checkpoint.keep_last": c.keep_last, "logging.log_interval": lg.log_interval,
     }
     for key, value in positive.items():
         if value < 1:
@@ -44,12 +53,6 @@ def validate(cfg: Config) -> None:
                 raise _bad(cfg, key, f"expected a positive integer, got {value}")
         if lg.profile.start > t.train_iters:
             raise _bad(cfg, "logging.profile.start", f"expected <= train.train_iters ({t.train_iters}), got {lg.profile.start}")
-    if p.zero_stage not in (0, 1, 2, 3):
-        raise _bad(cfg, "parallel.zero_stage", f"expected one of 0, 1, 2, 3, got {p.zero_stage}")
-    if p.deferred_init is True and p.zero_stage != 3:
-        raise _bad(cfg, "parallel.deferred_init", f"true needs parallel.zero_stage 3, got stage {p.zero_stage}")
-    if p.zero_offload_optimizer and p.zero_stage == 0:
-        raise _bad(cfg, "parallel.zero_offload_optimizer", "needs parallel.zero_stage >= 1, got stage 0")
     if t.global_batch_size is not None and t.global_batch_size % t.micro_batch_size != 0:
         raise _bad(
             cfg, "train.global_batch_size",
@@ -67,40 +70,8 @@ def validate(cfg: Config) -> None:
     _validate_wsd(cfg, decay_first, decay_iters)
     if s.min_lr > t.lr:
         raise _bad(cfg, "schedule.min_lr", f"expected <= train.lr ({t.lr}), got {s.min_lr}")
-    parallel_dims(cfg, p.tensor_parallel_size * p.context_parallel_size * p.pipeline_parallel_size)  # the model fits
-    _validate_sequence_parallel(cfg)
-    if p.pipeline_parallel_size > 1:
-        _validate_pipeline(cfg)
-    if p.context_parallel_size > 1:
-        if d.seq_len % p.context_parallel_size != 0:
-            raise _bad(
-                cfg, "data.seq_len",
-                f"expected a multiple of parallel.context_parallel_size ({p.context_parallel_size}), got {d.seq_len}",
-            )
-        if not cfg.model.is_linear_attention and not cfg.model.softmax_window:
-            raise _bad(
-                cfg, "parallel.context_parallel_size",
-                f"expected 1 for model.attention={cfg.model.attention!r} (context parallelism passes the fixed-size "
-                f"state of linear attention; softmax has none), got {p.context_parallel_size}",
-            )
-        if cfg.model.qkv_conv_size or (cfg.model.softmax_window and cfg.model.window_mixing == "gated"):
-            # they read the tokens just before each position, which may live on the previous CP rank (the
-            # one-normaliser window exchanges that halo: parallel/context_parallel_window.py)
-            raise _bad(
-                cfg, "parallel.context_parallel_size",
-                f"expected 1 with model.qkv_conv_size ({cfg.model.qkv_conv_size}) or a gated model.softmax_window "
-                f"({cfg.model.softmax_window}) set (they need the previous rank's tokens), got {p.context_parallel_size}",
-            )
-        if cfg.model.softmax_window and d.document_boundaries == "reset":
-            raise _bad(cfg, "parallel.context_parallel_size", f"expected 1 with model.softmax_window and "
-                       f"data.document_boundaries=reset (not supported together yet), got {p.context_parallel_size}")
-        slice_len = d.seq_len // p.context_parallel_size
-        if cfg.model.softmax_window and slice_len < cfg.model.softmax_window - 1:
-            raise _bad(
-                cfg, "parallel.context_parallel_size",
-                f"expected slices of at least model.softmax_window - 1 = {cfg.model.softmax_window - 1} tokens "
-                f"(the halo comes from the previous rank), got data.seq_len / {p.context_parallel_size} = {slice_len}",
-            )
+    with _named_source(cfg):
+        parallel_config.check_parallel(cfg)
     dc = cfg.distill
     if dc.lora_rank < 0:
         raise _bad(cfg, "distill.lora_rank", f"expected >= 0, got {dc.lora_rank}")
@@ -134,29 +105,6 @@ def _validate_wsd(cfg: Config, decay_first: int, decay_iters: int) -> None:
                    f"(schedule.warmup_iters={s.warmup_iters}); expected at most {(decay_iters - s.warmup_iters) / decay_iters:g}")
 
 
-def _validate_pipeline(cfg: Config) -> None:
-    """What pipeline parallelism (DeepSpeed's pipeline engine) does not run, refused before launch."""
-    p, pp = cfg.parallel, cfg.parallel.pipeline_parallel_size
-    if p.zero_stage >= 2:
-        # deepspeed/runtime/pipe/engine.py (PipelineEngine.__init__) asserts
-        # "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"
-        raise _bad(cfg, "parallel.zero_stage", f"expected 0 or 1 with parallel.pipeline_parallel_size {pp} "
-                   f"(DeepSpeed's pipeline engine refuses ZeRO-2 and ZeRO-3), got {p.zero_stage}")
-    if p.zero_stage == 0 and cfg.train.grad_clip > 0:
-        # deepspeed/runtime/utils.py clip_grad_norm_ (ZeRO 0 fp32 clipping) counts a gradient that is not
-        # tensor-parallel only on model-parallel rank 0, i.e. the first stage, and the tied embedding twice
-        raise _bad(cfg, "parallel.zero_stage", f"expected 1 with parallel.pipeline_parallel_size {pp} and "
-                   f"train.grad_clip {cfg.train.grad_clip} (DeepSpeed's ZeRO-0 clipping norm is wrong under "
-                   "pipeline parallelism; ZeRO-1's is right), got 0")
-    if cfg.data.document_boundaries == "reset":
-        raise _bad(cfg, "data.document_boundaries", f"expected 'none' with parallel.pipeline_parallel_size {pp} "
-                   "(stages pass only the hidden states, not the document starts), got 'reset'")
-    injected = {"fault.nan_loss_at_steps": cfg.fault.nan_loss_at_steps, "fault.inf_grad_at_steps": cfg.fault.inf_grad_at_steps}
-    for key, steps in injected.items():
-        if steps:  # they act on the per-micro-batch loss, which the pipeline engine keeps to itself
-            raise _bad(cfg, key, f"expected [] with parallel.pipeline_parallel_size {pp}, got {steps}")
-
-
 def validate_runtime(cfg: Config, world_size: int, has_cuda: bool) -> None:
     """Reject combinations that depend on the launched world and the device; resolve
     ``train.precision: auto`` for the device."""
@@ -187,29 +135,10 @@ def check_device(cfg: Config, has_cuda: bool) -> None:
         raise _bad(cfg, "train.device", f"cuda requested but CUDA is unusable: {reason} (train.device=cpu trains on CPU)")
 
 
-def _validate_sequence_parallel(cfg: Config) -> None:
-    p, seq_len = cfg.parallel, cfg.data.seq_len
-    if not p.sequence_parallel:
-        return
-    if p.tensor_parallel_size == 1:
-        raise _bad(cfg, "parallel.sequence_parallel", "needs parallel.tensor_parallel_size > 1 (it splits each sequence "
-                   "over the TP ranks); got tensor_parallel_size 1")
-    if seq_len % (p.context_parallel_size * p.tensor_parallel_size) != 0:  # CP slices, then TP shards of them
-        raise _bad(cfg, "data.seq_len", f"expected a multiple of parallel.context_parallel_size x tensor_parallel_size "
-                   f"({p.context_parallel_size} x {p.tensor_parallel_size}) with parallel.sequence_parallel, got {seq_len}")
-
-
 def parallel_dims(cfg: Config, world_size: int) -> ParallelDims:
     """The run's TP x CP x PP x DP grid on ``world_size`` ranks, validated against the model (ConfigError)."""
-    p, m = cfg.parallel, cfg.model
-    try:
-        return ParallelDims.for_model(
-            world_size, p.tensor_parallel_size, p.context_parallel_size, pp_size=p.pipeline_parallel_size,
-            num_heads=m.num_heads, ffn_hidden_size=m.ffn_hidden_size, num_layers=m.num_layers,
-        )
-    except ValueError as err:
-        key = "pipeline_parallel_size" if str(err).startswith("pipeline_parallel_size") else "tensor_parallel_size"
-        raise _bad(cfg, f"parallel.{key}", str(err)) from None
+    with _named_source(cfg):
+        return parallel_config.parallel_dims(cfg, world_size)
 
 
 def resolve_device(cfg: Config, has_cuda: bool) -> str:
