@@ -1,5 +1,5 @@
-"""Megatron-style tensor parallelism and LASP-2-style context parallelism: the parallel grid
-(``ParallelDims``) and process-group state, region mappings, sharded layers, the parallelisation
+"""Megatron-style tensor parallelism and LASP-2-style context parallelism: the ``parallel:``
+config section and its checks (``config``), the parallel grid (``ParallelDims``) and process-group state, region mappings, sharded layers, the parallelisation
 of a plain GPT (``parallelize_gpt``), vocab-parallel cross-entropy, context-parallel linear
 attention, a TP-aware RNG tracker and checkpoint resharding.
 
