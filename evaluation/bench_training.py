@@ -39,7 +39,7 @@ def bench_cell(config: str, zero: int, precision: str, world: int, steps: int, s
             "logging.tensorboard=false", "logging.kernel_stats_interval=0", f"logging.run_dir={tmp}/run",
         ]
         t0 = time.time()
-        result = launch(cfg_path, overrides, world_size=world, timeout=1800)
+        result = launch(cfg_path, overrides, world_size=world, timeout=1800, fresh=True)  # as users start ranks
         wall = time.time() - t0
         if any(result.returncodes):
             return {"error": result.output[-2000:]}
