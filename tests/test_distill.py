@@ -159,6 +159,7 @@ def test_config_defaults_come_from_the_teacher(teacher: Path, tmp_path: Path) ->
     assert cfg.checkpoint.init_from == str(teacher_tag) and teacher_tag.name == "step_00000012"
 
 
+@pytest.mark.usefixtures("forked_python")
 def test_bad_input_is_named(teacher: Path, stage1: Path, tmp_path: Path) -> None:
     yaml_file = [str(teacher.parent / "distill.yaml")]
     with pytest.raises(ConfigError, match=f"distill.teacher: .*{tmp_path / 'missing'}"):

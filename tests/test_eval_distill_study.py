@@ -33,6 +33,7 @@ LABELS = ["softmax", "flexformer_n_stage1", "flexformer_n_stage2", "performer_st
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("forked_python")  # its training runs: forked, not fresh interpreters
 def test_tiny_study_end_to_end(shared_data: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     # stage 2 with LoRA: the study evaluates the merged weights the LoRA run exports

@@ -22,14 +22,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)  # six stages in subprocesses, about 5 minutes on 2 loaded cores
+@pytest.mark.usefixtures("forked_python")  # its stages and their training runs: forked, not fresh interpreters
 def test_gpu_check_dry_run_runs_every_stage(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.run(
-        [sys.executable, "-W", "ignore", "-m", "evaluation.gpu_check", "--dry-run", "--out", str(tmp_path)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=1400,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    from evaluation.gpu_check.__main__ import main
+
+    status = main(["--dry-run", "--out", str(tmp_path)])
     report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert status == 0, {name: stage.get("log_tail", stage.get("error")) for name, stage in report["stages"].items()}
     stages = report["stages"]
     assert report["dry_run"] is True and list(stages) == list(STAGES)  # every stage, most telling first
     assert all(s["stage_status"] == "ok" and s["seconds"] > 0 for s in stages.values()), stages

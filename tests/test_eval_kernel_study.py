@@ -22,6 +22,7 @@ TINY = ["--steps", "3", "--kinds", "flexformer_n", "--arms", "fn_hybrid", "--see
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("forked_python")  # its training runs: forked, not fresh interpreters
 def test_kernel_study_resumes_across_sessions_and_writes_seed_aggregates(shared_data: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     argv = [*TINY, "--data-root", str(shared_data), "--work-dir", str(tmp_path / "work"), "--out", str(out)]

@@ -378,6 +378,7 @@ RUNNABLE = [pytest.param(fault, id=re.sub(r"\W+", "-", fault)[:60].strip("-"), m
 
 
 @pytest.mark.parametrize("fault", RUNNABLE)
+@pytest.mark.usefixtures("forked_python")  # trainer faults: forked megaflex.train processes
 def test_documented_fault(fault: str, world: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     row, case = ROWS[fault], CASES[fault]
     outcome = case.run(world, tmp_path, capsys)

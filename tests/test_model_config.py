@@ -145,6 +145,7 @@ def test_load_model_config_accepts_a_bare_mapping(tmp_path):
         load_model_config(path)
 
 
+@pytest.mark.usefixtures("forked_python")
 def test_summary_cli_on_the_247m_config():
     result = subprocess.run(
         [sys.executable, "-m", "megaflex.model.summary", str(CONFIGS / "flexformer_n_247m.yaml")],

@@ -272,6 +272,7 @@ def test_shape_mismatch_names_both_shapes() -> None:
         check_compatible(meta, small.to_dict(), parameter_shapes(GPT(small)), tp_size=2)
 
 
+@pytest.mark.usefixtures("forked_python")
 def test_cli_reports_config_errors(tiny: Path) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "megaflex.train", "--config", str(tiny), "train.nope=1"],
@@ -282,6 +283,7 @@ def test_cli_reports_config_errors(tiny: Path) -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine where CUDA is unusable")
+@pytest.mark.usefixtures("forked_python")
 def test_train_device_cuda_without_cuda_is_one_error_line(tiny: Path, tmp_path: Path) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "megaflex.train", "--config", str(tiny), "train.device=cuda",

@@ -54,6 +54,7 @@ def test_wsd_config_errors_name_the_key(tmp_path: Path, overrides: list[str], ne
     assert needle in str(err.value) and "schedule.wsd_decay_" in str(err.value)
 
 
+@pytest.mark.usefixtures("forked_python")
 def test_wsd_config_error_is_one_line_and_exit_2(tmp_path: Path) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "megaflex.train", "--config", str(write_config(tmp_path / "cfg.yaml")),

@@ -4,23 +4,17 @@
 torch.distributed env vars (gloo on localhost), so a test can let them ``kill -9`` themselves
 (fault injection) and inspect exit codes, outputs and the run directory afterwards.
 
-Each rank is a separate process forked from a multiprocessing ``forkserver`` that has imported
-torch, ``torch._dynamo`` (torch.optim's first step imports it) and DeepSpeed once: those imports
-are ~7 of the ~9 CPU seconds a tiny rank costs, and most launched tests start 4-6 ranks. The rank
-then runs the module as ``python -m`` would (its own environment, working directory, ``sys.argv``,
-``__main__``, exit code, atexit handlers, stdout/stderr to its log). What it skips is a fresh
-interpreter's start and teardown; the launcher tests (``deepspeed`` runner, launch scripts, the
-documented launch lines) and the signal tests start fresh interpreters, and
+Each rank is a ``forked_python.ForkedProcess``: forked from a fork server that imported torch,
+``torch._dynamo`` and DeepSpeed once (~7 of the ~9 CPU seconds a tiny rank costs; most launched
+tests start 4-6 ranks), then run as ``python -m`` would. The launcher tests (``deepspeed`` runner,
+launch scripts, the documented launch lines) and the signal tests start fresh interpreters, and
 ``MEGAFLEX_TEST_FRESH_PROCESSES=1`` makes ``launch`` do so too.
 """
 
 from __future__ import annotations
 
-import atexit
-import io
 import json
 import os
-import runpy
 import subprocess
 import sys
 import time
@@ -29,7 +23,7 @@ from pathlib import Path
 
 import yaml
 
-from distributed import fork_server
+from forked_python import ForkedProcess
 from megaflex.parallel.rendezvous import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -95,7 +89,7 @@ def launch(
             procs.append(subprocess.Popen([PYTHON, "-m", module, *argv], cwd=REPO, env=env, stdout=log,
                                           stderr=subprocess.STDOUT))
         else:
-            procs.append(ForkedRank(module, argv, env, log.name))
+            procs.append(ForkedProcess(module, argv, env, log.name))
         logs.append(log)
     deadline = time.time() + timeout
     failed_at = None
@@ -117,52 +111,6 @@ def launch(
         outputs.append(log.read())
         log.close()
     return Result([p.returncode for p in procs], outputs)
-
-
-def _run_module(module: str, argv: list[str], env: dict[str, str], log_path: str) -> None:
-    """In the forked rank: become ``python -m module *argv`` with ``env``, output to ``log_path``."""
-    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    # unbuffered, as PYTHONUNBUFFERED=1 makes a fresh rank: a rank that kills itself keeps its output
-    sys.stdout = io.TextIOWrapper(open(1, "wb", buffering=0, closefd=False), write_through=True)
-    sys.stderr = io.TextIOWrapper(open(2, "wb", buffering=0, closefd=False), write_through=True)
-    os.environ.clear()
-    os.environ.update(env)
-    os.chdir(REPO)
-    sys.path[:0] = [str(REPO), *env.get("PYTHONPATH", "").split(os.pathsep)]
-    sys.argv = [module, *argv]
-    atexit._clear()  # the fork server's handlers are not this rank's
-    try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
-    finally:
-        atexit._run_exitfuncs()  # an interpreter's exit runs them; multiprocessing's does not
-
-
-class ForkedRank:
-    """A ``subprocess.Popen``-like rank forked from the fork server (``poll``, ``kill``, ``wait``,
-    ``returncode``: the exit status, negative for a signal, as Popen's)."""
-
-    def __init__(self, module: str, argv: list[str], env: dict[str, str], log_path: str) -> None:
-        self._process = fork_server().Process(target=_run_module, args=(module, argv, env, log_path), daemon=False)
-        self._process.start()
-        self.pid = self._process.pid
-
-    @property
-    def returncode(self) -> int | None:
-        return self._process.exitcode
-
-    def poll(self) -> int | None:
-        self._process.is_alive()  # reaps it when it has ended
-        return self._process.exitcode
-
-    def kill(self) -> None:
-        self._process.kill()
-
-    def wait(self, timeout: float | None = None) -> int | None:
-        self._process.join(timeout)
-        return self._process.exitcode
 
 
 def launcher_env(local_ranks: int) -> dict[str, str]:
