@@ -9,6 +9,8 @@ and then run the module as ``python -m`` would: their own environment, working d
 
 * ``ForkedProcess``: one such process, ``subprocess.Popen``-like (``pid``, ``poll``, ``wait``,
   ``kill``, ``returncode``); ``training_harness.launch`` starts its ranks this way.
+* ``forking_process_pool``: a stand-in for a product's ``ProcessPoolExecutor`` whose workers do
+  the same for their ``python -m`` children.
 * ``fork_python_modules(monkeypatch)``: for a test of product code that itself starts
   ``[sys.executable, "-m", module, ...]`` (the studies' training runs, gpu_check's stages and their
   trainers): ``subprocess.run`` / ``subprocess.Popen`` fork those, and so do the forked processes
@@ -231,6 +233,23 @@ def _patch_subprocess(setattr_: Any, process: type) -> None:
 
     setattr_(subprocess, "Popen", popen)
     setattr_(subprocess, "run", run)
+
+
+def _fork_children() -> None:
+    _patch_subprocess(setattr, _DirectFork)
+
+
+def forking_process_pool(max_workers: int | None = None, mp_context: Any = None, initializer: Any = None,
+                         initargs: tuple = ()) -> Any:
+    """A ``ProcessPoolExecutor`` (stand-in for product code's spawned pools) whose workers are
+    fork-server children that fork their own ``python -m`` children (``initializer`` not supported)."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    if os.environ.get("MEGAFLEX_TEST_FRESH_PROCESSES") == "1":
+        return ProcessPoolExecutor(max_workers, mp_context=mp_context, initializer=initializer, initargs=initargs)
+    if initializer is not None:
+        raise NotImplementedError("forking_process_pool: the pool's initializer installs the forking subprocess")
+    return ProcessPoolExecutor(max_workers, mp_context=fork_server(), initializer=_fork_children)
 
 
 def fork_python_modules(monkeypatch: Any) -> None:

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from forked_python import forking_process_pool
+
 from evaluation.kernel_transfer import B_METRIC, initial_kernel_state, kernel_state, main, max_abs_diff
 
 TINY = ["--steps-a", "4", "--steps-b", "3", "--max-train-docs", "40", "--vocab-size", "512", "--hidden-size", "32",
@@ -16,7 +18,13 @@ TINY = ["--steps-a", "4", "--steps-b", "3", "--max-train-docs", "40", "--vocab-s
 
 
 @pytest.mark.slow
-def test_kernel_transfer_arms_freeze_the_right_kernels_and_report_the_drops(shared_data: Path, tmp_path: Path) -> None:
+def test_kernel_transfer_arms_freeze_the_right_kernels_and_report_the_drops(
+    shared_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import evaluation.kernel_transfer
+
+    # the chains' worker processes and their training runs: forked, not fresh interpreters
+    monkeypatch.setattr(evaluation.kernel_transfer, "ProcessPoolExecutor", forking_process_pool)
     work, out = tmp_path / "work", tmp_path / "out"
     places = ["--data-root", str(shared_data), "--data-work-dir", str(tmp_path / "data"), "--work-dir", str(work), "--out", str(out)]
     rows = main([*TINY, *places, "--jobs", "2"])  # the two kinds' chains in two processes
