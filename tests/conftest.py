@@ -17,6 +17,11 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 import pytest  # noqa: E402
 
+if os.environ.get("MEGAFLEX_TEST_SEQUENTIAL_DOT") == "1":  # the interpreter's dots in the worst-case order
+    import sequential_dot  # noqa: E402
+
+    sequential_dot.install()
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
