@@ -200,7 +200,7 @@ class LocalMixingCore(nn.Module):
         out, far, cache = windowed_linear_attention(
             q, qf, qls, k, kf, kls, v, window=self.window, form=form, normalization=self.core.normalization,
             chunk_size=self.core.chunk_size, far_state=None if state is None else state.linear, cache=cache,
-            eps=self.core.eps, key_valid=key_valid, return_state=return_state,
+            eps=self.core.eps, key_valid=key_valid, return_state=return_state, backend=self.core.backend,
         )  # fmt: skip
         return out, (HybridState(far, None, None, conv_tail, cache) if return_state else None)
 
@@ -227,7 +227,7 @@ class LocalMixingCore(nn.Module):
         qf, qls, kf, kls = self.window_features(q, k, offset)
         out, far, cache = windowed_linear_attention(
             q, qf, qls, k, kf, kls, v, window=self.window, form="chunked", normalization=self.core.normalization,
-            chunk_size=self.core.chunk_size, far_state=far, cache=cache, eps=self.core.eps,
+            chunk_size=self.core.chunk_size, far_state=far, cache=cache, eps=self.core.eps, backend=self.core.backend,
         )  # fmt: skip
         return out, far.kv, far.k_sum, far.log_max, cache.k, cache.kf, cache.kls, cache.v
 

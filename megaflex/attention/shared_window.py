@@ -37,7 +37,9 @@ Three forms that agree to rounding:
   as in ``chunked.py``). No N x N or N x (W + N) mask or weight exists: memory is O(N (L + 1) C).
   One autograd Function that recomputes each group's blocks in the backward
   (``shared_window_chunked.py``); ``_chunked_blocks`` below, the same in torch ops under autograd,
-  is its reference and serves padded keys (``key_valid``). No Triton kernel yet.
+  is its reference and serves padded keys (``key_valid``). On the "triton" backend (``auto`` on
+  CUDA tensors) the same contract runs in Triton kernels (``triton/window.py``, ``TritonWindowNumerator``:
+  C x C sub-blocks of the window and far-in-block keys, the linear state by the plain kernels' scans).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import LinearAttentionState, accumulation_dtype, normalize_output
+from .core import chunked_backend
 from .shared_window_chunked import ChunkedWindowNumerator, block_masks
 
 WINDOW_FORMS = ("quadratic", "recurrent", "chunked")
@@ -211,14 +214,30 @@ def _aligned_queries(y: torch.Tensor, prefix: int, t_pad: int) -> torch.Tensor:
     return _pad(aligned, t_pad)
 
 
-def _chunked(x: _Inputs, window: int, chunk_size: int) -> torch.Tensor:
-    """The chunked form: ``ChunkedWindowNumerator`` (one autograd Function, ``shared_window_chunked.py``);
+def _uses_triton(x: _Inputs, window: int, backend: str) -> bool:
+    """``chunked_backend``'s choice for the chunked form: "triton" runs ``TritonWindowNumerator``
+    (W >= 1; "auto" on CUDA keeps fp64 on the torch Function), anything else the torch Function."""
+    if chunked_backend(backend, x.q.is_cuda) != "triton" or window < 1:
+        return False
+    return backend == "triton" or x.q.dtype != torch.float64
+
+
+def _chunked(x: _Inputs, window: int, chunk_size: int, backend: str = "auto") -> torch.Tensor:
+    """The chunked form: ``ChunkedWindowNumerator`` (one autograd Function, ``shared_window_chunked.py``)
+    or its Triton twin (``triton/window.py``; chunks rounded to the kernels' power of two);
     with padded keys (``key_valid``) the torch-ops blocks below (the reference it is tested against)."""
     if x.key_valid is not None:
         return _chunked_blocks(x, window, chunk_size)
     b, h, n, d = x.q.shape
     p, total = x.prefix, x.k.shape[2]
-    c = min(chunk_size, total)
+    triton = _uses_triton(x, window, backend)
+    if triton:
+        from .triton.function import kernel_chunk
+        from .triton.window import TritonWindowNumerator as numerator
+
+        c = kernel_chunk(min(chunk_size, total))
+    else:
+        numerator, c = ChunkedWindowNumerator, min(chunk_size, total)
     t_pad = -(-total // c) * c
 
     def flat(y: torch.Tensor) -> torch.Tensor:
@@ -228,7 +247,7 @@ def _chunked(x: _Inputs, window: int, chunk_size: int) -> torch.Tensor:
     k, kf, v_aug = (flat(_pad(y, t_pad)) for y in (x.k, x.kf, x.v_aug))
     kls = flat(_pad(x.kls, t_pad, float("-inf")))
     s0 = _state_aug(x.far).flatten(0, 1)
-    numer = ChunkedWindowNumerator.apply(q, qf, qls, k, kf, kls, v_aug, s0, x.far.log_max.reshape(b * h), window, c)
+    numer = numerator.apply(q, qf, qls, k, kf, kls, v_aug, s0, x.far.log_max.reshape(b * h), window, c)
     return numer.view(b, h, t_pad, -1)[:, :, p : p + n]
 
 
@@ -294,7 +313,7 @@ def windowed_linear_attention(
     k: torch.Tensor, kf: torch.Tensor, kls: torch.Tensor | None, v: torch.Tensor,
     *, window: int, form: str = "chunked", normalization: str = "rms", chunk_size: int = 64,
     far_state: LinearAttentionState | None = None, cache: WindowCache | None = None, eps: float = 1e-6,
-    key_valid: torch.Tensor | None = None, return_state: bool = True,
+    key_valid: torch.Tensor | None = None, return_state: bool = True, backend: str = "auto",
 ) -> tuple[torch.Tensor, LinearAttentionState | None, WindowCache | None]:
     """The one-normaliser hybrid (module doc) of N new tokens after ``cache`` (P <= W - 1 keys) and
     ``far_state`` (the keys before them).
@@ -302,6 +321,9 @@ def windowed_linear_attention(
     q, k [B, H, N, d] (raw, for the window's q.k / sqrt d), qf, kf [B, H, N, F] and qls, kls
     [B, H, N] | None (= 0) their features and log-scales, v [B, H, N, Dv]; ``key_valid`` [B, P + N]
     bool (False: a padded key, kept out of the window; its far-field features must already be 0).
+    ``backend`` (auto | torch | triton | fla, ``core.chunked_backend``): the chunked form's
+    implementation ("triton": the Triton kernels; "fla", which has no window kernel, and "torch":
+    the torch Function).
     Returns (out [B, H, N, Dv] in v.dtype, the linear state of every key that left the window,
     the new cache) or (out, None, None) without ``return_state``.
     """
@@ -317,7 +339,7 @@ def windowed_linear_attention(
         if form == "recurrent":
             numer, absorbed = _recurrent(x, window)
         else:
-            numer = _quadratic(x, window) if form == "quadratic" else _chunked(x, window, chunk_size)
+            numer = _quadratic(x, window) if form == "quadratic" else _chunked(x, window, chunk_size, backend)
         out = normalize_output(numer[..., :dv], numer[..., dv], normalization, eps).to(v.dtype)
         if not return_state:
             return out, None, None

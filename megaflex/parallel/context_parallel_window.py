@@ -131,5 +131,6 @@ class ContextParallelWindowAttention:
         out, _, _ = windowed_linear_attention(
             q, qf, qls, k, kf, kls, v, window=window, form=inner.form, normalization=inner.normalization,
             chunk_size=inner.chunk_size, far_state=far, cache=cache, eps=inner.eps, return_state=False,
+            backend=inner.backend,
         )  # fmt: skip
         return out, None

@@ -54,16 +54,19 @@ import triton.language as tl
 from .function import TUNING_KEY, interpreter_enabled, launch_configs, prune_launch_configs
 
 
-def _tuned(fn):
+def _tuned(fn, reset_to_zero: list[str] | None = None):
     """``fn`` autotuned over ``launch_configs`` (one fixed config under the interpreter), pruned
-    per launch by ``prune_launch_configs`` (TRIG launches take fewer). Every kernel only stores
-    (no accumulation into its outputs), so benchmark reruns are harmless."""
+    per launch by ``prune_launch_configs`` (TRIG launches take fewer). These kernels only store
+    (no accumulation into their outputs), so benchmark reruns are harmless; kernels that add into
+    zeroed outputs (``window_kernels.py``) name them in ``reset_to_zero`` (zeroed before each
+    benchmark run and before the real one)."""
     name = fn.__name__
     configs = launch_configs(name, interpreted=interpreter_enabled())
     key = [arg for arg in TUNING_KEY if arg in fn.arg_names]
     prune = {"early_config_prune": lambda configs, _named, **constexprs: prune_launch_configs(name, configs, constexprs)}
     return triton.autotune(
-        [triton.Config({}, num_warps=w, num_stages=s) for w, s in configs], key=key, prune_configs_by=prune
+        [triton.Config({}, num_warps=w, num_stages=s) for w, s in configs], key=key, prune_configs_by=prune,
+        reset_to_zero=reset_to_zero,
     )(fn)
 
 

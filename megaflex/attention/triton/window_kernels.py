@@ -1,0 +1,265 @@
+"""Triton kernels of the one-normaliser hybrid's chunked form (maths: ``shared_window.py`` and
+``shared_window_chunked.py``; glue: ``window.py``).
+
+Layout: contiguous [BH, T, *], T = NC * CHUNK (the glue pads), keys aligned with the queries.
+q, k [BH, T, D] (raw, for q.k / sqrt d), qf, kf [BH, T, F], qls, kls [BH, T] fp32, v_aug
+[BH, T, DV + 1] (the last column: ones, the denominator's), states [BH, NC, F, DV + 1] fp32
+(``chunk_states`` of ``kernels.py`` run on v_aug: state c enters chunk c, relative to MB[c]).
+Every row-major tile with DV + 1 columns is read as a BV-wide block of the first DV columns plus
+its last column as a vector (``_aug``): no power-of-two padding of DV + 1 to 2 DV.
+
+Chunk c of queries attends to key chunks c - L .. c (L = ceil(W / C), at most NC - 1), one C x C
+sub-block at a time, with the lag t - s = (c - j) C + i - i' deciding window (0 <= lag < W),
+far-in-block (lag >= W) or nothing; no [C, (L + 1) C] or larger mask is ever built. The linear
+state S_{max(c - L, 0)} carries every key before the block.
+
+* ``window_outputs`` (grid (NC, BH)): the stabiliser m_t (online, like flash attention: the far
+  bound qls_t + max(B_{c-L}, far-in-block kls) first, then each sub-block's window logits) and the
+  numerator incl. the denominator column; stores m for the backward.
+* ``window_grads_q`` (grid (NC, BH)): dq and dqf of one query chunk (sub-blocks + the carried read).
+* ``window_grads_k`` (grid (NC, BH)): dk, dkf and dv_aug of one key chunk: the query chunks j .. j + L
+  that see it, plus its share of the linear state (dU_j = dS_{j+1}, from ``chunk_state_grads``).
+
+dq, dqf, dk, dkf are fp32 buffers the programs read, add to and write back per sub-block (each row
+belongs to one program: no atomics), so no program keeps a [C, F] accumulator across its loop;
+dqls = qf . dqf and dkls = kf . dkf (every path of a log-scale is exp(ls) times its features) are
+summed by the glue. Dots: operands in the inputs' dtype, fp32 accumulation (``kernels._dot``);
+carried states (fp32) via ``kernels._state_dot``; element-wise maths in fp32.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import triton
+import triton.language as tl
+
+from .kernels import _dot, _state_dot, _tile, _tuned
+
+
+@triton.jit
+def _aug(ptr, rows, cols, vm, DV):
+    """[R, BV] tile of columns ``cols`` < DV and the last column DV [R] of a row-major [*, DV + 1] matrix, fp32."""
+    rm = rows >= 0
+    tile = _tile(ptr, rows, rm, cols, vm, DV + 1).to(tl.float32)
+    last = tl.load(ptr + rows * (DV + 1) + DV).to(tl.float32)
+    return tile, last
+
+
+@triton.jit
+def _block_dot(A, B, bh, tq, tk, T, WIDTH, BW: tl.constexpr, CHUNK: tl.constexpr, PREC: tl.constexpr):
+    """[C, C] fp32 sum over WIDTH columns of A[tq] B[tk]^T (both [BH, T, WIDTH]), BW columns at a time."""
+    acc = tl.zeros((CHUNK, CHUNK), dtype=tl.float32)
+    rm = tq >= 0
+    for w0 in range(0, WIDTH, BW):
+        w = w0 + tl.arange(0, BW)
+        wm = w < WIDTH
+        a = _tile(A + bh * T * WIDTH, tq, rm, w, wm, WIDTH)
+        b = _tile(B + bh * T * WIDTH, tk, rm, w, wm, WIDTH)
+        acc += _dot(a, tl.trans(b), A.dtype.element_ty, PREC)
+    return acc
+
+
+@triton.jit
+def _block_weights(
+    Q, QF, K, KF, KLS, bh, c, j, tq, tk, qls, m, T, D, F, WINDOW, scale,
+    CHUNK: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """Query chunk c, key chunk j, stabiliser m [C]: (w, X_far, near, far) [C, C]: the weights
+    w = exp(A - m) G, X_far = exp(qls + kls - m) on far entries (0 elsewhere) and the two masks."""
+    i = tl.arange(0, CHUNK)
+    lag = (c - j) * CHUNK + i[:, None] - i[None, :]
+    near = (lag >= 0) & (lag < WINDOW)
+    far = lag >= WINDOW
+    logits = _block_dot(Q, K, bh, tq, tk, T, D, BD, CHUNK, PREC) * scale
+    w = tl.exp(tl.where(near, logits, float("-inf")) - m[:, None])
+    x_far = tl.zeros((CHUNK, CHUNK), dtype=tl.float32)
+    if (c - j) * CHUNK + CHUNK - 1 >= WINDOW:  # the sub-block holds far keys
+        kls = tl.load(KLS + bh * T + tk)
+        x_far = tl.exp(tl.where(far, qls[:, None] + kls[None, :], float("-inf")) - m[:, None])
+        w += x_far * _block_dot(QF, KF, bh, tq, tk, T, F, BF, CHUNK, PREC)
+    return w, x_far, near, far
+
+
+@_tuned
+@triton.jit
+def window_outputs(
+    Q, QF, QLS, K, KF, KLS, V, MB, STATES, NUMER, M_OUT,
+    T, D, F, DV, NC, LOOKBACK, WINDOW, scale,
+    CHUNK: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    c = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    elt = Q.dtype.element_ty
+    i = tl.arange(0, CHUNK)
+    tq = c * CHUNK + i
+    cols = tl.arange(0, BV)
+    vm = cols < DV
+    qls = tl.load(QLS + bh * T + tq)
+    first = tl.maximum(c - LOOKBACK, 0)
+    b_read = tl.load(MB + bh * (NC + 1) + first)  # the read state's bound B_{max(c - L, 0)}
+    # the far bound: qls_t + max(B, max kls over the block's far keys) (>= every far exponent)
+    far_max = tl.zeros((CHUNK,), dtype=tl.float32) + b_read
+    for j in range(first, c + 1):
+        if (c - j) * CHUNK + CHUNK - 1 >= WINDOW:
+            kls = tl.load(KLS + bh * T + j * CHUNK + i)
+            lag = (c - j) * CHUNK + i[:, None] - i[None, :]
+            far_max = tl.maximum(far_max, tl.max(tl.where(lag >= WINDOW, kls[None, :], float("-inf")), axis=1))
+    m = qls + far_max  # -inf: no far field (yet)
+    acc = tl.zeros((CHUNK, BV), dtype=tl.float32)
+    den = tl.zeros((CHUNK,), dtype=tl.float32)
+    for j in range(first, c + 1):
+        tk = j * CHUNK + i
+        lag = (c - j) * CHUNK + i[:, None] - i[None, :]
+        near = (lag >= 0) & (lag < WINDOW)
+        logits = tl.where(near, _block_dot(Q, K, bh, tq, tk, T, D, BD, CHUNK, PREC) * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(logits, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet: weights 0
+        alpha = tl.exp(m - m_safe)
+        acc = acc * alpha[:, None]
+        den = den * alpha
+        m = m_new
+        w = tl.exp(logits - m_safe[:, None])
+        if (c - j) * CHUNK + CHUNK - 1 >= WINDOW:
+            kls = tl.load(KLS + bh * T + tk)
+            x_far = tl.exp(tl.where(lag >= WINDOW, qls[:, None] + kls[None, :], float("-inf")) - m_safe[:, None])
+            w += x_far * _block_dot(QF, KF, bh, tq, tk, T, F, BF, CHUNK, PREC)
+        v, v_last = _aug(V + bh * T * (DV + 1), tk, cols, vm, DV)
+        acc += _dot(w, v, elt, PREC)
+        den += tl.sum(w * v_last[None, :], axis=1)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    # the carried state: exp(qls_t + B - m_t) qf_t S (0 for an empty state, B = -inf)
+    carry = tl.where(b_read == float("-inf"), 0.0, tl.exp(qls + b_read - m))
+    state = STATES + (bh * NC + first) * F * (DV + 1)
+    qs = tl.zeros((CHUNK, BV), dtype=tl.float32)
+    qz = tl.zeros((CHUNK,), dtype=tl.float32)
+    for f0 in range(0, F, BF):
+        f = f0 + tl.arange(0, BF)
+        fm = f < F
+        qf = _tile(QF + bh * T * F, tq, tq >= 0, f, fm, F)
+        s = _tile(state, f, fm, cols, vm, DV + 1)
+        z = tl.load(state + f * (DV + 1) + DV, mask=fm, other=0.0)
+        qs += _state_dot(qf, s, elt)
+        qz += tl.sum(qf.to(tl.float32) * z[None, :], axis=1)
+    acc += carry[:, None] * qs
+    den += carry * qz
+    out = NUMER + bh * T * (DV + 1)
+    tl.store(out + tq[:, None] * (DV + 1) + cols[None, :], acc, mask=(tq >= 0)[:, None] & vm[None, :])
+    tl.store(out + tq * (DV + 1) + DV, den)
+    tl.store(M_OUT + bh * T + tq, m)
+
+
+@triton.jit
+def _add_dot(OUT, bh, rows, T, WIDTH, a, B, b_rows, scale, BW: tl.constexpr, PREC: tl.constexpr):
+    """OUT[rows] += scale * a @ B[b_rows] (a [C, C] fp32, B [BH, T, WIDTH], OUT fp32 [BH, T, WIDTH]), BW columns at a time."""
+    rm = rows >= 0
+    for w0 in range(0, WIDTH, BW):
+        w = w0 + tl.arange(0, BW)
+        wm = w < WIDTH
+        b = _tile(B + bh * T * WIDTH, b_rows, rm, w, wm, WIDTH)
+        off = OUT + bh * T * WIDTH + rows[:, None] * WIDTH + w[None, :]
+        mask = rm[:, None] & wm[None, :]
+        tl.store(off, tl.load(off, mask=mask, other=0.0) + scale * _dot(a, b, B.dtype.element_ty, PREC), mask=mask)
+
+
+@functools.partial(_tuned, reset_to_zero=["DQ", "DQF"])
+@triton.jit
+def window_grads_q(
+    Q, QF, QLS, K, KF, KLS, V, M, MB, STATES, DNUM, DQ, DQF,
+    T, D, F, DV, NC, LOOKBACK, WINDOW, scale,
+    CHUNK: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """dq, dqf of query chunk c, added into the zeroed fp32 DQ [BH, T, D], DQF [BH, T, F]."""
+    c = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    elt = Q.dtype.element_ty
+    i = tl.arange(0, CHUNK)
+    tq = c * CHUNK + i
+    cols = tl.arange(0, BV)
+    vm = cols < DV
+    qls = tl.load(QLS + bh * T + tq)
+    m = tl.load(M + bh * T + tq)
+    dn, dn_last = _aug(DNUM + bh * T * (DV + 1), tq, cols, vm, DV)
+    first = tl.maximum(c - LOOKBACK, 0)
+    for j in range(first, c + 1):
+        tk = j * CHUNK + i
+        w, x_far, near, far = _block_weights(Q, QF, K, KF, KLS, bh, c, j, tq, tk, qls, m, T, D, F, WINDOW, scale,
+                                             CHUNK, BD, BF, PREC)  # fmt: skip
+        v, v_last = _aug(V + bh * T * (DV + 1), tk, cols, vm, DV)
+        dw = _dot(dn, tl.trans(v), elt, PREC) + dn_last[:, None] * v_last[None, :]
+        z_near = tl.where(near, dw * w, 0.0)  # dL/dlogits
+        _add_dot(DQ, bh, tq, T, D, z_near, K, tk, scale, BD, PREC)
+        if (c - j) * CHUNK + CHUNK - 1 >= WINDOW:
+            _add_dot(DQF, bh, tq, T, F, tl.where(far, dw * x_far, 0.0), KF, tk, 1.0, BF, PREC)  # dL/dG
+    # the carried read: dqf_t += exp(qls_t + B - m_t) dn_t S^T
+    b_read = tl.load(MB + bh * (NC + 1) + first)
+    carry = tl.where(b_read == float("-inf"), 0.0, tl.exp(qls + b_read - m))
+    dn_c = dn * carry[:, None]
+    dn_c_last = dn_last * carry
+    state = STATES + (bh * NC + first) * F * (DV + 1)
+    for f0 in range(0, F, BF):
+        f = f0 + tl.arange(0, BF)
+        fm = f < F
+        s = _tile(state, f, fm, cols, vm, DV + 1)
+        z = tl.load(state + f * (DV + 1) + DV, mask=fm, other=0.0)
+        off = DQF + bh * T * F + tq[:, None] * F + f[None, :]
+        mask = (tq >= 0)[:, None] & fm[None, :]
+        part = _state_dot(dn_c, tl.trans(s), elt) + dn_c_last[:, None] * z[None, :]
+        tl.store(off, tl.load(off, mask=mask, other=0.0) + part, mask=mask)
+
+
+@functools.partial(_tuned, reset_to_zero=["DK", "DKF"])
+@triton.jit
+def window_grads_k(
+    Q, QF, QLS, K, KF, KLS, V, M, MB, DSTATES, DNUM, DK, DKF, DV_OUT,
+    T, D, F, DV, NC, LOOKBACK, WINDOW, scale,
+    CHUNK: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """dk, dkf (added into the zeroed fp32 DK, DKF) and dv_aug (stored, fp32 [BH, T, DV + 1]) of key chunk j."""
+    j = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    elt = Q.dtype.element_ty
+    i = tl.arange(0, CHUNK)
+    tk = j * CHUNK + i
+    cols = tl.arange(0, BV)
+    vm = cols < DV
+    v, v_last = _aug(V + bh * T * (DV + 1), tk, cols, vm, DV)
+    dv = tl.zeros((CHUNK, BV), dtype=tl.float32)
+    dv_last = tl.zeros((CHUNK,), dtype=tl.float32)
+    last = tl.minimum(j + LOOKBACK, NC - 1)
+    for c in range(j, last + 1):
+        tq = c * CHUNK + i
+        qls = tl.load(QLS + bh * T + tq)
+        m = tl.load(M + bh * T + tq)
+        dn, dn_last = _aug(DNUM + bh * T * (DV + 1), tq, cols, vm, DV)
+        w, x_far, near, far = _block_weights(Q, QF, K, KF, KLS, bh, c, j, tq, tk, qls, m, T, D, F, WINDOW, scale,
+                                             CHUNK, BD, BF, PREC)  # fmt: skip
+        dw = _dot(dn, tl.trans(v), elt, PREC) + dn_last[:, None] * v_last[None, :]
+        wt = tl.trans(w)
+        dv += _dot(wt, dn, elt, PREC)
+        dv_last += tl.sum(wt * dn_last[None, :], axis=1)
+        _add_dot(DK, bh, tk, T, D, tl.trans(tl.where(near, dw * w, 0.0)), Q, tq, scale, BD, PREC)
+        if (c - j) * CHUNK + CHUNK - 1 >= WINDOW:
+            _add_dot(DKF, bh, tk, T, F, tl.trans(tl.where(far, dw * x_far, 0.0)), QF, tq, 1.0, BF, PREC)
+    # the linear state: U_j = sum_s exp(kls_s - B_{j+1}) kf_s v_s^T enters S_{j+1}, dU_j = dS_{j+1}
+    kls = tl.load(KLS + bh * T + tk)
+    b_next = tl.load(MB + bh * (NC + 1) + j + 1)
+    key_scale = tl.where(kls == float("-inf"), 0.0, tl.exp(kls - b_next))
+    dstate = DSTATES + (bh * NC + j) * F * (DV + 1)
+    vs = v * key_scale[:, None]
+    vs_last = v_last * key_scale
+    for f0 in range(0, F, BF):
+        f = f0 + tl.arange(0, BF)
+        fm = f < F
+        du = _tile(dstate, f, fm, cols, vm, DV + 1)
+        du_last = tl.load(dstate + f * (DV + 1) + DV, mask=fm, other=0.0)
+        kf = _tile(KF + bh * T * F, tk, tk >= 0, f, fm, F)
+        dv += key_scale[:, None] * _state_dot(kf, du, elt)
+        dv_last += key_scale * tl.sum(kf.to(tl.float32) * du_last[None, :], axis=1)
+        off = DKF + bh * T * F + tk[:, None] * F + f[None, :]
+        mask = (tk >= 0)[:, None] & fm[None, :]
+        part = _state_dot(vs, tl.trans(du), elt) + vs_last[:, None] * du_last[None, :]
+        tl.store(off, tl.load(off, mask=mask, other=0.0) + part, mask=mask)
+    out = DV_OUT + bh * T * (DV + 1)
+    tl.store(out + tk[:, None] * (DV + 1) + cols[None, :], dv, mask=(tk >= 0)[:, None] & vm[None, :])
+    tl.store(out + tk * (DV + 1) + DV, dv_last)
