@@ -3,6 +3,8 @@
 * ``triton_linear_attention``: the chunked form's contract (``chunked_linear_attention``'s signature).
 * ``trig_linear_attention``: trig feature map + attention as one autograd function that keeps no
   [B, H, N, F] features alive between forward and backward.
+* ``TritonWindowNumerator``: the one-normaliser window hybrid's chunked form (``window.py``), the
+  contract of ``shared_window_chunked.ChunkedWindowNumerator``.
 
 ``triton`` itself is imported only when a kernel first runs (``function.kernels_for``), so this
 package imports without it.
@@ -10,5 +12,9 @@ package imports without it.
 
 from .function import interpreter_enabled, kernel_chunk, triton_available, triton_linear_attention
 from .trig import trig_linear_attention
+from .window import TritonWindowNumerator
 
-__all__ = ["interpreter_enabled", "kernel_chunk", "trig_linear_attention", "triton_available", "triton_linear_attention"]
+__all__ = [
+    "TritonWindowNumerator", "interpreter_enabled", "kernel_chunk", "trig_linear_attention", "triton_available",
+    "triton_linear_attention",
+]

@@ -244,7 +244,8 @@ def window_grads_k(
     # the linear state: U_j = sum_s exp(kls_s - B_{j+1}) kf_s v_s^T enters S_{j+1}, dU_j = dS_{j+1}
     kls = tl.load(KLS + bh * T + tk)
     b_next = tl.load(MB + bh * (NC + 1) + j + 1)
-    key_scale = tl.where(kls == float("-inf"), 0.0, tl.exp(kls - b_next))
+    # 0 for keys with log-scale -inf (padding; every key of a softmax core, whose bound is -inf too)
+    key_scale = tl.where(kls == float("-inf"), 0.0, tl.exp(kls - tl.where(b_next == float("-inf"), 0.0, b_next)))
     dstate = DSTATES + (bh * NC + j) * F * (DV + 1)
     vs = v * key_scale[:, None]
     vs_last = v_last * key_scale
