@@ -10,6 +10,13 @@ and reads shared memory, registers and spills. Exit status 1 when a launch needs
 memory than its target has. The JSON holds one row per (launch, target) and which configs use it.
 Trig maps (every shipped linear config) take the dispatcher's path, features computed in the
 kernels (``trig_linear_attention``'s default); ``--unfused-trig`` compiles its reference path.
+
+    python -m evaluation.triton_aot --window-only --out docs/results/triton_aot_window.json
+
+``--window`` adds (``--window-only``: compiles only) the one-normaliser window hybrid's Triton form
+(``megaflex/attention/triton/window.py``) at the shapes of ``WINDOW_CONFIGS``, its rows labelled
+'<config>+window/<dtype>': the window and the lookback are runtime arguments, so one window
+compiles every window; the features are given (the feature map runs in torch).
 """
 
 from __future__ import annotations
@@ -26,7 +33,9 @@ from pathlib import Path
 import torch
 import yaml
 
-from megaflex.attention.triton.aot import SHARED_MEMORY_LIMIT, Compiled, Launch, compile_launch, record_launches
+from megaflex.attention.triton.aot import (
+    SHARED_MEMORY_LIMIT, Compiled, Launch, compile_launch, record_launches, record_window_launches,
+)  # fmt: skip
 from megaflex.attention import AttentionCore
 from megaflex.model.config import ModelConfig
 
@@ -34,6 +43,9 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 ARCHS = (80, 90)
 BATCHES = (1, 8)
+# configs whose shapes the window hybrid's kernels are compiled at (``model.softmax_window`` on them)
+WINDOW_CONFIGS = ("flexformer_n_247m", "flexformer_n_1.3b")
+WINDOW_SUFFIX = "+window"
 
 
 @dataclass(frozen=True)
@@ -90,6 +102,19 @@ def launches_of(shapes: dict[Shape, list[str]], dtypes: list[str], fused_trig: b
     return found
 
 
+def window_launches_of(shapes: dict[Shape, list[str]], dtypes: list[str]) -> dict[Launch, set[str]]:
+    """Distinct launches of the window hybrid's Triton form (forward + backward, B in ``BATCHES``) at
+    the shapes of ``WINDOW_CONFIGS`` -> '<config>+window/<dtype>' using them."""
+    found: dict[Launch, set[str]] = {}
+    for shape, names in shapes.items():
+        names = [name for name in names if name in WINDOW_CONFIGS]
+        for dtype in dtypes if names else []:
+            for batch in BATCHES:
+                for launch in record_window_launches(shape.dv, shape.feat, shape.dv, DTYPES[dtype], shape.chunk, bh=batch * shape.heads):
+                    found.setdefault(launch, set()).update(f"{name}{WINDOW_SUFFIX}/{dtype}" for name in names)
+    return found
+
+
 def markdown_table(report: dict, configs: tuple[str, ...] = ("flexformer_n_247m", "flexformer_n_1.3b"), dtype: str = "bf16") -> str:
     """README table: per config and kernel, shared memory / registers / spills on sm_80 and sm_90."""
     lines = [
@@ -125,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--unfused-trig", action="store_true", help="trig maps on the reference path (trig_linear_attention(fused_map=False))"
     )
+    parser.add_argument("--window", action="store_true", help="add the window hybrid's launches (WINDOW_CONFIGS' shapes)")
+    parser.add_argument("--window-only", action="store_true", help="compile the window hybrid's launches only")
     parser.add_argument("--table", type=Path, help="print the README table of this report (JSON) and exit")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiles in parallel (default: one per CPU)")
     args = parser.parse_args(argv)
@@ -134,7 +161,12 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     start = time.perf_counter()
-    jobs = [(launch, arch, sorted(users)) for launch, users in launches_of(shipped_shapes(), args.dtypes, not args.unfused_trig).items() for arch in args.archs]
+    shapes = shipped_shapes()
+    found = {} if args.window_only else launches_of(shapes, args.dtypes, not args.unfused_trig)
+    if args.window or args.window_only:
+        for launch, users in window_launches_of(shapes, args.dtypes).items():
+            found.setdefault(launch, set()).update(users)
+    jobs = [(launch, arch, sorted(users)) for launch, users in found.items() for arch in args.archs]
     rows = []
     with ProcessPoolExecutor(args.jobs) as pool:  # each compile is one single-threaded ptxas run
         for (_, _, users), compiled in zip(jobs, pool.map(_compile_one, [job[:2] for job in jobs])):

@@ -75,12 +75,43 @@ def test_every_shipped_launch_fits_shared_memory_and_meets_the_spill_targets(tmp
         assert spills and all(spilled <= budget for _, _, spilled in spills), (config, spills)
 
 
+WINDOW_KERNELS = ("chunk_states", "chunk_state_grads", "window_outputs", "window_grads_q", "window_grads_k")
+
+
+@pytest.mark.slow
+def test_window_hybrid_launches_fit_shared_memory_without_spills(tmp_path):
+    """The one-normaliser window hybrid's Triton form (``triton/window.py``) at the 247M and 1.3B
+    shapes, bf16 (the training dtype; ``python -m evaluation.triton_aot --window-only`` also compiles
+    fp16 / fp32: docs/results/triton_aot_window.json): every launch, every config its autotuner may
+    pick, fits sm_80 / sm_90 shared memory, reaches the tensor cores and spills nothing. Its own
+    run (40 compiles), so the shipped set's checks above stay about the shipped configs."""
+    out = tmp_path / "aot_window.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "evaluation.triton_aot", "--window-only", "--out", str(out), "--dtypes", "bf16"],
+        cwd=REPO_ROOT, env=_compiler_env(), capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["kernels"]
+    for config in ("flexformer_n_247m+window", "flexformer_n_1.3b+window"):
+        for arch in (80, 90):
+            used = {r["kernel"] for r in rows if f"{config}/bf16" in r["configs"] and r["arch"] == arch}
+            assert used == set(WINDOW_KERNELS), (config, arch, used)
+    picked: dict[tuple, set] = {}
+    for r in rows:
+        picked.setdefault((r["kernel"], json.dumps(r["constexprs"], sort_keys=True), r["arch"]), set()).add((r["num_warps"], r["num_stages"]))
+    for (kernel, constexprs, _), configs in picked.items():
+        assert not json.loads(constexprs).get("TRIG", False)  # features given: the map runs in torch
+        assert configs == set(launch_configs(kernel, trig=False)), (kernel, configs)
+    assert all(r["fits"] and r["tensor_cores"] for r in rows)
+    assert [(r["kernel"], r["arch"], r["spill_store_bytes"]) for r in rows if r["spill_store_bytes"]] == []
+
+
 _TTIR_PROBE = textwrap.dedent(
     """
     import json, re, sys, torch
-    from megaflex.attention.triton.aot import launch_ttir, record_launches
+    from megaflex.attention.triton.aot import launch_ttir, record_launches, record_window_launches
     found = {}
-    for launch in record_launches(16, 16, torch.float32, 16, bh=2):
+    for launch in record_launches(16, 16, torch.float32, 16, bh=2) + record_window_launches(16, 16, 16, torch.float32, 16, bh=2):
         ttir = launch_ttir(launch)
         pids = dict((axis, name) for name, axis in re.findall(r"(%[\\w.]+) = tt.get_program_id ([xyz]) : i32", ttir))
         found[launch.kernel] = {axis: {
@@ -94,7 +125,7 @@ _TTIR_PROBE = textwrap.dedent(
 
 @pytest.mark.slow
 def test_head_offsets_are_computed_in_64_bits():
-    """The batch x head program id (axis x of the scans, y of the chunk kernels) is sign-extended
+    """The batch x head program id (axis x of the scans, y of the chunk and window kernels) is sign-extended
     to i64 and never multiplied in i32: bh * N * F passes 2^31 at long context (e.g. F = 256,
     B*H = 512, N = 16k), which int32 offsets would wrap silently."""
     proc = subprocess.run(
@@ -102,7 +133,8 @@ def test_head_offsets_are_computed_in_64_bits():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads(proc.stdout)
-    assert set(found) == {"chunk_states", "chunk_outputs", "chunk_state_grads", "chunk_grads_qk", "chunk_grads_v"}
+    assert set(found) == {"chunk_states", "chunk_outputs", "chunk_state_grads", "chunk_grads_qk", "chunk_grads_v",
+                          "window_outputs", "window_grads_q", "window_grads_k"}  # fmt: skip
     for kernel, axes in found.items():
         bh_axis = "x" if kernel in ("chunk_states", "chunk_state_grads") else "y"
         assert axes[bh_axis] == {"widened": True, "i32_products": 0}, (kernel, axes)
@@ -159,13 +191,13 @@ def test_cuda_autotunes_over_the_listed_configs_and_the_aot_records_each():
 
 def test_interpreter_runs_one_fixed_config_per_kernel():
     """Under TRITON_INTERPRET=1 (the test session's) the autotuners hold one config: the first listed."""
-    from megaflex.attention.triton import interpreter_enabled, kernels
+    from megaflex.attention.triton import interpreter_enabled, kernels, window_kernels
 
     if not interpreter_enabled():
         pytest.skip("the session runs without TRITON_INTERPRET=1")
 
-    for kernel in KERNELS:
+    for kernel in KERNELS + WINDOW_KERNELS:
         assert launch_configs(kernel, interpreted=True) == launch_configs(kernel)[:1]
-        tuner = getattr(kernels, kernel)
+        tuner = getattr(kernels, kernel, None) or getattr(window_kernels, kernel)
         assert [(c.num_warps, c.num_stages) for c in tuner.configs] == launch_configs(kernel)[:1]
     assert set(SCAN_KERNELS) < set(KERNELS)

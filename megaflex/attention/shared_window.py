@@ -86,6 +86,7 @@ class _Inputs:
     v_aug: torch.Tensor  # [B, H, P + N, Dv + 1], ones column last
     key_valid: torch.Tensor | None  # [B, P + N] bool or None
     far: LinearAttentionState
+    input_dtype: torch.dtype  # v's: half inputs run the Triton kernels' dots on half operands
 
     @property
     def prefix(self) -> int:
@@ -112,7 +113,7 @@ def _prepare(
                                    far_state.offset)  # fmt: skip
     if key_valid is not None and tuple(key_valid.shape) != (b, k_all.shape[2]):
         raise ValueError(f"key_valid: expected shape [{b}, {k_all.shape[2]}] (cached keys, then new), got {tuple(key_valid.shape)}")
-    return _Inputs(q.to(acc), qf.to(acc), qls, k_all, kf_all, kls_all, v_aug, key_valid, far)
+    return _Inputs(q.to(acc), qf.to(acc), qls, k_all, kf_all, kls_all, v_aug, key_valid, far, v.dtype)
 
 
 def _state_aug(state: LinearAttentionState) -> torch.Tensor:
@@ -224,7 +225,7 @@ def _uses_triton(x: _Inputs, window: int, backend: str) -> bool:
 
 def _chunked(x: _Inputs, window: int, chunk_size: int, backend: str = "auto") -> torch.Tensor:
     """The chunked form: ``ChunkedWindowNumerator`` (one autograd Function, ``shared_window_chunked.py``)
-    or its Triton twin (``triton/window.py``; chunks rounded to the kernels' power of two);
+    or its Triton twin (``triton/window.py``; chunks of ``window_chunk``: a power of two in [16, 32]);
     with padded keys (``key_valid``) the torch-ops blocks below (the reference it is tested against)."""
     if x.key_valid is not None:
         return _chunked_blocks(x, window, chunk_size)
@@ -232,10 +233,10 @@ def _chunked(x: _Inputs, window: int, chunk_size: int, backend: str = "auto") ->
     p, total = x.prefix, x.k.shape[2]
     triton = _uses_triton(x, window, backend)
     if triton:
-        from .triton.function import kernel_chunk
         from .triton.window import TritonWindowNumerator as numerator
+        from .triton.window import window_chunk
 
-        c = kernel_chunk(min(chunk_size, total))
+        c = window_chunk(min(chunk_size, total))
     else:
         numerator, c = ChunkedWindowNumerator, min(chunk_size, total)
     t_pad = -(-total // c) * c
@@ -245,6 +246,10 @@ def _chunked(x: _Inputs, window: int, chunk_size: int, backend: str = "auto") ->
 
     q, qf, qls = (flat(_aligned_queries(y, p, t_pad)) for y in (x.q, x.qf, x.qls))
     k, kf, v_aug = (flat(_pad(y, t_pad)) for y in (x.k, x.kf, x.v_aug))
+    if triton and x.input_dtype in (torch.float16, torch.bfloat16):
+        # the kernels' dot operands in the inputs' half dtype (fp32 accumulation), as the linear kernels':
+        # full-rate tensor cores and half the saved bytes; log-scales and the state stay fp32
+        q, qf, k, kf, v_aug = (y.to(x.input_dtype) for y in (q, qf, k, kf, v_aug))
     kls = flat(_pad(x.kls, t_pad, float("-inf")))
     s0 = _state_aug(x.far).flatten(0, 1)
     numer = numerator.apply(q, qf, qls, k, kf, kls, v_aug, s0, x.far.log_max.reshape(b * h), window, c)

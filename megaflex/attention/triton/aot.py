@@ -6,7 +6,8 @@ register spills), so the launches are checked here the way a GPU would see them:
 of the kernels module (the dispatcher's own code picks grids and blocks; each config of warps and
 stages the kernel's autotuner may pick is one launch; nothing is computed), and ``compile_launch``
 compiles one launch with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))``; ptxas (shipped in the triton wheel) reports registers and
-spills, Triton's metadata the shared memory. ``evaluation/triton_aot.py`` runs every shipped shape.
+spills, Triton's metadata the shared memory. ``evaluation/triton_aot.py`` runs every shipped shape;
+``record_window_launches`` records the window hybrid's launches (``window.py``) the same way.
 """
 
 from __future__ import annotations
@@ -75,9 +76,7 @@ class _Recorder:
         return _Grid()
 
     def _record(self, kernel: str, args: tuple, kwargs: dict) -> None:
-        from . import kernels
-
-        tuner = getattr(kernels, kernel)
+        tuner = _tuner(kernel)
         fn = _jit_function(kernel)
         runtime = [name for name, p in zip(fn.arg_names, fn.params) if not p.is_constexpr]
         if len(runtime) != len(args):
@@ -91,13 +90,18 @@ class _Recorder:
                 self.launches.append(launch)
 
 
+def _tuner(kernel: str):
+    """``kernel``'s autotuner: the linear kernels' (``kernels.py``) or the window hybrid's (``window_kernels.py``)."""
+    from . import kernels, window_kernels
+
+    return getattr(kernels, kernel, None) or getattr(window_kernels, kernel)
+
+
 def _jit_function(kernel: str):
     """The ``triton.jit`` function under ``kernel``'s autotuner (RuntimeError when interpreted)."""
     from triton.runtime.jit import JITFunction
 
-    from . import kernels
-
-    fn = getattr(kernels, kernel).fn
+    fn = _tuner(kernel).fn
     if not isinstance(fn, JITFunction):
         raise RuntimeError("the Triton kernels were loaded under TRITON_INTERPRET=1: compile them in a process without it")
     return fn
@@ -137,6 +141,28 @@ def record_launches(
     dqf, _, _, _, _, _ = attention_backward(q, k, ls, v, kv0, z0, plan, normalization, 1e-6, None, None, None, kern=recorder)
     if plan.trig is not None:
         map_backward(q, dqf, plan, kern=recorder)
+    return recorder.launches
+
+
+def record_window_launches(
+    head_dim: int, feat: int, dv: int, dtype: torch.dtype, chunk_size: int, *, bh: int, window: int = 64
+) -> list[Launch]:
+    """Every distinct launch of one forward + backward of the window hybrid's Triton form
+    (``window.py``: the linear state's scans over Dv + 1 columns, ``window_outputs``,
+    ``window_grads_q``, ``window_grads_k``) at (BH, head dim, F, Dv, dtype, chunk). The window
+    and the lookback are runtime arguments: one W compiles every W."""
+    from .window import window_backward, window_chunk, window_forward, window_plan
+
+    recorder = _Recorder()
+    c = window_chunk(chunk_size)  # what the dispatcher (shared_window._chunked) passes
+    t = 3 * c
+    q, k = torch.zeros(bh, t, head_dim, dtype=dtype), torch.zeros(bh, t, head_dim, dtype=dtype)
+    qf, kf = torch.zeros(bh, t, feat, dtype=dtype), torch.zeros(bh, t, feat, dtype=dtype)
+    qls, kls, v_aug = torch.zeros(bh, t), torch.zeros(bh, t), torch.zeros(bh, t, dv + 1, dtype=dtype)
+    s0, m0 = torch.zeros(bh, feat, dv + 1), torch.full((bh,), float("-inf"))
+    plan = window_plan(q, kf, kls, v_aug, m0, window, c)
+    numer, m = window_forward(q, qf, qls, k, kf, kls, v_aug, s0, plan, kern=recorder, wkern=recorder)
+    window_backward(q, qf, qls, k, kf, kls, v_aug, s0, m0, m, numer, plan, kern=recorder, wkern=recorder)
     return recorder.launches
 
 

@@ -26,6 +26,17 @@ import torch
 from .function import _LOOP_TILE, ChunkPlan, _block, _chunk_states, _launch, _plan, check_triton_dtype, kernel_chunk, kernels_for
 
 
+# The window kernels hold [C, C] blocks (weights, their gradients) and [C, Dv] tiles in registers:
+# at C = 64 window_grads_k spilled 448 B per thread (bf16, sm_80, the 1.3B shape), at C = 32 none
+# of them spills (evaluation/triton_aot.py). The chunk length changes nothing but rounding.
+_WINDOW_MAX_CHUNK = 32
+
+
+def window_chunk(chunk_size: int) -> int:
+    """The chunk length the window kernels use: ``kernel_chunk(chunk_size)``, at most 32."""
+    return min(kernel_chunk(chunk_size), _WINDOW_MAX_CHUNK)
+
+
 @dataclass
 class WindowPlan:
     """Sizes and stabilisers of one call (the same in forward and backward)."""
@@ -41,9 +52,11 @@ class WindowPlan:
     lookback: int  # L = min(ceil(W / C), NC - 1)
     scan: ChunkPlan  # the linear state's plan over Dv + 1 columns (chunk_max: the bounds B_j)
 
-    def blocks(self) -> dict[str, int]:
-        """Loop blocks over the head dim and F (32 wide, as the linear kernels' loops), Dv whole."""
-        return dict(BD=min(_block(self.head_dim), _LOOP_TILE), BF=min(_block(self.feat), _LOOP_TILE), BV=_block(self.dv))
+    def blocks(self, kernel: str) -> dict[str, int]:
+        """Loop blocks over the head dim, F and (the backward kernels) Dv: 32 wide, as the linear
+        kernels' loops; ``window_outputs`` holds its [C, Dv] numerator whole (online rescaling)."""
+        loop = lambda size: min(_block(size), _LOOP_TILE)  # noqa: E731
+        return dict(BD=loop(self.head_dim), BF=loop(self.feat), BV=_block(self.dv) if kernel == "window_outputs" else loop(self.dv))
 
 
 def window_plan(q: torch.Tensor, kf: torch.Tensor, kls: torch.Tensor, v_aug: torch.Tensor, m0: torch.Tensor,
@@ -71,7 +84,7 @@ def window_kernels_for(device: torch.device) -> ModuleType:
 def _launch_window(wkern, kernel: str, plan: WindowPlan, *args) -> None:
     getattr(wkern, kernel)[(plan.chunks, plan.bh)](
         *args, plan.t, plan.head_dim, plan.feat, plan.dv, plan.chunks, plan.lookback, plan.window,
-        1.0 / math.sqrt(plan.head_dim), CHUNK=plan.chunk, PREC="tf32", **plan.blocks(),
+        1.0 / math.sqrt(plan.head_dim), CHUNK=plan.chunk, PREC="tf32", **plan.blocks(kernel),
     )  # fmt: skip
 
 
@@ -147,7 +160,7 @@ def window_backward(q, qf, qls, k, kf, kls, v_aug, s0, m0, m, d_numer, plan: Win
         dqf = dkf = torch.zeros(1, **f32)
     qf_, kf_ = _features_or_placeholder(plan, qf, kf, q)
     dq, dk = torch.zeros_like(q, dtype=torch.float32), torch.zeros_like(k, dtype=torch.float32)
-    dv = torch.empty(plan.bh, plan.t, plan.dv + 1, **f32)
+    dv = torch.zeros(plan.bh, plan.t, plan.dv + 1, **f32)
     chunk_max = plan.scan.chunk_max
     _launch_window(wkern, "window_grads_q", plan, q, qf_, qls, k, kf_, kls, v_aug, m, chunk_max, states, d_numer, dq, dqf)
     _launch_window(wkern, "window_grads_k", plan, q, qf_, qls, k, kf_, kls, v_aug, m, chunk_max, d_states, d_numer, dk, dkf, dv)

@@ -39,9 +39,10 @@ from .kernels import _dot, _state_dot, _tile, _tuned
 
 @triton.jit
 def _aug(ptr, rows, cols, vm, DV):
-    """[R, BV] tile of columns ``cols`` < DV and the last column DV [R] of a row-major [*, DV + 1] matrix, fp32."""
+    """[R, BV] tile of columns ``cols`` < DV (stored dtype) and the last column DV [R] (fp32) of a
+    row-major [*, DV + 1] matrix."""
     rm = rows >= 0
-    tile = _tile(ptr, rows, rm, cols, vm, DV + 1).to(tl.float32)
+    tile = _tile(ptr, rows, rm, cols, vm, DV + 1)
     last = tl.load(ptr + rows * (DV + 1) + DV).to(tl.float32)
     return tile, last
 
@@ -65,20 +66,36 @@ def _block_weights(
     Q, QF, K, KF, KLS, bh, c, j, tq, tk, qls, m, T, D, F, WINDOW, scale,
     CHUNK: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
-    """Query chunk c, key chunk j, stabiliser m [C]: (w, X_far, near, far) [C, C]: the weights
-    w = exp(A - m) G, X_far = exp(qls + kls - m) on far entries (0 elsewhere) and the two masks."""
+    """Query chunk c, key chunk j, stabiliser m [C]: (w_near, w, x_far) [C, C]: the window's
+    weights exp(logit - m) (0 off the window), all weights w = w_near + x_far G, and
+    x_far = exp(qls + kls - m) on far entries (0 elsewhere): no mask outlives this function."""
     i = tl.arange(0, CHUNK)
     lag = (c - j) * CHUNK + i[:, None] - i[None, :]
-    near = (lag >= 0) & (lag < WINDOW)
-    far = lag >= WINDOW
     logits = _block_dot(Q, K, bh, tq, tk, T, D, BD, CHUNK, PREC) * scale
-    w = tl.exp(tl.where(near, logits, float("-inf")) - m[:, None])
+    w_near = tl.exp(tl.where((lag >= 0) & (lag < WINDOW), logits, float("-inf")) - m[:, None])
+    w = w_near
     x_far = tl.zeros((CHUNK, CHUNK), dtype=tl.float32)
     if (c - j) * CHUNK + CHUNK - 1 >= WINDOW:  # the sub-block holds far keys
         kls = tl.load(KLS + bh * T + tk)
-        x_far = tl.exp(tl.where(far, qls[:, None] + kls[None, :], float("-inf")) - m[:, None])
+        x_far = tl.exp(tl.where(lag >= WINDOW, qls[:, None] + kls[None, :], float("-inf")) - m[:, None])
         w += x_far * _block_dot(QF, KF, bh, tq, tk, T, F, BF, CHUNK, PREC)
-    return w, x_far, near, far
+    return w_near, w, x_far
+
+
+@triton.jit
+def _dn_v(DNUM, V, bh, tq, tk, T, DV, BV: tl.constexpr, CHUNK: tl.constexpr, PREC: tl.constexpr):
+    """dw [C, C] = dn[tq] v_aug[tk]^T over the DV + 1 columns, BV at a time (dn fp32 [BH, T, DV + 1])."""
+    acc = tl.zeros((CHUNK, CHUNK), dtype=tl.float32)
+    rm = tq >= 0
+    for v0 in range(0, DV, BV):
+        cols = v0 + tl.arange(0, BV)
+        vm = cols < DV
+        dn = _tile(DNUM + bh * T * (DV + 1), tq, rm, cols, vm, DV + 1)
+        v = _tile(V + bh * T * (DV + 1), tk, rm, cols, vm, DV + 1)
+        acc += _dot(dn, tl.trans(v), V.dtype.element_ty, PREC)
+    dn_last = tl.load(DNUM + bh * T * (DV + 1) + tq * (DV + 1) + DV)
+    v_last = tl.load(V + bh * T * (DV + 1) + tk * (DV + 1) + DV).to(tl.float32)
+    return acc + dn_last[:, None] * v_last[None, :]
 
 
 @_tuned
@@ -150,16 +167,18 @@ def window_outputs(
 
 
 @triton.jit
-def _add_dot(OUT, bh, rows, T, WIDTH, a, B, b_rows, scale, BW: tl.constexpr, PREC: tl.constexpr):
-    """OUT[rows] += scale * a @ B[b_rows] (a [C, C] fp32, B [BH, T, WIDTH], OUT fp32 [BH, T, WIDTH]), BW columns at a time."""
+def _add_dot(OUT, bh, rows, T, WIDTH, STRIDE, a, B, b_rows, b_stride, scale, ELT: tl.constexpr, BW: tl.constexpr,
+             PREC: tl.constexpr):  # fmt: skip
+    """OUT[rows, :WIDTH] += scale * a @ B[b_rows, :WIDTH] (a [C, C] fp32; B [BH, T, b_stride];
+    OUT fp32 [BH, T, STRIDE]), BW columns at a time."""
     rm = rows >= 0
     for w0 in range(0, WIDTH, BW):
         w = w0 + tl.arange(0, BW)
         wm = w < WIDTH
-        b = _tile(B + bh * T * WIDTH, b_rows, rm, w, wm, WIDTH)
-        off = OUT + bh * T * WIDTH + rows[:, None] * WIDTH + w[None, :]
+        b = _tile(B + bh * T * b_stride, b_rows, rm, w, wm, b_stride)
+        off = OUT + bh * T * STRIDE + rows[:, None] * STRIDE + w[None, :]
         mask = rm[:, None] & wm[None, :]
-        tl.store(off, tl.load(off, mask=mask, other=0.0) + scale * _dot(a, b, B.dtype.element_ty, PREC), mask=mask)
+        tl.store(off, tl.load(off, mask=mask, other=0.0) + scale * _dot(a, b, ELT, PREC), mask=mask)
 
 
 @functools.partial(_tuned, reset_to_zero=["DQ", "DQF"])
@@ -175,92 +194,98 @@ def window_grads_q(
     elt = Q.dtype.element_ty
     i = tl.arange(0, CHUNK)
     tq = c * CHUNK + i
-    cols = tl.arange(0, BV)
-    vm = cols < DV
     qls = tl.load(QLS + bh * T + tq)
     m = tl.load(M + bh * T + tq)
-    dn, dn_last = _aug(DNUM + bh * T * (DV + 1), tq, cols, vm, DV)
     first = tl.maximum(c - LOOKBACK, 0)
     for j in range(first, c + 1):
         tk = j * CHUNK + i
-        w, x_far, near, far = _block_weights(Q, QF, K, KF, KLS, bh, c, j, tq, tk, qls, m, T, D, F, WINDOW, scale,
-                                             CHUNK, BD, BF, PREC)  # fmt: skip
-        v, v_last = _aug(V + bh * T * (DV + 1), tk, cols, vm, DV)
-        dw = _dot(dn, tl.trans(v), elt, PREC) + dn_last[:, None] * v_last[None, :]
-        z_near = tl.where(near, dw * w, 0.0)  # dL/dlogits
-        _add_dot(DQ, bh, tq, T, D, z_near, K, tk, scale, BD, PREC)
+        w_near, w, x_far = _block_weights(Q, QF, K, KF, KLS, bh, c, j, tq, tk, qls, m, T, D, F, WINDOW, scale,
+                                          CHUNK, BD, BF, PREC)  # fmt: skip
+        dw = _dn_v(DNUM, V, bh, tq, tk, T, DV, BV, CHUNK, PREC)
+        _add_dot(DQ, bh, tq, T, D, D, dw * w_near, K, tk, D, scale, elt, BD, PREC)  # dL/dlogits
         if (c - j) * CHUNK + CHUNK - 1 >= WINDOW:
-            _add_dot(DQF, bh, tq, T, F, tl.where(far, dw * x_far, 0.0), KF, tk, 1.0, BF, PREC)  # dL/dG
-    # the carried read: dqf_t += exp(qls_t + B - m_t) dn_t S^T
+            _add_dot(DQF, bh, tq, T, F, F, dw * x_far, KF, tk, F, 1.0, elt, BF, PREC)  # dL/dG
+    # the carried read: dqf_t += exp(qls_t + B - m_t) dn_t S^T, S = STATES[max(c - L, 0)]
     b_read = tl.load(MB + bh * (NC + 1) + first)
     carry = tl.where(b_read == float("-inf"), 0.0, tl.exp(qls + b_read - m))
-    dn_c = dn * carry[:, None]
-    dn_c_last = dn_last * carry
     state = STATES + (bh * NC + first) * F * (DV + 1)
+    dn_last = tl.load(DNUM + bh * T * (DV + 1) + tq * (DV + 1) + DV) * carry
     for f0 in range(0, F, BF):
         f = f0 + tl.arange(0, BF)
         fm = f < F
-        s = _tile(state, f, fm, cols, vm, DV + 1)
         z = tl.load(state + f * (DV + 1) + DV, mask=fm, other=0.0)
+        part = dn_last[:, None] * z[None, :]
+        for v0 in range(0, DV, BV):
+            cols = v0 + tl.arange(0, BV)
+            vm = cols < DV
+            dn = _tile(DNUM + bh * T * (DV + 1), tq, tq >= 0, cols, vm, DV + 1) * carry[:, None]
+            part += _state_dot(dn, tl.trans(_tile(state, f, fm, cols, vm, DV + 1)), elt)
         off = DQF + bh * T * F + tq[:, None] * F + f[None, :]
         mask = (tq >= 0)[:, None] & fm[None, :]
-        part = _state_dot(dn_c, tl.trans(s), elt) + dn_c_last[:, None] * z[None, :]
         tl.store(off, tl.load(off, mask=mask, other=0.0) + part, mask=mask)
 
 
-@functools.partial(_tuned, reset_to_zero=["DK", "DKF"])
+@functools.partial(_tuned, reset_to_zero=["DK", "DKF", "DV_OUT"])
 @triton.jit
 def window_grads_k(
     Q, QF, QLS, K, KF, KLS, V, M, MB, DSTATES, DNUM, DK, DKF, DV_OUT,
     T, D, F, DV, NC, LOOKBACK, WINDOW, scale,
     CHUNK: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
-    """dk, dkf (added into the zeroed fp32 DK, DKF) and dv_aug (stored, fp32 [BH, T, DV + 1]) of key chunk j."""
+    """dk, dkf, dv_aug of key chunk j, added into the zeroed fp32 DK, DKF, DV_OUT [BH, T, DV + 1]."""
     j = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     elt = Q.dtype.element_ty
     i = tl.arange(0, CHUNK)
     tk = j * CHUNK + i
-    cols = tl.arange(0, BV)
-    vm = cols < DV
-    v, v_last = _aug(V + bh * T * (DV + 1), tk, cols, vm, DV)
-    dv = tl.zeros((CHUNK, BV), dtype=tl.float32)
     dv_last = tl.zeros((CHUNK,), dtype=tl.float32)
     last = tl.minimum(j + LOOKBACK, NC - 1)
     for c in range(j, last + 1):
         tq = c * CHUNK + i
         qls = tl.load(QLS + bh * T + tq)
         m = tl.load(M + bh * T + tq)
-        dn, dn_last = _aug(DNUM + bh * T * (DV + 1), tq, cols, vm, DV)
-        w, x_far, near, far = _block_weights(Q, QF, K, KF, KLS, bh, c, j, tq, tk, qls, m, T, D, F, WINDOW, scale,
-                                             CHUNK, BD, BF, PREC)  # fmt: skip
-        dw = _dot(dn, tl.trans(v), elt, PREC) + dn_last[:, None] * v_last[None, :]
+        w_near, w, x_far = _block_weights(Q, QF, K, KF, KLS, bh, c, j, tq, tk, qls, m, T, D, F, WINDOW, scale,
+                                          CHUNK, BD, BF, PREC)  # fmt: skip
+        dw = _dn_v(DNUM, V, bh, tq, tk, T, DV, BV, CHUNK, PREC)
         wt = tl.trans(w)
-        dv += _dot(wt, dn, elt, PREC)
-        dv_last += tl.sum(wt * dn_last[None, :], axis=1)
-        _add_dot(DK, bh, tk, T, D, tl.trans(tl.where(near, dw * w, 0.0)), Q, tq, scale, BD, PREC)
+        _add_dot(DV_OUT, bh, tk, T, DV, DV + 1, wt, DNUM, tq, DV + 1, 1.0, elt, BV, PREC)
+        dv_last += tl.sum(wt * tl.load(DNUM + bh * T * (DV + 1) + tq * (DV + 1) + DV)[None, :], axis=1)
+        _add_dot(DK, bh, tk, T, D, D, tl.trans(dw * w_near), Q, tq, D, scale, elt, BD, PREC)
         if (c - j) * CHUNK + CHUNK - 1 >= WINDOW:
-            _add_dot(DKF, bh, tk, T, F, tl.trans(tl.where(far, dw * x_far, 0.0)), QF, tq, 1.0, BF, PREC)
+            _add_dot(DKF, bh, tk, T, F, F, tl.trans(dw * x_far), QF, tq, F, 1.0, elt, BF, PREC)
     # the linear state: U_j = sum_s exp(kls_s - B_{j+1}) kf_s v_s^T enters S_{j+1}, dU_j = dS_{j+1}
     kls = tl.load(KLS + bh * T + tk)
     b_next = tl.load(MB + bh * (NC + 1) + j + 1)
     # 0 for keys with log-scale -inf (padding; every key of a softmax core, whose bound is -inf too)
     key_scale = tl.where(kls == float("-inf"), 0.0, tl.exp(kls - tl.where(b_next == float("-inf"), 0.0, b_next)))
     dstate = DSTATES + (bh * NC + j) * F * (DV + 1)
-    vs = v * key_scale[:, None]
-    vs_last = v_last * key_scale
-    for f0 in range(0, F, BF):
+    v_last = tl.load(V + bh * T * (DV + 1) + tk * (DV + 1) + DV).to(tl.float32) * key_scale
+    for f0 in range(0, F, BF):  # dkf_s += key_scale_s v_aug_s dU^T
         f = f0 + tl.arange(0, BF)
         fm = f < F
-        du = _tile(dstate, f, fm, cols, vm, DV + 1)
         du_last = tl.load(dstate + f * (DV + 1) + DV, mask=fm, other=0.0)
+        part = v_last[:, None] * du_last[None, :]
         kf = _tile(KF + bh * T * F, tk, tk >= 0, f, fm, F)
-        dv += key_scale[:, None] * _state_dot(kf, du, elt)
         dv_last += key_scale * tl.sum(kf.to(tl.float32) * du_last[None, :], axis=1)
+        for v0 in range(0, DV, BV):
+            cols = v0 + tl.arange(0, BV)
+            vm = cols < DV
+            v = _tile(V + bh * T * (DV + 1), tk, tk >= 0, cols, vm, DV + 1).to(tl.float32) * key_scale[:, None]
+            part += _state_dot(v, tl.trans(_tile(dstate, f, fm, cols, vm, DV + 1)), elt)
         off = DKF + bh * T * F + tk[:, None] * F + f[None, :]
         mask = (tk >= 0)[:, None] & fm[None, :]
-        part = _state_dot(vs, tl.trans(du), elt) + vs_last[:, None] * du_last[None, :]
         tl.store(off, tl.load(off, mask=mask, other=0.0) + part, mask=mask)
     out = DV_OUT + bh * T * (DV + 1)
-    tl.store(out + tk[:, None] * (DV + 1) + cols[None, :], dv, mask=(tk >= 0)[:, None] & vm[None, :])
-    tl.store(out + tk * (DV + 1) + DV, dv_last)
+    for v0 in range(0, DV, BV):  # dv_s += key_scale_s kf_s dU
+        cols = v0 + tl.arange(0, BV)
+        vm = cols < DV
+        part = tl.zeros((CHUNK, BV), dtype=tl.float32)
+        for f0 in range(0, F, BF):
+            f = f0 + tl.arange(0, BF)
+            fm = f < F
+            kf = _tile(KF + bh * T * F, tk, tk >= 0, f, fm, F)
+            part += _state_dot(kf, _tile(dstate, f, fm, cols, vm, DV + 1), elt)
+        off = out + tk[:, None] * (DV + 1) + cols[None, :]
+        mask = (tk >= 0)[:, None] & vm[None, :]
+        tl.store(off, tl.load(off, mask=mask, other=0.0) + key_scale[:, None] * part, mask=mask)
+    tl.store(out + tk * (DV + 1) + DV, tl.load(out + tk * (DV + 1) + DV) + dv_last)
