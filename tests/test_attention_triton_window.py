@@ -144,9 +144,9 @@ def test_local_mixing_core_dispatches_to_triton_and_agrees(attention, monkeypatc
         assert_close(a, b, steps=steps if name == "out" else 2 * steps, floor=0.0 if name == "out" else 1.0, name=name)
 
 
-def _function_inputs(dtype: torch.dtype, t: int = 2 * CHUNK, bh: int = 2, feat: int = FEAT, dv: int = D):
+def _function_inputs(dtype: torch.dtype, t: int = 2 * CHUNK, bh: int = 2, feat: int = FEAT, dv: int = D, head_dim: int = D):
     g = torch.Generator().manual_seed(0)
-    q, k = torch.randn(bh, t, D, generator=g), torch.randn(bh, t, D, generator=g)
+    q, k = torch.randn(bh, t, head_dim, generator=g), torch.randn(bh, t, head_dim, generator=g)
     qf, kf = torch.randn(bh, t, feat, generator=g), torch.randn(bh, t, feat, generator=g)
     qls, kls = 0.3 * torch.randn(bh, t, generator=g), 0.3 * torch.randn(bh, t, generator=g)
     v_aug = torch.cat([torch.randn(bh, t, dv, generator=g), torch.ones(bh, t, 1)], dim=-1)
@@ -167,9 +167,13 @@ def test_bf16_inputs_run_and_return_gradients_in_their_dtypes():
         assert torch.isfinite(grad.float()).all()
 
 
-def test_function_contract_matches_the_torch_function_directly():
-    """The Function itself (no dispatcher): numerator, and the gradient of the carried state s0."""
-    inputs, m0 = _function_inputs(torch.float32)
+@pytest.mark.parametrize("head_dim,feat,dv", [(D, FEAT, D), (40, 48, 40)], ids=["one-block", "several-blocks"])
+def test_function_contract_matches_the_torch_function_directly(head_dim, feat, dv):
+    """The Function itself (no dispatcher): numerator, and the gradient of the carried state s0;
+    head dim, F and Dv over one loop block, or several with a partial last one (32-wide blocks)."""
+    # 5 chunks, W = 20 > C: L = 2, chunks 2 .. 4 read S_0 .. S_2 (key chunks 0 and 1 reach the state)
+    inputs, m0 = _function_inputs(torch.float32, t=5 * CHUNK, feat=feat, dv=dv, head_dim=head_dim)
+    m0 = torch.tensor([0.5, -0.25])
     results = []
     for fn in (ChunkedWindowNumerator, TritonWindowNumerator):
         leaves = [x.clone().requires_grad_() for x in inputs]
@@ -177,8 +181,8 @@ def test_function_contract_matches_the_torch_function_directly():
         weight = torch.linspace(-1, 1, numer.numel()).view_as(numer)
         results.append((numer, *torch.autograd.grad((numer * weight).sum(), leaves)))
     q, qf, qls, k, kf, kls = inputs[:6]
-    spread = log_scale_spread(qls, kls, m0) + 2 * (q.double() @ k.double().transpose(-1, -2)).abs().max().item() / D**0.5
-    steps = attention_steps(2 * CHUNK, FEAT, D, spread, D) + 8
+    spread = log_scale_spread(qls, kls, m0) + 2 * (q.double() @ k.double().transpose(-1, -2)).abs().max().item() / head_dim**0.5
+    steps = attention_steps(5 * CHUNK, feat, dv, spread, head_dim) + 8
     names = ("numer", "dq", "dqf", "dqls", "dk", "dkf", "dkls", "dv_aug", "ds0")
     for name, a, b in zip(names, *results):
         assert_close(a, b, steps=steps if name == "numer" else 2 * steps, floor=1.0, name=name)
