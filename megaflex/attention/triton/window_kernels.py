@@ -167,6 +167,14 @@ def window_outputs(
 
 
 @triton.jit
+def _add_to(OUT, rows, rm, cols, cm, stride, value):
+    """OUT[rows, cols] += value (an fp32 buffer whose rows only this program writes)."""
+    off = OUT + rows[:, None] * stride + cols[None, :]
+    mask = rm[:, None] & cm[None, :]
+    tl.store(off, tl.load(off, mask=mask, other=0.0) + value, mask=mask)
+
+
+@triton.jit
 def _add_dot(OUT, bh, rows, T, WIDTH, STRIDE, a, B, b_rows, b_stride, scale, ELT: tl.constexpr, BW: tl.constexpr,
              PREC: tl.constexpr):  # fmt: skip
     """OUT[rows, :WIDTH] += scale * a @ B[b_rows, :WIDTH] (a [C, C] fp32; B [BH, T, b_stride];
@@ -176,9 +184,7 @@ def _add_dot(OUT, bh, rows, T, WIDTH, STRIDE, a, B, b_rows, b_stride, scale, ELT
         w = w0 + tl.arange(0, BW)
         wm = w < WIDTH
         b = _tile(B + bh * T * b_stride, b_rows, rm, w, wm, b_stride)
-        off = OUT + bh * T * STRIDE + rows[:, None] * STRIDE + w[None, :]
-        mask = rm[:, None] & wm[None, :]
-        tl.store(off, tl.load(off, mask=mask, other=0.0) + scale * _dot(a, b, ELT, PREC), mask=mask)
+        _add_to(OUT + bh * T * STRIDE, rows, rm, w, wm, STRIDE, scale * _dot(a, b, ELT, PREC))
 
 
 @functools.partial(_tuned, reset_to_zero=["DQ", "DQF"])
@@ -220,9 +226,7 @@ def window_grads_q(
             vm = cols < DV
             dn = _tile(DNUM + bh * T * (DV + 1), tq, tq >= 0, cols, vm, DV + 1) * carry[:, None]
             part += _state_dot(dn, tl.trans(_tile(state, f, fm, cols, vm, DV + 1)), elt)
-        off = DQF + bh * T * F + tq[:, None] * F + f[None, :]
-        mask = (tq >= 0)[:, None] & fm[None, :]
-        tl.store(off, tl.load(off, mask=mask, other=0.0) + part, mask=mask)
+        _add_to(DQF + bh * T * F, tq, tq >= 0, f, fm, F, part)
 
 
 @functools.partial(_tuned, reset_to_zero=["DK", "DKF", "DV_OUT"])
@@ -272,9 +276,7 @@ def window_grads_k(
             vm = cols < DV
             v = _tile(V + bh * T * (DV + 1), tk, tk >= 0, cols, vm, DV + 1).to(tl.float32) * key_scale[:, None]
             part += _state_dot(v, tl.trans(_tile(dstate, f, fm, cols, vm, DV + 1)), elt)
-        off = DKF + bh * T * F + tk[:, None] * F + f[None, :]
-        mask = (tk >= 0)[:, None] & fm[None, :]
-        tl.store(off, tl.load(off, mask=mask, other=0.0) + part, mask=mask)
+        _add_to(DKF + bh * T * F, tk, tk >= 0, f, fm, F, part)
     out = DV_OUT + bh * T * (DV + 1)
     for v0 in range(0, DV, BV):  # dv_s += key_scale_s kf_s dU
         cols = v0 + tl.arange(0, BV)
@@ -285,7 +287,5 @@ def window_grads_k(
             fm = f < F
             kf = _tile(KF + bh * T * F, tk, tk >= 0, f, fm, F)
             part += _state_dot(kf, _tile(dstate, f, fm, cols, vm, DV + 1), elt)
-        off = out + tk[:, None] * (DV + 1) + cols[None, :]
-        mask = (tk >= 0)[:, None] & vm[None, :]
-        tl.store(off, tl.load(off, mask=mask, other=0.0) + key_scale[:, None] * part, mask=mask)
+        _add_to(out, tk, tk >= 0, cols, vm, DV + 1, key_scale[:, None] * part)
     tl.store(out + tk * (DV + 1) + DV, tl.load(out + tk * (DV + 1) + DV) + dv_last)
