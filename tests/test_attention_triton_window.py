@@ -199,3 +199,26 @@ def test_bad_arguments_raise():
     mixed[0] = mixed[0].half()
     with pytest.raises(ValueError, match="dtype"):
         TritonWindowNumerator.apply(*mixed, m0, 4, CHUNK)
+
+
+def test_half_inputs_reach_the_kernels_as_half_operands(monkeypatch):
+    """bf16 q, k, v (and features): the dispatcher hands the Function bf16 dot operands (fp32
+    log-scales and state), and the output and gradients come back finite in bf16 (only run: the
+    interpreter computes bf16 wrongly)."""
+    seen = []
+
+    def forward(ctx, *args):
+        seen.append([a.dtype for a in args[:8]])
+        return original(ctx, *args)
+
+    original = TritonWindowNumerator.forward
+    monkeypatch.setattr(TritonWindowNumerator, "forward", staticmethod(forward))
+    leaves, _ = _leaves(16, 20, False, seed=9)
+    leaves = {name: t.detach().to(torch.bfloat16 if name not in ("qls", "kls") else torch.float32).requires_grad_()
+              for name, t in leaves.items()}  # fmt: skip
+    out, state, grads = _run(leaves, None, 16, "rms", "triton")
+    bf16, f32 = torch.bfloat16, torch.float32
+    assert seen == [[bf16, bf16, f32, bf16, bf16, f32, bf16, f32]]  # q, qf, qls, k, kf, kls, v_aug, s0
+    assert out.dtype == bf16 and torch.isfinite(out.float()).all()
+    for name, grad in grads.items():
+        assert grad.dtype == leaves[name].dtype and torch.isfinite(grad.float()).all(), name
