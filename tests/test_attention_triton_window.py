@@ -222,3 +222,16 @@ def test_half_inputs_reach_the_kernels_as_half_operands(monkeypatch):
     assert out.dtype == bf16 and torch.isfinite(out.float()).all()
     for name, grad in grads.items():
         assert grad.dtype == leaves[name].dtype and torch.isfinite(grad.float()).all(), name
+
+
+def test_backend_choice_and_fp64():
+    """"torch" and "fla" (no window kernel) keep the torch Function; "triton" refuses fp64 as the
+    plain Triton path does ("auto" on CUDA keeps fp64 on the torch Function)."""
+    leaves, _ = _leaves(16, 20, False, seed=13)
+    x = {name: t.detach().double() for name, t in leaves.items()}
+    args = (x["q"], x["qf"], x["qls"], x["k"], x["kf"], x["kls"], x["v"])
+    ref, _, _ = windowed_linear_attention(*args, window=16, chunk_size=CHUNK, backend="torch")
+    fla, _, _ = windowed_linear_attention(*args, window=16, chunk_size=CHUNK, backend="fla")
+    assert torch.equal(ref, fla)
+    with pytest.raises(ValueError, match="fp16, bf16 or fp32"):
+        windowed_linear_attention(*args, window=16, chunk_size=CHUNK, backend="triton")

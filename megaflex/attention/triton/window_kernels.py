@@ -5,8 +5,8 @@ Layout: contiguous [BH, T, *], T = NC * CHUNK (the glue pads), keys aligned with
 q, k [BH, T, D] (raw, for q.k / sqrt d), qf, kf [BH, T, F], qls, kls [BH, T] fp32, v_aug
 [BH, T, DV + 1] (the last column: ones, the denominator's), states [BH, NC, F, DV + 1] fp32
 (``chunk_states`` of ``kernels.py`` run on v_aug: state c enters chunk c, relative to MB[c]).
-Every row-major tile with DV + 1 columns is read as a BV-wide block of the first DV columns plus
-its last column as a vector (``_aug``): no power-of-two padding of DV + 1 to 2 DV.
+Every row-major tile with DV + 1 columns is read as BV-wide blocks of the first DV columns plus
+its last column as a vector: no power-of-two padding of DV + 1 to 2 DV.
 
 Chunk c of queries attends to key chunks c - L .. c (L = ceil(W / C), at most NC - 1), one C x C
 sub-block at a time, with the lag t - s = (c - j) C + i - i' deciding window (0 <= lag < W),
@@ -20,8 +20,10 @@ state S_{max(c - L, 0)} carries every key before the block.
 * ``window_grads_k`` (grid (NC, BH)): dk, dkf and dv_aug of one key chunk: the query chunks j .. j + L
   that see it, plus its share of the linear state (dU_j = dS_{j+1}, from ``chunk_state_grads``).
 
-dq, dqf, dk, dkf are fp32 buffers the programs read, add to and write back per sub-block (each row
-belongs to one program: no atomics), so no program keeps a [C, F] accumulator across its loop;
+dq, dqf, dk, dkf, dv_aug are fp32 buffers the programs read, add to and write back per sub-block
+(``_add_to``; each row belongs to one program: no atomics; the autotuner zeroes them before each
+benchmark run), so no program keeps a [C, F] or [C, Dv] accumulator across its loops, and the
+backward kernels loop over 32-wide blocks of D, F and Dv (C = 32: no spills at the 1.3B shape);
 dqls = qf . dqf and dkls = kf . dkf (every path of a log-scale is exp(ls) times its features) are
 summed by the glue. Dots: operands in the inputs' dtype, fp32 accumulation (``kernels._dot``);
 carried states (fp32) via ``kernels._state_dot``; element-wise maths in fp32.
