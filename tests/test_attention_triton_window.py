@@ -1,6 +1,6 @@
 """The one-normaliser hybrid's Triton form (``megaflex.attention.triton.window``) against the torch
 chunked Function (``ChunkedWindowNumerator``), on CPU tensors under Triton's interpreter (fp32: the
-interpreter computes bf16 wrongly, so bf16 is only run). Outputs, the returned state and every
+interpreter computes bf16 wrongly, so bf16 is only run; fp16 against fp64). Outputs, the returned state and every
 gradient: q, k, the features and log-scales of both, v, and the carried state (far kv / k_sum and
 the window cache's k, features, log-scale, v). Bounds: tests/numerics.py.
 """
@@ -22,7 +22,7 @@ from megaflex.attention.shared_window import WindowCache, windowed_linear_attent
 from megaflex.attention.shared_window_chunked import ChunkedWindowNumerator  # noqa: E402
 from megaflex.attention.triton import TritonWindowNumerator  # noqa: E402
 from tests.attention_helpers import attention_steps, log_scale_spread, make_map, make_qkv  # noqa: E402
-from tests.numerics import assert_close  # noqa: E402
+from tests.numerics import assert_close, assert_close_to_reference, fp32_steps_in  # noqa: E402
 
 pytestmark = pytest.mark.numerics
 
@@ -187,6 +187,38 @@ def test_function_contract_matches_the_torch_function_directly(head_dim, feat, d
     names = ("numer", "dq", "dqf", "dqls", "dk", "dkf", "dkls", "dv_aug", "ds0")
     for name, a, b in zip(names, *results):
         assert_close(a, b, steps=steps if name == "numer" else 2 * steps, floor=1.0, name=name)
+
+
+# Rounding steps per fp16 value (tests/numerics.py): the inputs are exact in fp16 and fp64; every fp32
+# intermediate that enters a dot is rounded to fp16 first (one u16 per operand, fp32 accumulation),
+# carried states split into two halves. Longest chain: the weights w (forward, 1 product level), then
+# dn and dw * w (dq, dk) or q e^(...) and dn, then v e^(...) with dS (the keys' state share): 2
+# backward levels; 2 operands x 3 levels x 2 (a state's halves enter their own products) = 12.
+WINDOW_FP16_STEPS = 12
+
+
+def test_fp16_operands_match_fp64_within_the_half_precision_bound():
+    """fp16 dot operands (the GPU's half path; the interpreter computes fp16 correctly) against the
+    torch Function in fp64 on the same fp16 values, the torch Function in fp16 measuring the
+    conditioning (``assert_close_to_reference``): numerator and every gradient, s0's included."""
+    inputs, _ = _function_inputs(torch.float16, t=5 * CHUNK, bh=1)
+    m0 = torch.tensor([0.5])
+
+    def run(fn, xs, m):
+        leaves = [x.clone().requires_grad_() for x in xs]
+        numer = fn.apply(*leaves, m, 20, CHUNK)
+        weight = torch.linspace(-1, 1, numer.numel(), dtype=torch.float64).view_as(numer)
+        return [numer, *torch.autograd.grad((numer.double() * weight).sum(), leaves)]
+
+    got = run(TritonWindowNumerator, inputs, m0)
+    exact = run(ChunkedWindowNumerator, [x.double() for x in inputs], m0.double())
+    plain = run(ChunkedWindowNumerator, [x.half() for x in inputs], m0.half())
+    q, qf, qls, k, kf, kls = (x.double() for x in inputs[:6])
+    spread = log_scale_spread(qls, kls, m0) + 2 * (q @ k.transpose(-1, -2)).abs().max().item() / D**0.5
+    steps = WINDOW_FP16_STEPS + fp32_steps_in(torch.float16, 2 * (attention_steps(5 * CHUNK, FEAT, D, spread, D) + 8))
+    names = ("numer", "dq", "dqf", "dqls", "dk", "dkf", "dkls", "dv_aug", "ds0")
+    for name, a, b, ref in zip(names, got, plain, exact):
+        assert_close_to_reference(a, b, ref, steps=steps, dtype=torch.float16, floor=1.0, name=name)
 
 
 def test_bad_arguments_raise():
