@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1500)  # six stages in subprocesses, about 5 minutes on 2 loaded cores
+@pytest.mark.timeout(1500)  # seven stages in subprocesses, about 5 minutes on 2 loaded cores
 @pytest.mark.usefixtures("forked_python")  # its stages and their training runs: forked, not fresh interpreters
 def test_gpu_check_dry_run_runs_every_stage(tmp_path):
     from evaluation.gpu_check.__main__ import main
@@ -72,6 +72,10 @@ def test_gpu_check_dry_run_runs_every_stage(tmp_path):
 
     accuracy = stages["kernel_accuracy"]
     assert accuracy["passed"] and {c["dtype"] for c in accuracy["cases"]} == {"fp32", "fp16"}
+
+    window = stages["window_kernels"]
+    assert window["passed"] and {c["dtype"] for c in window["cases"]} == {"fp32", "fp16"}
+    assert {r["impl"] for r in window["speed"] if r["status"] == "ok"} == {"triton", "torch"}
 
 
 def test_profile_categories():

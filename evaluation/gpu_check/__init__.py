@@ -16,6 +16,8 @@ one stage still leaves the earlier results and the later stages run:
 5. ``precision_41m``: bf16 vs fp32 (and bf16 with fp32 accumulation) on the 41M Flexformer-N for
    100 steps: final-loss gaps and tau trajectories.
 6. ``kernel_accuracy``: the compiled kernels against the fp64 quadratic form.
+7. ``window_kernels``: the window hybrid's Triton form against its torch Function in fp64 (fp32,
+   bf16, fp16) and both timed at the 247M / 1.3B shapes (``stages_window.py``).
 
 ``--dry-run`` runs every stage at tiny shapes on CPU (kernels under Triton's interpreter) in seconds
 to a minute each; tests/test_eval_gpu_check.py does so.

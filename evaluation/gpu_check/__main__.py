@@ -25,6 +25,7 @@ STAGES: dict[str, tuple[str, int, int]] = {
     "kernel_sweep": ("stages_kernels:kernel_sweep", 240, 600),
     "precision_41m": ("stages_train:precision_41m", 420, 900),
     "kernel_accuracy": ("stages_kernels:kernel_accuracy", 180, 900),
+    "window_kernels": ("stages_window:window_kernels", 240, 600),
 }
 
 

@@ -1,0 +1,116 @@
+"""``window_kernels`` stage: the one-normaliser hybrid's Triton form (``megaflex/attention/triton/window.py``).
+
+* accuracy: ``TritonWindowNumerator`` compiled, in fp32 (tf32 dots), bf16 and fp16, against the torch
+  Function (``ChunkedWindowNumerator``) in fp64 on the same inputs: numerator and every gradient
+  (q, k, features, log-scales, v with its ones column, the carried state), normwise (floor 1);
+  passes within ``accuracy.TOLERANCE`` plus 10x the torch Function's own error in that dtype.
+* speed: forward + backward of both Functions in bf16 at the 247M and 1.3B attention shapes
+  (B = 8 / 4, 16 heads, N = 1024, W = 64; the torch Function in fp32, as it runs): ms and peak MB.
+
+Under ``--dry-run``: tiny shapes, fp32 and fp16, the Triton interpreter on CPU tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from evaluation.gpu_check.common import Stage, timed
+
+# (BH, T, head dim, F, Dv, W): the shipped shapes at N = 1024 (247M: B = 8; 1.3B: B = 4), W = 64
+GPU_SHAPES = ((128, 1024, 64, 128, 64, 64), (64, 1024, 128, 256, 128, 64))
+ACCURACY_SHAPES = ((4, 256, 64, 64, 64, 64), (4, 256, 64, 64, 64, 20))  # W > C (L = 2) and W = 2C
+DRY_SHAPES = ((2, 64, 16, 16, 16, 20),)
+CHUNK = 32  # ``window_chunk`` at the shipped chunk_size 64
+
+
+def _inputs(shape: tuple[int, ...], device: str, seed: int) -> tuple[list, Any]:
+    """fp64 Function inputs (q, qf, qls, k, kf, kls, v_aug, s0) and m0, key-aligned, the last keys padded."""
+    import torch
+
+    bh, t, d, f, dv, _ = shape
+    g = torch.Generator().manual_seed(seed)
+    q, k = 0.5 * torch.randn(bh, t, d, generator=g, dtype=torch.float64), 0.5 * torch.randn(bh, t, d, generator=g, dtype=torch.float64)
+    qf, kf = torch.randn(bh, t, f, generator=g, dtype=torch.float64), torch.randn(bh, t, f, generator=g, dtype=torch.float64)
+    qls, kls = torch.randn(bh, t, generator=g, dtype=torch.float64), torch.randn(bh, t, generator=g, dtype=torch.float64)
+    v_aug = torch.cat([torch.randn(bh, t, dv, generator=g, dtype=torch.float64), torch.ones(bh, t, 1, dtype=torch.float64)], -1)
+    pad = 3
+    k[:, -pad:], kf[:, -pad:], v_aug[:, -pad:], kls[:, -pad:] = 0.0, 0.0, 0.0, float("-inf")
+    s0, m0 = torch.randn(bh, f, dv + 1, generator=g, dtype=torch.float64).abs(), torch.randn(bh, generator=g, dtype=torch.float64)
+    return [x.to(device) for x in (q, qf, qls, k, kf, kls, v_aug, s0)], m0.to(device)
+
+
+def _run(fn, master: list, m0, window: int, dtype, compute, side=None) -> list:
+    """Numerator and gradients of a fixed random functional, operands rounded to ``dtype``, held in
+    ``compute``; log-scales and state in ``side`` (default: fp32, fp64 for an fp64 run)."""
+    import torch
+
+    side = side or (torch.float64 if compute == torch.float64 else torch.float32)
+    leaves = [x.to(dtype).to(compute) if i in (0, 1, 3, 4, 6) else x.to(side) for i, x in enumerate(master)]
+    leaves = [x.requires_grad_() for x in leaves]
+    numer = fn.apply(*leaves, m0.to(side), window, CHUNK)
+    weight = torch.randn(numer.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64).to(numer.device)
+    return [numer, *torch.autograd.grad((numer.double() * weight).sum(), leaves)]
+
+
+def _accuracy(shapes, dtypes, device: str) -> list[dict[str, Any]]:
+    from evaluation.gpu_check.accuracy import DTYPE_NAMES, TOLERANCE
+    from megaflex.attention.shared_window_chunked import ChunkedWindowNumerator
+    from megaflex.attention.triton import TritonWindowNumerator
+
+    names = ("numer", "dq", "dqf", "dqls", "dk", "dkf", "dkls", "dv_aug", "ds0")
+    cases = []
+    for shape in shapes:
+        master, m0 = _inputs(shape, device, seed=shape[-1])
+        exact = _run(ChunkedWindowNumerator, master, m0, shape[-1], *(2 * [master[0].dtype]))
+        for dtype in dtypes:
+            case: dict[str, Any] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape)}
+            try:
+                errors = {}
+                # the torch Function in the dtype throughout (its matmuls take one dtype); the kernels
+                # take fp32 log-scales and state
+                for label, fn, side in (("same", ChunkedWindowNumerator, dtype), ("triton", TritonWindowNumerator, None)):
+                    got = _run(fn, master, m0, shape[-1], dtype, dtype, side)
+                    errors[label] = {n: (a.double() - b).abs().max().item() / max(b.abs().max().item(), 1.0) for n, a, b in zip(names, got, exact)}
+                worst = max(errors["triton"][n] - 10 * errors["same"][n] for n in names)
+                case.update(passed=worst <= TOLERANCE[dtype], max_error=max(errors["triton"].values()),
+                            reference_error=max(errors["same"].values()), errors={n: float(f"{e:.3g}") for n, e in errors["triton"].items()})  # fmt: skip
+            except Exception as err:  # noqa: BLE001  (recorded, the run goes on)
+                case.update(passed=False, error=repr(err)[:500])
+            cases.append(case)
+    return cases
+
+
+def _speed(stage: Stage) -> list[dict[str, Any]]:
+    import torch
+
+    from megaflex.attention.shared_window_chunked import ChunkedWindowNumerator
+    from megaflex.attention.triton import TritonWindowNumerator
+
+    rows = []
+    device = stage.device
+    half = torch.float32 if stage.dry_run else torch.bfloat16  # the interpreter computes bf16 wrongly
+    for shape in DRY_SHAPES if stage.dry_run else GPU_SHAPES:
+        master, m0 = _inputs(shape, device, seed=1)
+        for name, fn, dtype in (("triton", TritonWindowNumerator, half), ("torch", ChunkedWindowNumerator, torch.float32)):
+            row: dict[str, Any] = {"impl": name, "dtype": str(dtype).removeprefix("torch."), "shape": list(shape)}
+            try:
+                ms, peak = timed(lambda: _run(fn, master, m0, shape[-1], dtype, dtype), device, repeats=1 if stage.dry_run else 5)  # noqa: B023
+                row.update(status="ok", fwd_bwd_ms=round(ms, 3), peak_mb=None if peak is None else round(peak, 1))
+            except Exception as err:  # noqa: BLE001  (a launch failure or out of memory is a result)
+                row.update(status="error", error=repr(err)[:400])
+            rows.append(row)
+        master = None
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def window_kernels(stage: Stage) -> dict[str, Any]:
+    import torch
+
+    dtypes = [torch.float32, torch.float16] if stage.dry_run else [torch.float32, torch.bfloat16, torch.float16]
+    cases = _accuracy(DRY_SHAPES if stage.dry_run else ACCURACY_SHAPES, dtypes, stage.device)
+    result: dict[str, Any] = {"passed": all(c["passed"] for c in cases), "cases": cases}
+    stage.emit(result)
+    result["speed"] = _speed(stage)
+    return result
