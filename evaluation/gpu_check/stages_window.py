@@ -39,17 +39,27 @@ def _inputs(shape: tuple[int, ...], device: str, seed: int) -> tuple[list, Any]:
     return [x.to(device) for x in (q, qf, qls, k, kf, kls, v_aug, s0)], m0.to(device)
 
 
-def _run(fn, master: list, m0, window: int, dtype, compute, side=None) -> list:
-    """Numerator and gradients of a fixed random functional, operands rounded to ``dtype``, held in
-    ``compute``; log-scales and state in ``side`` (default: fp32, fp64 for an fp64 run)."""
+def _leaves(master: list, m0, dtype, compute, side=None) -> tuple[list, Any]:
+    """Leaves: operands rounded to ``dtype``, held in ``compute``; log-scales, state and m0 in
+    ``side`` (default: fp32, fp64 for an fp64 run)."""
     import torch
 
     side = side or (torch.float64 if compute == torch.float64 else torch.float32)
     leaves = [x.to(dtype).to(compute) if i in (0, 1, 3, 4, 6) else x.to(side) for i, x in enumerate(master)]
-    leaves = [x.requires_grad_() for x in leaves]
-    numer = fn.apply(*leaves, m0.to(side), window, CHUNK)
+    return [x.requires_grad_() for x in leaves], m0.to(side)
+
+
+def _apply(fn, leaves: list, m0, window: int) -> list:
+    """Numerator and gradients of a fixed random functional."""
+    import torch
+
+    numer = fn.apply(*leaves, m0, window, CHUNK)
     weight = torch.randn(numer.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64).to(numer.device)
     return [numer, *torch.autograd.grad((numer.double() * weight).sum(), leaves)]
+
+
+def _run(fn, master: list, m0, window: int, dtype, compute, side=None) -> list:
+    return _apply(fn, *_leaves(master, m0, dtype, compute, side), window)
 
 
 def _accuracy(shapes, dtypes, device: str) -> list[dict[str, Any]]:
@@ -94,12 +104,13 @@ def _speed(stage: Stage) -> list[dict[str, Any]]:
         for name, fn, dtype in (("triton", TritonWindowNumerator, half), ("torch", ChunkedWindowNumerator, torch.float32)):
             row: dict[str, Any] = {"impl": name, "dtype": str(dtype).removeprefix("torch."), "shape": list(shape)}
             try:
-                ms, peak = timed(lambda: _run(fn, master, m0, shape[-1], dtype, dtype), device, repeats=1 if stage.dry_run else 5)  # noqa: B023
+                leaves, m = _leaves(master, m0, dtype, dtype)
+                ms, peak = timed(lambda: _apply(fn, leaves, m, shape[-1]), device, repeats=1 if stage.dry_run else 5)  # noqa: B023
                 row.update(status="ok", fwd_bwd_ms=round(ms, 3), peak_mb=None if peak is None else round(peak, 1))
             except Exception as err:  # noqa: BLE001  (a launch failure or out of memory is a result)
                 row.update(status="error", error=repr(err)[:400])
             rows.append(row)
-        master = None
+        master = leaves = None
         if device == "cuda":
             torch.cuda.empty_cache()
     return rows
