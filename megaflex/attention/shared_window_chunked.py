@@ -30,7 +30,7 @@ import torch
 # elements of a group's [heads, g, C, (L + 1) C] temporaries (x 4 bytes = 4 MiB)
 _GROUP_ELEMENTS = 1 << 20
 # up to this many block elements in all (short sequences, a long one's segments), the forward keeps
-# X and G for the backward instead of recomputing them (two matmuls and ~6 elementwise passes)
+# the block weights for the backward instead of recomputing them (two matmuls and ~6 elementwise passes)
 _KEEP_ELEMENTS = 1 << 22
 
 
@@ -42,41 +42,37 @@ def block_masks(c: int, lookback: int, window: int, device: torch.device) -> tup
     return (lag >= 0) & (lag < window), lag >= window
 
 
-def _key_blocks(x: torch.Tensor, c0: int, g: int, c: int, lookback: int, fill: float) -> torch.Tensor:
-    """Keys x [BH, T, *] -> chunk c0 + i's block (chunks c0 + i - L .. c0 + i) for i < g:
-    [BH, g, (L + 1) C, *] (``fill`` before the first key; a view when no padding is needed)."""
-    lo, hi = (c0 - lookback) * c, (c0 + g) * c
-    part = x[:, max(lo, 0) : hi]
-    if lo < 0:
-        part = torch.cat([part.new_full((part.shape[0], -lo, *part.shape[2:]), fill), part], dim=1)
-    blocks = part.unfold(1, (lookback + 1) * c, c)  # [BH, g, *, (L + 1) C]
-    return blocks.movedim(-1, 2) if x.dim() == 3 else blocks
+@functools.lru_cache(maxsize=64)
+def _biases(
+    c: int, lookback: int, window: int, far_cols: int, c0: int, g: int, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Additive masks (0 where the entry counts, -inf elsewhere) of chunks c0 .. c0 + g - 1: the window
+    [C, (L + 1) C] and the far field on the first ``far_cols`` columns [C, R], or [g, C, *] when a
+    block reaches before the first key (those columns never count, whatever they hold)."""
+    near, far = block_masks(c, lookback, window, device)
+    far = far[:, :far_cols]
+    if c0 < lookback:
+        first_key = (lookback - c0 - torch.arange(g, device=device)) * c  # block column of the head's key 0
+        real = (torch.arange((lookback + 1) * c, device=device) >= first_key.unsqueeze(-1)).unsqueeze(1)
+        near, far = near & real, far & real[..., :far_cols]
 
+    def bias(mask: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(mask.shape, device=device, dtype=dtype).masked_fill_(~mask, float("-inf"))
 
-def _scatter_blocks(grad: torch.Tensor, blocks: torch.Tensor, c0: int, c: int, lookback: int) -> None:
-    """grad [BH, T, *] += the block gradients [BH, g, R, *] (the first R <= (L + 1) C keys of each
-    block) of chunks c0 .. c0 + g - 1."""
-    bh, g, rows = blocks.shape[:3]
-    chunked = grad.view(bh, grad.shape[1] // c, c, *grad.shape[2:])
-    for part in range(-(-rows // c)):
-        first = c0 - lookback + part  # the chunk that block i's part ``part`` covers is first + i
-        skip, width = max(-first, 0), min(c, rows - part * c)
-        if skip < g:
-            chunked[:, first + skip : first + g, :width].add_(blocks[:, skip:, part * c : part * c + width])
+    return bias(near), bias(far)
 
 
 class _Plan:
-    """Sizes, masks and the far-field stabiliser pieces shared by the forward and the backward."""
+    """Sizes and the far-field stabiliser pieces shared by the forward and the backward."""
 
     def __init__(self, q: torch.Tensor, kls: torch.Tensor, m0: torch.Tensor, window: int, c: int) -> None:
         bh, t_pad, _ = q.shape
-        self.c, self.window, self.chunks = c, window, t_pad // c
+        self.bh, self.c, self.window, self.chunks = bh, c, window, t_pad // c
         self.lookback = min(-(-window // c), self.chunks - 1)
+        self.device, self.dtype = q.device, q.dtype
         per_chunk = bh * c * (self.lookback + 1) * c
         self.per_group = max(1, _GROUP_ELEMENTS // per_chunk)
         self.keep = per_chunk * self.chunks <= _KEEP_ELEMENTS
-        self.near, self.far = block_masks(c, self.lookback, window, q.device)
-        self.bias = _bias(self.near | self.far)
         # far keys are s <= t - W: only the block's first L C - W + C keys can be (for W = L C: the
         # chunk c - L alone), so the feature products qf . kf cover those columns only
         self.far_cols = max(0, min((self.lookback + 1) * c, self.lookback * c - window + c))
@@ -95,24 +91,62 @@ class _Plan:
     def groups(self) -> list[tuple[int, int]]:
         return [(c0, min(self.per_group, self.chunks - c0)) for c0 in range(0, self.chunks, self.per_group)]
 
-    def masks(self, c0: int, g: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Near / far masks and the additive bias (0 on either, -inf elsewhere) of chunks c0 .. c0 + g - 1
-        ([C, (L + 1) C], or [g, C, (L + 1) C] when a block reaches before the first key)."""
-        if c0 >= self.lookback:
-            return self.near, self.far, self.bias
-        first_key = (self.lookback - c0 - torch.arange(g, device=self.near.device)) * self.c  # block index of key 0
-        real = (torch.arange((self.lookback + 1) * self.c, device=self.near.device) >= first_key.unsqueeze(-1)).unsqueeze(1)
-        near, far = self.near & real, self.far & real
-        return near, far, _bias(near | far)
+    def biases(self, c0: int, g: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return _biases(self.c, self.lookback, self.window, self.far_cols, c0, g, self.device, self.dtype)
 
     def state_range(self, c0: int, g: int) -> tuple[int, int, int]:
         """(first read state index a = c0 - L, first and end chunk whose increments the group absorbs)."""
         a = c0 - self.lookback
         return a, max(a, 0), max(a + g, 0)
 
+    def key_blocks(self, x: torch.Tensor, c0: int, g: int, fill: float) -> torch.Tensor:
+        """Keys x [BH, T, *] -> chunk c0 + i's block (chunks c0 + i - L .. c0 + i) for i < g:
+        [BH, g, (L + 1) C, *]. One group (short sequences): a view of the flattened keys of all heads
+        behind L C ``fill`` rows, so a head's first blocks start in the previous head's last keys
+        (masked by the biases) and the matmuls take every block without a gather copy. Several
+        groups: a view of the group's keys (``fill`` before the first key)."""
+        c, lb = self.c, self.lookback
+        width = (lb + 1) * c
+        if g == self.chunks:
+            flat = x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+            flat = torch.cat([flat.new_full((lb * c, *flat.shape[1:]), fill), flat]) if lb else flat
+            blocks = flat.unfold(0, width, c)  # [BH nC, *, R]
+            blocks = blocks.movedim(-1, 1) if x.dim() == 3 else blocks
+            return blocks.view(x.shape[0], g, width, *x.shape[2:])
+        lo, hi = (c0 - lb) * c, (c0 + g) * c
+        part = x[:, max(lo, 0) : hi]
+        if lo < 0:
+            part = torch.cat([part.new_full((part.shape[0], -lo, *part.shape[2:]), fill), part], dim=1)
+        blocks = part.unfold(1, width, c)  # [BH, g, *, R]
+        return blocks.movedim(-1, 2) if x.dim() == 3 else blocks
 
-def _bias(mask: torch.Tensor) -> torch.Tensor:
-    return torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, float("-inf"))
+    def block_grads(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A zero gradient of keys ``like`` [BH, T, *] as (grad, store): ``scatter`` adds block
+        gradients into ``store``, whose rows are grad's behind L C spare rows (the one-group layout
+        of ``key_blocks``: a block's columns before its head's first key land there or in the
+        previous head's rows, as exact zeros)."""
+        spare = self.lookback * self.c
+        store = like.new_zeros(spare + like.shape[0] * like.shape[1], *like.shape[2:])
+        return store[spare:].view(like.shape), store
+
+    def scatter(self, grad: torch.Tensor, store: torch.Tensor, blocks: torch.Tensor, c0: int, g: int) -> None:
+        """grad [BH, T, *] (``store`` its ``block_grads`` storage) += the block gradients [BH, g, R', *]
+        (the first R' <= (L + 1) C keys of each block) of chunks c0 .. c0 + g - 1."""
+        c, lb = self.c, self.lookback
+        bh, rows = blocks.shape[0], blocks.shape[2]
+        if g == self.chunks:
+            chunks = store.view(-1, c, *store.shape[1:])  # [L + BH nC, C, *]
+            flat = blocks.reshape(bh * g, rows, *blocks.shape[3:])
+            for part in range(-(-rows // c)):
+                width = min(c, rows - part * c)
+                chunks[part : part + bh * g, :width].add_(flat[:, part * c : part * c + width])
+            return
+        chunked = grad.view(bh, grad.shape[1] // c, c, *grad.shape[2:])
+        for part in range(-(-rows // c)):
+            first = c0 - lb + part  # the chunk that block i's part ``part`` covers is first + i
+            skip, width = max(-first, 0), min(c, rows - part * c)
+            if skip < g:
+                chunked[:, first + skip : first + g, :width].add_(blocks[:, skip:, part * c : part * c + width])
 
 
 def _increments(plan: _Plan, kf: torch.Tensor, v_aug: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,28 +171,32 @@ def _read_states(plan: _Plan, start: torch.Tensor, a: int, g: int, lo: int, incr
 def _group_weights(
     plan: _Plan, q, qf, qls, k, kf, kls, m, c0: int, g: int, scale: float, kept: tuple | None = None,
 ) -> tuple[torch.Tensor, ...]:  # fmt: skip
-    """Chunks c0 .. c0 + g - 1: (q / sqrt d, qf, qls of the group, key blocks k [BH, g, (L + 1) C, d] and
-    kf [BH, g, R, F] (R = ``plan.far_cols``), the masks, X = exp(A - m) [BH, g, C, (L + 1) C], G on
-    the first R columns, m); ``m`` None: computed here (the forward); ``kept``: (X, G) kept by the forward."""
-    bh, c, lb, fc = q.shape[0], plan.c, plan.lookback, plan.far_cols
+    """Chunks c0 .. c0 + g - 1: (q / sqrt d, qf, qls of the group, key blocks k [BH, g, R, d] and kf
+    [BH, g, R_f, F] (R = (L + 1) C, R_f = ``plan.far_cols``), the weights W [BH, g, C, R] (window
+    and far entries, 0 elsewhere), the far part's X = exp(qls_t + kls_s - m_t) and W_f = X G
+    [BH, g, C, R_f] (0 off the far field), m). ``m`` None: computed here (the forward); ``kept``:
+    (W, X, W_f) kept by the forward."""
+    bh, c, fc = q.shape[0], plan.c, plan.far_cols
     rows = slice(c0 * c, (c0 + g) * c)
     qg, qfg, qlsg = q[:, rows].view(bh, g, c, q.shape[-1]), qf[:, rows].view(bh, g, c, qf.shape[-1]), qls[:, rows].view(bh, g, c)
-    kb, kfb = _key_blocks(k, c0, g, c, lb, 0.0), _key_blocks(kf, c0, g, c, lb, 0.0)[:, :, :fc]
-    klsb = _key_blocks(kls, c0, g, c, lb, float("-inf"))  # [BH, g, (L + 1) C]
-    near, far, bias = plan.masks(c0, g)
+    kb, kfb = plan.key_blocks(k, c0, g, 0.0), plan.key_blocks(kf, c0, g, 0.0)[:, :, :fc]
     qg = qg * scale
     if kept is not None:
-        return qg, qfg, qlsg, kb, kfb, near, far, *kept, m[:, rows].view(bh, g, c)
-    x = torch.where(near, qg @ kb.transpose(-1, -2), qlsg.unsqueeze(-1) + klsb.unsqueeze(-2)).add_(bias.to(qg.dtype))
+        return qg, qfg, qlsg, kb, kfb, *kept, m[:, rows].view(bh, g, c)
+    near_bias, far_bias = plan.biases(c0, g)
+    w = torch.matmul(qg, kb.transpose(-1, -2)).add_(near_bias)  # window logits, -inf elsewhere
     if m is None:
-        # the block's far entries qls_t + kls_s are <= qls_t + far_max_t: the row max is the window's or below
-        m = torch.maximum(x.amax(-1), qlsg.detach() + plan.far_max[:, rows].view(bh, g, c))
+        # far entries qls_t + kls_s are <= qls_t + far_max_t: the row max is the window's or below
+        m = torch.maximum(w.amax(-1), qlsg.detach() + plan.far_max[:, rows].view(bh, g, c))
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # a row that sees nothing: weights 0 anyway
     else:
         m = m[:, rows].view(bh, g, c)
-    x = x.sub_(m.unsqueeze(-1)).exp_()
-    gram = (qfg @ kfb.transpose(-1, -2)).masked_fill_(near[..., :fc], 1.0)
-    return qg, qfg, qlsg, kb, kfb, near, far, x, gram, m
+    w = w.sub_(m.unsqueeze(-1)).exp_()
+    klsb = plan.key_blocks(kls, c0, g, float("-inf"))[..., :fc]  # [BH, g, R_f]
+    x = torch.add((qlsg - m).unsqueeze(-1), klsb.unsqueeze(-2)).add_(far_bias).exp_()
+    w_far = torch.matmul(qfg, kfb.transpose(-1, -2)).mul_(x)
+    w[..., :fc].add_(w_far)  # disjoint supports: each entry is the window's or the far field's weight
+    return qg, qfg, qlsg, kb, kfb, w, x, w_far, m
 
 
 class ChunkedWindowNumerator(torch.autograd.Function):
@@ -179,16 +217,14 @@ class ChunkedWindowNumerator(torch.autograd.Function):
             starts.append(state)
             increments, _ = _increments(plan, kf, v_aug, lo, hi)
             reads, state = _read_states(plan, state, a, g, lo, increments)
-            qg, qfg, qlsg, kb, kfb, near, far, x, gram, m = _group_weights(plan, q, qf, qls, k, kf, kls, None, c0, g, scale)
+            qg, qfg, qlsg, kb, kfb, w, x, w_far, m = _group_weights(plan, q, qf, qls, k, kf, kls, None, c0, g, scale)
             rows = slice(c0 * c, (c0 + g) * c)
             m_all[:, rows] = m.reshape(bh, -1)
-            carried = _carried_bounds(plan, a, g, qlsg, m)
             if plan.keep:
-                kept += [x.clone(), gram]
-            x[..., : gram.shape[-1]].mul_(gram)
-            out = x @ _key_blocks(v_aug, c0, g, c, plan.lookback, 0.0)
-            out.addcmul_(carried.unsqueeze(-1), qfg @ reads)
-            numer[:, rows] = out.view(bh, g * c, v_aug.shape[-1])
+                kept += [w, x, w_far]
+            out = numer[:, rows].view(bh, g, c, v_aug.shape[-1])
+            torch.matmul(w, plan.key_blocks(v_aug, c0, g, 0.0), out=out)
+            out.addcmul_(_carried_bounds(plan, a, g, qlsg, m).unsqueeze(-1), qfg @ reads)
         ctx.save_for_backward(q, qf, qls, k, kf, kls, v_aug, s0, m0, m_all, torch.stack(starts, dim=1), *kept)
         ctx.meta = (window, c, s0.requires_grad)
         return numer
@@ -202,33 +238,29 @@ class ChunkedWindowNumerator(torch.autograd.Function):
         bh = q.shape[0]
         d_numer = d_numer.contiguous()
         dq, dqf, dqls = torch.empty_like(q), torch.empty_like(qf), torch.empty_like(qls)  # every row written once
-        dk, dkf, dkls, dv = (torch.zeros_like(t) for t in (k, kf, kls, v_aug))  # blocks overlap: sums
+        (dk, dk_store), (dkf, dkf_store), (dkls, dkls_store), (dv, dv_store) = (plan.block_grads(t) for t in (k, kf, kls, v_aug))
         carry = torch.zeros_like(s0)  # dL/dS at the end of the group being walked
         for gi, (c0, g) in reversed(list(enumerate(plan.groups()))):
             a, lo, hi = plan.state_range(c0, g)
             increments, kw = _increments(plan, kf, v_aug, lo, hi)
             reads, _ = _read_states(plan, starts[:, gi], a, g, lo, increments)
-            pair = tuple(kept[2 * gi : 2 * gi + 2]) if kept else None
-            qg, qfg, qlsg, kb, kfb, near, far, x, gram, m = _group_weights(plan, q, qf, qls, k, kf, kls, m_all, c0, g, scale, pair)
+            triple = tuple(kept[3 * gi : 3 * gi + 3]) if kept else None
+            qg, qfg, qlsg, kb, kfb, w, x, w_far, m = _group_weights(plan, q, qf, qls, k, kf, kls, m_all, c0, g, scale, triple)
             rows = slice(c0 * c, (c0 + g) * c)
             dn = d_numer[:, rows].view(bh, g, c, v_aug.shape[-1])
-            vb = _key_blocks(v_aug, c0, g, c, plan.lookback, 0.0)
-            dw = dn @ vb.transpose(-1, -2)
-            fc = gram.shape[-1]
-            d_gram = (dw[..., :fc] * x[..., :fc]).masked_fill_(~far[..., :fc], 0.0)
-            w = x.clone() if kept else x  # kept tensors stay intact (a second backward reads them)
-            w[..., :fc].mul_(gram)  # w = X G (G = 1 beyond the far columns)
-            _scatter_blocks(dv, w.transpose(-1, -2) @ dn, c0, c, plan.lookback)
-            z = dw.mul_(w)  # dlogits on window entries, d(qls + kls) on far ones (zero elsewhere)
-            z_far = z[..., :fc].masked_fill(~far[..., :fc], 0.0)
-            z_near = z
-            z_near[..., :fc].masked_fill_(far[..., :fc], 0.0)
-            dq[:, rows] = (z_near @ kb).mul_(scale).view(bh, g * c, q.shape[-1])
-            _scatter_blocks(dk, z_near.transpose(-1, -2) @ qg, c0, c, plan.lookback)  # qg: q / sqrt d
+            dw = torch.matmul(dn, plan.key_blocks(v_aug, c0, g, 0.0).transpose(-1, -2))
+            fc = w_far.shape[-1]
+            d_gram = dw[..., :fc] * x  # dL/d(qf . kf) on far entries
+            z_far = dw[..., :fc] * w_far  # dL/d(qls_t + kls_s) on far entries
+            plan.scatter(dv, dv_store, w.transpose(-1, -2) @ dn, c0, g)
+            z = dw.mul_(w)
+            z[..., :fc].sub_(z_far)  # dL/dlogits: window entries only (exact zeros elsewhere)
+            dq[:, rows] = torch.matmul(z, kb).mul_(scale).view(bh, g * c, q.shape[-1])
+            plan.scatter(dk, dk_store, z.transpose(-1, -2) @ qg, c0, g)  # qg: q / sqrt d
             dqf_g = d_gram @ kfb
-            _scatter_blocks(dkf, d_gram.transpose(-1, -2) @ qfg, c0, c, plan.lookback)
+            plan.scatter(dkf, dkf_store, d_gram.transpose(-1, -2) @ qfg, c0, g)
             dqls_g = z_far.sum(-1)
-            _scatter_blocks(dkls.unsqueeze(-1), z_far.sum(-2).unsqueeze(-1), c0, c, plan.lookback)
+            plan.scatter(dkls.unsqueeze(-1), dkls_store.unsqueeze(-1), z_far.sum(-2).unsqueeze(-1), c0, g)
             # the carried state: n_t += c_t qf_t S_{c - L}
             carried = _carried_bounds(plan, a, g, qlsg, m)
             y = qfg @ reads  # [BH, g, C, Dv + 1]
