@@ -32,6 +32,19 @@ _GROUP_ELEMENTS = 1 << 20
 # up to this many block elements in all (short sequences, a long one's segments), the forward keeps
 # the block weights for the backward instead of recomputing them (two matmuls and ~6 elementwise passes)
 _KEEP_ELEMENTS = 1 << 22
+# the Function runs chunks of C / 2^k >= this many queries where that narrows the [C, (L + 1) C] blocks
+_MIN_CHUNK = 32
+
+
+def _inner_chunk(c: int, window: int) -> int:
+    """The chunk the Function runs: C halved while that keeps it >= ``_MIN_CHUNK`` and shrinks the
+    (L + 1) C keys of a query's block (W = 16, C = 64: 64 keys instead of 128; W = 64: 96). Any
+    divisor of C gives the same numerators to rounding (T stays a multiple of it); the per-query
+    state read and key increments cost the same at any C, so only the blocks and the per-chunk
+    overhead (more, smaller matmuls and scan steps) change."""
+    while c % 2 == 0 and c // 2 >= _MIN_CHUNK and (-(-window // (c // 2)) + 1) * (c // 2) < (-(-window // c) + 1) * c:
+        c //= 2
+    return c
 
 
 @functools.lru_cache(maxsize=32)
@@ -206,6 +219,7 @@ class ChunkedWindowNumerator(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, qf, qls, k, kf, kls, v_aug, s0, m0, window, c):  # type: ignore[override]
+        c = _inner_chunk(c, window)
         plan = _Plan(q, kls, m0, window, c)
         scale = 1.0 / math.sqrt(q.shape[-1])
         bh, t_pad = q.shape[:2]
