@@ -223,10 +223,12 @@ def _uses_triton(x: _Inputs, window: int, backend: str) -> bool:
     return backend == "triton" or x.q.dtype != torch.float64
 
 
-def _chunked(x: _Inputs, window: int, chunk_size: int, backend: str = "auto") -> torch.Tensor:
+def _chunked(x: _Inputs, window: int, chunk_size: int, backend: str = "auto", denominators: bool = True) -> torch.Tensor:
     """The chunked form: ``ChunkedWindowNumerator`` (one autograd Function, ``shared_window_chunked.py``)
     or its Triton twin (``triton/window.py``; chunks of ``window_chunk``: a power of two in [16, 32]);
-    with padded keys (``key_valid``) the torch-ops blocks below (the reference it is tested against)."""
+    with padded keys (``key_valid``) the torch-ops blocks below (the reference it is tested against).
+    ``denominators`` False ("rms" reads none): the torch Function gets v and the state without their
+    ones / k_sum column, so every value-side matmul is Dv wide, not Dv + 1 (a third slower in MKL at Dv = 32)."""
     if x.key_valid is not None:
         return _chunked_blocks(x, window, chunk_size)
     b, h, n, d = x.q.shape
@@ -245,13 +247,14 @@ def _chunked(x: _Inputs, window: int, chunk_size: int, backend: str = "auto") ->
         return y.reshape(b * h, t_pad, *y.shape[3:]).contiguous()
 
     q, qf, qls = (flat(_aligned_queries(y, p, t_pad)) for y in (x.q, x.qf, x.qls))
-    k, kf, v_aug = (flat(_pad(y, t_pad)) for y in (x.k, x.kf, x.v_aug))
+    columns = x.v_aug.shape[-1] - (not denominators and not triton)
+    k, kf, v_aug = (flat(_pad(y, t_pad)) for y in (x.k, x.kf, x.v_aug[..., :columns]))
     if triton and x.input_dtype in (torch.float16, torch.bfloat16):
         # the kernels' dot operands in the inputs' half dtype (fp32 accumulation), as the linear kernels':
         # full-rate tensor cores and half the saved bytes; log-scales and the state stay fp32
         q, qf, k, kf, v_aug = (y.to(x.input_dtype) for y in (q, qf, k, kf, v_aug))
     kls = flat(_pad(x.kls, t_pad, float("-inf")))
-    s0 = _state_aug(x.far).flatten(0, 1)
+    s0 = _state_aug(x.far)[..., :columns].flatten(0, 1)
     numer = numerator.apply(q, qf, qls, k, kf, kls, v_aug, s0, x.far.log_max.reshape(b * h), window, c)
     return numer.view(b, h, t_pad, -1)[:, :, p : p + n]
 
@@ -344,8 +347,9 @@ def windowed_linear_attention(
         if form == "recurrent":
             numer, absorbed = _recurrent(x, window)
         else:
-            numer = _quadratic(x, window) if form == "quadratic" else _chunked(x, window, chunk_size, backend)
-        out = normalize_output(numer[..., :dv], numer[..., dv], normalization, eps).to(v.dtype)
+            numer = _quadratic(x, window) if form == "quadratic" else _chunked(x, window, chunk_size, backend, normalization != "rms")
+        den = numer[..., dv] if numer.shape[-1] > dv else None  # "rms" reads no denominator
+        out = normalize_output(numer[..., :dv], den, normalization, eps).to(v.dtype)
         if not return_state:
             return out, None, None
         total = x.k.shape[2]
