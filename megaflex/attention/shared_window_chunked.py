@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -162,40 +163,46 @@ class _Plan:
                 chunked[:, first + skip : first + g, :width].add_(blocks[:, skip:, part * c : part * c + width])
 
 
-def _increments(plan: _Plan, kf: torch.Tensor, v_aug: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """U_j for chunks lo .. hi - 1: [BH, hi - lo, F, Dv + 1], and the scaled keys kw [BH, hi - lo, C, F]."""
-    bh, c = kf.shape[0], plan.c
-    sl = slice(lo * c, hi * c)
-    kw = kf[:, sl].view(bh, hi - lo, c, kf.shape[-1]) * plan.key_scale[:, sl].view(bh, hi - lo, c, 1)
-    return kw.transpose(-1, -2) @ v_aug[:, sl].view(bh, hi - lo, c, v_aug.shape[-1]), kw
+class _Group(NamedTuple):
+    """Everything the backward needs of chunks c0 .. c0 + g - 1 (kept by the forward, or recomputed)."""
+
+    qg: torch.Tensor  # q / sqrt d [BH, g, C, d]
+    qfg: torch.Tensor  # [BH, g, C, F]
+    qlsg: torch.Tensor  # [BH, g, C]
+    kb: torch.Tensor  # key blocks [BH, g, R, d] (R = (L + 1) C)
+    kfb: torch.Tensor  # their features on the far columns [BH, g, R_f, F]
+    vb: torch.Tensor  # value blocks [BH, g, R, Dv']
+    w: torch.Tensor  # weights [BH, g, C, R]: the window's and the far field's, 0 elsewhere
+    x: torch.Tensor  # exp(qls_t + kls_s - m_t) on far entries, 0 elsewhere [BH, g, C, R_f]
+    w_far: torch.Tensor  # x (qf . kf) [BH, g, C, R_f]
+    m: torch.Tensor  # the stabiliser [BH, g, C]
+    reads: torch.Tensor  # S_{max(c - L, 0)} per chunk [BH, g, F, Dv']
+    y: torch.Tensor  # qf_t S_{c - L} [BH, g, C, Dv']
+    carried: torch.Tensor  # exp(qls_t + B_{c - L} - m_t) [BH, g, C]
+    kw: torch.Tensor  # the absorbed chunks' scaled key features [BH, hi - lo, C, F]
 
 
-def _read_states(plan: _Plan, start: torch.Tensor, a: int, g: int, lo: int, increments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """States read by the group's chunks (S_{max(a + i, 0)}, [BH, g, F, Dv + 1]) and S_{max(a + g, 0)}."""
-    reads = start.new_empty(start.shape[0], g, *start.shape[1:])
+def _group(
+    plan: _Plan, q, qf, qls, k, kf, kls, v_aug, start: torch.Tensor, m, c0: int, g: int, scale: float,
+) -> tuple[_Group, torch.Tensor]:  # fmt: skip
+    """Chunks c0 .. c0 + g - 1 from the state before them: their ``_Group`` and the state after them.
+    ``m`` None: the stabiliser is computed here (the forward), else read from m [BH, T]."""
+    bh, c, fc = q.shape[0], plan.c, plan.far_cols
+    a, lo, hi = plan.state_range(c0, g)
+    rows = slice(c0 * c, (c0 + g) * c)
+    # the states read: S_{j+1} = decay_j S_j + U_j, U_j = kw_j^T v_j for the chunks the group absorbs
+    keys = slice(lo * c, hi * c)
+    kw = kf[:, keys].view(bh, hi - lo, c, kf.shape[-1]) * plan.key_scale[:, keys].view(bh, hi - lo, c, 1)
+    increments = kw.transpose(-1, -2) @ v_aug[:, keys].view(bh, hi - lo, c, v_aug.shape[-1])
+    reads = start.new_empty(bh, g, *start.shape[1:])
     state = start
     for i in range(g):
         reads[:, i] = state
         if a + i >= 0:
-            state = state * plan.decay[:, a + i, None, None] + increments[:, a + i - lo]
-    return reads, state
-
-
-def _group_weights(
-    plan: _Plan, q, qf, qls, k, kf, kls, m, c0: int, g: int, scale: float, kept: tuple | None = None,
-) -> tuple[torch.Tensor, ...]:  # fmt: skip
-    """Chunks c0 .. c0 + g - 1: (q / sqrt d, qf, qls of the group, key blocks k [BH, g, R, d] and kf
-    [BH, g, R_f, F] (R = (L + 1) C, R_f = ``plan.far_cols``), the weights W [BH, g, C, R] (window
-    and far entries, 0 elsewhere), the far part's X = exp(qls_t + kls_s - m_t) and W_f = X G
-    [BH, g, C, R_f] (0 off the far field), m). ``m`` None: computed here (the forward); ``kept``:
-    (W, X, W_f) kept by the forward."""
-    bh, c, fc = q.shape[0], plan.c, plan.far_cols
-    rows = slice(c0 * c, (c0 + g) * c)
+            state = torch.addcmul(increments[:, a + i - lo], state, plan.decay[:, a + i, None, None])
     qg, qfg, qlsg = q[:, rows].view(bh, g, c, q.shape[-1]), qf[:, rows].view(bh, g, c, qf.shape[-1]), qls[:, rows].view(bh, g, c)
     kb, kfb = plan.key_blocks(k, c0, g, 0.0), plan.key_blocks(kf, c0, g, 0.0)[:, :, :fc]
     qg = qg * scale
-    if kept is not None:
-        return qg, qfg, qlsg, kb, kfb, *kept, m[:, rows].view(bh, g, c)
     near_bias, far_bias = plan.biases(c0, g)
     w = torch.matmul(qg, kb.transpose(-1, -2)).add_(near_bias)  # window logits, -inf elsewhere
     if m is None:
@@ -209,13 +216,17 @@ def _group_weights(
     x = torch.add((qlsg - m).unsqueeze(-1), klsb.unsqueeze(-2)).add_(far_bias).exp_()
     w_far = torch.matmul(qfg, kfb.transpose(-1, -2)).mul_(x)
     w[..., :fc].add_(w_far)  # disjoint supports: each entry is the window's or the far field's weight
-    return qg, qfg, qlsg, kb, kfb, w, x, w_far, m
+    # exp(qls_t + B_{max(c - L, 0)} - m_t) (0 for an empty state)
+    index = torch.clamp(torch.arange(a, a + g, device=q.device), min=0)
+    carried = torch.exp(qlsg + plan.bounds.index_select(1, index).unsqueeze(-1) - m).nan_to_num_(0.0)
+    vb = plan.key_blocks(v_aug, c0, g, 0.0)
+    return _Group(qg, qfg, qlsg, kb, kfb, vb, w, x, w_far, m, reads, qfg @ reads, carried, kw), state
 
 
 class ChunkedWindowNumerator(torch.autograd.Function):
     """(q, qf, qls, k, kf, kls, v_aug [BH, T, *] key-aligned, T a multiple of C, padded keys with
-    k = kf = v_aug = 0 and kls = -inf; s0 [BH, F, Dv + 1], m0 [BH]; window, C)
-    -> numerators [BH, T, Dv + 1] (the ones column of v_aug gives the denominator)."""
+    k = kf = v_aug = 0 and kls = -inf; s0 [BH, F, Dv'], m0 [BH]; window, C) -> numerators [BH, T, Dv']:
+    v_aug's columns are any values (a ones column last gives the denominator, s0's k_sum column)."""
 
     @staticmethod
     def forward(ctx, q, qf, qls, k, kf, kls, v_aug, s0, m0, window, c):  # type: ignore[override]
@@ -227,18 +238,15 @@ class ChunkedWindowNumerator(torch.autograd.Function):
         m_all = q.new_empty(bh, t_pad)
         starts, state, kept = [], s0, []
         for c0, g in plan.groups():
-            a, lo, hi = plan.state_range(c0, g)
             starts.append(state)
-            increments, _ = _increments(plan, kf, v_aug, lo, hi)
-            reads, state = _read_states(plan, state, a, g, lo, increments)
-            qg, qfg, qlsg, kb, kfb, w, x, w_far, m = _group_weights(plan, q, qf, qls, k, kf, kls, None, c0, g, scale)
+            grp, state = _group(plan, q, qf, qls, k, kf, kls, v_aug, state, None, c0, g, scale)
             rows = slice(c0 * c, (c0 + g) * c)
-            m_all[:, rows] = m.reshape(bh, -1)
-            if plan.keep:
-                kept += [w, x, w_far]
+            m_all[:, rows] = grp.m.reshape(bh, -1)
             out = numer[:, rows].view(bh, g, c, v_aug.shape[-1])
-            torch.matmul(w, plan.key_blocks(v_aug, c0, g, 0.0), out=out)
-            out.addcmul_(_carried_bounds(plan, a, g, qlsg, m).unsqueeze(-1), qfg @ reads)
+            torch.matmul(grp.w, grp.vb, out=out)
+            out.addcmul_(grp.carried.unsqueeze(-1), grp.y)
+            if plan.keep:
+                kept += list(grp)
         ctx.save_for_backward(q, qf, qls, k, kf, kls, v_aug, s0, m0, m_all, torch.stack(starts, dim=1), *kept)
         ctx.meta = (window, c, s0.requires_grad)
         return numer
@@ -254,34 +262,33 @@ class ChunkedWindowNumerator(torch.autograd.Function):
         dq, dqf, dqls = torch.empty_like(q), torch.empty_like(qf), torch.empty_like(qls)  # every row written once
         (dk, dk_store), (dkf, dkf_store), (dkls, dkls_store), (dv, dv_store) = (plan.block_grads(t) for t in (k, kf, kls, v_aug))
         carry = torch.zeros_like(s0)  # dL/dS at the end of the group being walked
+        fields = len(_Group._fields)
         for gi, (c0, g) in reversed(list(enumerate(plan.groups()))):
             a, lo, hi = plan.state_range(c0, g)
-            increments, kw = _increments(plan, kf, v_aug, lo, hi)
-            reads, _ = _read_states(plan, starts[:, gi], a, g, lo, increments)
-            triple = tuple(kept[3 * gi : 3 * gi + 3]) if kept else None
-            qg, qfg, qlsg, kb, kfb, w, x, w_far, m = _group_weights(plan, q, qf, qls, k, kf, kls, m_all, c0, g, scale, triple)
+            if kept:
+                grp = _Group(*kept[fields * gi : fields * (gi + 1)])
+            else:
+                grp, _ = _group(plan, q, qf, qls, k, kf, kls, v_aug, starts[:, gi], m_all, c0, g, scale)
             rows = slice(c0 * c, (c0 + g) * c)
             dn = d_numer[:, rows].view(bh, g, c, v_aug.shape[-1])
-            dw = torch.matmul(dn, plan.key_blocks(v_aug, c0, g, 0.0).transpose(-1, -2))
-            fc = w_far.shape[-1]
-            d_gram = dw[..., :fc] * x  # dL/d(qf . kf) on far entries
-            z_far = dw[..., :fc] * w_far  # dL/d(qls_t + kls_s) on far entries
-            plan.scatter(dv, dv_store, w.transpose(-1, -2) @ dn, c0, g)
-            z = dw.mul_(w)
+            dw = torch.matmul(dn, grp.vb.transpose(-1, -2))
+            fc = grp.w_far.shape[-1]
+            d_gram = dw[..., :fc] * grp.x  # dL/d(qf . kf) on far entries
+            z_far = dw[..., :fc] * grp.w_far  # dL/d(qls_t + kls_s) on far entries
+            plan.scatter(dv, dv_store, grp.w.transpose(-1, -2) @ dn, c0, g)
+            z = dw.mul_(grp.w)
             z[..., :fc].sub_(z_far)  # dL/dlogits: window entries only (exact zeros elsewhere)
-            dq[:, rows] = torch.matmul(z, kb).mul_(scale).view(bh, g * c, q.shape[-1])
-            plan.scatter(dk, dk_store, z.transpose(-1, -2) @ qg, c0, g)  # qg: q / sqrt d
-            dqf_g = d_gram @ kfb
-            plan.scatter(dkf, dkf_store, d_gram.transpose(-1, -2) @ qfg, c0, g)
+            dq[:, rows] = torch.matmul(z, grp.kb).mul_(scale).view(bh, g * c, q.shape[-1])
+            plan.scatter(dk, dk_store, z.transpose(-1, -2) @ grp.qg, c0, g)  # qg: q / sqrt d
+            dqf_g = d_gram @ grp.kfb
+            plan.scatter(dkf, dkf_store, d_gram.transpose(-1, -2) @ grp.qfg, c0, g)
             dqls_g = z_far.sum(-1)
             plan.scatter(dkls.unsqueeze(-1), dkls_store.unsqueeze(-1), z_far.sum(-2).unsqueeze(-1), c0, g)
             # the carried state: n_t += c_t qf_t S_{c - L}
-            carried = _carried_bounds(plan, a, g, qlsg, m)
-            y = qfg @ reads  # [BH, g, C, Dv + 1]
-            dqls_g += carried * (dn * y).sum(-1)
-            dn_c = dn * carried.unsqueeze(-1)
-            dqf_g += dn_c @ reads.transpose(-1, -2)
-            d_reads = qfg.transpose(-1, -2) @ dn_c  # [BH, g, F, Dv + 1]
+            dqls_g += grp.carried * (dn * grp.y).sum(-1)
+            dn_c = dn * grp.carried.unsqueeze(-1)
+            dqf_g += dn_c @ grp.reads.transpose(-1, -2)
+            d_reads = grp.qfg.transpose(-1, -2) @ dn_c  # [BH, g, F, Dv']
             dqf[:, rows] = dqf_g.view(bh, g * c, qf.shape[-1])
             dqls[:, rows] = dqls_g.view(bh, g * c)
             # reverse scan over the states the group read and the chunks it absorbed
@@ -295,16 +302,9 @@ class ChunkedWindowNumerator(torch.autograd.Function):
                 keys = slice(lo * c, hi * c)
                 v_chunks = v_aug[:, keys].view(bh, hi - lo, c, v_aug.shape[-1])
                 d_kw = v_chunks @ d_inc.transpose(-1, -2)  # [BH, n, C, F]
-                dv[:, keys] += (kw @ d_inc).view(bh, (hi - lo) * c, v_aug.shape[-1])
+                dv[:, keys] += (grp.kw @ d_inc).view(bh, (hi - lo) * c, v_aug.shape[-1])
                 key_scale = plan.key_scale[:, keys].view(bh, hi - lo, c, 1)
                 dkf[:, keys] += (d_kw * key_scale).view(bh, (hi - lo) * c, kf.shape[-1])
-                dkls[:, keys] += (d_kw * kw).sum(-1).view(bh, (hi - lo) * c)
+                dkls[:, keys] += (d_kw * grp.kw).sum(-1).view(bh, (hi - lo) * c)
         d_s0 = carry if needs_s0 else None
         return dq, dqf, dqls, dk, dkf, dkls, dv, d_s0, None, None, None
-
-
-def _carried_bounds(plan: _Plan, a: int, g: int, qlsg: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """exp(qls_t + B_{max(c - L, 0)} - m_t) [BH, g, C] for the group's queries (0 for an empty state)."""
-    index = torch.clamp(torch.arange(a, a + g, device=qlsg.device), min=0)
-    bounds = plan.bounds.index_select(1, index)  # [BH, g]
-    return torch.exp(qlsg + bounds.unsqueeze(-1) - m).nan_to_num_(0.0)
