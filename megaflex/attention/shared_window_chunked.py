@@ -34,16 +34,20 @@ _GROUP_ELEMENTS = 1 << 20
 # the block weights for the backward instead of recomputing them (two matmuls and ~6 elementwise passes)
 _KEEP_ELEMENTS = 1 << 22
 # the Function runs chunks of C / 2^k >= this many queries where that narrows the [C, (L + 1) C] blocks
-_MIN_CHUNK = 32
+_MIN_CHUNK = 16
 
 
 def _inner_chunk(c: int, window: int) -> int:
-    """The chunk the Function runs: C halved while that keeps it >= ``_MIN_CHUNK`` and shrinks the
-    (L + 1) C keys of a query's block (W = 16, C = 64: 64 keys instead of 128; W = 64: 96). Any
-    divisor of C gives the same numerators to rounding (T stays a multiple of it); the per-query
-    state read and key increments cost the same at any C, so only the blocks and the per-chunk
-    overhead (more, smaller matmuls and scan steps) change."""
-    while c % 2 == 0 and c // 2 >= _MIN_CHUNK and (-(-window // (c // 2)) + 1) * (c // 2) < (-(-window // c) + 1) * c:
+    """The chunk the Function runs: C halved while the half is >= ``_MIN_CHUNK``, still covers the window
+    in at most two chunks (L <= 2) and shrinks the (L + 1) C keys of a query's block (at C = 64:
+    W = 16 runs chunks of 16, 32 keys per query instead of 128; W = 64 chunks of 32, 96 keys).
+    Any divisor of C gives the same numerators to rounding (T stays a multiple of it); the
+    per-query state read and key increments cost the same at any C, and below L <= 2 more, smaller
+    chunks cost more in per-chunk steps and small matmuls than their narrower blocks save (CPU)."""
+    def keys(chunk: int) -> int:
+        return (-(-window // chunk) + 1) * chunk
+
+    while c % 2 == 0 and c // 2 >= max(_MIN_CHUNK, -(-window // 2)) and keys(c // 2) < keys(c):
         c //= 2
     return c
 
