@@ -139,25 +139,38 @@ class _Plan:
         return blocks.movedim(-1, 2) if x.dim() == 3 else blocks
 
     def block_grads(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A zero gradient of keys ``like`` [BH, T, *] as (grad, store): ``scatter`` adds block
-        gradients into ``store``, whose rows are grad's behind L C spare rows (the one-group layout
-        of ``key_blocks``: a block's columns before its head's first key land there or in the
-        previous head's rows, as exact zeros)."""
+        """A gradient of keys ``like`` [BH, T, *] as (grad, store): ``scatter`` adds block gradients
+        into ``store``, whose rows are grad's behind L C spare rows (the one-group layout of
+        ``key_blocks``: a block's columns before its head's first key land there or in the previous
+        head's rows, as exact zeros). Zeros with several groups; with one, the single ``scatter``
+        writes every row (its first part by a copy, not an add to zeros)."""
         spare = self.lookback * self.c
-        store = like.new_zeros(spare + like.shape[0] * like.shape[1], *like.shape[2:])
+        rows = spare + like.shape[0] * like.shape[1]
+        one = len(self.groups()) == 1
+        store = like.new_empty(rows, *like.shape[2:]) if one else like.new_zeros(rows, *like.shape[2:])
         return store[spare:].view(like.shape), store
 
     def scatter(self, grad: torch.Tensor, store: torch.Tensor, blocks: torch.Tensor, c0: int, g: int) -> None:
         """grad [BH, T, *] (``store`` its ``block_grads`` storage) += the block gradients [BH, g, R', *]
-        (the first R' <= (L + 1) C keys of each block) of chunks c0 .. c0 + g - 1."""
+        (the first R' <= (L + 1) C keys of each block) of chunks c0 .. c0 + g - 1; with one group
+        (called once per store), grad = them."""
         c, lb = self.c, self.lookback
         bh, rows = blocks.shape[0], blocks.shape[2]
         if g == self.chunks:
             chunks = store.view(-1, c, *store.shape[1:])  # [L + BH nC, C, *]
             flat = blocks.reshape(bh * g, rows, *blocks.shape[3:])
+            n = bh * g
+            if rows == 0:  # no far columns: nothing to add
+                store.zero_()
             for part in range(-(-rows // c)):
                 width = min(c, rows - part * c)
-                chunks[part : part + bh * g, :width].add_(flat[:, part * c : part * c + width])
+                if part == 0:  # the chunks part 0 does not cover (its rows past width, the last L) start at 0
+                    if width < c:
+                        chunks[:n, width:].zero_()
+                    chunks[n:].zero_()
+                    chunks[:n, :width].copy_(flat[:, :width])
+                else:
+                    chunks[part : part + n, :width].add_(flat[:, part * c : part * c + width])
             return
         chunked = grad.view(bh, grad.shape[1] // c, c, *grad.shape[2:])
         for part in range(-(-rows // c)):
@@ -199,11 +212,13 @@ def _group(
     kw = kf[:, keys].view(bh, hi - lo, c, kf.shape[-1]) * plan.key_scale[:, keys].view(bh, hi - lo, c, 1)
     increments = kw.transpose(-1, -2) @ v_aug[:, keys].view(bh, hi - lo, c, v_aug.shape[-1])
     reads = start.new_empty(bh, g, *start.shape[1:])
-    state = start
-    for i in range(g):
-        reads[:, i] = state
-        if a + i >= 0:
-            state = torch.addcmul(increments[:, a + i - lo], state, plan.decay[:, a + i, None, None])
+    reads[:, 0] = start
+    for i in range(g):  # each state straight into its slot: one op per chunk
+        after = reads[:, i + 1] if i + 1 < g else None
+        if a + i < 0:  # chunk i reads the state before the first key, and so does chunk i + 1
+            state = reads[:, i] if after is None else after.copy_(reads[:, i])
+        else:
+            state = torch.addcmul(increments[:, a + i - lo], reads[:, i], plan.decay[:, a + i, None, None], out=after)
     qg, qfg, qlsg = q[:, rows].view(bh, g, c, q.shape[-1]), qf[:, rows].view(bh, g, c, qf.shape[-1]), qls[:, rows].view(bh, g, c)
     kb, kfb = plan.key_blocks(k, c0, g, 0.0), plan.key_blocks(kf, c0, g, 0.0)[:, :, :fc]
     qg = qg * scale
@@ -282,26 +297,26 @@ class ChunkedWindowNumerator(torch.autograd.Function):
             plan.scatter(dv, dv_store, grp.w.transpose(-1, -2) @ dn, c0, g)
             z = dw.mul_(grp.w)
             z[..., :fc].sub_(z_far)  # dL/dlogits: window entries only (exact zeros elsewhere)
-            dq[:, rows] = torch.matmul(z, grp.kb).mul_(scale).view(bh, g * c, q.shape[-1])
+            torch.matmul(z, grp.kb, out=dq[:, rows].view(bh, g, c, q.shape[-1])).mul_(scale)
             plan.scatter(dk, dk_store, z.transpose(-1, -2) @ grp.qg, c0, g)  # qg: q / sqrt d
-            dqf_g = d_gram @ grp.kfb
+            dqf_g = torch.matmul(d_gram, grp.kfb, out=dqf[:, rows].view(bh, g, c, qf.shape[-1]))
             plan.scatter(dkf, dkf_store, d_gram.transpose(-1, -2) @ grp.qfg, c0, g)
             dqls_g = z_far.sum(-1)
             plan.scatter(dkls.unsqueeze(-1), dkls_store.unsqueeze(-1), z_far.sum(-2).unsqueeze(-1), c0, g)
             # the carried state: n_t += c_t qf_t S_{c - L}
             dqls_g += grp.carried * (dn * grp.y).sum(-1)
             dn_c = dn * grp.carried.unsqueeze(-1)
-            dqf_g += dn_c @ grp.reads.transpose(-1, -2)
+            dqf_g.add_(dn_c @ grp.reads.transpose(-1, -2))
             d_reads = grp.qfg.transpose(-1, -2) @ dn_c  # [BH, g, F, Dv']
-            dqf[:, rows] = dqf_g.view(bh, g * c, qf.shape[-1])
             dqls[:, rows] = dqls_g.view(bh, g * c)
             # reverse scan over the states the group read and the chunks it absorbed
             d_inc = d_reads.new_empty(bh, hi - lo, *d_reads.shape[2:])
             for i in reversed(range(g)):
                 if a + i >= 0:
                     d_inc[:, a + i - lo] = carry
-                    carry = carry * plan.decay[:, a + i, None, None]
-                carry = carry + d_reads[:, i]
+                    carry = torch.addcmul(d_reads[:, i], carry, plan.decay[:, a + i, None, None])
+                else:
+                    carry = carry + d_reads[:, i]
             if hi > lo:  # U_j = kw_j^T v_j, kw = kf * key_scale
                 keys = slice(lo * c, hi * c)
                 v_chunks = v_aug[:, keys].view(bh, hi - lo, c, v_aug.shape[-1])
