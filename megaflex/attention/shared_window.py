@@ -51,7 +51,7 @@ import torch
 
 from .base import LinearAttentionState, accumulation_dtype, normalize_output
 from .core import chunked_backend
-from .shared_window_chunked import ChunkedWindowNumerator, block_masks
+from .shared_window_chunked import ChunkedWindowNumerator, block_masks, normalize_numerators
 
 WINDOW_FORMS = ("quadratic", "recurrent", "chunked")
 
@@ -256,7 +256,8 @@ def _chunked(x: _Inputs, window: int, chunk_size: int, backend: str = "auto", de
     kls = flat(_pad(x.kls, t_pad, float("-inf")))
     s0 = _state_aug(x.far)[..., :columns].flatten(0, 1)
     numer = numerator.apply(q, qf, qls, k, kf, kls, v_aug, s0, x.far.log_max.reshape(b * h), window, c)
-    return numer.view(b, h, t_pad, -1)[:, :, p : p + n]
+    numer = numer.view(b, h, t_pad, -1)
+    return numer if (p, n) == (0, t_pad) else numer[:, :, p : p + n]
 
 
 def _chunked_blocks(x: _Inputs, window: int, chunk_size: int) -> torch.Tensor:
@@ -348,8 +349,10 @@ def windowed_linear_attention(
             numer, absorbed = _recurrent(x, window)
         else:
             numer = _quadratic(x, window) if form == "quadratic" else _chunked(x, window, chunk_size, backend, normalization != "rms")
-        den = numer[..., dv] if numer.shape[-1] > dv else None  # "rms" reads no denominator
-        out = normalize_output(numer[..., :dv], den, normalization, eps).to(v.dtype)
+        if form == "chunked" and numer.shape[-1] == dv + (normalization == "denominator"):
+            out = normalize_numerators(numer, normalization, eps).to(v.dtype)  # the training path: fused
+        else:
+            out = normalize_output(numer[..., :dv], numer[..., dv], normalization, eps).to(v.dtype)
         if not return_state:
             return out, None, None
         total = x.k.shape[2]

@@ -28,6 +28,9 @@ from typing import NamedTuple
 
 import torch
 
+from .base import normalize_output
+from .chunked import _normalize_backward
+
 # elements of a group's [heads, g, C, (L + 1) C] temporaries (x 4 bytes = 4 MiB)
 _GROUP_ELEMENTS = 1 << 20
 # up to this many block elements in all (short sequences, a long one's segments), the forward keeps
@@ -327,3 +330,27 @@ class ChunkedWindowNumerator(torch.autograd.Function):
                 dkls[:, keys] += (d_kw * grp.kw).sum(-1).view(bh, (hi - lo) * c)
         d_s0 = carry if needs_s0 else None
         return dq, dqf, dqls, dk, dkf, dkls, dv, d_s0, None, None, None
+
+
+class _Normalize(torch.autograd.Function):
+    """``normalize_output`` of numerators [..., Dv] ("rms") or [..., Dv + 1] (numerator, denominator)
+    with ``chunked.py``'s hand-written backward: a few passes instead of autograd's ~8 ops and their
+    temporaries (the plain kernel fuses the same pair)."""
+
+    @staticmethod
+    def forward(ctx, numer, normalization, eps):  # type: ignore[override]
+        dv = numer.shape[-1] - (normalization == "denominator")
+        ctx.save_for_backward(numer)
+        ctx.meta = (normalization, eps)
+        return normalize_output(numer[..., :dv], numer[..., dv] if normalization == "denominator" else None, normalization, eps)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        (numer,) = ctx.saved_tensors
+        return _normalize_backward(numer, grad, *ctx.meta), None, None
+
+
+def normalize_numerators(numer: torch.Tensor, normalization: str, eps: float) -> torch.Tensor:
+    """The output of ``ChunkedWindowNumerator``'s numerators [..., Dv'] (Dv' = Dv for "rms", Dv + 1 for
+    "denominator"): ``normalize_output`` with a hand-written backward."""
+    return _Normalize.apply(numer, normalization, eps)
