@@ -158,6 +158,51 @@ def test_chunk_groups_agree_with_the_quadratic_form(window, kind, monkeypatch):
         assert_close(a, b, steps=2 * steps + 2 * n * HEADS, floor=floor, name="grad")
 
 
+def test_the_function_runs_narrower_chunks_when_they_shrink_the_blocks():
+    """``_inner_chunk``: C halved (down to 16) while the window stays within two chunks and a query's
+    (L + 1) C block keys shrink; odd or small chunks are kept."""
+    from megaflex.attention.shared_window_chunked import _inner_chunk
+
+    assert [_inner_chunk(64, w) for w in (0, 1, 16, 17, 32, 33, 64, 65, 512)] == [16, 16, 16, 16, 16, 32, 32, 64, 64]
+    assert (_inner_chunk(32, 64), _inner_chunk(29, 5), _inner_chunk(8, 3), _inner_chunk(48, 4)) == (32, 29, 8, 24)
+
+
+@pytest.mark.parametrize("normalization", ["rms", "denominator"])
+@pytest.mark.parametrize("window,one_group", [(16, True), (64, True), (40, True), (16, False), (64, False)])
+def test_narrower_inner_chunks_agree_with_the_quadratic_form(window, one_group, normalization, monkeypatch):
+    """At C = 64 the Function runs chunks of 16 or 32 (``_inner_chunk``), in one group (block weights
+    kept for the backward, key blocks views of the flat keys of every head) or one chunk per group
+    (recomputed), after a carried state and window cache: outputs, state and every gradient as the
+    quadratic form ("rms" runs without the ones column)."""
+    from megaflex.attention import shared_window_chunked
+
+    if not one_group:
+        monkeypatch.setattr(shared_window_chunked, "_GROUP_ELEMENTS", 1)
+        monkeypatch.setattr(shared_window_chunked, "_KEEP_ELEMENTS", 0)
+    fmap = make_map("flexformer_n", HEADS, D, FEAT, seed=31)
+    n = 2 * 64 + 13
+    far, cache = prefix_state(fmap, window, 2, n=50)
+    far.kv.requires_grad_()
+    q0, k0, v0 = make_qkv(2, HEADS, n, D, seed=32)
+    results = {}
+    for form in ("quadratic", "chunked"):
+        q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
+        for p in [far.kv, *fmap.parameters()]:
+            p.grad = None
+        out, state, _ = attend(fmap, q, k, v, window, form, normalization, far=far, cache=cache, chunk_size=64)
+        loss = (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum() + state.kv.square().sum() * 1e-3
+        loss.backward()
+        results[form] = (out.detach(), state.kv.detach(), [q.grad, k.grad, v.grad, far.kv.grad, *(p.grad for p in fmap.parameters())])
+    steps = steps_of(fmap, q0, k0, v0, 50)
+    ref, got = results["quadratic"], results["chunked"]
+    assert_close(got[0], ref[0], steps=steps, name="out")
+    assert_close(got[1], ref[1], steps=steps, name="kv")
+    floor = max(normwise_scale(g) for g in ref[2])
+    for a, b in zip(got[2], ref[2]):
+        assert a is not None and b is not None
+        assert_close(a, b, steps=2 * steps + 2 * n * HEADS, floor=floor, name="grad")
+
+
 @pytest.mark.parametrize("window", [1, 16])
 def test_token_by_token_and_segments_continue_the_full_sequence(window):
     fmap = make_map("flexformer_n", HEADS, D, FEAT, seed=4)
