@@ -116,17 +116,19 @@ def test_forms_agree_in_outputs_states_and_every_gradient(window, n, carried):
             assert_close(a, b, steps=2 * steps + 2 * n * HEADS, floor=floor, name=f"{form} grad")
 
 
+@pytest.mark.parametrize("grouped", [True, False], ids=["chunk-per-group", "one-group"])
 @pytest.mark.parametrize("kind,window", [("flexformer_n", w) for w in (0, 5, 8, 20)] + [("softmax", 5), ("softmax", 20)])
-def test_chunk_groups_agree_with_the_quadratic_form(window, kind, monkeypatch):
+def test_chunk_groups_agree_with_the_quadratic_form(window, kind, grouped, monkeypatch):
     """The chunked Function one chunk per group (states, and dL/dS in the backward, carried from group
     to group; blocks reaching before the first key in several groups; blocks recomputed in the
-    backward, where the other tests' short sequences keep them), after a carried state and
-    window cache: outputs, states and every gradient as the quadratic form. ``softmax``: no far field
-    (zero-width features, from the first token)."""
+    backward, where the other tests' short sequences keep them), or in one group, after a carried
+    state and window cache: outputs, states and every gradient as the quadratic form. ``softmax``:
+    no far field (zero-width features, from the first token)."""
     from megaflex.attention import shared_window_chunked
 
-    monkeypatch.setattr(shared_window_chunked, "_GROUP_ELEMENTS", 1)
-    monkeypatch.setattr(shared_window_chunked, "_KEEP_ELEMENTS", 0)  # the backward recomputes every block
+    if grouped:
+        monkeypatch.setattr(shared_window_chunked, "_GROUP_ELEMENTS", 1)
+        monkeypatch.setattr(shared_window_chunked, "_KEEP_ELEMENTS", 0)  # the backward recomputes every block
     fmap = make_map("flexformer_n", HEADS, D, FEAT, seed=21)
     n, chunk = 3 * 8 + 5, 8
     far, cache = (None, None) if kind == "softmax" else prefix_state(fmap, window, 1, n=11)

@@ -159,6 +159,8 @@ class _Plan:
         (called once per store), grad = them."""
         c, lb = self.c, self.lookback
         bh, rows = blocks.shape[0], blocks.shape[2]
+        if store.numel() == 0:  # zero-width keys (no far field: F = 0)
+            return
         if g == self.chunks:
             chunks = store.view(-1, c, *store.shape[1:])  # [L + BH nC, C, *]
             flat = blocks.reshape(bh * g, rows, *blocks.shape[3:])
