@@ -271,15 +271,16 @@ class ChunkedWindowNumerator(torch.autograd.Function):
             out.addcmul_(grp.carried.unsqueeze(-1), grp.y)
             if plan.keep:
                 kept += list(grp)
-        ctx.save_for_backward(q, qf, qls, k, kf, kls, v_aug, s0, m0, m_all, torch.stack(starts, dim=1), *kept)
+        ctx.save_for_backward(q, qf, qls, k, kf, kls, v_aug, s0, m_all, torch.stack(starts, dim=1), *kept)
         ctx.meta = (window, c, s0.requires_grad)
+        ctx.plan = plan  # its tensors derive from detached kls, m0: the backward reuses them
         return numer
 
     @staticmethod
     def backward(ctx, d_numer):  # type: ignore[override]
-        q, qf, qls, k, kf, kls, v_aug, s0, m0, m_all, starts, *kept = ctx.saved_tensors
+        q, qf, qls, k, kf, kls, v_aug, s0, m_all, starts, *kept = ctx.saved_tensors
         window, c, needs_s0 = ctx.meta
-        plan = _Plan(q, kls, m0, window, c)
+        plan = ctx.plan
         scale = 1.0 / math.sqrt(q.shape[-1])
         bh = q.shape[0]
         d_numer = d_numer.contiguous()
