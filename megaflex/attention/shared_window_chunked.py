@@ -9,15 +9,33 @@ t - s, both built once) and reads S_{c - L}, the linear state of every key befor
     w_ts    = exp(A_ts - m_t) G_ts,  A = q.k / sqrt d (window) | qls_t + kls_s (far), G = 1 | qf_t . kf_s
     n_t     = sum_{s in block} w_ts v_s + exp(qls_t + B_{c-L} - m_t) qf_t S_{c-L}
 
+The Function picks its own chunk, C / 2^k (``_inner_chunk``: at C = 64, 16 for W <= 32 and 32 for
+W <= 64), where narrower blocks cost less than the extra chunks. Per group of chunks: the window
+logits q.k / sqrt d on the whole [C, (L + 1) C] block with an additive -inf mask, the far field
+exp(qls_t + kls_s - m_t) (qf_t . kf_s) on its first R_f = L C - W + C columns only (the keys that
+can be far), one weight block W (the two have disjoint supports), one W v matmul. With one group
+(short sequences) the key blocks are views of one flat copy of the keys of every head behind
+L C fill rows (a head's first blocks reach into the previous head's last keys; the masks zero
+them), so the matmuls take them without a gather and the backward's block gradients go back with
+one add per chunk of the block, not a scatter.
+
 Memory: the forward keeps its inputs (aligned q, k, features, log-scales, v), the stabiliser m
 [T] and the state before each group of chunks; every [C, (L + 1) C] temporary lives for one group
-(~1M elements). The backward recomputes a group's blocks and states from those (one extra
-q.k / qf.kf matmul pair per group), walking the groups in reverse with dL/dS carried between them:
+(~1M elements). Up to ``_KEEP_ELEMENTS`` block elements in all (short sequences, a long one's
+segments) it also keeps each group's record (``_Group``: weights, states read, scaled keys) and
+the backward recomputes nothing; beyond, the backward recomputes a group's blocks and states from
+those (one extra q.k / qf.kf matmul pair per group), walking the groups in reverse with dL/dS
+carried between them:
 
     dw = dn v^T,  Z = dw * w:   dlogits = Z (window),  dqls_t / dkls_s = sum Z (far)
     dG = dw * exp(A - m) (far):  dqf = dG kf,  dkf = dG^T qf
     dS_{c-L} += qf^T (c_t dn_t),  dU_j = dS_{j+1},  dS_j = exp(B_j - B_{j+1}) dS_{j+1} + reads
     dkf_s, dv_s, dkls_s from dU_j as in ``chunked.py``; m and B are detached (no gradient).
+
+The values are any columns: with a ones column last (and k_sum last in s0) the numerators carry
+the denominators; "rms" (which reads none) passes v and kv alone, so every value-side matmul is
+Dv wide. ``normalize_numerators`` applies the output normalisation with ``chunked.py``'s
+hand-written backward.
 """
 
 from __future__ import annotations
@@ -232,7 +250,7 @@ def _group(
     if m is None:
         # far entries qls_t + kls_s are <= qls_t + far_max_t: the row max is the window's or below
         m = torch.maximum(w.amax(-1), qlsg.detach() + plan.far_max[:, rows].view(bh, g, c))
-        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # a row that sees nothing: weights 0 anyway
+        m = m.nan_to_num_(neginf=0.0)  # a row that sees nothing (-inf): weights 0 anyway
     else:
         m = m[:, rows].view(bh, g, c)
     w = w.sub_(m.unsqueeze(-1)).exp_()
