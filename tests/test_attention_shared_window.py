@@ -116,6 +116,18 @@ def test_forms_agree_in_outputs_states_and_every_gradient(window, n, carried):
             assert_close(a, b, steps=2 * steps + 2 * n * HEADS, floor=floor, name=f"{form} grad")
 
 
+def assert_chunked_matches_quadratic(results, steps: float, n: int) -> None:
+    """results[form] = (out, state kv, gradients): the chunked form's within the error bounds of the
+    quadratic form's (the gradients sum over every (batch, head, token) position)."""
+    ref, got = results["quadratic"], results["chunked"]
+    assert_close(got[0], ref[0], steps=steps, name="out")
+    assert_close(got[1], ref[1], steps=steps, name="kv")
+    floor = max(normwise_scale(g) for g in ref[2])
+    for a, b in zip(got[2], ref[2]):
+        assert a is not None and b is not None
+        assert_close(a, b, steps=2 * steps + 2 * n * HEADS, floor=floor, name="grad")
+
+
 @pytest.mark.parametrize("grouped", [True, False], ids=["chunk-per-group", "one-group"])
 @pytest.mark.parametrize("kind,window", [("flexformer_n", w) for w in (0, 5, 8, 20)] + [("softmax", 5), ("softmax", 20)])
 def test_chunk_groups_agree_with_the_quadratic_form(window, kind, grouped, monkeypatch):
@@ -151,13 +163,7 @@ def test_chunk_groups_agree_with_the_quadratic_form(window, kind, grouped, monke
         grads = [q.grad, k.grad, v.grad] + ([] if kind == "softmax" else [far.kv.grad, *(p.grad for p in fmap.parameters())])
         results[form] = (out.detach(), state.kv.detach(), grads)
     steps = steps_of(fmap, q0, k0, v0, 0 if far is None else 11)
-    ref, got = results["quadratic"], results["chunked"]
-    assert_close(got[0], ref[0], steps=steps, name="out")
-    assert_close(got[1], ref[1], steps=steps, name="kv")
-    floor = max(normwise_scale(g) for g in ref[2])
-    for a, b in zip(got[2], ref[2]):
-        assert a is not None and b is not None
-        assert_close(a, b, steps=2 * steps + 2 * n * HEADS, floor=floor, name="grad")
+    assert_chunked_matches_quadratic(results, steps, n)
 
 
 def test_the_function_runs_narrower_chunks_when_they_shrink_the_blocks():
@@ -196,13 +202,7 @@ def test_narrower_inner_chunks_agree_with_the_quadratic_form(window, one_group, 
         loss.backward()
         results[form] = (out.detach(), state.kv.detach(), [q.grad, k.grad, v.grad, far.kv.grad, *(p.grad for p in fmap.parameters())])
     steps = steps_of(fmap, q0, k0, v0, 50)
-    ref, got = results["quadratic"], results["chunked"]
-    assert_close(got[0], ref[0], steps=steps, name="out")
-    assert_close(got[1], ref[1], steps=steps, name="kv")
-    floor = max(normwise_scale(g) for g in ref[2])
-    for a, b in zip(got[2], ref[2]):
-        assert a is not None and b is not None
-        assert_close(a, b, steps=2 * steps + 2 * n * HEADS, floor=floor, name="grad")
+    assert_chunked_matches_quadratic(results, steps, n)
 
 
 @pytest.mark.parametrize("window", [1, 16])
