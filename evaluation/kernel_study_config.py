@@ -32,6 +32,10 @@ ARMS: dict[str, tuple[list[str], str]] = {
     **{f"fn_window{w}": ([f"model.softmax_window={w}", "model.window_mixing=shared_normaliser"],
                          f"exact softmax weights for the last {w} keys, the learned kernel for older ones, one normaliser")
        for w in (16, 64)},
+    **{f"fn_window{w}_denominator": ([f"model.softmax_window={w}", "model.window_mixing=shared_normaliser",
+                                        "model.normalization=denominator"],
+                                       f"fn_window{w} with the softmax-shaped output normalisation (the one-normaliser "
+                                       "sum divided by its mass) instead of rms") for w in (16, 64)},
     **{f"performer_window{w}": ([f"model.softmax_window={w}", "model.window_mixing=shared_normaliser"],
                                 f"Performer (a fixed kernel) for keys older than the last {w}, one normaliser") for w in (16, 64)},
     **{f"softmax_window{w}": ([f"model.softmax_window={w}"], f"sliding-window softmax over the last {w} tokens, no far field")
