@@ -12,6 +12,7 @@ With one seed there is no std, so nothing is claimed beyond the single numbers.
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from pathlib import Path
 from typing import Any, Sequence
@@ -87,10 +88,33 @@ def verdict(summary: list[dict[str, Any]]) -> str:
     if fn.get("omega_rel_change_mean") is not None:
         lines.append(f"- Omega moved {100 * fn['omega_rel_change_mean']:.0f}% from its init (default recipe; "
                      "||Omega - Omega_init|| / ||Omega_init||, mean over layers and seeds).")
+    lines += window_targets(summary)
     seeds = min(s["seeds"] for s in summary)
     rule = ("better/worse = gap of the means > 2 standard errors over seeds" if seeds > 1
             else "one seed: no comparison is separated from seed noise")
     return f"## Verdict (computed from the means; {rule})\n\n" + "\n".join(lines) + "\n"
+
+
+def window_targets(summary: list[dict[str, Any]], within: float = 1.10) -> list[str]:
+    """Verdict lines for each one-normaliser hybrid ``fn_window<W>`` against the controls of the same
+    W: its ratio to softmax (target <= ``within``), and whether the seeds separate it from the pure
+    sliding window (``softmax_window<W>``), Performer with the window (``performer_window<W>``) and
+    the gated hybrid (``fn_gated<W>``)."""
+    by = {s["label"]: s for s in summary}
+    lines = []
+    for label in sorted((s["label"] for s in summary if re.fullmatch(r"fn_window\d+", s["label"])), key=lambda x: int(x[9:])):
+        w, hybrid = label[9:], by[label]
+        for metric, name in EVAL_SETS.items():
+            parts = []
+            if "softmax" in by:
+                ratio = hybrid[f"{metric}_mean"] / by["softmax"][f"{metric}_mean"]
+                parts.append(f"{ratio:.2f}x softmax (target <= {within:.2f}: {'met' if ratio <= within else 'missed'})")
+            for control in (f"softmax_window{w}", f"performer_window{w}", f"fn_gated{w}"):
+                if control in by:
+                    word = {True: "better than", False: "worse than", None: "not separated from"}[beats(hybrid, by[control], metric)]
+                    parts.append(f"{word} {control} ({by[control][f'{metric}_mean']:.1f})")
+            lines.append(f"- {name}, one-normaliser hybrid W={w} {hybrid[f'{metric}_mean']:.1f}: " + "; ".join(parts) + ".")
+    return lines
 
 
 def write_report(

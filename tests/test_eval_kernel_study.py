@@ -12,7 +12,7 @@ import pytest
 from dataclasses import replace
 
 from evaluation.kernel_study import RunSpec, StudyConfig, load_row, main, plan, run_fingerprint, run_study, save_row
-from evaluation.kernel_study_report import aggregate, beats, chi_density
+from evaluation.kernel_study_report import aggregate, beats, chi_density, window_targets
 
 
 TINY = ["--steps", "3", "--kinds", "flexformer_n", "--arms", "fn_hybrid", "--seeds", "2",
@@ -116,6 +116,24 @@ def test_aggregate_and_the_seed_noise_rule() -> None:
     assert beats(a, close, "english_docs_valid_ppl") is None  # 12 +- 2 vs 14 +- 1 over 3 seeds: noise
     single = aggregate(rows[:1])[0]
     assert single["english_docs_valid_ppl_std"] is None and beats(single, b, "english_docs_valid_ppl") is None
+
+
+def test_window_targets_compare_each_hybrid_with_its_own_controls() -> None:
+    def runs(label: str, kind: str, valid: tuple[float, ...]) -> list[dict]:
+        return [{"label": label, "kind": kind, "english_docs_valid_ppl": v, "wikitext2_test_ppl": 2 * v} for v in valid]
+
+    rows = runs("softmax", "softmax", (100, 101, 102)) + runs("fn_window64", "flexformer_n", (108, 109, 110))
+    rows += runs("softmax_window64", "softmax", (120, 121, 122)) + runs("performer_window64", "performer", (100, 110, 120))
+    rows += runs("fn_window16", "flexformer_n", (130, 131, 132)) + runs("softmax_window16", "softmax", (125, 126, 127))
+    lines = window_targets(aggregate(rows))
+    assert len(lines) == 4  # two hybrids (W order) x two eval sets
+    w16, w16_wiki, w64, _ = lines
+    assert w16.startswith("- english-docs valid, one-normaliser hybrid W=16 131.0: 1.30x softmax (target <= 1.10: missed)")
+    assert "worse than softmax_window16 (126.0)" in w16 and "performer_window16" not in w16 and "fn_gated16" not in w16
+    assert "WikiText-2 test" in w16_wiki
+    assert "1.08x softmax (target <= 1.10: met)" in w64 and "better than softmax_window64 (121.0)" in w64
+    assert "not separated from performer_window64 (110.0)" in w64  # 109 +- 1 vs 110 +- 10 over 3 seeds
+    assert window_targets(aggregate(runs("softmax", "softmax", (1, 2)))) == []
 
 
 def test_chi_density_integrates_to_one_with_the_right_mean() -> None:
