@@ -36,6 +36,15 @@ ARMS: dict[str, tuple[list[str], str]] = {
                                         "model.normalization=denominator"],
                                        f"fn_window{w} with the softmax-shaped output normalisation (the one-normaliser "
                                        "sum divided by its mass) instead of rms") for w in (16, 64)},
+    **{f"fn_window{w}_capped": ([f"model.softmax_window={w}", "model.window_mixing=shared_normaliser",
+                                   "model.normalization=capped_denominator"],
+                                  f"fn_window{w} divided by its mass, with the denominator capped so the output's RMS "
+                                  "stays <= 2 (attention/base.py), instead of rms") for w in (16, 64)},
+    "fn_capped": (["model.normalization=capped_denominator"],
+                  "the capped denominator (attention/base.py) instead of rms, no window"),
+    **{f"performer_window{w}_capped": ([f"model.softmax_window={w}", "model.window_mixing=shared_normaliser",
+                                        "model.normalization=capped_denominator"],
+                                       f"performer_window{w} with the capped denominator instead of rms") for w in (16, 64)},
     **{f"performer_window{w}": ([f"model.softmax_window={w}", "model.window_mixing=shared_normaliser"],
                                 f"Performer (a fixed kernel) for keys older than the last {w}, one normaliser") for w in (16, 64)},
     **{f"softmax_window{w}": ([f"model.softmax_window={w}"], f"sliding-window softmax over the last {w} tokens, no far field")
@@ -44,7 +53,8 @@ ARMS: dict[str, tuple[list[str], str]] = {
                     "full softmax with the hybrids' output normalisation (rms): a window beyond every sequence"),
 }
 # the kind an arm changes (default: flexformer_n)
-ARM_KINDS = {"softmax_rms": "softmax", **{f"performer_window{w}": "performer" for w in (16, 64)}, **{f"softmax_window{w}": "softmax" for w in (16, 64)}}
+ARM_KINDS = {"softmax_rms": "softmax", **{f"performer_window{w}{c}": "performer" for w in (16, 64) for c in ("", "_capped")},
+             **{f"softmax_window{w}": "softmax" for w in (16, 64)}}
 # study v3's arms: with --kinds softmax,flexformer_n,cosformer (README "The kernel study")
 V3_ARMS = ("softmax_rms",) + tuple(f"{arm}{w}" for w in (16, 64)
                                    for arm in ("softmax_window", "fn_window", "fn_gated", "performer_window"))  # fmt: skip

@@ -96,24 +96,26 @@ def verdict(summary: list[dict[str, Any]]) -> str:
 
 
 def window_targets(summary: list[dict[str, Any]], within: float = 1.10) -> list[str]:
-    """Verdict lines for each one-normaliser hybrid ``fn_window<W>`` against the controls of the same
-    W: its ratio to softmax (target <= ``within``), and whether the seeds separate it from the pure
-    sliding window (``softmax_window<W>``), Performer with the window (``performer_window<W>``) and
-    the gated hybrid (``fn_gated<W>``)."""
+    """Verdict lines for each one-normaliser hybrid ``fn_window<W>`` (and its ``_capped`` arm) against
+    the controls of the same W: its ratio to softmax (target <= ``within``), and whether the seeds
+    separate it from the pure sliding window (``softmax_window<W>``), Performer with the window and
+    the same normalisation (``performer_window<W>[_capped]``), the gated hybrid (``fn_gated<W>``) and,
+    for the capped arm, the rms one (``fn_window<W>``)."""
     by = {s["label"]: s for s in summary}
+    hybrids = [(s["label"], m) for s in summary if (m := re.fullmatch(r"fn_window(\d+)(_capped)?", s["label"]))]
     lines = []
-    for label in sorted((s["label"] for s in summary if re.fullmatch(r"fn_window\d+", s["label"])), key=lambda x: int(x[9:])):
-        w, hybrid = label[9:], by[label]
+    for label, match in sorted(hybrids, key=lambda h: (int(h[1][1]), h[0])):
+        w, suffix, hybrid = match[1], match[2] or "", by[label]
+        controls = [f"softmax_window{w}", f"performer_window{w}{suffix}", f"fn_gated{w}"] + ([f"fn_window{w}"] if suffix else [])
         for metric, name in EVAL_SETS.items():
             parts = []
             if "softmax" in by:
                 ratio = hybrid[f"{metric}_mean"] / by["softmax"][f"{metric}_mean"]
                 parts.append(f"{ratio:.2f}x softmax (target <= {within:.2f}: {'met' if ratio <= within else 'missed'})")
-            for control in (f"softmax_window{w}", f"performer_window{w}", f"fn_gated{w}"):
-                if control in by:
-                    word = {True: "better than", False: "worse than", None: "not separated from"}[beats(hybrid, by[control], metric)]
-                    parts.append(f"{word} {control} ({by[control][f'{metric}_mean']:.1f})")
-            lines.append(f"- {name}, one-normaliser hybrid W={w} {hybrid[f'{metric}_mean']:.1f}: " + "; ".join(parts) + ".")
+            for control in (c for c in controls if c in by):
+                word = {True: "better than", False: "worse than", None: "not separated from"}[beats(hybrid, by[control], metric)]
+                parts.append(f"{word} {control} ({by[control][f'{metric}_mean']:.1f})")
+            lines.append(f"- {name}, {label} (W={w}) {hybrid[f'{metric}_mean']:.1f}: " + "; ".join(parts) + ".")
     return lines
 
 

@@ -124,6 +124,53 @@ def test_denominator_mode_is_finite_when_the_trig_denominator_crosses_zero(form)
     assert torch.isfinite(kf.grad).all() and torch.isfinite(v.grad).all()
 
 
+def _crossing_denominators(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qf = e1 and keys +-e1: d_t = sum_s qf_t . kf_s goes 1, 0, 1, 0, -1, ... (zero at even t, negative
+    later) while the numerator does not vanish. Returns qf, kf, v (leaves) and the exact d_t."""
+    n = 10
+    qf = torch.zeros(1, 1, n, 2, dtype=dtype)
+    qf[..., 0] = 1.0
+    signs = torch.tensor([1.0, -1.0, 1.0, -1.0, -1.0, -1.0, 1.0, 1.0, 1.0, -1.0], dtype=dtype)
+    kf = torch.zeros(1, 1, n, 2, dtype=dtype)
+    kf[0, 0, :, 0] = signs
+    v = torch.randn(1, 1, n, 3, generator=torch.Generator().manual_seed(3)).to(dtype)
+    return qf, kf.requires_grad_(), v.requires_grad_(), torch.cumsum(signs, 0)
+
+
+@pytest.mark.parametrize("form", AVAILABLE_FORMS)
+def test_capped_denominator_is_the_ratio_below_the_cap_and_bounded_where_d_crosses_zero(form):
+    from megaflex.attention.base import OUTPUT_RMS_CAP
+
+    qf, kf, v, denominators = _crossing_denominators(torch.float32)
+    eps = 1e-6
+    out, _ = causal_linear_attention(qf, kf, None, v, form=form, normalization="capped_denominator", chunk_size=4, eps=eps)
+    numerators = torch.cumsum(kf[0, 0, :, :1].detach() * v[0, 0].detach(), 0)
+    floor = torch.sqrt(numerators.pow(2).mean(-1) + eps * eps) / OUTPUT_RMS_CAP
+    capped = denominators < floor
+    assert capped.any() and (~capped).any()  # both regimes: zero / negative d and well-conditioned d
+    assert_close(out[0, 0], numerators / torch.maximum(denominators, floor)[:, None], steps=2 * 10 + 4)
+    rms = out[0, 0].pow(2).mean(-1).sqrt()
+    assert (rms <= OUTPUT_RMS_CAP * (1 + 1e-5)).all()  # where d <= 0 the plain guard gives |n| / eps
+    assert torch.allclose(rms[capped], torch.full_like(rms[capped], OUTPUT_RMS_CAP), rtol=1e-5)
+
+
+@pytest.mark.parametrize("form", [f for f in AVAILABLE_FORMS if f != "quadratic"])
+def test_capped_denominator_gradients_match_the_reference_in_both_regimes(form):
+    """The chunked Function's hand-written backward (and the recurrent form's autograd) against
+    autograd through the quadratic form, fp64, on denominators that cross zero."""
+    grads = {}
+    for name in ("quadratic", form):
+        qf, kf, v, _ = _crossing_denominators(torch.float64)
+        qf = qf.requires_grad_()
+        out, _ = causal_linear_attention(qf, kf, None, v, form=name, normalization="capped_denominator", chunk_size=4)
+        probe = torch.linspace(-1, 1, out.numel(), dtype=torch.float64).view_as(out)
+        grads[name] = torch.autograd.grad((out * probe).sum(), (qf, kf, v))
+    # qf's gradient is ~0 (the output is invariant to a per-query scale): compare on the scale of 1
+    for want, got in zip(grads["quadratic"], grads[form]):
+        assert_close(got, want, steps=40, dtype=torch.float64, floor=1.0)
+    assert grads[form][1].abs().max() > 0.1 and grads[form][2].abs().max() > 0.1
+
+
 @pytest.mark.parametrize("form", AVAILABLE_FORMS)
 def test_rms_mode_with_zero_numerator_is_finite(form):
     qf, kf, _ = make_qkv(1, 2, 9, 4, seed=4)

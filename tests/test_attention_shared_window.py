@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megaflex.attention import causal_linear_attention
+from megaflex.attention import NORMALIZATIONS, causal_linear_attention
 from megaflex.attention.shared_window import WindowCache, windowed_linear_attention
 from tests.attention_helpers import attention_steps, log_scale_spread, make_map, make_qkv, saved_bytes
 from tests.numerics import assert_close, normwise_scale
@@ -175,7 +175,7 @@ def test_the_function_runs_narrower_chunks_when_they_shrink_the_blocks():
     assert (_inner_chunk(32, 64), _inner_chunk(29, 5), _inner_chunk(8, 3), _inner_chunk(48, 4)) == (32, 29, 8, 24)
 
 
-@pytest.mark.parametrize("normalization", ["rms", "denominator"])
+@pytest.mark.parametrize("normalization", NORMALIZATIONS)
 @pytest.mark.parametrize("window,one_group", [(16, True), (64, True), (40, True), (16, False), (64, False)])
 def test_narrower_inner_chunks_agree_with_the_quadratic_form(window, one_group, normalization, monkeypatch):
     """At C = 64 the Function runs chunks of 16 or 32 (``_inner_chunk``), in one group (block weights
@@ -223,7 +223,7 @@ def test_token_by_token_and_segments_continue_the_full_sequence(window):
         assert state.offset == full_state.offset == far.offset + q.shape[2]
 
 
-@pytest.mark.parametrize("normalization", ["rms", "denominator"])
+@pytest.mark.parametrize("normalization", NORMALIZATIONS)
 def test_a_window_covering_every_key_is_exact_softmax(normalization):
     fmap = make_map("flexformer_n", HEADS, D, FEAT, seed=6)
     q, k, v = make_qkv(2, HEADS, 37, D, seed=6, scale=1.0)
@@ -235,7 +235,7 @@ def test_a_window_covering_every_key_is_exact_softmax(normalization):
         assert_close(got, softmax, steps=steps_of(fmap, q, k, v), name=form)
 
 
-@pytest.mark.parametrize("normalization", ["rms", "denominator"])
+@pytest.mark.parametrize("normalization", NORMALIZATIONS)
 def test_no_window_is_plain_linear_attention(normalization):
     fmap = make_map("flexformer_n", HEADS, D, FEAT, seed=8)
     q, k, v = make_qkv(2, HEADS, 3 * CHUNK + 5, D, seed=8)

@@ -19,7 +19,8 @@ import torch  # noqa: E402
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install 'megaflex[dev]' installs it)")
 import triton.language as tl  # noqa: E402
 
-from megaflex.attention import LinearAttentionState, NORMALIZATIONS  # noqa: E402
+from megaflex.attention import LinearAttentionState  # noqa: E402
+from megaflex.attention.triton.function import KERNEL_NORMALIZATIONS  # noqa: E402
 from megaflex.attention.feature_maps._trig import trig_feature_map_reference  # noqa: E402
 from megaflex.attention.quadratic import quadratic_linear_attention  # noqa: E402
 from megaflex.attention.triton import kernel_chunk, trig_linear_attention, triton_linear_attention  # noqa: E402
@@ -114,7 +115,7 @@ def _run_core(fn, n, chunk, normalization, with_state, key_scale, dtype, values=
 # length at both chunk sizes but 200 at 16 (13 interpreted chunks; 65 at 16 already runs 5, the
 # last partial, and 200 at 64 four).
 @pytest.mark.parametrize("with_state,key_scale", [(False, 1.0), (True, 1.0), (True, 100.0)])
-@pytest.mark.parametrize("normalization", NORMALIZATIONS)
+@pytest.mark.parametrize("normalization", KERNEL_NORMALIZATIONS)
 @pytest.mark.parametrize("n,chunk", [(n, c) for n in LENGTHS for c in CHUNKS if (n, c) != (200, 16)])
 def test_core_kernels_match_quadratic_fp32(n, chunk, normalization, with_state, key_scale):
     args = (n, chunk, normalization, with_state, key_scale)
@@ -128,7 +129,7 @@ def test_core_kernels_match_quadratic_fp32(n, chunk, normalization, with_state, 
 
 
 @pytest.mark.parametrize("with_state", [False, True])
-@pytest.mark.parametrize("normalization", NORMALIZATIONS)
+@pytest.mark.parametrize("normalization", KERNEL_NORMALIZATIONS)
 @pytest.mark.parametrize("n,chunk", [(1, 16), (65, 16), (200, 64)])
 def test_core_kernels_match_quadratic_fp16(n, chunk, normalization, with_state):
     args = (n, chunk, normalization, with_state, 100.0)
@@ -175,7 +176,7 @@ def _run_trig(
     return out, new_state, _loss_and_grads(out, new_state, grads_of), steps
 
 
-@pytest.mark.parametrize("normalization", NORMALIZATIONS)
+@pytest.mark.parametrize("normalization", KERNEL_NORMALIZATIONS)
 @pytest.mark.parametrize("paired", [True, False])
 @pytest.mark.parametrize(
     "n,chunk,with_state,temperature_scale", [(1, 16, False, 1.0), (31, 64, True, 1.0), (65, 16, False, 100.0), (200, 64, True, 100.0)]

@@ -125,10 +125,13 @@ def test_window_targets_compare_each_hybrid_with_its_own_controls() -> None:
     rows = runs("softmax", "softmax", (100, 101, 102)) + runs("fn_window64", "flexformer_n", (108, 109, 110))
     rows += runs("softmax_window64", "softmax", (120, 121, 122)) + runs("performer_window64", "performer", (100, 110, 120))
     rows += runs("fn_window16", "flexformer_n", (130, 131, 132)) + runs("softmax_window16", "softmax", (125, 126, 127))
+    rows += runs("fn_window16_capped", "flexformer_n", (103, 104, 105)) + runs("performer_window16_capped", "performer", (150, 151, 152))
     lines = window_targets(aggregate(rows))
-    assert len(lines) == 4  # two hybrids (W order) x two eval sets
-    w16, w16_wiki, w64, _ = lines
-    assert w16.startswith("- english-docs valid, one-normaliser hybrid W=16 131.0: 1.30x softmax (target <= 1.10: missed)")
+    assert len(lines) == 6  # three hybrids (by W, then name) x two eval sets
+    w16, w16_wiki, capped, _, w64, _ = lines
+    assert w16.startswith("- english-docs valid, fn_window16 (W=16) 131.0: 1.30x softmax (target <= 1.10: missed)")
+    assert capped.startswith("- english-docs valid, fn_window16_capped (W=16) 104.0: 1.03x softmax (target <= 1.10: met)")
+    assert "better than performer_window16_capped (151.0)" in capped and "better than fn_window16 (131.0)" in capped
     assert "worse than softmax_window16 (126.0)" in w16 and "performer_window16" not in w16 and "fn_gated16" not in w16
     assert "WikiText-2 test" in w16_wiki
     assert "1.08x softmax (target <= 1.10: met)" in w64 and "better than softmax_window64 (121.0)" in w64

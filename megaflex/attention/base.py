@@ -17,7 +17,15 @@ Output normalisation (shared by every form, so they agree to rounding):
 * ``"denominator"``: ``o_t = n_t / guard(d_t)`` with ``d_t = sum_s w_ts`` and
   ``guard(x) = sign(x) * max(|x|, eps)``, ``sign(0) = +1``: the classic linear-attention
   normalisation, guarded so a denominator crossing zero gives a large but finite output.
-  Exact for positive feature maps; needed to compare against softmax attention.
+  Exact for positive feature maps; needed to compare against softmax attention. With signed
+  (trig) features it does not train: the first negative weights drive some d_t to ~0 and the
+  gradient norm to 1e4+ (docs/results/kernel_study_v3/denominator.md).
+* ``"capped_denominator"``: ``o_t = n_t / max(d_t, r_t / OUTPUT_RMS_CAP)`` with
+  ``r_t = sqrt(mean_j n_tj^2 + eps^2)``: the denominator's ratio wherever it keeps the output's
+  RMS at most ``OUTPUT_RMS_CAP``, the RMS norm scaled to that ceiling where d_t is small, negative
+  or zero. Equal to ``"denominator"`` for every query whose output is not larger than the cap
+  (softmax-like weights give a convex combination of the values, whose RMS is O(1) at the
+  model's scale), bounded outputs and gradients everywhere; invariant to per-query scalars up to eps.
 """
 
 from __future__ import annotations
@@ -74,7 +82,16 @@ class LinearAttentionState:
         return LinearAttentionState(self.kv.detach(), self.k_sum.detach(), self.log_max.detach(), self.offset)
 
 
-NORMALIZATIONS = ("rms", "denominator")
+NORMALIZATIONS = ("rms", "denominator", "capped_denominator")
+# "capped_denominator": the largest output RMS the denominator's ratio may give before the RMS norm
+# takes over. The model's values are O(0.1-1) per entry (RMS-normed inputs, 0.02-std projections),
+# so the ceiling only binds near-zero or negative denominators; 2 and 8 both train (one seed).
+OUTPUT_RMS_CAP = 2.0
+
+
+def reads_denominator(normalization: str) -> bool:
+    """Whether ``normalization`` divides by the kernel sum d_t (the forms then carry it)."""
+    return normalization != "rms"
 
 
 def guard_denominator(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -82,16 +99,24 @@ def guard_denominator(x: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.where(x >= 0, x.clamp(min=eps), x.clamp(max=-eps))
 
 
+def capped_denominator(numerator: torch.Tensor, denominator: torch.Tensor, eps: float) -> torch.Tensor:
+    """max(d, sqrt(mean n^2 + eps^2) / OUTPUT_RMS_CAP) [...] of ``numerator`` [..., Dv], ``denominator`` [...]."""
+    floor = torch.sqrt(numerator.pow(2).mean(dim=-1) + eps * eps) / OUTPUT_RMS_CAP
+    return torch.maximum(denominator, floor)
+
+
 def normalize_output(numerator: torch.Tensor, denominator: torch.Tensor | None, normalization: str, eps: float) -> torch.Tensor:
     """Apply the output normalisation to fp32 ``numerator`` [..., Dv] (``denominator`` [...]).
 
-    ``denominator`` is only read for ``normalization="denominator"`` (may be None for "rms").
+    ``denominator`` is only read when ``reads_denominator(normalization)`` (may be None for "rms").
     """
     if normalization == "rms":
         return numerator * torch.rsqrt(numerator.pow(2).mean(dim=-1, keepdim=True) + eps)
-    if normalization == "denominator":
+    if normalization in NORMALIZATIONS:
         if denominator is None:
-            raise ValueError("normalize_output: normalization='denominator' needs a denominator, got None")
+            raise ValueError(f"normalize_output: normalization={normalization!r} needs a denominator, got None")
+        if normalization == "capped_denominator":
+            return numerator / capped_denominator(numerator, denominator, eps).unsqueeze(-1)
         return numerator / guard_denominator(denominator, eps).unsqueeze(-1)
     raise ValueError(f"normalization: expected one of {NORMALIZATIONS}, got {normalization!r}")
 

@@ -63,7 +63,10 @@ import functools
 import torch
 
 from ._heads import for_each_head
-from .base import LinearAttentionState, fp32_inputs, guard_denominator, normalize_output
+from .base import (
+    OUTPUT_RMS_CAP, LinearAttentionState, capped_denominator, fp32_inputs, guard_denominator, normalize_output,
+    reads_denominator,
+)
 from .validation import validate_linear_attention_inputs
 
 # target number of elements of a group's C x C weight block (x 4 bytes = 1 MiB)
@@ -196,6 +199,18 @@ def _normalize_backward(n: torch.Tensor, grad: torch.Tensor, normalization: str,
     dv = n.shape[-1] - 1
     num, den = n[..., :dv], n[..., dv]
     d_n = torch.empty_like(n)
+    if normalization == "capped_denominator":
+        # G = max(d, r / cap), r = (mean n^2 + eps^2)^1/2. Where d wins, as above; where the floor
+        # wins, o = cap n / r (the RMS norm): dn = g / G - cap mean(n g) / r^3 n, dd = 0
+        guard = capped_denominator(num, den, eps)
+        ratio = den >= guard
+        torch.div(grad, guard.unsqueeze(-1), out=d_n[..., :dv])
+        ng = (num * grad).mean(dim=-1)
+        r = torch.sqrt(num.pow(2).mean(dim=-1) + eps * eps)
+        coef = torch.where(ratio, 0.0, ng * OUTPUT_RMS_CAP / r.pow(3))
+        d_n[..., :dv] -= coef.unsqueeze(-1) * num
+        d_n[..., dv] = torch.where(ratio, -dv * ng / guard.pow(2), 0.0)
+        return d_n
     guard = guard_denominator(den, eps)
     torch.div(grad, guard.unsqueeze(-1), out=d_n[..., :dv])
     d_n[..., dv] = -(d_n[..., :dv] * num).sum(dim=-1) / guard * (den.abs() >= eps)
@@ -336,7 +351,7 @@ class _ChunkedLinearAttention(torch.autograd.Function):
         most = max(g for _, g, _, _ in groups)
         # numerator columns actually needed: "rms" never reads the denominator, so its matmuls stay
         # Dv wide (64 columns run ~20% faster than 65 in MKL); the state always has the k_sum column
-        nc = dv + 1 if normalization == "denominator" else dv
+        nc = dv + 1 if reads_denominator(normalization) else dv
         numer = q.new_empty(bh, n_pad, nc)  # fp32 numerator (+ denominator), kept for backward
         out = torch.empty(bh, n_pad, dv, dtype=out_dtype, device=q.device)
 

@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from .base import LinearAttentionState, fp32_inputs, normalize_output
+from .base import LinearAttentionState, fp32_inputs, normalize_output, reads_denominator
 from .validation import validate_linear_attention_inputs
 
 # (q, k, v [B, T, H, *], g [B, T, H], scale, initial_state [B, H, K, V] | None, output_final_state)
@@ -69,7 +69,7 @@ def gla_linear_attention(
     start = torch.where(torch.isfinite(m0), m0, m[..., 0])
     gates = torch.cat([start.unsqueeze(-1), m[..., :-1]], dim=-1) - m  # g_t = m_{t-1} - m_t <= 0
     keys = k * torch.exp(lam - m).unsqueeze(-1)  # exp(kls_s - m_s) kf_s
-    denominator = normalization == "denominator"
+    denominator = reads_denominator(normalization)
     values = torch.cat([vv, torch.ones_like(vv[..., :1])], dim=-1) if denominator else vv
     s0 = torch.cat([state.kv, state.k_sum.unsqueeze(-1)], dim=-1) if denominator else state.kv
     s0 = torch.where(torch.isfinite(m0)[..., None, None], s0, torch.zeros_like(s0))

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from ._heads import for_each_head
-from .base import LinearAttentionState, accumulation_dtype, normalize_output
+from .base import LinearAttentionState, accumulation_dtype, normalize_output, reads_denominator
 from .chunked import (
     GroupScratch, _groups, _normalize_backward, _plan, _stabiliser, chunked_linear_attention, group_backward, group_forward,
     unpack_result,
@@ -90,7 +90,7 @@ class _ChunkedTrigAttention(torch.autograd.Function):
         states = q.new_empty(bh, len(groups) + 1, feat, dv + 1)
         states[:, 0] = s0
         most = max(g for _, g, _, _ in groups)
-        nc = dv + 1 if normalization == "denominator" else dv
+        nc = dv + 1 if reads_denominator(normalization) else dv
         numer = q.new_empty(bh, n, nc)
         out = torch.empty(bh, n, dv, dtype=out_dtype, device=q.device)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import LinearAttentionState, accumulation_dtype, fp32_inputs, normalize_output
+from .base import LinearAttentionState, accumulation_dtype, fp32_inputs, normalize_output, reads_denominator
 
 
 def recurrent_linear_attention(
@@ -91,7 +91,7 @@ def recurrent_step(
     q = qf.to(acc).reshape(bh, 1, feat)
     numerator = torch.bmm(q, kv).reshape(batch, heads, 1, value_dim)
     denominator = None
-    if normalization == "denominator":
+    if reads_denominator(normalization):
         denominator = (q.reshape(batch, heads, 1, feat) * k_sum.unsqueeze(2)).sum(dim=-1)  # [B, H, 1]
     out = normalize_output(numerator, denominator, normalization, eps)
     new_state = LinearAttentionState(

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import LinearAttentionState, accumulation_dtype, normalize_output
+from .base import LinearAttentionState, accumulation_dtype, normalize_output, reads_denominator
 from .core import chunked_backend
 from .shared_window_chunked import ChunkedWindowNumerator, block_masks, normalize_numerators
 
@@ -348,8 +348,8 @@ def windowed_linear_attention(
         if form == "recurrent":
             numer, absorbed = _recurrent(x, window)
         else:
-            numer = _quadratic(x, window) if form == "quadratic" else _chunked(x, window, chunk_size, backend, normalization != "rms")
-        if form == "chunked" and numer.shape[-1] == dv + (normalization == "denominator"):
+            numer = _quadratic(x, window) if form == "quadratic" else _chunked(x, window, chunk_size, backend, reads_denominator(normalization))
+        if form == "chunked" and numer.shape[-1] == dv + reads_denominator(normalization):
             out = normalize_numerators(numer, normalization, eps).to(v.dtype)  # the training path: fused
         else:
             out = normalize_output(numer[..., :dv], numer[..., dv], normalization, eps).to(v.dtype)

@@ -46,7 +46,7 @@ from typing import NamedTuple
 
 import torch
 
-from .base import normalize_output
+from .base import normalize_output, reads_denominator
 from .chunked import _normalize_backward
 
 # elements of a group's [heads, g, C, (L + 1) C] temporaries (x 4 bytes = 4 MiB)
@@ -360,10 +360,10 @@ class _Normalize(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, numer, normalization, eps):  # type: ignore[override]
-        dv = numer.shape[-1] - (normalization == "denominator")
+        dv = numer.shape[-1] - reads_denominator(normalization)
         ctx.save_for_backward(numer)
         ctx.meta = (normalization, eps)
-        return normalize_output(numer[..., :dv], numer[..., dv] if normalization == "denominator" else None, normalization, eps)
+        return normalize_output(numer[..., :dv], numer[..., dv] if reads_denominator(normalization) else None, normalization, eps)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]

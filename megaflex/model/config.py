@@ -33,7 +33,7 @@ class ModelConfig:
     # Attention ("softmax" or one of the linear feature-map kinds of megaflex.attention).
     attention: str = "flexformer_n"
     feature_dim: int = 128  # F: size of the feature axis (2 x number of frequencies for trig maps)
-    normalization: str = "rms"  # linear attention only: "rms" (default, stable) or "denominator"
+    normalization: str = "rms"  # linear attention only: "rms" (default, stable), "denominator" or "capped_denominator" (attention/base.py)
     chunk_size: int = 64  # chunk length of the parallel (training) linear-attention form
     # chunked form's implementation: "auto" (Triton kernels on CUDA, torch on CPU), "torch",
     # "triton" (also on CPU tensors under TRITON_INTERPRET=1: slow, for tests), or "fla"

@@ -340,9 +340,15 @@ def check_triton_dtype(t: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name}: the triton backend takes fp16, bf16 or fp32, got {t.dtype} (use attention_backend='torch')")
 
 
+# the output normalisations the plain kernels fuse into ``chunk_outputs`` (AttentionCore runs the
+# others, "capped_denominator", on the torch Function)
+KERNEL_NORMALIZATIONS = ("rms", "denominator")
+
+
 def check_options(normalization: str, chunk_size: int, eps: float) -> None:
-    if normalization not in NORMALIZATIONS:
-        raise ValueError(f"normalization: expected one of {NORMALIZATIONS}, got {normalization!r}")
+    if normalization not in KERNEL_NORMALIZATIONS:
+        extra = " (capped_denominator: attention_backend torch)" if normalization in NORMALIZATIONS else ""
+        raise ValueError(f"normalization: the Triton linear-attention kernels take one of {KERNEL_NORMALIZATIONS}, got {normalization!r}{extra}")
     if not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
     if not eps > 0:
@@ -397,6 +403,7 @@ def triton_linear_attention(
     validate_linear_attention_inputs(
         qf, kf, kls, v, normalization=normalization, chunk_size=chunk_size, initial_state=initial_state, eps=eps
     )
+    check_options(normalization, chunk_size, eps)
     for name, t in (("qf", qf), ("kf", kf), ("v", v)):
         check_triton_dtype(t, name)
     batch, heads, n, _ = qf.shape
