@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from megaflex.attention.base import NORMALIZATIONS
 from megaflex.checkpoint.layout import run_checkpoint_dir
 
 from evaluation.kernel_study import RunSpec, StudyConfig, evaluate_run, prepare_data, reused_run_data, train_run
@@ -70,10 +71,13 @@ class DistillStudyConfig(StudyConfig):
     # W > 0: every student and the scratch run mix exact softmax over the last W tokens into their
     # linear attention (model.softmax_window, attention/hybrid.py; LoLCATs' sliding window)
     softmax_window: int = 0
+    # the students' (and scratch's) output normalisation: model.normalization (attention/base.py)
+    normalization: str = "rms"
 
     def student_model_overrides(self) -> list[str]:
         """Model overrides every student (stage 1; stage 2 inherits its model) and the scratch run get."""
-        return [f"model.softmax_window={self.softmax_window}"] if self.softmax_window else []
+        window = [f"model.softmax_window={self.softmax_window}"] if self.softmax_window else []
+        return window + ([f"model.normalization={self.normalization}"] if self.normalization != "rms" else [])
 
     def stage_tokens(self) -> int:
         """Tokens of stage 1 + stage 2 (same batch and sequence length as the teacher)."""
@@ -107,7 +111,10 @@ def distill_overrides(cfg: DistillStudyConfig, student: str, stage: str, teacher
     else:
         out += ["distill.stage=finetune", f"checkpoint.init_from={run_checkpoint_dir(init_from)}",
                 f"distill.lora_rank={cfg.lora_rank}", f"distill.lora_alpha={cfg.lora_alpha}",
-                f"distill.kl_weight={cfg.kl_weight}"]
+                f"distill.kl_weight={cfg.kl_weight}",
+                # stage 1's model is the default, but the base YAML's model keys (configs/tiny.yaml sets
+                # model.normalization) would win over it: repeat what differs from the teacher's
+                *cfg.student_model_overrides()]
     return out
 
 
@@ -312,7 +319,8 @@ def write_report(cfg: DistillStudyConfig, rows: list[dict[str, Any]], command: s
         f"Seeds {cfg.seed_list}; teacher: softmax, {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} heads, "
         f"vocab {cfg.vocab_size}, {cfg.steps} steps x {cfg.global_batch_size} x {cfg.seq_len} tokens"
         f"{f' (reused from {cfg.teacher_runs})' if cfg.teacher_runs else ''}; students {cfg.students}"
-        f"{f' with model.softmax_window={cfg.softmax_window} (scratch too)' if cfg.softmax_window else ''}, feature_dim "
+        f"{f' with model.softmax_window={cfg.softmax_window} (scratch too)' if cfg.softmax_window else ''}"
+        f"{f', model.normalization={cfg.normalization}' if cfg.normalization != 'rms' else ''}, feature_dim "
         f"{cfg.feature_dim}; device {cfg.device}; wall time {seconds / 60:.1f} min.\n",
         f"Stage 1 (attention transfer, kernel parameters + gains only; output MSE weight {cfg.output_mse_weight:g}, "
         f"weights CE weight {cfg.weights_ce_weight:g}): {cfg.stage1_steps} steps, lr {cfg.stage1_lr:g}. Stage 2 "
@@ -343,6 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--students", default=",".join(defaults.students), help="comma-separated student attention kinds")
     p.add_argument("--teacher-runs", default=None, help="a kernel study's runs/ folder: reuse its softmax_s{seed} runs")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--normalization", default=defaults.normalization, choices=list(NORMALIZATIONS),
+                   help="the students' (and scratch's) output normalisation (model.normalization)")
     for name in ("data_root", "work_dir", "out"):
         p.add_argument("--" + name.replace("_", "-"), default=getattr(defaults, name))
     for names, kind in ((INT_FLAGS, int), (FLOAT_FLAGS, float)):

@@ -70,8 +70,10 @@ def test_tiny_study_end_to_end(shared_data: Path, tmp_path: Path) -> None:
                                          r"\(teacher, study\): \{'hidden_size': \(32, 64\)\}"):
         teacher_data(dataclasses.replace(reuse, hidden_size=64), teacher)
     # a second study on that teacher (not retrained): full-parameter stage 2, its own checkpoints evaluated
-    # (its students mix in a softmax window: the stage-2 model inherits it from stage 1, scratch has it too)
-    again = main([*TINY, "--seeds", "1", "--students", "flexformer_n", "--softmax-window", "16", "--teacher-runs", str(runs),
+    # (its students mix in a softmax window with the capped denominator: the stage-2 model inherits both
+    # from stage 1, scratch has them too)
+    again = main([*TINY, "--seeds", "1", "--students", "flexformer_n", "--softmax-window", "16",
+                  "--normalization", "capped_denominator", "--teacher-runs", str(runs),
                   "--data-root", str(shared_data), "--work-dir", str(tmp_path / "work2"), "--out", str(tmp_path / "out2")])
     assert [r["label"] for r in again] == ["softmax", "flexformer_n_stage1", "flexformer_n_stage2", "flexformer_n_scratch"]
     assert again[0]["english_docs_valid_ppl"] == rows[0]["english_docs_valid_ppl"]  # the same teacher
@@ -79,9 +81,12 @@ def test_tiny_study_end_to_end(shared_data: Path, tmp_path: Path) -> None:
     config = read_meta(resolve_checkpoint(tmp_path / "work2" / "runs" / "flexformer_n_stage2_s1234"))["config"]
     assert config["distill"]["lora_rank"] == 0 and config["data"]["tokenizer"] == str(data / "tokenizer.model")
     assert config["model"]["softmax_window"] == 16 and config["model"]["attention"] == "flexformer_n"
+    assert config["model"]["normalization"] == "capped_denominator"
     scratch = read_meta(resolve_checkpoint(tmp_path / "work2" / "runs" / "flexformer_n_scratch_s1234" / "checkpoints"))
     assert scratch["config"]["model"]["softmax_window"] == 16
-    assert "with model.softmax_window=16 (scratch too)" in (tmp_path / "out2" / "results.md").read_text()
+    assert scratch["config"]["model"]["normalization"] == "capped_denominator"
+    assert ("with model.softmax_window=16 (scratch too), model.normalization=capped_denominator"
+            in (tmp_path / "out2" / "results.md").read_text())
     for target in results["targets"].values():
         assert target["token_fraction"] == pytest.approx(0.1)
         assert target["beats_scratch"] is None  # one seed: nothing claimed
