@@ -19,10 +19,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 def model_config(args: argparse.Namespace, kind: str, max_seq_len: int) -> ModelConfig:
     """The GPT of ``add_model_arguments``'s flags with attention ``kind``; ``<kind>_window<W>`` adds
-    a W-token softmax window under one normaliser (``model.softmax_window``)."""
+    a W-token softmax window under one normaliser (``model.softmax_window``); a ``_capped`` suffix
+    sets ``model.normalization=capped_denominator``."""
+    kind, capped, _ = kind.partition("_capped")
     attention, _, window = kind.partition("_window")
     return ModelConfig(
         vocab_size=args.vocab_size, num_layers=args.num_layers, hidden_size=args.hidden_size,
         num_heads=args.num_heads, attention=attention, feature_dim=args.feature_dim, max_seq_len=max_seq_len,
-        softmax_window=int(window) if window else 0,
+        softmax_window=int(window) if window else 0, normalization="capped_denominator" if capped else "rms",
     )
