@@ -34,13 +34,14 @@ GRID_HEADS = 1
 
 def _case_grid():
     """N in {1, W - 1, W, W + 1, 3 chunks + 5} for W in {1, 16, 64} (W = 64 > C = 16: four lookback
-    chunks); a carried state or none, rms or denominator normalisation, alternating over the cases
-    (the normalisation is torch's, after the kernels: both reach the numerator and its ones column)."""
+    chunks); a carried state or none, rms, denominator or capped_denominator normalisation, rotating
+    over the cases (the normalisation is torch's, after the kernels: all reach the numerator and its
+    ones column)."""
     cases = []
     for window in (1, 16, 64):
         for n in sorted({1, window - 1, window, window + 1, 3 * CHUNK + 5} - {0}):
             for carried in (False, True):
-                normalization = ("rms", "denominator")[(len(cases) // 2 + carried) % 2]
+                normalization = ("rms", "denominator", "capped_denominator")[(len(cases) // 2 + carried) % 3]
                 cases.append((window, n, carried, normalization))
     return cases
 
