@@ -58,6 +58,8 @@ ARM_KINDS = {"softmax_rms": "softmax", **{f"performer_window{w}{c}": "performer"
 # study v3's arms: with --kinds softmax,flexformer_n,cosformer (README "The kernel study")
 V3_ARMS = ("softmax_rms",) + tuple(f"{arm}{w}" for w in (16, 64)
                                    for arm in ("softmax_window", "fn_window", "fn_gated", "performer_window"))  # fmt: skip
+# ... and the capped denominator (attention/base.py), added in the study's third session
+V3_ARMS += tuple(f"{arm}{w}_capped" for arm in ("fn_window", "performer_window") for w in (16, 64)) + ("fn_capped",)
 ORDERS = ("seeds", "kinds")  # seed-major (a stopped study still has whole seeds) or kind-major
 # StudyConfig fields that select runs or name places, not what a run computes: not fingerprinted
 NOT_FINGERPRINTED = ("kinds", "arms", "seeds", "data_root", "work_dir", "out")
