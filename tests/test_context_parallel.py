@@ -110,6 +110,7 @@ ATTENTION_CASES = [
     ("flexformer_n", "denominator", 1.0, torch.float64),
     ("flexformer_n", "rms", 10.0, torch.float64),
     ("flexformer_n", "denominator", 10.0, torch.float64),
+    ("flexformer_n", "capped_denominator", 1.0, torch.float64),
     ("cosformer", "denominator", 1.0, torch.float32),  # position-dependent map: global offsets
 ]
 
