@@ -58,7 +58,7 @@ def test_empty_sequence():
     "kwargs, message",
     [
         ({"form": "fast"}, "form: expected one of ('chunked', 'recurrent', 'quadratic'), got 'fast'"),
-        ({"normalization": "l2"}, "normalization: expected one of ('rms', 'denominator'), got 'l2'"),
+        ({"normalization": "l2"}, "normalization: expected one of ('rms', 'denominator', 'capped_denominator'), got 'l2'"),
         ({"chunk_size": 0}, "chunk_size: expected a positive int, got 0"),
         ({"eps": 0.0}, "eps: expected a positive float, got 0.0"),
     ],
@@ -158,7 +158,7 @@ def test_attention_core_state_type_and_options():
         AttentionCore("flexformer_s", 2, 8, feature_dim=16)(q, q, q, state=KVCache(q, q))
     with _expect("state: expected a KVCache for kind 'softmax', got LinearAttentionState"):
         AttentionCore("softmax", 2, 8)(q, q, q, state=LinearAttentionState.empty(1, 2, 16, 8))
-    with _expect("normalization: expected one of ('rms', 'denominator'), got 'none'"):
+    with _expect("normalization: expected one of ('rms', 'denominator', 'capped_denominator'), got 'none'"):
         AttentionCore("elu", 2, 8, normalization="none")
     with _expect("form: expected one of ('chunked', 'recurrent', 'quadratic'), got 'scan'"):
         AttentionCore("elu", 2, 8, form="scan")
