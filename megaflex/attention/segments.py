@@ -66,6 +66,7 @@ class _Segments(torch.autograd.Function):
             for i, g in enumerate(got[3 + len(carried_in) :]):
                 if g is not None:
                     d_params[i] = g if d_params[i] is None else d_params[i] + g
+            del outs, pieces, carried_in, pairs, got  # before the next segment's recompute
         it = iter(d_params)
         d_all = [next(it) if p.requires_grad else None for p in ctx.params]
         return (None, None, None, None, None, None, *grads, *d_carried, *d_all)

@@ -333,19 +333,23 @@ class ChunkedWindowNumerator(torch.autograd.Function):
             dqf_g.add_(dn_c @ grp.reads.transpose(-1, -2))
             d_reads = grp.qfg.transpose(-1, -2) @ dn_c  # [BH, g, F, Dv']
             dqls[:, rows] = dqls_g.view(bh, g * c)
-            # reverse scan over the states the group read and the chunks it absorbed
-            d_inc = d_reads.new_empty(bh, hi - lo, *d_reads.shape[2:])
+            # reverse scan over the states the group read and the chunks it absorbed: dU_{a + i} (the
+            # carry before chunk i's read is added) overwrites d_reads[:, i] once that is read, so dU is
+            # d_reads[:, lo - a :] (chunks lo .. hi - 1), not another [BH, g, F, Dv'] tensor (the peak)
             for i in reversed(range(g)):
                 if a + i >= 0:
-                    d_inc[:, a + i - lo] = carry
-                    carry = torch.addcmul(d_reads[:, i], carry, plan.decay[:, a + i, None, None])
+                    carry, d_reads[:, i] = torch.addcmul(d_reads[:, i], carry, plan.decay[:, a + i, None, None]), carry
                 else:
                     carry = carry + d_reads[:, i]
             if hi > lo:  # U_j = kw_j^T v_j, kw = kf * key_scale
-                keys = slice(lo * c, hi * c)
+                keys, skip = slice(lo * c, hi * c), lo - a
                 v_chunks = v_aug[:, keys].view(bh, hi - lo, c, v_aug.shape[-1])
-                d_kw = v_chunks @ d_inc.transpose(-1, -2)  # [BH, n, C, F]
-                dv[:, keys] += (grp.kw @ d_inc).view(bh, (hi - lo) * c, v_aug.shape[-1])
+                kw = grp.kw
+                if skip:  # zero chunks in front: the matmuls take d_reads whole (a slice of it would be copied)
+                    v_chunks = torch.cat([v_chunks.new_zeros(bh, skip, *v_chunks.shape[2:]), v_chunks], dim=1)
+                    kw = torch.cat([kw.new_zeros(bh, skip, *kw.shape[2:]), kw], dim=1)
+                d_kw = (v_chunks @ d_reads.transpose(-1, -2))[:, skip:]  # [BH, n, C, F]
+                dv[:, keys] += (kw @ d_reads)[:, skip:].reshape(bh, (hi - lo) * c, v_aug.shape[-1])
                 key_scale = plan.key_scale[:, keys].view(bh, hi - lo, c, 1)
                 dkf[:, keys] += (d_kw * key_scale).view(bh, (hi - lo) * c, kf.shape[-1])
                 dkls[:, keys] += (d_kw * grp.kw).sum(-1).view(bh, (hi - lo) * c)
