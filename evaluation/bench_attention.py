@@ -13,7 +13,7 @@ compares its peak memory with SDPA's). Each (impl, seq_len) runs in a *fresh sub
   ``fwd_bwd_s`` is the best, ``fwd_bwd_s_median`` the median. SDPA above ``--sdpa-max-seq`` is not
   run but *estimated* from the longest measured SDPA length by quadratic scaling
   (``"estimated": true``); at or below it, lengths > 16k run once without warm-up (minutes each).
-* allocator: workers run with ``MALLOC_TUNING`` (glibc never mmaps/trims; see below) unless
+* allocator: workers run with ``MALLOC_TUNING`` (glibc never mmaps/trims; ``bench_common.py``) unless
   ``--no-malloc-tuning``.
 * peak memory: ``peak_mem_mb`` = the process's peak RSS (VmHWM) during the first fwd+bwd minus its
   RSS just before it (inputs and parameters already allocated, ``torch.utils.checkpoint`` imported):
@@ -39,20 +39,14 @@ from pathlib import Path
 
 import torch
 
+from evaluation.bench_common import MALLOC_TUNING, worker_env
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_JSON = REPO / "docs" / "results" / "bench_attention.json"
 IMPLS = ("softmax", "flexformer_n", "flexformer_s", "performer")
 # the one-normaliser window hybrid (attention/shared_window.py) over flexformer_n: impl "flexformer_n_window<W>"
 WINDOW_IMPLS = ("flexformer_n_window16", "flexformer_n_window64")
 HEADS, HEAD_DIM, FEATURE_DIM = 8, 64, 128
-# glibc malloc: never mmap (then munmap) large blocks, never trim the heap. PyTorch's CPU
-# allocator does not cache, so without this every > 32 MiB tensor of every step is a fresh mmap
-# whose pages fault in (and are zeroed by the kernel) again: at 16k tokens that doubled the
-# linear layers' time. ``glibc.malloc.hugetlb=1`` (glibc >= 2.35) madvises the heap for
-# transparent huge pages (THP is usually "madvise"-only): streaming passes over the [H, N, F]
-# tensors then take ~1/3 fewer cycles (TLB misses), ~8% of the layer at 64k tokens. Applied to
-# every impl alike (SDPA allocates little); jemalloc/tcmalloc with THP achieve the same in production.
-MALLOC_TUNING = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40), "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
 # issue #2 targets for flexformer_n, checked in the summary
 TARGET_SPEEDUP = {4096: 1.0, 16384: 5.0, 65536: 15.0}
 TARGET_RATIO_64K_16K = 4.3
@@ -171,11 +165,7 @@ def run_subprocess(impl: str, seq_len: int, chunk_size: int, repeats: int, warmu
                    malloc_tuning: bool) -> dict:
     cmd = [sys.executable, "-m", "evaluation.bench_attention", "--worker", impl, str(seq_len),
            "--chunk-size", str(chunk_size), "--repeats", str(repeats)] + ([] if warmup else ["--no-warmup"])
-    env = dict(os.environ)
-    if malloc_tuning:
-        env.update(MALLOC_TUNING)
-        if os.environ.get("GLIBC_TUNABLES"):  # keep the caller's tunables too
-            env["GLIBC_TUNABLES"] = os.environ["GLIBC_TUNABLES"] + ":" + MALLOC_TUNING["GLIBC_TUNABLES"]
+    env = worker_env(malloc_tuning)
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"worker {impl} {seq_len} failed:\n{proc.stderr[-2000:]}")

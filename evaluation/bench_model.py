@@ -9,7 +9,10 @@
 Each (kind, sequence length) runs in a fresh subprocess (so peak memory is its own): one
 training step (forward, backward, AdamW) untimed, then ``--steps`` timed ones of ``--batch-size``
 sequences (default 1). The kinds alternate per length, ``--rounds`` times; each row keeps its
-best round (on a shared machine, the least disturbed one).
+best round (on a shared machine, the least disturbed one). CPU workers run with
+``bench_common.MALLOC_TUNING`` (glibc never mmaps or trims, as ``launch/setup_env.sh`` sets on CPU
+nodes) unless ``--no-malloc-tuning``: with glibc's defaults every step's temporaries fault their
+pages in again, which moved the window hybrid's ratio to the plain kernel by up to 0.1.
 Peak memory: ``torch.cuda.max_memory_allocated`` on GPU; on CPU the growth of the process's
 peak resident set (VmHWM, ``megaflex.training.metrics.peak_rss_kib``) over its value once the model and optimizer exist, i.e.
 activations, gradients and optimizer states. A run that exceeds ``--timeout`` seconds is
@@ -29,7 +32,7 @@ from typing import Any, Sequence
 
 import torch
 
-from evaluation.bench_common import add_model_arguments, model_config
+from evaluation.bench_common import MALLOC_TUNING, add_model_arguments, model_config, worker_env
 from megaflex.training.metrics import peak_rss_kib
 
 REPO = Path(__file__).resolve().parents[1]
@@ -86,7 +89,8 @@ def run_one(args: argparse.Namespace, kind: str, seq_len: int) -> dict[str, Any]
         cmd += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     cmd += ["--device", args.device]
     try:
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.timeout)
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.timeout,
+                              env=worker_env(not args.no_malloc_tuning))
     except subprocess.TimeoutExpired:
         return {"kind": kind, "seq_len": seq_len, "error": f"timeout after {args.timeout}s"}
     if proc.returncode != 0:
@@ -105,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per (kind, seq_len) run")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default="docs/results")
+    p.add_argument("--no-malloc-tuning", action="store_true", help="run workers with glibc malloc defaults")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--kind", default=None, help=argparse.SUPPRESS)
     p.add_argument("--seq-len", type=int, default=None, help=argparse.SUPPRESS)
@@ -133,6 +138,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
                     best[kind] = r
         rows += [best[kind] for kind in kinds]
     config = {k: v for k, v in vars(args).items() if k not in ("worker", "kind", "seq_len")}
+    config["malloc_env"] = {} if args.no_malloc_tuning else MALLOC_TUNING
     result = {"config": config, "rows": rows}
     write_json(f"{args.out}/model.json", result)
     ok = [r for r in rows if "error" not in r]

@@ -1,6 +1,6 @@
 """evaluation/bench_attention.py bookkeeping: the matmul FLOPs it credits the linear layers with are
 exactly what the layer executes (torch's FLOP counter on a real fwd+bwd), and the issue #2 target
-summary judges rows correctly."""
+summary judges rows correctly; the benchmarks' workers get the glibc malloc settings (bench_common)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from evaluation.bench_attention import IMPLS, flexformer_n_targets, linear_layer_flops
+from evaluation.bench_common import worker_env
 from megaflex.attention import AttentionCore
 
 aten = torch.ops.aten
@@ -58,3 +59,14 @@ def test_target_summary():
     assert summary["speedup_vs_sdpa_65536"]["met"]
     assert summary["time_64k_over_16k"] == {"value": 4.5, "target": 4.3, "met": False}
     assert not summary["matmul_fraction_4096"]["met"] and summary["matmul_fraction_16384"]["met"]
+
+
+def test_bench_workers_get_the_malloc_tuning_and_keep_the_callers_tunables(monkeypatch):
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
+    monkeypatch.delenv("MALLOC_MMAP_MAX_", raising=False)
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
+    tuned, plain = worker_env(True), worker_env(False)
+    assert tuned["MALLOC_MMAP_MAX_"] == "0" and int(tuned["MALLOC_TRIM_THRESHOLD_"]) >= 1 << 34
+    assert tuned["GLIBC_TUNABLES"].split(":") == ["glibc.malloc.arena_max=2", "glibc.malloc.hugetlb=1"]
+    assert "MALLOC_MMAP_MAX_" not in plain and "MALLOC_TRIM_THRESHOLD_" not in plain
+    assert plain["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2"
