@@ -17,11 +17,17 @@ kernels (``trig_linear_attention``'s default); ``--unfused-trig`` compiles its r
 (``megaflex/attention/triton/window.py``) at the shapes of ``WINDOW_CONFIGS``, its rows labelled
 '<config>+window/<dtype>': the window and the lookback are runtime arguments, so one window
 compiles every window; the features are given (the feature map runs in torch).
+
+    python -m evaluation.triton_aot --normalization capped_denominator --dtypes bf16 --out docs/results/triton_aot_capped.json
+
+``--normalization`` compiles every linear config with that output normalisation (the shipped
+configs use rms; ``chunk_outputs`` specialises on it).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -37,6 +43,7 @@ from megaflex.attention.triton.aot import (
     SHARED_MEMORY_LIMIT, Compiled, Launch, compile_launch, record_launches, record_window_launches,
 )  # fmt: skip
 from megaflex.attention import AttentionCore
+from megaflex.attention.base import NORMALIZATIONS
 from megaflex.model.config import ModelConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -152,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--window", action="store_true", help="add the window hybrid's launches (WINDOW_CONFIGS' shapes)")
     parser.add_argument("--window-only", action="store_true", help="compile the window hybrid's launches only")
+    parser.add_argument("--normalization", choices=NORMALIZATIONS,
+                        help="compile every linear config with this output normalisation instead of its own")
     parser.add_argument("--table", type=Path, help="print the README table of this report (JSON) and exit")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiles in parallel (default: one per CPU)")
     args = parser.parse_args(argv)
@@ -162,6 +171,11 @@ def main(argv: list[str] | None = None) -> int:
 
     start = time.perf_counter()
     shapes = shipped_shapes()
+    if args.normalization:
+        renamed: dict[Shape, list[str]] = {}
+        for shape, names in shapes.items():
+            renamed.setdefault(dataclasses.replace(shape, normalization=args.normalization), []).extend(names)
+        shapes = renamed
     found = {} if args.window_only else launches_of(shapes, args.dtypes, not args.unfused_trig)
     if args.window or args.window_only:
         for launch, users in window_launches_of(shapes, args.dtypes).items():
@@ -182,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "triton": triton.__version__,
         "trig_path": "features" if args.unfused_trig else "fused",
+        "normalization": args.normalization or "each config's",
         "shared_memory_limit": {f"sm_{arch}": limit for arch, limit in SHARED_MEMORY_LIMIT.items()},
         "compiles": len(rows),
         "exceeding_shared_memory": len(failures),

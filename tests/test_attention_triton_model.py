@@ -27,10 +27,11 @@ pytestmark = pytest.mark.numerics
 VOCAB = 97
 
 
-def _model(attention: str, backend: str, **feature_kwargs) -> GPT:
+def _model(attention: str, backend: str, normalization: str = "rms", **feature_kwargs) -> GPT:
     config = ModelConfig(
         vocab_size=VOCAB, num_layers=2, hidden_size=32, num_heads=2, ffn_hidden_size=64, attention=attention,
         feature_dim=16, chunk_size=16, max_seq_len=64, init_std=0.2, attention_backend=backend, feature_kwargs=feature_kwargs,
+        normalization=normalization,
     )  # fmt: skip
     torch.manual_seed(0)
     return GPT(config).train()
@@ -43,13 +44,17 @@ def _forward_backward(model: GPT, ids: torch.Tensor) -> tuple[torch.Tensor, dict
     return logits.detach(), {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("attention,feature_kwargs", [("flexformer_n", {}), ("flexformer_s", {}), ("performer", {"variant": "positive"})])
-def test_model_triton_backend_equals_torch_backend(attention, feature_kwargs):
+@pytest.mark.parametrize(
+    "attention,feature_kwargs,normalization",
+    [("flexformer_n", {}, "rms"), ("flexformer_s", {}, "rms"), ("performer", {"variant": "positive"}, "rms"),
+     ("flexformer_n", {}, "capped_denominator")],
+)
+def test_model_triton_backend_equals_torch_backend(attention, feature_kwargs, normalization):
     ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
-    logits_torch, grads_torch = _forward_backward(_model(attention, "torch", **feature_kwargs), ids)
-    logits_triton, grads_triton = _forward_backward(_model(attention, "triton", **feature_kwargs), ids)
+    logits_torch, grads_torch = _forward_backward(_model(attention, "torch", normalization, **feature_kwargs), ids)
+    logits_triton, grads_triton = _forward_backward(_model(attention, "triton", normalization, **feature_kwargs), ids)
     assert logits_torch.std() > 0.3  # attention matters at this init
-    config = _model(attention, "torch", **feature_kwargs).config
+    config = _model(attention, "torch", normalization, **feature_kwargs).config
     assert_close(logits_triton, logits_torch, steps=gpt_steps(config, 40), name="logits")
     assert grads_triton.keys() == grads_torch.keys() and any("omega" in name or "tau" in name for name in grads_torch) == (
         attention.startswith("flexformer")

@@ -285,15 +285,12 @@ class AttentionCore(nn.Module):
             return self._decode(q, k, v, state, return_state, new_keys)
         form = "recurrent" if decoding else self.form
         which = chunked_backend(self.backend, q.is_cuda) if form == "chunked" else None
-        backend = self.backend
-        if which == "triton" and self.normalization == "capped_denominator":
-            which = backend = "torch"  # the plain kernels fuse only "rms" / "denominator" (triton/function.py)
         if new_keys is not None:  # the fused trig paths compute key features internally: mask them here
             q_map, k_map = self.feature_map(q, offset), self.feature_map(k, offset)
             kf, kls = mask_padded_keys(k_map.features, k_map.log_scale, new_keys)
             out, new_state = causal_linear_attention(
                 q_map.features, kf, kls, v, form=form, normalization=self.normalization, chunk_size=self.chunk_size,
-                initial_state=state, eps=self.eps, backend=backend,
+                initial_state=state, eps=self.eps, backend=self.backend,
             )  # fmt: skip
             return out, (new_state if return_state else None)
         if which == "triton":
@@ -322,7 +319,7 @@ class AttentionCore(nn.Module):
             chunk_size=self.chunk_size,
             initial_state=state,
             eps=self.eps,
-            backend=backend,
+            backend=self.backend,
         )
         return out, (new_state if return_state else None)
 

@@ -20,7 +20,7 @@ from types import ModuleType
 
 import torch
 
-from ..base import NORMALIZATIONS, LinearAttentionState
+from ..base import NORMALIZATIONS, OUTPUT_RMS_CAP, LinearAttentionState
 from ..validation import validate_linear_attention_inputs
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -244,7 +244,7 @@ def attention_forward(
         kern, "chunk_outputs", (plan.chunks, plan.bh), plan,
         q, k, v, ls, plan.running_max, plan.chunk_max, states, sums, out, out, out, out,
         plan.n, plan.feat, plan.dv, plan.chunks, eps,
-        BF=plan.loop_block, BV=_block(plan.dv), RMS=normalization == "rms", BACKWARD=False,
+        BF=plan.loop_block, BV=_block(plan.dv), RMS=normalization == "rms", CAP=_cap(normalization), BACKWARD=False,
     )  # fmt: skip
     return out, kv, k_sum
 
@@ -264,7 +264,7 @@ def attention_backward(
         kern, "chunk_outputs", (plan.chunks, plan.bh), plan,
         q, k, v, ls, plan.running_max, plan.chunk_max, states, sums, d_out, d_out, d_num, d_den,
         plan.n, plan.feat, plan.dv, plan.chunks, eps,
-        BF=plan.loop_block, BV=_block(plan.dv), RMS=normalization == "rms", BACKWARD=True,
+        BF=plan.loop_block, BV=_block(plan.dv), RMS=normalization == "rms", CAP=_cap(normalization), BACKWARD=True,
     )  # fmt: skip
     d_kv = torch.zeros(plan.bh, plan.feat, plan.dv, **f32) if d_kv is None else d_kv.contiguous()
     d_k_sum = torch.zeros(plan.bh, plan.feat, **f32) if d_k_sum is None else d_k_sum.contiguous()
@@ -340,15 +340,18 @@ def check_triton_dtype(t: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name}: the triton backend takes fp16, bf16 or fp32, got {t.dtype} (use attention_backend='torch')")
 
 
-# the output normalisations the plain kernels fuse into ``chunk_outputs`` (AttentionCore runs the
-# others, "capped_denominator", on the torch Function)
-KERNEL_NORMALIZATIONS = ("rms", "denominator")
+# the output normalisations the plain kernels fuse into ``chunk_outputs``: all of them
+KERNEL_NORMALIZATIONS = NORMALIZATIONS
+
+
+def _cap(normalization: str) -> float:
+    """``chunk_outputs``' CAP: the output RMS ceiling of "capped_denominator", 0 for the others."""
+    return OUTPUT_RMS_CAP if normalization == "capped_denominator" else 0.0
 
 
 def check_options(normalization: str, chunk_size: int, eps: float) -> None:
     if normalization not in KERNEL_NORMALIZATIONS:
-        extra = " (capped_denominator: attention_backend torch)" if normalization in NORMALIZATIONS else ""
-        raise ValueError(f"normalization: the Triton linear-attention kernels take one of {KERNEL_NORMALIZATIONS}, got {normalization!r}{extra}")
+        raise ValueError(f"normalization: the Triton linear-attention kernels take one of {KERNEL_NORMALIZATIONS}, got {normalization!r}")
     if not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
     if not eps > 0:

@@ -26,7 +26,7 @@ Kernels (five launches forward + backward; none loops in Python over heads, batc
 * ``chunk_states``: sequential over chunks, parallel over (BH, F blocks, Dv blocks): the state
   entering every chunk, and the final state. (Backward recomputes them.)
 * ``chunk_outputs``: parallel over (chunks, BH): intra-chunk C x C block + carried state, then
-  the normalisation. With ``BACKWARD`` it turns the output gradient into dn, dd (gradients of
+  the normalisation (``RMS``; else the denominator, capped at ``CAP`` > 0). With ``BACKWARD`` it turns the output gradient into dn, dd (gradients of
   the numerator and denominator), recomputing n and d.
 * ``chunk_state_grads``: reverse scan, like ``chunk_states``: dL/dS after every chunk and of the
   initial state.
@@ -238,7 +238,8 @@ def chunk_outputs(
     Q, K, V, LS, M, MB, STATES, ZS, OUT, G, DN, DD,
     N, F, DV, NC, eps, W, HEADS, DIN, trig_scale,
     CHUNK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-    RMS: tl.constexpr, BACKWARD: tl.constexpr, TRIG: tl.constexpr, PAIRED: tl.constexpr, BD: tl.constexpr,
+    RMS: tl.constexpr, CAP: tl.constexpr, BACKWARD: tl.constexpr, TRIG: tl.constexpr, PAIRED: tl.constexpr,
+    BD: tl.constexpr,
 ):
     c = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -284,6 +285,19 @@ def chunk_outputs(
             tl.store(DD + bh * N + tok, tl.zeros_like(d), mask=tm)
         else:
             tl.store(OUT + out_off, o, mask=out_mask)
+    elif CAP > 0:  # "capped_denominator": G = max(d, r / CAP), r = (mean n^2 + eps^2)^1/2 (base.py)
+        r = tl.sqrt(tl.sum(n * n, axis=1) / DV + eps * eps)
+        guarded = tl.maximum(d, r / CAP)
+        if BACKWARD:  # where d wins: dn = g / G, dd = -(g . n) / G^2; where the floor wins (the RMS norm
+            # scaled to CAP): dn = g / G - CAP mean(n g) / r^3 n, dd = 0 (chunked._normalize_backward)
+            g = tl.load(G + out_off, mask=out_mask, other=0.0).to(tl.float32)
+            ng = tl.sum(g * n, axis=1)
+            ratio = d >= guarded
+            coef = tl.where(ratio, 0.0, ng / DV * CAP / (r * r * r))
+            tl.store(DN + out_off, g / guarded[:, None] - coef[:, None] * n, mask=out_mask)
+            tl.store(DD + bh * N + tok, tl.where(ratio, -ng / (guarded * guarded), 0.0), mask=tm)
+        else:
+            tl.store(OUT + out_off, n / guarded[:, None], mask=out_mask)
     else:
         guarded = tl.where(d >= 0, tl.maximum(d, eps), tl.minimum(d, -eps))
         if BACKWARD:
