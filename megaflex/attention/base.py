@@ -99,10 +99,15 @@ def guard_denominator(x: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.where(x >= 0, x.clamp(min=eps), x.clamp(max=-eps))
 
 
-def capped_denominator(numerator: torch.Tensor, denominator: torch.Tensor, eps: float) -> torch.Tensor:
-    """max(d, sqrt(mean n^2 + eps^2) / OUTPUT_RMS_CAP) [...] of ``numerator`` [..., Dv], ``denominator`` [...]."""
-    floor = torch.sqrt(numerator.pow(2).mean(dim=-1) + eps * eps) / OUTPUT_RMS_CAP
-    return torch.maximum(denominator, floor)
+def output_rms(numerator: torch.Tensor, eps: float) -> torch.Tensor:
+    """r = sqrt(mean n^2 + eps^2) [...] of ``numerator`` [..., Dv]: the RMS "capped_denominator" caps."""
+    return torch.sqrt(numerator.pow(2).mean(dim=-1) + eps * eps)
+
+
+def capped_denominator(numerator: torch.Tensor, denominator: torch.Tensor, eps: float, rms: torch.Tensor | None = None) -> torch.Tensor:
+    """max(d, r / OUTPUT_RMS_CAP) [...] of ``numerator`` [..., Dv], ``denominator`` [...]; ``rms``: r if
+    the caller has it (``output_rms``)."""
+    return torch.maximum(denominator, (output_rms(numerator, eps) if rms is None else rms) / OUTPUT_RMS_CAP)
 
 
 def normalize_output(numerator: torch.Tensor, denominator: torch.Tensor | None, normalization: str, eps: float) -> torch.Tensor:

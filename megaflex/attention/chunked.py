@@ -64,7 +64,7 @@ import torch
 
 from ._heads import for_each_head
 from .base import (
-    OUTPUT_RMS_CAP, LinearAttentionState, capped_denominator, fp32_inputs, guard_denominator, normalize_output,
+    OUTPUT_RMS_CAP, LinearAttentionState, capped_denominator, fp32_inputs, guard_denominator, normalize_output, output_rms,
     reads_denominator,
 )
 from .validation import validate_linear_attention_inputs
@@ -202,11 +202,11 @@ def _normalize_backward(n: torch.Tensor, grad: torch.Tensor, normalization: str,
     if normalization == "capped_denominator":
         # G = max(d, r / cap), r = (mean n^2 + eps^2)^1/2. Where d wins, as above; where the floor
         # wins, o = cap n / r (the RMS norm): dn = g / G - cap mean(n g) / r^3 n, dd = 0
-        guard = capped_denominator(num, den, eps)
+        r = output_rms(num, eps)
+        guard = capped_denominator(num, den, eps, r)
         ratio = den >= guard
         torch.div(grad, guard.unsqueeze(-1), out=d_n[..., :dv])
         ng = (num * grad).mean(dim=-1)
-        r = torch.sqrt(num.pow(2).mean(dim=-1) + eps * eps)
         coef = torch.where(ratio, 0.0, ng * OUTPUT_RMS_CAP / r.pow(3))
         d_n[..., :dv] -= coef.unsqueeze(-1) * num
         d_n[..., dv] = torch.where(ratio, -dv * ng / guard.pow(2), 0.0)
