@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from evaluation.bench_attention import IMPLS, flexformer_n_targets, linear_layer_flops
+from evaluation.bench_attention import IMPLS, flexformer_n_targets, linear_layer_flops, merge_processes
 from evaluation.bench_common import worker_env
 from megaflex.attention import AttentionCore
 
@@ -70,3 +70,10 @@ def test_bench_workers_get_the_malloc_tuning_and_keep_the_callers_tunables(monke
     assert tuned["GLIBC_TUNABLES"].split(":") == ["glibc.malloc.arena_max=2", "glibc.malloc.hugetlb=1"]
     assert "MALLOC_MMAP_MAX_" not in plain and "MALLOC_TRIM_THRESHOLD_" not in plain
     assert plain["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2"
+
+
+def test_several_processes_keep_the_best_time_and_the_median_peak():
+    rows = [{"impl": "softmax", "seq_len": 8, "fwd_bwd_s": t, "peak_mem_mb": m} for t, m in ((2.0, 230.0), (1.5, 262.0), (1.8, 261.0))]
+    merged = merge_processes(rows)
+    assert merged["fwd_bwd_s"] == 1.5 and merged["peak_mem_mb"] == 261.0 and merged["peak_mem_mb_runs"] == [230.0, 262.0, 261.0]
+    assert merge_processes(rows[:1]) == rows[0]
