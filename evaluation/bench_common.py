@@ -35,8 +35,8 @@ def model_config(args: argparse.Namespace, kind: str, max_seq_len: int) -> Model
 # glibc malloc: never mmap (then munmap) large blocks, never trim the heap. PyTorch's CPU
 # allocator does not cache, so without this every step's large temporaries are fresh pages that
 # fault in (and are zeroed by the kernel) again: at 16k tokens that doubled the linear layers'
-# time, and at the kernel-study shape it costs the window hybrid (more mid-size temporaries per
-# step) more than the plain kernel. ``launch/setup_env.sh`` sets the first two on CPU nodes.
+# time, and at the kernel-study shape it costs every kind 20-25% of its tokens/s.
+# ``launch/setup_env.sh`` sets the first two on CPU nodes.
 # ``glibc.malloc.hugetlb=1`` (glibc >= 2.35) madvises the heap for transparent huge pages (THP is
 # usually "madvise"-only): streaming passes over the [H, N, F] tensors then take ~1/3 fewer cycles
 # (TLB misses), ~8% of the layer at 64k tokens. Applied to every kind alike; jemalloc/tcmalloc

@@ -12,7 +12,8 @@ sequences (default 1). The kinds alternate per length, ``--rounds`` times; each 
 best round (on a shared machine, the least disturbed one). CPU workers run with
 ``bench_common.MALLOC_TUNING`` (glibc never mmaps or trims, as ``launch/setup_env.sh`` sets on CPU
 nodes) unless ``--no-malloc-tuning``: with glibc's defaults every step's temporaries fault their
-pages in again, which moved the window hybrid's ratio to the plain kernel by up to 0.1.
+pages in again (at the kernel-study shape: 20-25% fewer tokens/s for every kind, and window
+hybrid / plain kernel ratios 0.03-0.05 higher, since that cost hides the hybrid's own).
 Peak memory: ``torch.cuda.max_memory_allocated`` on GPU; on CPU the growth of the process's
 peak resident set (VmHWM, ``megaflex.training.metrics.peak_rss_kib``) over its value once the model and optimizer exist, i.e.
 activations, gradients and optimizer states. A run that exceeds ``--timeout`` seconds is
