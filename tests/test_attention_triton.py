@@ -171,14 +171,15 @@ def _capped_switch_margins(monkeypatch, runs) -> tuple[float, float]:
 def test_capped_grid_inputs_keep_every_query_clear_of_the_switch(monkeypatch):
     """The capped cases of the grids compare branch-wise gradients (dd = 0 under the RMS floor): a
     query within rounding of d_t = r_t / CAP could take the other branch on another CPU's BLAS.
-    Their inputs keep every query >= 1e-3 (relative) from it in fp32 (~1000 x the bounds' steps x u32)
-    and >= 3e-2 in fp16 (> twice FP16_STEPS x u16), and both branches occur."""
+    Their inputs keep every query >= 1e-3 (relative, fp64) from it in the fp32 cases and >= 3e-2 in
+    the fp16 ones (> twice FP16_STEPS x u16), and both branches occur. (A d_t that is itself the
+    cancellation of much larger terms has a larger relative rounding: hence no capped trig case at
+    temperature x100.)"""
     capped = "capped_denominator"
     fp32 = [lambda a=(n, c, capped, ws, ks): _run_core(quadratic_linear_attention, *a, torch.float64)
             for ws, ks in [(False, 1.0), (True, 1.0), (True, 100.0)] for n in LENGTHS for c in CHUNKS if (n, c) != (200, 16)]
     fp32 += [lambda a=(n, c, paired, capped, ws, ts): _run_trig(False, *a, torch.float64)
-             for n, c, ws, ts in [(1, 16, False, 1.0), (31, 64, True, 1.0), (65, 16, False, 100.0), (200, 64, True, 100.0)]
-             for paired in (True, False)]
+             for n, c, ws, ts in TRIG_CASES if ts == 1.0 for paired in (True, False)]
     fp16 = [lambda a=(n, c, capped, ws, 100.0): _run_core(quadratic_linear_attention, *a, torch.float64, values=torch.float16)
             for n, c in [(1, 16), (65, 16)] for ws in (False, True)]
     margin, ratio_share = _capped_switch_margins(monkeypatch, fp32)
@@ -252,10 +253,19 @@ def _run_trig(
     return out, new_state, _loss_and_grads(out, new_state, grads_of), steps
 
 
-@pytest.mark.parametrize("normalization", KERNEL_NORMALIZATIONS)
+TRIG_CASES = [(1, 16, False, 1.0), (31, 64, True, 1.0), (65, 16, False, 100.0), (200, 64, True, 100.0)]
+
+
+# Not capped at temperature x100: there the signed trig weights of some queries cancel to a
+# d_t ~ 1e-4 out of O(1) terms and the ratio branch divides by it, so each form's own rounding
+# of d_t (the kernels' in-register log-scales against torch's) is amplified ~1e4 and the fp32
+# reference does not measure the kernels' share (failed under OPENBLAS_CORETYPE=Sandybridge
+# ATEN_CPU_CAPABILITY=default); the denominator cases use positive features for the same reason.
 @pytest.mark.parametrize("paired", [True, False])
 @pytest.mark.parametrize(
-    "n,chunk,with_state,temperature_scale", [(1, 16, False, 1.0), (31, 64, True, 1.0), (65, 16, False, 100.0), (200, 64, True, 100.0)]
+    "n,chunk,with_state,temperature_scale,normalization",
+    [(*case, norm) for case in TRIG_CASES for norm in KERNEL_NORMALIZATIONS
+     if not (norm == "capped_denominator" and case[3] > 1.0)],
 )
 def test_trig_path_matches_reference_fp32(n, chunk, with_state, temperature_scale, paired, normalization):
     # temperature_scale 100: key log-scales ||k||^2 inv_t ~ 100 x larger (the stabiliser keeps every exp <= 1)
@@ -276,7 +286,7 @@ def test_trig_path_matches_reference_fp16(n, chunk, paired):
 @pytest.mark.parametrize("paired", [True, False])
 @pytest.mark.parametrize(
     "n,chunk,with_state,temperature_scale,normalization",
-    [(31, 64, True, 1.0, "rms"), (65, 16, False, 100.0, "denominator"), (65, 16, False, 100.0, "capped_denominator"),
+    [(31, 64, True, 1.0, "rms"), (65, 16, False, 100.0, "denominator"), (31, 64, True, 1.0, "capped_denominator"),
      (200, 64, True, 100.0, "rms")],
 )
 def test_fused_trig_map_matches_reference_fp32(n, chunk, with_state, temperature_scale, normalization, paired):
