@@ -21,8 +21,7 @@ import triton.language as tl  # noqa: E402
 
 import megaflex.attention.quadratic as quadratic_module  # noqa: E402
 from megaflex.attention import LinearAttentionState  # noqa: E402
-from megaflex.attention.base import OUTPUT_RMS_CAP, normalize_output  # noqa: E402
-from megaflex.attention.triton.function import KERNEL_NORMALIZATIONS  # noqa: E402
+from megaflex.attention.base import NORMALIZATIONS, OUTPUT_RMS_CAP, normalize_output, output_rms  # noqa: E402
 from megaflex.attention.feature_maps._trig import trig_feature_map_reference  # noqa: E402
 from megaflex.attention.quadratic import quadratic_linear_attention  # noqa: E402
 from megaflex.attention.triton import kernel_chunk, trig_linear_attention, triton_linear_attention  # noqa: E402
@@ -117,7 +116,7 @@ def _run_core(fn, n, chunk, normalization, with_state, key_scale, dtype, values=
 # length at both chunk sizes but 200 at 16 (13 interpreted chunks; 65 at 16 already runs 5, the
 # last partial, and 200 at 64 four).
 @pytest.mark.parametrize("with_state,key_scale", [(False, 1.0), (True, 1.0), (True, 100.0)])
-@pytest.mark.parametrize("normalization", KERNEL_NORMALIZATIONS)
+@pytest.mark.parametrize("normalization", NORMALIZATIONS)
 @pytest.mark.parametrize("n,chunk", [(n, c) for n in LENGTHS for c in CHUNKS if (n, c) != (200, 16)])
 def test_core_kernels_match_quadratic_fp32(n, chunk, normalization, with_state, key_scale):
     args = (n, chunk, normalization, with_state, key_scale)
@@ -137,7 +136,7 @@ def test_core_kernels_match_quadratic_fp32(n, chunk, normalization, with_state, 
 @pytest.mark.parametrize("with_state", [False, True])
 @pytest.mark.parametrize(
     "n,chunk,normalization",
-    [(n, c, norm) for n, c in [(1, 16), (65, 16), (200, 64)] for norm in KERNEL_NORMALIZATIONS
+    [(n, c, norm) for n, c in [(1, 16), (65, 16), (200, 64)] for norm in NORMALIZATIONS
      if (n, norm) != (200, "capped_denominator")],
 )
 def test_core_kernels_match_quadratic_fp16(n, chunk, normalization, with_state):
@@ -157,7 +156,7 @@ def _capped_switch_margins(monkeypatch, runs) -> tuple[float, float]:
     seen = []
 
     def capture(numerator, denominator, normalization, eps):
-        floor = torch.sqrt(numerator.pow(2).mean(-1) + eps * eps) / OUTPUT_RMS_CAP
+        floor = output_rms(numerator, eps) / OUTPUT_RMS_CAP
         seen.append((((denominator - floor).abs() / floor).flatten(), (denominator >= floor).flatten()))
         return normalize_output(numerator, denominator, normalization, eps)
 
@@ -264,7 +263,7 @@ TRIG_CASES = [(1, 16, False, 1.0), (31, 64, True, 1.0), (65, 16, False, 100.0), 
 @pytest.mark.parametrize("paired", [True, False])
 @pytest.mark.parametrize(
     "n,chunk,with_state,temperature_scale,normalization",
-    [(*case, norm) for case in TRIG_CASES for norm in KERNEL_NORMALIZATIONS
+    [(*case, norm) for case in TRIG_CASES for norm in NORMALIZATIONS
      if not (norm == "capped_denominator" and case[3] > 1.0)],
 )
 def test_trig_path_matches_reference_fp32(n, chunk, with_state, temperature_scale, paired, normalization):

@@ -10,10 +10,10 @@ from typing import Any, Callable
 import torch
 
 from megaflex.attention import LinearAttentionState
+from megaflex.attention.base import NORMALIZATIONS
 from megaflex.attention.feature_maps._trig import trig_feature_map_reference
 from megaflex.attention.quadratic import quadratic_linear_attention
 from megaflex.attention.triton import trig_linear_attention, triton_linear_attention
-from megaflex.attention.triton.function import KERNEL_NORMALIZATIONS
 
 # normwise tolerance per dtype on top of 10x the quadratic form's own error in that dtype
 # The kernels' dot operands are in the inputs' dtype (fp32 inputs: tf32 on CUDA, 10 mantissa bits),
@@ -73,7 +73,7 @@ def check_kernels(small: bool, device: str) -> dict[str, Any]:
     cases = []
     for dtype in dtypes:
         for n in lengths:
-            for normalization in KERNEL_NORMALIZATIONS:
+            for normalization in NORMALIZATIONS:
                 for with_state, key_scale in ((False, 1.0), (True, 100.0)):
                     master = _case_inputs(n, feat, dv, heads, key_scale, with_state, device, seed=n)
                     case = {"dtype": DTYPE_NAMES[dtype], "n": n, "normalization": normalization, "state": with_state, "key_scale": key_scale}

@@ -340,18 +340,14 @@ def check_triton_dtype(t: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name}: the triton backend takes fp16, bf16 or fp32, got {t.dtype} (use attention_backend='torch')")
 
 
-# the output normalisations the plain kernels fuse into ``chunk_outputs``: all of them
-KERNEL_NORMALIZATIONS = NORMALIZATIONS
-
-
 def _cap(normalization: str) -> float:
     """``chunk_outputs``' CAP: the output RMS ceiling of "capped_denominator", 0 for the others."""
     return OUTPUT_RMS_CAP if normalization == "capped_denominator" else 0.0
 
 
 def check_options(normalization: str, chunk_size: int, eps: float) -> None:
-    if normalization not in KERNEL_NORMALIZATIONS:
-        raise ValueError(f"normalization: the Triton linear-attention kernels take one of {KERNEL_NORMALIZATIONS}, got {normalization!r}")
+    if normalization not in NORMALIZATIONS:  # chunk_outputs fuses every one (RMS, CAP)
+        raise ValueError(f"normalization: expected one of {NORMALIZATIONS}, got {normalization!r}")
     if not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
     if not eps > 0:

@@ -26,8 +26,9 @@ Kernels (five launches forward + backward; none loops in Python over heads, batc
 * ``chunk_states``: sequential over chunks, parallel over (BH, F blocks, Dv blocks): the state
   entering every chunk, and the final state. (Backward recomputes them.)
 * ``chunk_outputs``: parallel over (chunks, BH): intra-chunk C x C block + carried state, then
-  the normalisation (``RMS``; else the denominator, capped at ``CAP`` > 0). With ``BACKWARD`` it turns the output gradient into dn, dd (gradients of
-  the numerator and denominator), recomputing n and d.
+  the normalisation (``RMS``; else the denominator, capped at ``CAP`` > 0). With ``BACKWARD`` it
+  turns the output gradient into dn, dd (gradients of the numerator and denominator), recomputing
+  n and d.
 * ``chunk_state_grads``: reverse scan, like ``chunk_states``: dL/dS after every chunk and of the
   initial state.
 * ``chunk_grads_qk``: parallel over (chunks, BH, F blocks): dq, dk and a partial dkls.
