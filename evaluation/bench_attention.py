@@ -101,7 +101,7 @@ def _rss_kb(field: str) -> int:
     return 0
 
 
-def run_one(impl: str, seq_len: int, chunk_size: int, repeats: int, warmup: bool) -> dict:
+def run_one(impl: str, seq_len: int, chunk_size: int, repeats: int, warmup: bool, segment_tokens: int = 0) -> dict:
     """Time fwd+bwd of one layer in this process (meant to be a fresh subprocess)."""
     from megaflex.attention import AttentionCore
 
@@ -112,6 +112,8 @@ def run_one(impl: str, seq_len: int, chunk_size: int, repeats: int, warmup: bool
         from megaflex.attention.hybrid import LocalMixingCore
 
         core = LocalMixingCore(core, window=int(window))
+        if segment_tokens:
+            core.segment_tokens = segment_tokens
     q, k, v = (torch.randn(1, HEADS, seq_len, HEAD_DIM).mul_(0.5).requires_grad_() for _ in range(3))
     probe = torch.randn(1, HEADS, seq_len, HEAD_DIM)
 
@@ -174,9 +176,10 @@ def merge_processes(rows: list[dict]) -> dict:
 
 
 def run_subprocess(impl: str, seq_len: int, chunk_size: int, repeats: int, warmup: bool, timeout: float,
-                   malloc_tuning: bool) -> dict:
+                   malloc_tuning: bool, segment_tokens: int = 0) -> dict:
     cmd = [sys.executable, "-m", "evaluation.bench_attention", "--worker", impl, str(seq_len),
-           "--chunk-size", str(chunk_size), "--repeats", str(repeats)] + ([] if warmup else ["--no-warmup"])
+           "--chunk-size", str(chunk_size), "--repeats", str(repeats), "--segment-tokens", str(segment_tokens)]
+    cmd += [] if warmup else ["--no-warmup"]
     env = worker_env(malloc_tuning)
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
@@ -191,6 +194,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write the results")
     parser.add_argument("--chunk-size", type=int, default=64, help="chunk size of the linear kinds")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--segment-tokens", type=int, default=0,
+                        help="window hybrids: LocalMixingCore.segment_tokens (0: its default, 512)")
     parser.add_argument("--processes", type=int, default=1,
                         help="fresh processes per (impl, length): best time, median peak memory")
     parser.add_argument("--sdpa-max-seq", type=int, default=65536, help="longer SDPA runs are estimated, not run")
@@ -202,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.worker:
         impl, seq_len = args.worker[0], int(args.worker[1])
-        print(json.dumps(run_one(impl, seq_len, args.chunk_size, args.repeats, not args.no_warmup)))
+        print(json.dumps(run_one(impl, seq_len, args.chunk_size, args.repeats, not args.no_warmup, args.segment_tokens)))
         return
 
     gflops = matmul_gflops()
@@ -224,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
                 long_sdpa = impl == "softmax" and seq_len > 16384
                 row = merge_processes([
                     run_subprocess(impl, seq_len, args.chunk_size, 1 if long_sdpa else args.repeats, not long_sdpa,
-                                   args.timeout, not args.no_malloc_tuning)
+                                   args.timeout, not args.no_malloc_tuning, args.segment_tokens)
                     for _ in range(args.processes)
                 ])  # fmt: skip
             if impl == "softmax":
@@ -255,6 +260,7 @@ def main(argv: list[str] | None = None) -> None:
         "summary": summary,
         "config": {"batch": 1, "heads": HEADS, "head_dim": HEAD_DIM, "feature_dim": FEATURE_DIM, "dtype": "float32",
                    "chunk_size": args.chunk_size, "repeats": args.repeats, "processes": args.processes,
+                   "segment_tokens": args.segment_tokens or None,
                    "threads": torch.get_num_threads(),
                    "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
                    "cpus": os.cpu_count(), "peak_mem": "VmHWM - VmRSS before the first fwd+bwd, fresh process",
