@@ -50,8 +50,9 @@ from typing import Any, Sequence
 
 import torch
 
+from megaflex.attention import NORMALIZATIONS
 from evaluation.kernel_study_config import (
-    ARMS, KINDS, LEARNED_SPECTRUM, NOT_FINGERPRINTED, ORDERS, PRESETS, REPO, RunSpec, StudyConfig,
+    ARMS, KINDS, LEARNED_SPECTRUM, LEGACY_NORMALIZATION, NOT_FINGERPRINTED, ORDERS, PRESETS, REPO, RunSpec, StudyConfig,
 )
 from evaluation.kernel_study_report import write_report
 
@@ -112,7 +113,8 @@ def train_overrides(cfg: StudyConfig, run: RunSpec, seed: int, data: dict[str, P
         "checkpoint.save_interval=0", "checkpoint.keep_last=1", "checkpoint.resume=none",
         f"logging.run_dir={run_dir}", "logging.log_interval=5", "logging.tensorboard=false",
         "logging.progress_bar=false", f"logging.kernel_stats_interval={cfg.kernel_stats_interval}",
-        *run.overrides,
+        f"model.normalization={cfg.normalization}",
+        *run.overrides,  # an arm's own model.normalization comes later and wins
     ]
 
 
@@ -208,6 +210,7 @@ def evaluate_run(
         docs = eval_documents(path, tok, cfg.eval_tokens or None)
         r = evaluate(model, docs, "windows", cfg.seq_len, batch_size=cfg.eval_batch_size, token_bytes=token_bytes)
         row[f"{name}_ppl"], row[f"{name}_bpb"], row[f"{name}_tokens"] = r.ppl, r.bits_per_byte, r.tokens
+    row.update(long_context_scores(cfg, model, tok, token_bytes))
     train = read_metrics(run_dir / "metrics.jsonl", "train")
     steps = sorted(train)
     row["loss_curve"] = [(s, train[s]["loss"]) for s in steps]
@@ -218,6 +221,31 @@ def evaluate_run(
     row.update(kernel_summary(read_metrics(run_dir / "metrics.jsonl", "kernel"), cfg.num_layers))
     row["spectrum"] = spectrum(model, run.kind, seed) if run.kind in LEARNED_SPECTRUM else None
     return row
+
+
+def long_context_scores(cfg: StudyConfig, model: torch.nn.Module, tok: Any, token_bytes: torch.Tensor) -> dict[str, Any]:
+    """english-docs valid perplexity at each of ``cfg.long_contexts`` (past the training length), in
+    windows mode (disjoint windows of N tokens) and stateful mode (N-token chunks, state carried
+    through each whole document): ``english_docs_valid_ppl_{windows,stateful}<N>``. A context the
+    model refuses gives None and its message under ``long_context_errors``."""
+    from evaluation.scoring import evaluate
+
+    if not cfg.long_contexts:
+        return {}
+    docs = eval_documents(str(Path(cfg.data_root) / "english-docs" / "valid.jsonl"), tok, cfg.eval_tokens or None)
+    out: dict[str, Any] = {}
+    errors: dict[str, str] = {}
+    for context in cfg.long_contexts:
+        for mode in ("windows", "stateful"):
+            key = f"english_docs_valid_ppl_{mode}{context}"
+            # batches of about eval_batch_size training-length windows' tokens
+            batch = max(1, cfg.eval_batch_size * cfg.seq_len // context)
+            try:
+                out[key] = evaluate(model, docs, mode, context, batch_size=batch, token_bytes=token_bytes).ppl
+            except ValueError as e:
+                out[key], errors[key] = None, str(e)
+    out["long_context_errors"] = errors
+    return out
 
 
 def kernel_summary(records: dict[int, dict[str, Any]], num_layers: int) -> dict[str, Any]:
@@ -274,9 +302,57 @@ def run_fingerprint(cfg: StudyConfig, run: RunSpec, seed: int) -> dict[str, Any]
     settings = {k: v for k, v in asdict(cfg).items() if k not in NOT_FINGERPRINTED}
     if settings["document_boundaries"] == "none":  # added later: its default keeps earlier rows' fingerprints
         del settings["document_boundaries"]
+    # Added later: left out where it cannot change the run (an arm sets its own, or plain softmax
+    # has no output normaliser) and where it is v1-v3's implicit "rms", so their rows still match.
+    if settings["normalization"] == LEGACY_NORMALIZATION or _normalization_override(run.overrides) or not _normalizes(run):
+        del settings["normalization"]
     inputs = {"settings": settings, "label": run.label, "kind": run.kind, "overrides": list(run.overrides), "seed": seed}
     digest = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
     return {"digest": digest, **inputs}
+
+
+def _normalization_override(overrides: Sequence[str]) -> str | None:
+    values = [o.split("=", 1)[1] for o in overrides if o.startswith("model.normalization=")]
+    return values[-1] if values else None
+
+
+def _normalizes(run: RunSpec) -> bool:
+    """Whether model.normalization reaches the run's attention: linear kinds, and softmax through a window."""
+    return run.kind != "softmax" or any(o.startswith("model.softmax_window=") for o in run.overrides)
+
+
+def recipe(settings: dict[str, Any], run: RunSpec, seed: int) -> str:
+    """What a run computes, independent of its label and of how the normalisation was set (a base
+    setting or an arm's override): two runs with the same recipe give the same row."""
+    settings = dict(settings)
+    base = settings.pop("normalization", LEGACY_NORMALIZATION)
+    normalization = (_normalization_override(run.overrides) or base) if _normalizes(run) else None
+    overrides = sorted(o for o in run.overrides if not o.startswith("model.normalization="))
+    return json.dumps({"settings": settings, "kind": run.kind, "overrides": overrides,
+                       "normalization": normalization, "seed": seed}, sort_keys=True)
+
+
+def reuse_rows(cfg: StudyConfig, runs: list[RunSpec], source: Path) -> list[str]:
+    """Copy into this study each row of study folder ``source`` (e.g. an earlier version) whose
+    recipe equals that of a run here without a stored row (``recipe``): another label, the same
+    training. The copy records where it came from. Returns the labels_seeds copied."""
+    settings = run_fingerprint(cfg, RunSpec("probe", "flexformer_n"), 0)["settings"]
+    wanted = {recipe(settings, run, seed): (run, seed) for run in runs for seed in cfg.seed_list
+              if load_row(cfg, run, seed) is None}
+    copied = []
+    for path in sorted((source / "runs").glob("*.json")):
+        stored = json.loads(path.read_text())
+        fp = stored.get("fingerprint", {})
+        if "settings" not in fp:
+            continue
+        key = recipe(fp["settings"], RunSpec(fp["label"], fp["kind"], fp["overrides"]), fp["seed"])
+        if key not in wanted:
+            continue
+        run, seed = wanted.pop(key)
+        row = {**stored["row"], "label": run.label, "reused_from": str(path)}
+        save_row(cfg, run, seed, row, stored.get("command", ""))
+        copied.append(f"{run.label}_s{seed}")
+    return copied
 
 
 def row_path(cfg: StudyConfig, run: RunSpec, seed: int) -> Path:
@@ -381,15 +457,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seeds: every kind/arm of one seed, then the next seed; kinds: all seeds of one kind/arm, then the next")
     p.add_argument("--only", default=None, help="comma-separated kinds/arms to train now (the report still covers all)")
     p.add_argument("--fresh", action="store_true", help="retrain runs whose row is stored with the same fingerprint")
+    p.add_argument("--normalization", default=None, choices=list(NORMALIZATIONS),
+                   help=f"model.normalization of every run whose arm does not set it (default {defaults.normalization})")
+    p.add_argument("--long-contexts", default=None,
+                   help="comma-separated context lengths at which english-docs valid is also scored (windows and stateful)")
+    p.add_argument("--reuse-from", default=None, metavar="STUDY_DIR",
+                   help="first copy rows of another study folder (e.g. docs/results/kernel_study_v3) whose training "
+                        "recipe equals a run of this one (same settings, kind, overrides and effective normalisation)")
     return p
 
 
 def config_from_args(args: argparse.Namespace) -> StudyConfig:
     """StudyConfig from parsed arguments: defaults < preset < explicit flags."""
-    selection = ("order", "only", "fresh")  # how this session runs the study, not what the study is
+    selection = ("order", "only", "fresh", "reuse_from")  # how this session runs the study, not what the study is
     values = {**PRESETS[args.preset], **{k: v for k, v in vars(args).items() if v is not None and k not in selection}}
     values["kinds"] = [k for k in args.kinds.split(",") if k]
     values["arms"] = [a for a in args.arms.split(",") if a]
+    if args.long_contexts is not None:
+        try:
+            values["long_contexts"] = [int(c) for c in args.long_contexts.split(",") if c]
+        except ValueError:
+            raise ValueError(f"--long-contexts: expected comma-separated ints, got {args.long_contexts!r}") from None
+        if any(c < 1 for c in values["long_contexts"]):
+            raise ValueError(f"--long-contexts: expected positive lengths, got {args.long_contexts!r}")
     for name, given, known in (("--kinds", values["kinds"], KINDS), ("--arms", values["arms"], tuple(ARMS))):
         unknown = sorted(set(given) - set(known))
         if unknown:
@@ -406,6 +496,12 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     cfg = config_from_args(args)
     command = "python -m evaluation.kernel_study " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     only = [label for label in args.only.split(",") if label] if args.only is not None else None
+    if args.reuse_from:
+        source = Path(args.reuse_from)
+        if not (source / "runs").is_dir():
+            raise ValueError(f"--reuse-from: {source} holds no runs/ folder of a study")
+        copied = reuse_rows(cfg, cfg.runs(), source)
+        print(f"[kernel_study] reused {len(copied)} rows of {source}: {', '.join(copied) or 'none'}", flush=True)
     return run_study(cfg, cfg.runs(), command.strip(), order=args.order, only=only, fresh=args.fresh)
 
 

@@ -62,7 +62,9 @@ V3_ARMS = ("softmax_rms",) + tuple(f"{arm}{w}" for w in (16, 64)
 V3_ARMS += tuple(f"{arm}{w}_capped" for arm in ("fn_window", "performer_window") for w in (16, 64)) + ("fn_capped",)
 ORDERS = ("seeds", "kinds")  # seed-major (a stopped study still has whole seeds) or kind-major
 # StudyConfig fields that select runs or name places, not what a run computes: not fingerprinted
-NOT_FINGERPRINTED = ("kinds", "arms", "seeds", "data_root", "work_dir", "out")
+NOT_FINGERPRINTED = ("kinds", "arms", "seeds", "data_root", "work_dir", "out", "long_contexts")
+# The normalisation runs of studies v1-v3 were trained with (configs/tiny.yaml's then), absent from their fingerprints.
+LEGACY_NORMALIZATION = "rms"
 DEFAULT_ARMS = ("fn_tied_init", "fn_kernel_lr_off", "fn_omega_frozen", "fn_hybrid")  # fn_paper_init = the default
 # model/training shapes per preset (the rest of StudyConfig is shared)
 PRESETS: dict[str, dict[str, Any]] = {
@@ -119,6 +121,12 @@ class StudyConfig:
     eval_batch_size: int = 16
     # data.document_boundaries of every run ("reset": no attention across an EOD in packed samples)
     document_boundaries: str = "none"
+    # model.normalization of every run an arm does not set (the project default since study v4;
+    # v1-v3 ran under "rms", the default then, which their fingerprints leave implicit)
+    normalization: str = "capped_denominator"
+    # also score english-docs valid at these context lengths, in windows and stateful modes
+    # (columns english_docs_valid_ppl_<mode><N>); evaluation only, not fingerprinted
+    long_contexts: list[int] = field(default_factory=list)
 
     @property
     def tokens_per_run(self) -> int:

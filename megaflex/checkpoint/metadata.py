@@ -27,6 +27,8 @@ from megaflex.checkpoint.layout import FILES_KEY, read_meta
 _NULL_IN_TRAINING = ("tokenizer", "init_from")
 # Optimizer param groups of checkpoints written before the kernel LR groups existed.
 LEGACY_OPTIMIZER_GROUPS = ["decay", "no_decay"]
+# model.normalization of checkpoints that do not record it (the default until capped_denominator).
+LEGACY_NORMALIZATION = "rms"
 
 
 @dataclass
@@ -99,10 +101,14 @@ class CheckpointMeta:
     @property
     def model_config(self) -> dict[str, Any]:
         """The saved model fields. A window hybrid saved before ``window_mixing`` existed is the gated
-        blend (the only window hybrid then), not today's default one-normaliser form."""
+        blend (the only window hybrid then), not today's default one-normaliser form; a model saved
+        without ``normalization`` was trained with "rms", not today's default "capped_denominator"."""
         model = self.config["model"]
         if model.get("softmax_window") and "window_mixing" not in model:
-            return {**model, "window_mixing": "gated"}
+            model = {**model, "window_mixing": "gated"}
+        if "normalization" not in model:
+            # written before the field existed, when every linear model was trained with "rms"
+            model = {**model, "normalization": LEGACY_NORMALIZATION}
         return model
 
     @property

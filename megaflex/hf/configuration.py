@@ -43,6 +43,8 @@ class FlexformerConfig(PreTrainedConfig):
     ffn_hidden_size: int | None = None
     attention: str = "flexformer_n"
     feature_dim: int = 128
+    # "rms", not ModelConfig's default: a config.json without the key was exported before the
+    # default became "capped_denominator" (exports write every field), so it was trained with rms.
     normalization: str = "rms"
     chunk_size: int = 64
     attention_backend: str = "auto"  # the chunked form's implementation (auto: Triton on CUDA, torch on CPU)

@@ -33,7 +33,10 @@ class ModelConfig:
     # Attention ("softmax" or one of the linear feature-map kinds of megaflex.attention).
     attention: str = "flexformer_n"
     feature_dim: int = 128  # F: size of the feature axis (2 x number of frequencies for trig maps)
-    normalization: str = "rms"  # linear attention only: "rms" (default, stable), "denominator" or "capped_denominator" (attention/base.py)
+    # linear attention's output normalisation (attention/base.py): "capped_denominator" (default since
+    # study v3/v4: 1.09x softmax against rms's 2.17x, docs/attention.md), "rms" (the default before;
+    # checkpoints without the field were trained with it) or "denominator"
+    normalization: str = "capped_denominator"
     chunk_size: int = 64  # chunk length of the parallel (training) linear-attention form
     # chunked form's implementation: "auto" (Triton kernels on CUDA, torch on CPU), "torch",
     # "triton" (also on CPU tensors under TRITON_INTERPRET=1: slow, for tests), or "fla"
