@@ -71,13 +71,12 @@ class DistillStudyConfig(StudyConfig):
     # W > 0: every student and the scratch run mix exact softmax over the last W tokens into their
     # linear attention (model.softmax_window, attention/hybrid.py; LoLCATs' sliding window)
     softmax_window: int = 0
-    # the students' (and scratch's) output normalisation: model.normalization (attention/base.py)
-    normalization: str = "rms"
+    # (normalization, inherited from StudyConfig: the students' and scratch's model.normalization)
 
     def student_model_overrides(self) -> list[str]:
         """Model overrides every student (stage 1; stage 2 inherits its model) and the scratch run get."""
         window = [f"model.softmax_window={self.softmax_window}"] if self.softmax_window else []
-        return window + ([f"model.normalization={self.normalization}"] if self.normalization != "rms" else [])
+        return window + [f"model.normalization={self.normalization}"]
 
     def stage_tokens(self) -> int:
         """Tokens of stage 1 + stage 2 (same batch and sequence length as the teacher)."""
@@ -320,7 +319,7 @@ def write_report(cfg: DistillStudyConfig, rows: list[dict[str, Any]], command: s
         f"vocab {cfg.vocab_size}, {cfg.steps} steps x {cfg.global_batch_size} x {cfg.seq_len} tokens"
         f"{f' (reused from {cfg.teacher_runs})' if cfg.teacher_runs else ''}; students {cfg.students}"
         f"{f' with model.softmax_window={cfg.softmax_window} (scratch too)' if cfg.softmax_window else ''}"
-        f"{f', model.normalization={cfg.normalization}' if cfg.normalization != 'rms' else ''}, feature_dim "
+        f", model.normalization={cfg.normalization}, feature_dim "
         f"{cfg.feature_dim}; device {cfg.device}; wall time {seconds / 60:.1f} min.\n",
         f"Stage 1 (attention transfer, kernel parameters + gains only; output MSE weight {cfg.output_mse_weight:g}, "
         f"weights CE weight {cfg.weights_ce_weight:g}): {cfg.stage1_steps} steps, lr {cfg.stage1_lr:g}. Stage 2 "

@@ -144,3 +144,31 @@ def test_pipeline_checkpoints_resume_only_at_their_pipeline_size(model: GPT) -> 
     check_resume_layout(staged, Path("ck/step_3"), zero_stage=1, precision="fp32", pp_size=2)
     with pytest.raises(CheckpointError, match="not wired up for pipeline checkpoints"):
         needs_repartition(staged, Path("ck/step_3"), 1, 4, 1, 1, universal_allowed=True)  # DP 2 -> 4
+
+
+def test_a_model_saved_before_the_capped_default_loads_with_the_rms_it_was_trained_with(tmp_path: Path) -> None:
+    # Until capped_denominator became ModelConfig's default, "rms" was the default, and a model
+    # config written before the field existed has no "normalization" key: such a checkpoint must
+    # build the rms model it was trained with (its out_gain parameters), never the new default.
+    assert ModelConfig(**{k: v for k, v in TINY["model"].items() if k != "normalization"}).normalization == "capped_denominator"
+    torch.manual_seed(0)
+    rms = GPT(ModelConfig(**{**TINY["model"], "normalization": "rms"}))
+    with torch.no_grad():  # a trained gain, so that dropping it could not go unnoticed
+        for block in rms.blocks:
+            block.attn.out_gain.uniform_(0.5, 1.5)
+    meta = _old_meta(rms)
+    del meta["config"]["model"]["normalization"]  # as the older megaflex saved it
+    tag = tmp_path / "checkpoints" / "step_00000010"
+    tag.mkdir(parents=True)
+    torch.save({"module": rms.state_dict()}, model_states_file(tag, 0))
+    write_meta(tag, meta)
+    write_latest(tag.parent, tag.name)
+    assert CheckpointMeta.read(tag).model_config["normalization"] == "rms"
+    loaded = load_for_eval(tmp_path)
+    assert loaded.model.config.normalization == "rms"
+    assert sorted(loaded.model.state_dict()) == sorted(rms.state_dict())
+    tokens = torch.randint(0, TINY["model"]["vocab_size"], (2, 16))
+    rms.eval()
+    assert torch.equal(loaded.model(tokens).logits, rms(tokens).logits)  # same weights, same maths: bit-identical
+    meta["config"]["model"]["normalization"] = "capped_denominator"  # written today: taken as saved
+    assert CheckpointMeta.from_dict(meta).model_config["normalization"] == "capped_denominator"

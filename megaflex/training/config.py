@@ -417,7 +417,7 @@ _MODEL_DOCS = {
     "ffn_hidden_size": "MLP width (default 4h for gelu, 8h/3 rounded to 64 for swiglu)",
     "attention": "softmax or a linear feature map (flexformer_n, flexformer_s, performer, elu, cosformer, hedgehog)",
     "feature_dim": "feature axis F of linear attention",
-    "normalization": "linear attention output normalisation (rms or denominator)",
+    "normalization": "linear attention output normalisation: capped_denominator (n / max(d, rms(n)/2)), rms or denominator (attention/base.py)",
     "chunk_size": "chunk length of the chunked linear-attention training form",
     "attention_backend": "chunked linear attention implementation: auto (Triton on CUDA, torch on CPU), torch, triton (on CPU tensors it needs TRITON_INTERPRET=1), or fla (flash-linear-attention's chunk_simple_gla; CUDA, extra gpu)",
     "feature_kwargs": "extra keyword arguments of the feature map (flexformer_n: omega_init paper|tied, omega_noise, "

@@ -72,7 +72,9 @@ def distill_config(paths: list[str], overrides: list[str]) -> Config:
     student = _setting(sources, "distill", "student_attention", DistillConfig().student_attention)
     if student == "softmax":
         raise ConfigError("distill.student_attention: expected a linear attention kind (e.g. flexformer_n, performer), got 'softmax'")
-    model = dict(teacher_cfg["model"], attention=student)
+    # The student is a new linear model: the softmax teacher's normalization (which it never used,
+    # "rms" in teachers saved before capped_denominator became the default) must not pass to it.
+    model = {**{k: v for k, v in teacher_cfg["model"].items() if k != "normalization"}, "attention": student}
     init_from = _setting(sources, "checkpoint", "init_from")
     if init_from:  # e.g. finetune from the stage-1 output: its (student) model
         _, init_cfg = _checkpoint_config(init_from, "checkpoint.init_from")
