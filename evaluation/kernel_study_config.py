@@ -69,6 +69,11 @@ DEFAULT_ARMS = ("fn_tied_init", "fn_kernel_lr_off", "fn_omega_frozen", "fn_hybri
 # model/training shapes per preset (the rest of StudyConfig is shared)
 PRESETS: dict[str, dict[str, Any]] = {
     "cpu": {},
+    # one size up (issue 38): 2x the parameters (2.50M against 1.31M, embeddings included: the LM head
+    # is a large share of the compute at this size) and 2x the tokens, so the same tokens per parameter
+    # and ~4x the compute. The issue's example, 8 layers x 256, is 5.6x the parameters: ~31x the compute
+    # at the same tokens per parameter, beyond a CPU session.
+    "cpu4x": dict(num_layers=6, hidden_size=160, num_heads=5, steps=600, warmup=100),
     "41m": dict(vocab_size=32000, num_layers=8, hidden_size=512, num_heads=8, feature_dim=128, seq_len=1024,
                 micro_batch_size=16, global_batch_size=64, steps=2000, lr=6e-4, min_lr=6e-5, warmup=200,
                 eval_tokens=0, eval_batch_size=16, tokenizer_sentences=1_000_000),
