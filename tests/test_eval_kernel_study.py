@@ -200,3 +200,108 @@ def test_v3_arms_build_valid_models_and_report_the_far_share_per_layer() -> None
              "wikitext2_test_ppl": 200.0, "far_share": [0.1 * s, 0.5]} for s in (1, 2)]
     (summary,) = aggregate(rows)
     assert summary["far_share_per_layer"] == pytest.approx([0.15, 0.5]) and summary["far_share_mean"] == pytest.approx(0.325)
+
+
+def test_the_base_normalisation_is_fingerprinted_only_where_it_changes_the_run(tmp_path: Path) -> None:
+    from evaluation.kernel_study import REPO, train_overrides
+    from megaflex.training.config import load_config
+
+    capped, rms = StudyConfig(out=str(tmp_path)), StudyConfig(out=str(tmp_path), normalization="rms")
+    assert capped.normalization == "capped_denominator"  # the project default: every run gets it unless an arm sets one
+
+    def digest(cfg: StudyConfig, run: RunSpec) -> str:
+        return run_fingerprint(cfg, run, 1234)["digest"]
+
+    plain = RunSpec("flexformer_n", "flexformer_n")
+    assert digest(capped, plain) != digest(rms, plain)  # another normaliser, another run
+    # "rms" is v1-v3's implicit base: those rows keep their fingerprints (no normalization key)
+    assert "normalization" not in run_fingerprint(rms, plain, 1234)["settings"]
+    for unaffected in (RunSpec("softmax", "softmax"), RunSpec("fn_capped", "flexformer_n", ["model.normalization=capped_denominator"])):
+        assert digest(capped, unaffected) == digest(rms, unaffected), unaffected.label
+    window = RunSpec("softmax_window16", "softmax", ["model.softmax_window=16"])  # the hybrid path normalises
+    assert digest(capped, window) != digest(rms, window)
+    data = {"train": tmp_path / "train", "valid": tmp_path / "valid", "tokenizer": tmp_path / "tok.model"}
+
+    def normalization(cfg: StudyConfig, run: RunSpec) -> str:
+        return load_config([REPO / "configs" / "tiny.yaml"], train_overrides(cfg, run, 1234, data, tmp_path / "r")).model.normalization
+
+    assert normalization(rms, plain) == "rms" and normalization(capped, plain) == "capped_denominator"
+    assert normalization(rms, RunSpec("fn_capped", "flexformer_n", ["model.normalization=capped_denominator"])) == "capped_denominator"
+
+
+def test_reuse_copies_rows_of_another_study_with_the_same_recipe_under_this_studys_labels(tmp_path: Path) -> None:
+    from evaluation.kernel_study import reuse_rows
+
+    old = StudyConfig(out=str(tmp_path / "v3"), normalization="rms", seeds=1)
+    stored = {  # label -> (run of the old study, its row)
+        "fn_capped": RunSpec("fn_capped", "flexformer_n", ["model.normalization=capped_denominator"]),
+        "flexformer_n": RunSpec("flexformer_n", "flexformer_n"),  # rms then: not the new default's recipe
+        "softmax": RunSpec("softmax", "softmax"),
+    }
+    for label, run in stored.items():
+        save_row(old, run, 1234, {"label": label, "english_docs_valid_ppl": float(len(label))}, f"cmd {label}")
+    new = StudyConfig(out=str(tmp_path / "v4"), kinds=["softmax", "flexformer_n", "elu"], arms=[], seeds=1)
+    copied = reuse_rows(new, new.runs(), tmp_path / "v3")
+    assert sorted(copied) == ["flexformer_n_s1234", "softmax_s1234"]
+    fn = load_row(new, RunSpec("flexformer_n", "flexformer_n"), 1234)  # under the new fingerprint: it loads
+    assert fn["english_docs_valid_ppl"] == float(len("fn_capped")) and fn["label"] == "flexformer_n"
+    assert fn["reused_from"].endswith("fn_capped_s1234.json")
+    assert load_row(new, RunSpec("elu", "elu"), 1234) is None
+    assert reuse_rows(new, new.runs(), tmp_path / "v3") == []  # stored rows are never overwritten
+
+
+def test_long_context_columns_score_past_the_training_length_or_name_why_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    import evaluation.kernel_study as study
+    from evaluation.scoring import evaluate
+    from megaflex.model import GPT, ModelConfig
+
+    assert study.long_context_scores(StudyConfig(), None, None, None) == {}  # off by default
+    gen = torch.Generator().manual_seed(0)
+    docs = [torch.randint(0, 64, (n,), generator=gen) for n in (150, 90, 40)]
+    monkeypatch.setattr(study, "eval_documents", lambda path, tok, max_tokens: docs)
+    cfg = StudyConfig(seq_len=32, eval_batch_size=4, long_contexts=[64, 128])
+    shape = dict(vocab_size=64, num_layers=1, hidden_size=16, num_heads=2, feature_dim=8, chunk_size=8, max_seq_len=32)
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(**shape, attention="flexformer_n")).eval()
+    scores = study.long_context_scores(cfg, model, None, None)
+    assert scores["long_context_errors"] == {}
+    for context in (64, 128):  # 2x and 4x the training length, each mode as scoring computes it
+        for mode in ("windows", "stateful"):
+            assert scores[f"english_docs_valid_ppl_{mode}{context}"] == evaluate(model, docs, mode, context).ppl
+    # stateful scoring carries the state through each whole document: the chunk length does not matter
+    assert scores["english_docs_valid_ppl_stateful64"] == pytest.approx(scores["english_docs_valid_ppl_stateful128"], rel=1e-6)
+    cosformer = GPT(ModelConfig(**shape, attention="cosformer")).eval()  # its reweighting ends at max_seq_len
+    scores = study.long_context_scores(cfg, cosformer, None, None)
+    assert scores["english_docs_valid_ppl_windows64"] is None
+    assert "max_seq_len=32" in scores["long_context_errors"]["english_docs_valid_ppl_windows64"]
+
+
+def test_normalizer_diagnosis_measures_the_gain_rms_puts_on_softmax_attention() -> None:
+    import torch
+
+    from evaluation.normalizer_diagnosis import capture_attention_inputs, init_gradient_scale, rms_gain_statistics
+    from megaflex.model import GPT, ModelConfig
+
+    # equal keys: uniform causal attention, so A v at position t is the mean of the first t values
+    gen = torch.Generator().manual_seed(0)
+    n, d = 64, 8
+    q, k = torch.zeros(1, 1, n, d), torch.zeros(1, 1, n, d)
+    v = torch.randn(1, 1, n, d, generator=gen, dtype=torch.float64)
+    stats = rms_gain_statistics(q, k, v, eps=0.0)
+    means = v.cumsum(-2) / torch.arange(1, n + 1, dtype=torch.float64)[:, None]
+    gain = 1 / means.pow(2).mean(-1).sqrt().flatten()
+    assert stats["by_position"]["1-1"]["median"] == pytest.approx(gain[0].item(), rel=1e-12)
+    assert stats["by_position"]["17-64"]["median"] == pytest.approx(gain[16:].median().item(), rel=1e-12)
+    # averaging t unit-variance values shrinks their RMS ~ 1/sqrt(t): rms multiplies late outputs more
+    assert stats["by_position"]["17-64"]["median"] > 3 * stats["by_position"]["1-1"]["median"]
+    assert stats["by_position"]["17-64"]["effective_keys_median"] == pytest.approx(40.5, abs=0.51)
+
+    config = ModelConfig(vocab_size=64, num_layers=2, hidden_size=16, num_heads=2, attention="softmax", max_seq_len=32)
+    tokens = torch.randint(0, 64, (2, 17), generator=gen)
+    captured = capture_attention_inputs(GPT(config).eval(), tokens[:, :-1])
+    assert len(captured) == 2 and all(t.shape == (2, 2, 16, 8) for qkv in captured for t in qkv)
+    grads = init_gradient_scale(ModelConfig(**{**config.to_dict(), "attention": "flexformer_n", "feature_dim": 8}), tokens, 0)
+    assert set(grads) == {"rms", "capped_denominator"}
+    assert all(len(g["qkv_grad_norm"]) == 2 and min(g["qkv_grad_norm"]) > 0 for g in grads.values())
