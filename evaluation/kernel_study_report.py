@@ -24,6 +24,15 @@ from evaluation.kernel_study_config import ARM_KINDS, ARMS, LEARNED_SPECTRUM, St
 METRICS = ("english_docs_valid_ppl", "wikitext2_test_ppl")
 EVAL_SETS = {"english_docs_valid_ppl": "english-docs valid", "wikitext2_test_ppl": "WikiText-2 test"}
 PER_LAYER = ("omega_rel_change", "negative_fraction", "effective_keys", "tau_per_layer", "far_share")
+LEARNED_KINDS = ("flexformer_n", "flexformer_s")
+FIXED_KINDS = ("performer", "cosformer", "elu", "hedgehog")
+LONG_CONTEXT = re.compile(r"english_docs_valid_ppl_(windows|stateful)(\d+)")
+
+
+def long_context_metrics(rows: list[dict[str, Any]]) -> list[str]:
+    """The long-context columns present in ``rows`` (``--long-contexts``), by length then mode."""
+    keys = {k for r in rows for k in r if LONG_CONTEXT.fullmatch(k)}
+    return sorted(keys, key=lambda k: (int(LONG_CONTEXT.fullmatch(k)[2]), LONG_CONTEXT.fullmatch(k)[1] != "windows"))
 
 
 def mean_std(values: list[float]) -> tuple[float, float | None]:
@@ -39,10 +48,11 @@ def aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for label in labels:
         runs = [r for r in rows if r["label"] == label]
         agg: dict[str, Any] = {"label": label, "kind": runs[0]["kind"], "seeds": len(runs)}
-        for metric in METRICS + ("final_train_loss", "train_tokens_per_s"):
+        for metric in METRICS + ("final_train_loss", "train_tokens_per_s") + tuple(long_context_metrics(runs)):
             values = [r[metric] for r in runs if r.get(metric) is not None]
             if values:
                 agg[f"{metric}_mean"], agg[f"{metric}_std"] = mean_std(values)
+                agg[f"{metric}_seeds"] = len(values)  # rows reused from an earlier study may lack a column
         for key in PER_LAYER:
             values = [statistics.fmean(r[key]) for r in runs if r.get(key)]
             agg[f"{key}_mean"] = statistics.fmean(values) if values else None
@@ -88,11 +98,65 @@ def verdict(summary: list[dict[str, Any]]) -> str:
     if fn.get("omega_rel_change_mean") is not None:
         lines.append(f"- Omega moved {100 * fn['omega_rel_change_mean']:.0f}% from its init (default recipe; "
                      "||Omega - Omega_init|| / ||Omega_init||, mean over layers and seeds).")
+    lines += learned_against_fixed(summary)
     lines += window_targets(summary)
     seeds = min(s["seeds"] for s in summary)
     rule = ("better/worse = gap of the means > 2 standard errors over seeds" if seeds > 1
             else "one seed: no comparison is separated from seed noise")
     return f"## Verdict (computed from the means; {rule})\n\n" + "\n".join(lines) + "\n"
+
+
+def learned_against_fixed(summary: list[dict[str, Any]]) -> list[str]:
+    """The paper's first claim on equal terms (every kind under the study's one normalisation): does
+    each learned kernel beat every fixed linear kernel beyond 2 standard errors?"""
+    learned = [s for s in summary if s["label"] in LEARNED_KINDS]
+    fixed = [s for s in summary if s["label"] in FIXED_KINDS]
+    if not learned or not fixed:
+        return []
+    lines = []
+    for metric, name in EVAL_SETS.items():
+        for s in learned:
+            results = {f["label"]: beats(s, f, metric) for f in fixed}
+            worse_or_tied = [label for label, r in results.items() if r is not True]
+            answer = "yes" if not worse_or_tied else "no"
+            lines.append(f"- {name}: does {s['label']} ({s[f'{metric}_mean']:.1f}) beat every fixed kernel beyond 2 SE? "
+                         f"{answer}" + ("" if not worse_or_tied else " (" + ", ".join(
+                             f"{'worse than' if results[label] is False else 'not separated from'} {label} "
+                             f"({next(f for f in fixed if f['label'] == label)[f'{metric}_mean']:.1f})"
+                             for label in worse_or_tied) + ")") + ".")
+    return lines
+
+
+def long_context_table(rows: list[dict[str, Any]], metrics: list[str], train_metric: str) -> list[dict[str, Any]]:
+    """Per kind/arm, over its runs that have the long-context columns (n of them): ppl at the
+    training length of those same runs, each column (mean ± std), the longest stateful column over
+    the training-length ppl (how it degrades or improves past its training length), and over
+    softmax's."""
+    stateful = [m for m in metrics if m.startswith(f"{train_metric}_stateful")]
+    longest = stateful[-1] if stateful else metrics[-1]
+
+    def runs_of(label: str) -> list[dict[str, Any]]:
+        return [r for r in rows if r["label"] == label and r.get(longest) is not None]
+
+    softmax = runs_of("softmax")
+    softmax_longest = statistics.fmean(r[longest] for r in softmax) if softmax else None
+    table = []
+    for label in dict.fromkeys(r["label"] for r in rows):
+        runs = runs_of(label)
+        if not runs:
+            continue
+        row: dict[str, Any] = {"run": label, "n": len(runs),
+                               "at training length": f"{statistics.fmean(r[train_metric] for r in runs):.2f}"}
+        for metric in metrics:
+            mean, std = mean_std([r[metric] for r in runs if r.get(metric) is not None] or [float("nan")])
+            mode, length = LONG_CONTEXT.fullmatch(metric).groups()
+            row[f"{mode} {length}"] = f"{mean:.2f}" + (f" ± {std:.2f}" if std is not None else "")
+        name = longest.rsplit("_", 1)[1]
+        row[f"{name} / training length"] = f"{statistics.fmean(r[longest] / r[train_metric] for r in runs):.3f}"
+        if softmax_longest:
+            row[f"{name} / softmax"] = f"{statistics.fmean(r[longest] for r in runs) / softmax_longest:.3f}"
+        table.append(row)
+    return table
 
 
 def window_targets(summary: list[dict[str, Any]], within: float = 1.10) -> list[str]:
@@ -170,6 +234,7 @@ def write_report(
         f"{len(summary)} kinds/arms x seeds {cfg.seed_list}, {cfg.tokens_per_run:,} training tokens per run "
         f"({cfg.steps} steps x {cfg.global_batch_size} x {cfg.seq_len}); {cfg.num_layers} layers, hidden "
         f"{cfg.hidden_size}, {cfg.num_heads} heads, feature_dim {cfg.feature_dim}, vocab {cfg.vocab_size}; "
+        f"model.normalization {cfg.normalization} unless an arm sets it; "
         f"device {cfg.device}; compute time {run_seconds / 60:.1f} min (train + evaluate, summed over runs and sessions).\n",
         "Perplexity: mean ± sample std over seeds; windows of the training length, every target token once, "
         f"{'whole sets' if not cfg.eval_tokens else f'first {cfg.eval_tokens:,} tokens of each set'}. Kernel "
@@ -180,6 +245,16 @@ def write_report(
         "Arms (one change to the default recipe of the kind in brackets):\n\n" + (arms or "- none\n"),
         markdown_table(table, columns), "\n", verdict(summary),
     ]
+    long_metrics = long_context_metrics(rows)
+    if long_metrics:
+        long_table = long_context_table(rows, long_metrics, METRICS[0])
+        md += ["## Long context: english-docs valid past the training length\n",
+               f"Trained at {cfg.seq_len} tokens. `windows N`: disjoint windows of N tokens, each from an empty "
+               "context; `stateful N`: each whole document in N-token chunks with the state (KV cache for softmax) "
+               "carried, so every target sees its whole document prefix (independent of N up to rounding). "
+               "n: seeds with the columns (rows reused from an earlier study have none; the ratios use those seeds only). A kind that refuses a "
+               "length (cosformer's reweighting is defined up to max_seq_len) has no value there.\n",
+               markdown_table(long_table, list(dict.fromkeys(k for r in long_table for k in r))), "\n"]
     (out / "results.md").write_text("\n".join(md) + "\n")
 
 

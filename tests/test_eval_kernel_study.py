@@ -305,3 +305,32 @@ def test_normalizer_diagnosis_measures_the_gain_rms_puts_on_softmax_attention() 
     grads = init_gradient_scale(ModelConfig(**{**config.to_dict(), "attention": "flexformer_n", "feature_dim": 8}), tokens, 0)
     assert set(grads) == {"rms", "capped_denominator"}
     assert all(len(g["qkv_grad_norm"]) == 2 and min(g["qkv_grad_norm"]) > 0 for g in grads.values())
+
+
+def test_v4_verdict_asks_whether_each_learned_kernel_beats_every_fixed_one_and_tabulates_long_context() -> None:
+    from evaluation.kernel_study_report import learned_against_fixed, long_context_metrics, long_context_table
+
+    def rows(label: str, kind: str, ppls: tuple[float, ...], long: float | None = None) -> list[dict]:
+        out = []
+        for seed, ppl in enumerate(ppls):
+            row = {"label": label, "kind": kind, "seed": seed, "english_docs_valid_ppl": ppl, "wikitext2_test_ppl": ppl}
+            if long is not None and seed == 0:  # one seed scored at long context
+                row |= {"english_docs_valid_ppl_windows1024": long * 0.9, "english_docs_valid_ppl_stateful1024": long}
+            out.append(row)
+        return out
+
+    all_rows = (rows("softmax", "softmax", (200, 202, 204), long=220.0) + rows("flexformer_n", "flexformer_n", (230, 231, 232), long=230.0)
+                + rows("performer", "performer", (260, 262, 264)) + rows("elu", "elu", (229, 233, 237)))
+    lines = learned_against_fixed(aggregate(all_rows))
+    assert lines[0] == ("- english-docs valid: does flexformer_n (231.0) beat every fixed kernel beyond 2 SE? no "
+                        "(not separated from elu (233.0)).")
+    without_elu = [r for r in all_rows if r["label"] != "elu"]
+    assert learned_against_fixed(aggregate(without_elu))[0].endswith("beyond 2 SE? yes.")
+    metrics = long_context_metrics(all_rows)
+    assert metrics == ["english_docs_valid_ppl_windows1024", "english_docs_valid_ppl_stateful1024"]
+    table = {r["run"]: r for r in long_context_table(all_rows, metrics, "english_docs_valid_ppl")}
+    assert sorted(table) == ["flexformer_n", "softmax"]  # rows without the columns are left out
+    fn = table["flexformer_n"]
+    assert fn["n"] == 1 and fn["at training length"] == "230.00"  # the scored seed's own training-length ppl
+    assert fn["stateful1024 / training length"] == "1.000" and fn["stateful1024 / softmax"] == f"{230 / 220:.3f}"
+    assert table["softmax"]["windows 1024"] == "198.00"
