@@ -23,7 +23,7 @@ from typing import Callable
 import pytest
 import yaml
 
-from failure_helpers import one_error_line
+from failure_helpers import foreign_tokenizer_file, one_error_line
 from training_harness import PYTHON, REPO, TINY, base_env, deepspeed_launcher, write_config
 
 DOC = REPO / "docs" / "training.md"
@@ -272,36 +272,12 @@ def _deepspeed_dash_m(world, tmp_path, capsys):
 
 
 # --- issue 37 (a third probe's bad inputs)
-def _tokenizers_file(path: Path, kind: str) -> Path:
-    """A ``tokenizers`` file megaflex's data_prep never writes: "wordpiece" (BERT-style, lowercasing,
-    no end-of-document token) or "unigram" (a normalizer that turns newlines into spaces)."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-
-    from megaflex.data.tokenizer import ROUND_TRIP_PROBE
-
-    if kind == "wordpiece":
-        tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-        tok.normalizer = normalizers.BertNormalizer(lowercase=True)
-        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-        tok.decoder = decoders.WordPiece()
-        trainer = trainers.WordPieceTrainer(vocab_size=200, special_tokens=["[UNK]", "[SEP]", "[PAD]"])
-    else:
-        tok = Tokenizer(models.Unigram())
-        tok.normalizer = normalizers.Replace("\n", " ")
-        tok.pre_tokenizer = pre_tokenizers.Metaspace()
-        tok.decoder = decoders.Metaspace()
-        trainer = trainers.UnigramTrainer(vocab_size=200, special_tokens=["<unk>", "</s>"], unk_token="<unk>")
-    tok.train_from_iterator([TEXT, ROUND_TRIP_PROBE], trainer)  # every probe character is in the vocabulary
-    tok.save(str(path))
-    return path
-
-
 def _not_a_tokenizer(world, tmp_path, capsys):
     from megaflex.data.tokenizer import Tokenizer
 
     bad = tmp_path / "tokenizer.json"
     bad.write_text('{"version": "1.0", "model": ')
-    wordpiece = _tokenizers_file(tmp_path / "wordpiece.json", "wordpiece")
+    wordpiece = foreign_tokenizer_file(tmp_path / "wordpiece.json", "wordpiece", TEXT)
     with pytest.raises(ValueError, match="names no end-of-document token"):
         Tokenizer(wordpiece)
     outcome = train(world["config"], f"logging.run_dir={tmp_path / 'run'}", f"data.tokenizer={wordpiece}")
@@ -313,7 +289,7 @@ def _not_a_tokenizer(world, tmp_path, capsys):
 def _lossy_tokenizer(world, tmp_path, capsys):
     from megaflex.data.tokenizer import Tokenizer
 
-    lossy = _tokenizers_file(tmp_path / "unigram.json", "unigram")
+    lossy = foreign_tokenizer_file(tmp_path / "unigram.json", "unigram", TEXT)
     assert Tokenizer(lossy).lossless_problem() == "decode(encode(text)) changes 'rown fox\\njumps  ' into 'rown fox jumps  '"
     assert Tokenizer(world["tok"]).lossless_problem() is None  # data_prep's sentencepiece model
     evaluated = evaluate(["--checkpoint", str(world["run"]), "--data", str(world["root"] / "text.txt"),
