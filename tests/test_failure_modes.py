@@ -374,6 +374,8 @@ CASES: dict[str, Case] = {
         lambda w, t, c: evaluate(["--checkpoint", str(w["run"]), "--data", str(w["root"] / "text.txt"),
                                   "--mode", "stateful", "--contexts", "16,32"], c),
         "--contexts: a context sweep needs --mode windows or sliding"),
+    "`megaflex-eval` where bits per byte or word counts are unknown (no tokenizer; `--max-tokens`), or with `--contexts`": Case(
+        covered_by="tests/test_failure_modes.py::test_eval_prints_the_context_sweep_and_no_unknown_numbers"),
     # --- Config, run-directory, resume, export and generation faults
     "non-finite or out-of-range float in the config (`train.lr=.inf`, `optimizer.beta1=1.5`, `optimizer.eps=.nan`, any float key)":
         Case(lambda w, t, c: train_in_process(["--config", str(w["config"]), "optimizer.beta1=1.5"], c),
@@ -433,6 +435,10 @@ CASES: dict[str, Case] = {
         _unwritable_run_dir, "/a_file/run is not writable: Not a directory; set logging.run_dir", slow=True),
     "`python -m megaflex.model.summary --memory` with a TP size that splits no heads, `--world`/`--micro-batch`/`--seq-len` < 1, or a `--seq-len` CP (x TP with `--sp`) cannot split": Case(
         covered_by="tests/test_memory_plan.py::test_impossible_plans_are_refused_with_one_line"),
+    "HF `generate()` on right-padded prompts (as on left-padded ones)": Case(
+        covered_by="tests/test_hf_padding.py::test_padded_batch_generates_what_each_prompt_generates_alone"),
+    "`logging.tensorboard: false`": Case(
+        covered_by="tests/test_training_logging.py::test_last_line_names_the_tensorboard_folder_only_when_it_is_written"),
 }
 
 
