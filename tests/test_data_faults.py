@@ -198,7 +198,8 @@ def test_training_start_refuses_unreadable_and_lossy_tokenizers(toks: dict[str, 
     bad.write_text('{"model": ')
     lossy = foreign_tokenizer_file(tmp_path / "unigram.json", "unigram", TEXT)
     cases = {bad: r"bad.json is not a tokenizers file \(",
-             foreign_tokenizer_file(tmp_path / "wordpiece.json", "wordpiece", TEXT): r"wordpiece.json names no end-of-document token",
+             foreign_tokenizer_file(tmp_path / "wordpiece.json", "wordpiece", TEXT):
+                 r"wordpiece.json names no end-of-document token",
              lossy: r"tokenizer .*unigram.json is lossy: decode\(encode\(text\)\) changes 'rown fox\\njumps  ' into "
                     r"'rown fox jumps  '; bits per byte and word counts would measure another text: use a lossless"}
     for path, message in cases.items():
