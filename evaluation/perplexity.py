@@ -13,8 +13,9 @@ by ``ln 2 x`` UTF-8 bytes of the targets, and ``word_ppl`` by the WikiText word 
 one per line), which is how word-level WikiText-103 tables report subword models.
 
 ``--contexts 512,1024,...`` adds a sweep: the mode re-run at each context length (windows or
-sliding; in stateful mode the context is only the chunk size and cannot change the result, so
-the curve is perplexity by position in the document instead). Both go to the JSON and the PNG.
+sliding, one console line each; in stateful mode the context is only the chunk size and cannot
+change the result, so ``--contexts`` is refused there and the curve is perplexity by position in
+the document instead). Both go to the JSON and the PNG.
 Under ``torchrun`` the work is split over data-parallel ranks (each TP group evaluates the same
 windows) and the sums are all-reduced; the result equals a single-process run up to float
 summation order.
@@ -65,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", default=None, help="PNG of perplexity vs context length (rank 0)")
     p.add_argument("--tokenizer", default=None, help="override the checkpoint's tokenizer model")
     p.add_argument("--doc-mode", choices=EVAL_DOC_MODES, default=None, help="how text is cut into documents")
-    p.add_argument("--text-key", default="text", help="JSON/HF field holding the text")
+    p.add_argument("--text-key", "--json-key", dest="text_key", default="text",
+                   help="JSON/HF field holding the text (--json-key: data_prep's name for it)")
     p.add_argument("--encoding-errors", choices=["strict", "replace"], default="strict",
                    help="strict: stop at invalid UTF-8 naming file and line; replace: read it as U+FFFD")
     p.add_argument("--no-prepend-eod", action="store_true", help="do not prepend EOD (first token not scored)")
@@ -161,9 +163,16 @@ def run_cli(argv: Sequence[str] | None = None) -> dict[str, Any]:
     state, tracker = _distributed(args.tensor_parallel_size)
     loaded = load_for_eval(args.checkpoint, tag=args.tag, tokenizer=args.tokenizer, device=args.device,
                            parallel=state, rng_tracker=tracker)
+    if loaded.tokenizer is not None:  # bits per byte and word counts come from the decoded text
+        from megaflex.data.tokenizer import check_lossless
+
+        check_lossless(loaded.tokenizer, "--tokenizer" if args.tokenizer else f"checkpoint {loaded.path}")
     check_eval_tokenizer(loaded.meta.tokenizer, loaded.tokenizer, args.data, str(loaded.path))
     context = args.context if args.context is not None else loaded.model.config.max_seq_len
     contexts = _parse_contexts(args.contexts)
+    if contexts and args.mode == "stateful":  # stateful results do not depend on the chunk length
+        raise ValueError("--contexts: a context sweep needs --mode windows or sliding; stateful results do not "
+                         "depend on --context (their by_context curve, in --json/--plot, is ppl by position)")
     eval_set = load_eval_set(
         args.data, loaded.tokenizer, doc_mode=args.doc_mode, text_key=args.text_key,
         prepend_eod=not args.no_prepend_eod, max_docs=args.max_docs, max_tokens=args.max_tokens,
@@ -185,17 +194,30 @@ def run_cli(argv: Sequence[str] | None = None) -> dict[str, Any]:
         tensor_parallel_size=args.tensor_parallel_size,
     )
     if state is None or state.rank == 0:
-        bpb = results["bits_per_byte"]
-        print(
-            f"{args.data}: ppl {results['ppl']:.3f} | tokens {results['tokens']:,} | "
-            f"bits/byte {bpb if bpb is None else round(bpb, 4)} | "
-            f"word ppl {results['word_ppl'] and round(results['word_ppl'], 3)} | mode {args.mode} context {context}"
-        )
+        print(format_results(args.data, results))
         if args.json:
             write_json(args.json, results)
         if args.plot:
             plot_results(results, args.plot)
     return results
+
+
+def format_results(data: str, results: dict[str, Any]) -> str:
+    """The console lines: the evaluation, then one line per context of the sweep. Bits per byte
+    and word perplexity only where they are known (a tokenizer; word counts of the text)."""
+    def parts(r: dict[str, Any]) -> str:
+        known = [f"ppl {r['ppl']:.3f}", f"tokens {r['tokens']:,}"]
+        if r.get("bits_per_byte") is not None:
+            known.append(f"bits/byte {r['bits_per_byte']:.4f}")
+        if r.get("word_ppl") is not None:
+            known.append(f"word ppl {r['word_ppl']:.3f}")
+        return " | ".join(known)
+
+    lines = [f"{data}: {parts(results)} | mode {results['mode']} context {results['context']}"]
+    for r in results["context_sweep"]:
+        stride = "" if r["stride"] is None else f" stride {r['stride']}"
+        lines.append(f"  context {r['context']}{stride}: {parts(r)}")
+    return "\n".join(lines)
 
 
 def _parse_contexts(text: str | None) -> list[int]:

@@ -189,6 +189,32 @@ def test_tokenizer_given_a_non_model_file_is_a_clear_error(toks: dict[str, Path]
     assert r.returncode == 2 and "a.txt is not a sentencepiece model" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_training_start_refuses_unreadable_and_lossy_tokenizers(toks: dict[str, Path], tmp_path: Path) -> None:
+    """Issue 37: a malformed or EOD-less tokenizer.json was a traceback (exit 1) and a lossy one was
+    accepted, its bits per byte then computed from the text it gives back."""
+    from failure_helpers import foreign_tokenizer_file
+
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"model": ')
+    lossy = foreign_tokenizer_file(tmp_path / "unigram.json", "unigram", TEXT)
+    cases = {bad: r"bad.json is not a tokenizers file \(",
+             foreign_tokenizer_file(tmp_path / "wordpiece.json", "wordpiece", TEXT):
+                 r"wordpiece.json names no end-of-document token",
+             lossy: r"tokenizer .*unigram.json is lossy: decode\(encode\(text\)\) changes 'rown fox\\njumps  ' into "
+                    r"'rown fox jumps  '; bits per byte and word counts would measure another text: use a lossless"}
+    for path, message in cases.items():
+        with pytest.raises(DataError, match=r"^data.tokenizer \(from .*config.yaml\): .*" + message):
+            training_data.check_data_tokenizer(tiny_cfg(tmp_path, train_path=["unused"], tokenizer=str(path)))
+    bpe = train_tokenizer(TokenizerTrainConfig(inputs=[str(toks["text"])], vocab_size=300, tokenizer_type="bpe",
+                                               output_prefix=str(tmp_path / "bpe")))
+    nofallback = train_tokenizer(TokenizerTrainConfig(inputs=[str(toks["text"])], vocab_size=300, byte_fallback=False,
+                                                      output_prefix=str(tmp_path / "nofallback")))
+    for lossless in (toks["a"], toks["b"], bpe):  # what data_prep writes passes the probe
+        assert Tokenizer(lossless).lossless_problem() is None, lossless
+    # without byte fallback, a character the corpus lacks (the capital T) decodes as <unk>
+    assert "changes 'The quic' into ' ⁇ he qu'" in Tokenizer(nofallback).lossless_problem()
+
+
 # ---------------------------------------------------------------------------- item 9: small ones
 @pytest.mark.parametrize("vocab", ["0", "-5"])
 def test_train_tokenizer_bad_vocab_size_is_a_clear_error(toks: dict[str, Path], tmp_path: Path, vocab: str) -> None:

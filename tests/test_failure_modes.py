@@ -23,7 +23,7 @@ from typing import Callable
 import pytest
 import yaml
 
-from failure_helpers import one_error_line
+from failure_helpers import foreign_tokenizer_file, one_error_line
 from training_harness import PYTHON, REPO, TINY, base_env, deepspeed_launcher, write_config
 
 DOC = REPO / "docs" / "training.md"
@@ -101,6 +101,12 @@ def generate(argv: list[str], capsys: pytest.CaptureFixture) -> Outcome:
     from evaluation.generate import main
 
     return in_process("megaflex-generate", main, argv, capsys)
+
+
+def evaluate(argv: list[str], capsys: pytest.CaptureFixture) -> Outcome:
+    from evaluation.perplexity import main
+
+    return in_process("megaflex-eval", main, argv, capsys)
 
 
 # ------------------------------------------------------------------------------- shared set-up
@@ -265,6 +271,56 @@ def _deepspeed_dash_m(world, tmp_path, capsys):
                                         str(world["config"])], env)
 
 
+# --- issue 37 (a third probe's bad inputs)
+def _not_a_tokenizer(world, tmp_path, capsys):
+    from megaflex.data.tokenizer import Tokenizer
+
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text('{"version": "1.0", "model": ')
+    wordpiece = foreign_tokenizer_file(tmp_path / "wordpiece.json", "wordpiece", TEXT)
+    with pytest.raises(ValueError, match="names no end-of-document token"):
+        Tokenizer(wordpiece)
+    outcome = train(world["config"], f"logging.run_dir={tmp_path / 'run'}", f"data.tokenizer={wordpiece}")
+    assert outcome.returncode == 2 and "wordpiece.json names no end-of-document token" in \
+        one_error_line(outcome.stderr, "megaflex-train")
+    return train(world["config"], f"logging.run_dir={tmp_path / 'run'}", f"data.tokenizer={bad}")
+
+
+def _lossy_tokenizer(world, tmp_path, capsys):
+    from megaflex.data.tokenizer import Tokenizer
+
+    lossy = foreign_tokenizer_file(tmp_path / "unigram.json", "unigram", TEXT)
+    assert Tokenizer(lossy).lossless_problem() == "decode(encode(text)) changes 'rown fox\\njumps  ' into 'rown fox jumps  '"
+    assert Tokenizer(world["tok"]).lossless_problem() is None  # data_prep's sentencepiece model
+    evaluated = evaluate(["--checkpoint", str(world["run"]), "--data", str(world["root"] / "text.txt"),
+                          "--tokenizer", str(lossy)], capsys)
+    assert evaluated.returncode == 2 and "--tokenizer: tokenizer " in one_error_line(evaluated.stderr, "megaflex-eval")
+    assert "unigram.json is lossy" in evaluated.stderr
+    return train(world["config"], f"logging.run_dir={tmp_path / 'run'}", f"data.tokenizer={lossy}")
+
+
+def _jsonl_without_text(world, tmp_path, capsys):
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"body": line}) + "\n" for line in TEXT.splitlines()[:20]))
+    ok = evaluate(["--checkpoint", str(world["run"]), "--data", str(data), "--json-key", "body"], capsys)
+    assert ok.returncode == 0, ok.stderr  # the flag the message names exists
+    return evaluate(["--checkpoint", str(world["run"]), "--data", str(data)], capsys)
+
+
+def _triton_on_cpu(world, tmp_path, capsys):
+    env = base_env()
+    env.pop("TRITON_INTERPRET", None)
+    return subprocess_run("megaflex-train", [PYTHON, "-m", "megaflex.train", "--config", str(world["config"]),
+                                             f"logging.run_dir={tmp_path / 'run'}", "model.attention_backend=triton"], env)
+
+
+def _unwritable_run_dir(world, tmp_path, capsys):
+    (tmp_path / "a_file").write_text("x")  # a path under a regular file: refused for root too, unlike chmod
+    outcome = train(world["config"], f"logging.run_dir={tmp_path / 'a_file' / 'run'}")
+    assert (tmp_path / "a_file").read_text() == "x"
+    return outcome
+
+
 CASES: dict[str, Case] = {
     # --- Launch and checkpoint faults
     "`-m megaflex.train` given to deepspeed": Case(_deepspeed_dash_m, "unrecognized arguments: -m", slow=True),
@@ -307,6 +363,19 @@ CASES: dict[str, Case] = {
         covered_by="tests/test_data_faults.py::test_truncated_sample_index_cache_is_rebuilt_with_a_warning"),
     "`data.cache_dir` unset": Case(
         covered_by="tests/test_data_faults.py::test_training_caches_sample_indices_next_to_the_data_by_default"),
+    # issue 37
+    "`data.tokenizer` is not a tokenizer megaflex reads (malformed `tokenizer.json`, a WordPiece file without an end-of-document token)":
+        Case(_not_a_tokenizer, "tokenizer.json is not a tokenizers file", slow=True),
+    "a lossy tokenizer (`decode(encode(text))` is not the text: a normalizer that drops newlines or lowercases, a model without byte fallback missing a character)":
+        Case(_lossy_tokenizer, "unigram.json is lossy: decode(encode(text)) changes", slow=True),
+    "`megaflex-eval --data F.jsonl` whose records lack the text field": Case(
+        _jsonl_without_text, "docs.jsonl:1: no 'text' key in the JSON object (set --json-key)"),
+    "`megaflex-eval --contexts … --mode stateful`": Case(
+        lambda w, t, c: evaluate(["--checkpoint", str(w["run"]), "--data", str(w["root"] / "text.txt"),
+                                  "--mode", "stateful", "--contexts", "16,32"], c),
+        "--contexts: a context sweep needs --mode windows or sliding"),
+    "`megaflex-eval` where bits per byte or word counts are unknown (no tokenizer; `--max-tokens`), or with `--contexts`": Case(
+        covered_by="tests/test_failure_modes.py::test_eval_prints_the_context_sweep_and_no_unknown_numbers"),
     # --- Config, run-directory, resume, export and generation faults
     "non-finite or out-of-range float in the config (`train.lr=.inf`, `optimizer.beta1=1.5`, `optimizer.eps=.nan`, any float key)":
         Case(lambda w, t, c: train_in_process(["--config", str(w["config"]), "optimizer.beta1=1.5"], c),
@@ -358,6 +427,18 @@ CASES: dict[str, Case] = {
         _missing_shard, "model-00002-of-00002.safetensors listed in model.safetensors.index.json is missing"),
     "truncated `megaflex.json` read by `megaflex-eval`/`megaflex-generate`/`megaflex-export`": Case(
         _truncated_meta, "megaflex.json: not valid JSON"),
+    # issue 37
+    "`model.attention_backend=triton` on CPU without `TRITON_INTERPRET=1` (or `fla` on CPU)": Case(
+        _triton_on_cpu, "model.attention_backend (from command line): triton on CPU runs only under Triton's "
+                        "interpreter: export TRITON_INTERPRET=1", slow=True),
+    "`logging.run_dir` not writable (read-only file system, no write permission, a path under a regular file)": Case(
+        _unwritable_run_dir, "/a_file/run is not writable: Not a directory; set logging.run_dir", slow=True),
+    "`python -m megaflex.model.summary --memory` with a TP size that splits no heads, `--world`/`--micro-batch`/`--seq-len` < 1, or a `--seq-len` CP (x TP with `--sp`) cannot split": Case(
+        covered_by="tests/test_memory_plan.py::test_impossible_plans_are_refused_with_one_line"),
+    "HF `generate()` on right-padded prompts (as on left-padded ones)": Case(
+        covered_by="tests/test_hf_padding.py::test_padded_batch_generates_what_each_prompt_generates_alone"),
+    "`logging.tensorboard: false`": Case(
+        covered_by="tests/test_training_logging.py::test_last_line_names_the_tensorboard_folder_only_when_it_is_written"),
 }
 
 
@@ -389,3 +470,28 @@ def test_documented_fault(fault: str, world: dict[str, Path], tmp_path: Path, ca
         return
     line = one_error_line(outcome.stderr, outcome.prog)
     assert case.expect in line, f"{fault}: {case.expect!r} not in {line!r}"
+
+
+
+def test_eval_prints_the_context_sweep_and_no_unknown_numbers(world: dict[str, Path], tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture) -> None:
+    """Issue 37: the --contexts sweep reached only --json/--plot, and text without word counts
+    (here cut by --max-tokens) printed "word ppl None"."""
+    from evaluation.perplexity import main
+
+    out, data = tmp_path / "eval.json", world["root"] / "text.txt"
+    capsys.readouterr()
+    assert main(["--checkpoint", str(world["run"]), "--data", str(data), "--mode", "sliding", "--contexts", "16,32",
+                 "--max-tokens", "400", "--json", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    results = json.loads(out.read_text())
+    assert results["word_ppl"] is None and results["bits_per_byte"] is not None
+    assert "None" not in "\n".join(lines) and "word ppl" not in "\n".join(lines), lines
+    assert lines[0] == (f"{data}: ppl {results['ppl']:.3f} | tokens {results['tokens']:,} | "
+                        f"bits/byte {results['bits_per_byte']:.4f} | mode sliding context 64")
+    assert lines[1:] == [f"  context {r['context']} stride {r['stride']}: ppl {r['ppl']:.3f} | tokens {r['tokens']:,} | "
+                         f"bits/byte {r['bits_per_byte']:.4f}" for r in results["context_sweep"]]
+    assert [r["context"] for r in results["context_sweep"]] == [16, 32]
+    # with word counts (the whole file), word ppl is printed
+    assert main(["--checkpoint", str(world["run"]), "--data", str(data), "--max-docs", "1"]) == 0
+    assert "| word ppl " in capsys.readouterr().out

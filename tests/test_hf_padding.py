@@ -1,5 +1,5 @@
-"""Padded batches in ``FlexformerForCausalLM``: a left-padded batch generates what each prompt
-generates alone (greedy), right padding leaves the real positions' logits unchanged, every
+"""Padded batches in ``FlexformerForCausalLM``: a left- or right-padded batch generates what each
+prompt generates alone (greedy; beams and sampling as left-padded), right padding leaves the real positions' logits unchanged, every
 attention form the model uses (quadratic / chunked prefill, recurrent decoding) ignores padded
 keys, and an lm-evaluation-harness ``generate_until`` task runs at batch size 4."""
 
@@ -52,15 +52,33 @@ def _pad(prompts: list[torch.Tensor], side: str) -> tuple[torch.Tensor, torch.Te
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_left_padded_batch_generates_what_each_prompt_generates_alone(kind: str) -> None:
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_batch_generates_what_each_prompt_generates_alone(kind: str, side: str) -> None:
+    """Right padding (issue 37): generate() appends after the pads and reads the logits of the last
+    position, so rows shorter than the batch continued from a pad before."""
     model = _model(kind)
     prompts = _prompts([3, 14, 9, 21], seed=1)  # pads span whole chunks (chunk_size 8) and windows
-    ids, mask = _pad(prompts, "left")
+    ids, mask = _pad(prompts, side)
     batch = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=None,
                            pad_token_id=PAD)
     for i, prompt in enumerate(prompts):
         alone = model.generate(prompt[None], max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=PAD)
         assert torch.equal(batch[i, ids.shape[1]:], alone[0, len(prompt):]), f"row {i} ({len(prompt)} tokens)"
+
+
+@pytest.mark.parametrize("options", [{"num_beams": 3}, {"do_sample": True, "num_return_sequences": 2, "top_k": 5}],
+                         ids=["beams", "sampling"])
+def test_right_padded_generation_equals_left_padded(options: dict) -> None:
+    """Beam search and sampling (the same draws) on right-padded prompts continue as on left-padded ones."""
+    model = _model("hybrid_conv")
+    prompts = _prompts([3, 14, 9], seed=8)
+    outputs = {}
+    for side in ("left", "right"):
+        ids, mask = _pad(prompts, side)
+        torch.manual_seed(0)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=6, eos_token_id=None, pad_token_id=PAD, **options)
+        outputs[side] = out[:, ids.shape[1]:]
+    assert torch.equal(outputs["left"], outputs["right"])
 
 
 @pytest.mark.parametrize("kind", list(KINDS))

@@ -101,7 +101,30 @@ def test_bad_layouts_are_refused_on_the_command_line(capsys: pytest.CaptureFixtu
     with pytest.raises(SystemExit) as e:
         summary_main([str(REPO / "configs" / "flexformer_n_1.3b.yaml"), "--memory", "--tp", "2", "--world", "3"])
     assert e.value.code == 2
-    assert capsys.readouterr().err.strip() == "error: world: expected a multiple of tp x cp x pp = 2, got 3"
+    assert capsys.readouterr().err.strip() == \
+        "megaflex.model.summary: error: world: expected a multiple of tp x cp x pp = 2, got 3"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--tp", "3"], "num_heads: expected a multiple of the tensor-parallel size 3, got 16"),
+    (["--tp", "0"], "tp: expected a positive integer, got 0"),
+    (["--world", "0"], "world: expected a positive integer, got 0"),
+    (["--world", "-8"], "world: expected a positive integer, got -8"),
+    (["--seq-len", "-5"], "seq_len: expected a positive integer, got -5"),
+    (["--seq-len", "0"], "seq_len: expected a positive integer, got 0"),
+    (["--micro-batch", "-1"], "micro_batch: expected a positive integer, got -1"),
+    (["--micro-batch", "0"], "micro_batch: expected a positive integer, got 0"),
+    (["--cp", "3"], "seq_len: expected a multiple of cp = 3, got 1024"),
+    (["--tp", "2", "--sp", "--seq-len", "1022", "--cp", "2"], "seq_len: expected a multiple of cp x tp = 4, got 1022"),
+])
+def test_impossible_plans_are_refused_with_one_line(flags: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
+    """Layouts the trainer would refuse, and zero or negative sizes (0 once meant "the default"),
+    print no plan: exit 2 and one line."""
+    with pytest.raises(SystemExit) as e:
+        summary_main([str(REPO / "configs" / "flexformer_n_1.3b.yaml"), "--memory", *flags])
+    out = capsys.readouterr()
+    assert e.value.code == 2 and out.out == ""
+    assert out.err.strip() == f"megaflex.model.summary: error: {message}"
 
 
 @pytest.mark.parametrize("name", ["flexformer_n_7b", "flexformer_n_13b"])

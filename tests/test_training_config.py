@@ -157,6 +157,25 @@ def test_runtime_combinations(tiny: Path) -> None:
     validate_runtime(cfg, world_size=1, has_cuda=True)  # fine on a GPU
 
 
+def test_attention_backend_that_cannot_run_on_the_device_is_a_config_error(tiny: Path, monkeypatch) -> None:
+    """Issue 37: triton on CPU without the interpreter (and fla on CPU) failed in the first forward, a traceback."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cfg = load_config([tiny], ["model.attention_backend=triton"])
+    with pytest.raises(ConfigError, match=r"^model.attention_backend \(from command line\): triton on CPU runs only "
+                                          r"under Triton's interpreter: export TRITON_INTERPRET=1 .* or use "
+                                          r"model.attention_backend=auto"):
+        validate_runtime(cfg, world_size=1, has_cuda=False)
+    validate_runtime(cfg, world_size=1, has_cuda=True)  # the GPU path
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    validate_runtime(load_config([tiny], ["model.attention_backend=triton"]), world_size=1, has_cuda=False)  # tests
+    cfg = load_config([tiny], ["model.attention_backend=fla"])
+    with pytest.raises(ConfigError, match=r"model.attention_backend \(from command line\): fla runs on CUDA only"):
+        validate_runtime(cfg, world_size=1, has_cuda=False)
+    cfg = load_config([tiny], ["model.attention_backend=fla", "train.device=cpu"])  # a GPU machine told to use CPU
+    with pytest.raises(ConfigError, match="fla runs on CUDA only"):
+        validate_runtime(cfg, world_size=1, has_cuda=True)
+
+
 def test_precision_auto_is_bf16_on_cuda_and_fp32_on_cpu(tiny: Path) -> None:
     assert TrainConfig().precision == "auto"  # the default when no config sets it
     for has_cuda, device, expected in ((True, "auto", "bf16"), (False, "auto", "fp32"), (True, "cpu", "fp32")):

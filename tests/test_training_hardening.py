@@ -71,6 +71,24 @@ def test_a_second_run_on_a_live_run_dir_exits_2_and_a_stale_lock_is_taken_over(t
     assert not (run / "run.lock").exists()
 
 
+@pytest.mark.parametrize("errno_, reason", [(30, "Read-only file system"), (13, "Permission denied")])
+def test_an_unwritable_run_dir_is_a_config_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, errno_: int,
+                                                 reason: str) -> None:
+    """A read-only mount or a folder without write permission (simulated: chmod does not stop root,
+    so os.open fails as such a mount makes it fail) is one ConfigError naming the run dir, not a
+    traceback. tests/test_failure_modes.py runs the real trainer on a path under a regular file."""
+    from megaflex.training import run_lock
+    from megaflex.training.config import ConfigError
+
+    def refuse(path, *args, **kwargs):
+        raise OSError(errno_, os.strerror(errno_), str(path))
+
+    monkeypatch.setattr(run_lock.os, "open", refuse)
+    with pytest.raises(ConfigError, match=f"logging.run_dir {tmp_path} is not writable: {reason}; set logging.run_dir"):
+        run_lock.acquire(tmp_path, print)
+    assert not (tmp_path / "run.lock").exists()
+
+
 def test_weights_only_checkpoint_is_not_resumed() -> None:
     meta = {"zero_stage": 0, "source": "megaflex-export --from-hf hf/x"}
     with pytest.raises(CheckpointError, match=r"holds weights only \(written by megaflex-export --from-hf hf/x\).*"

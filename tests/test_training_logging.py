@@ -156,3 +156,15 @@ def test_wandb_run_id_is_reused_by_a_resume_only(tmp_path: Path, wandb_env: Path
         assert (run_dir / RUN_ID_FILE).read_text().strip() == ids[-1]
     assert ids[0] == ids[1] != ids[2]
     assert sorted(run_id(f) for f in run_files(wandb_env)) == sorted(ids)  # folder names may share a second
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tensorboard", [False, True])
+def test_last_line_names_the_tensorboard_folder_only_when_it_is_written(tmp_path: Path, tensorboard: bool) -> None:
+    run_dir = tmp_path / "run"
+    result = launch(_tiny(tmp_path, 4), [f"logging.run_dir={run_dir}", f"logging.tensorboard={str(tensorboard).lower()}",
+                                         "logging.kernel_stats_interval=0"])
+    assert result.returncodes == [0], result.output
+    last = [line for line in result.outputs[0].splitlines() if line.strip()][-1]
+    assert last.startswith("training stopped (done) at step 4; metrics ") and "checkpoints " in last, last
+    assert ("TensorBoard" in last) == tensorboard == (run_dir / "tensorboard").is_dir(), last

@@ -25,6 +25,10 @@ import numpy as np
 # end-of-document tokens of common tokenizer.json files without a megaflex card (GPT-2, Llama 3, Llama 2, ...)
 KNOWN_EOD_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>")
 MODEL_SUFFIXES = (".model", ".json")
+# What a tokenizer must give back byte for byte for bits per byte, word counts and the text of
+# indexed data to be right: capitals, a run of spaces, single and double newlines, a leading space,
+# digits and punctuation (characters any training corpus has, so models without byte fallback pass).
+ROUND_TRIP_PROBE = "The quick brown fox\njumps  over the\n\n lazy dog, 0123456789.\n"
 
 
 def card_path(model_path: str | os.PathLike) -> Path:
@@ -164,6 +168,20 @@ class Tokenizer:
         if total_bytes <= 0:
             raise ValueError(f"total_bytes: expected a positive byte count, got {total_bytes}")
         return total_nll_nats / (math.log(2) * total_bytes)
+
+    def lossless_problem(self, text: str = ROUND_TRIP_PROBE) -> str | None:
+        """Why this tokenizer is not lossless on ``text`` (None when ``decode(encode(text)) == text``
+        and its pieces count the text's UTF-8 bytes exactly, what bits per byte divides by)."""
+        ids = self.encode(text)
+        back = self.decode(ids)
+        if back != text:
+            at = next((i for i, (a, b) in enumerate(zip(text, back)) if a != b), min(len(text), len(back)))
+            start = max(0, at - 8)
+            return f"decode(encode(text)) changes {text[start:at + 8]!r} into {back[start:at + 8]!r}"
+        counted = sum(self._piece_byte_length(int(i)) for i in ids)
+        if counted != len(text.encode("utf-8")):
+            return f"its pieces count {counted} bytes for a text of {len(text.encode('utf-8'))}"
+        return None
 
     def __getnewargs__(self) -> tuple:
         return (self.model_path,)
@@ -314,3 +332,15 @@ def _is_byte_level(tok: Any) -> bool:
     decoder = json.loads(tok.to_str()).get("decoder") or {}
     parts = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
     return any(p.get("type") == "ByteLevel" for p in parts)
+
+
+def check_lossless(tokenizer: Tokenizer, setting: str) -> None:
+    """DataError (naming ``setting``) when ``tokenizer`` is lossy (``Tokenizer.lossless_problem``):
+    a model scored with it would report bits per byte and word perplexity of another text."""
+    from megaflex.data.indexed import DataError
+
+    problem = tokenizer.lossless_problem()
+    if problem is not None:
+        raise DataError(f"{setting}: tokenizer {tokenizer.model_path} is lossy: {problem}; bits per byte and word "
+                        "counts would measure another text: use a lossless tokenizer (data_prep.train_tokenizer "
+                        "writes one: byte fallback, identity normalisation)")

@@ -12,6 +12,8 @@ Padding: ``attention_mask`` (left or right padding, as ``generate()`` and lm-eva
 pass it: every token so far, cached ones first) goes to ``GPT.forward``: padded tokens add
 nothing to the linear state, the softmax window or the KV cache, and positions (RoPE) count
 from each row's first real token, so each row of a padded batch computes what it computes alone.
+``generate()`` on right-padded prompts feeds each row with its pads moved first
+(``prepare_inputs_for_generation``), so it continues from the last real token.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ class FlexformerCache(Cache):
     def __init__(self, state: GPTState | None = None) -> None:
         super().__init__(layers=[])
         self.state = state
+        # generate() filled it with each row's pads moved first (prepare_inputs_for_generation):
+        # every later mask is rearranged the same way, to match the cached keys
+        self.pads_first = False
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0 if self.state is None else self.state.offset
@@ -53,7 +58,7 @@ class FlexformerCache(Cache):
         return 0 if self.state is None else len(self.state.layers)
 
     def reset(self) -> None:
-        self.state = None
+        self.state, self.pads_first = None, False
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("FlexformerCache: a recurrent state cannot be cropped (no assisted decoding)")
@@ -180,9 +185,23 @@ class FlexformerForCausalLM(PreTrainedModel, GenerationMixin):
         self, input_ids: torch.LongTensor, next_sequence_length: int | None = None,
         cache: FlexformerCache | None = None, attention_mask: torch.Tensor | None = None, **kwargs: Any,
     ) -> dict[str, Any]:
-        """Feed only the tokens the cache has not consumed yet (also for a reused, pre-filled cache)."""
+        """Feed only the tokens the cache has not consumed yet (also for a reused, pre-filled cache).
+
+        Right-padded prompts: ``generate()`` appends each new token after the pads and reads the
+        next-token logits at the last position, a pad. Every row is therefore fed with its pads
+        moved in front of its real tokens (a stable sort of the mask; order kept), i.e. as the
+        left-padded batch it is equivalent to: pads add nothing and positions count real tokens
+        only, so each row continues from its last real token, as it does alone. The new tokens
+        (mask 1, at the end) stay last, so the slice of unseen tokens is unchanged. A cache the
+        caller pre-filled is continued as it was filled."""
         cache = cache if cache is not None else kwargs.pop("past_key_values", None)
         seen = 0 if cache is None else cache.get_seq_length()
+        if seen == 0 and attention_mask is not None and not bool(attention_mask.all()):
+            cache = cache if cache is not None else FlexformerCache()
+            cache.pads_first = True  # not for a cache pre-filled by the caller: its keys keep their places
+        if cache is not None and cache.pads_first and attention_mask is not None:
+            order = torch.argsort(attention_mask.to(torch.int8), dim=1, stable=True)
+            input_ids, attention_mask = input_ids.gather(1, order), attention_mask.gather(1, order)
         if seen >= input_ids.shape[1]:
             raise ValueError(
                 f"cache: it already holds {seen} tokens but input_ids has {input_ids.shape[1]}; "

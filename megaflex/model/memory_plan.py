@@ -46,7 +46,7 @@ import torch
 
 from megaflex.model.config import ModelConfig
 from megaflex.model.gpt import GPT
-from megaflex.model.layers import pad_vocab_size
+from megaflex.model.layers import check_model_fit, pad_vocab_size
 
 GIB = 2**30
 PRECISIONS = ("bf16", "fp16", "fp32")
@@ -118,10 +118,21 @@ def memory_plan(
     grad_accum_dtype: str = "fp32",
 ) -> MemoryPlan:
     """The plan of ``config`` on ``world`` ranks split TP x CP x PP x DP (pure: builds on the meta device)."""
-    if tp < 1 or pp < 1 or cp < 1 or world % (tp * pp * cp) != 0:
+    for name, value in {"tp": tp, "pp": pp, "cp": cp, "world": world, "micro_batch": micro_batch}.items():
+        if value < 1:
+            raise ValueError(f"{name}: expected a positive integer, got {value}")
+    if world % (tp * pp * cp) != 0:
         raise ValueError(f"world: expected a multiple of tp x cp x pp = {tp * cp * pp}, got {world}")
+    check_model_fit(config.num_heads, config.ffn_hidden_size, tp)  # the trainer refuses such a TP size too
     if sequence_parallel and tp == 1:
         raise ValueError("sequence_parallel: needs tp > 1")
+    seq_len = config.max_seq_len if seq_len is None else seq_len
+    if seq_len < 1:
+        raise ValueError(f"seq_len: expected a positive integer, got {seq_len}")
+    split = cp * tp if sequence_parallel else cp
+    if seq_len % split != 0:
+        raise ValueError(f"seq_len: expected a multiple of {'cp x tp' if sequence_parallel else 'cp'} = {split}, "
+                         f"got {seq_len}")
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero: expected one of 0, 1, 2, 3, got {zero}")
     if precision not in PRECISIONS:
@@ -130,7 +141,6 @@ def memory_plan(
         raise ValueError(f"pp: expected at most num_layers={config.num_layers} stages, got {pp}")
     dp = world // (tp * pp * cp)
     shards = dp * cp  # ZeRO partitions over the DP x CP group it reduces over
-    seq_len = config.max_seq_len if seq_len is None else seq_len
     with torch.device("meta"):
         model = GPT(config)
     rank_params = _heaviest_stage_parameters(model, config, tp, pp)

@@ -117,7 +117,7 @@ def training_defaults(path: str | Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="megaflex.model.summary", description=__doc__.splitlines()[0])
     parser.add_argument("config", help="YAML file with a 'model:' section (or a bare model mapping)")
     plan = parser.add_argument_group("memory plan (--memory)")
     plan.add_argument("--memory", action="store_true", help="print the per-rank memory plan instead")
@@ -140,12 +140,14 @@ def main(argv: list[str] | None = None) -> None:
     try:
         result = memory_plan(
             config, tp=args.tp, pp=args.pp, cp=args.cp, sequence_parallel=args.sp, zero=args.zero,
-            world=args.world or args.tp * args.cp * args.pp,
-            micro_batch=args.micro_batch or defaults["micro_batch"], seq_len=args.seq_len or defaults["seq_len"],
+            # `is None`, not `or`: 0 is a value to refuse, not "use the default"
+            world=args.tp * args.cp * args.pp if args.world is None else args.world,
+            micro_batch=defaults["micro_batch"] if args.micro_batch is None else args.micro_batch,
+            seq_len=defaults["seq_len"] if args.seq_len is None else args.seq_len,
             precision=args.precision or defaults["precision"],
         )
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
         sys.exit(2)
     print(json.dumps(result.to_dict(), indent=1) if args.json else result.format())
 

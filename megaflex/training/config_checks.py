@@ -124,6 +124,23 @@ def validate_runtime(cfg: Config, world_size: int, has_cuda: bool) -> None:
     if cfg.parallel.backend == "nccl" and device != "cuda":
         raise _bad(cfg, "parallel.backend", "nccl needs CUDA; use gloo or auto on CPU")
     check_device(cfg, has_cuda)
+    check_attention_backend(cfg, device)
+
+
+def check_attention_backend(cfg: Config, device: str) -> None:
+    """ConfigError when ``model.attention_backend`` cannot run on ``device`` (else the first
+    forward raises deep inside the kernels, a traceback after the whole set-up)."""
+    from megaflex.attention.triton import interpreter_enabled, triton_available
+
+    backend = cfg.model.attention_backend
+    if backend == "triton" and not triton_available():
+        raise _bad(cfg, "model.attention_backend", "triton needs the triton package: pip install 'megaflex[gpu]', "
+                   "or use model.attention_backend=auto")
+    if backend == "triton" and device == "cpu" and not interpreter_enabled():
+        raise _bad(cfg, "model.attention_backend", "triton on CPU runs only under Triton's interpreter: export "
+                   "TRITON_INTERPRET=1 (slow, for tests) or use model.attention_backend=auto (torch on CPU)")
+    if backend == "fla" and device == "cpu":
+        raise _bad(cfg, "model.attention_backend", "fla runs on CUDA only; use model.attention_backend=auto on CPU")
 
 
 def check_device(cfg: Config, has_cuda: bool) -> None:

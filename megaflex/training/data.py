@@ -90,9 +90,15 @@ def check_data_tokenizer(cfg: Config) -> dict | None:
     if d.tokenizer:
         if not os.path.isfile(d.tokenizer):
             raise DataError(f"data.tokenizer (from {cfg.where('data.tokenizer')}): tokenizer model {d.tokenizer} not found")
-        from megaflex.data.tokenizer import Tokenizer
+        from megaflex.data.tokenizer import Tokenizer, check_lossless
 
-        record, record_from = Tokenizer(d.tokenizer).record, f"data.tokenizer ({d.tokenizer})"
+        setting = f"data.tokenizer (from {cfg.where('data.tokenizer')})"
+        try:
+            tokenizer = Tokenizer(d.tokenizer)
+        except ValueError as e:  # not a sentencepiece model / tokenizers file, no EOD token
+            raise DataError(f"{setting}: {str(e).removeprefix('model_path: ')}") from None
+        check_lossless(tokenizer, setting)
+        record, record_from = tokenizer.record, f"data.tokenizer ({d.tokenizer})"
     if d.source == "indexed":
         for prefix in [*d.train_path, *d.valid_path]:
             card = data_tokenizer(prefix)

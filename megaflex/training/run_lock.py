@@ -59,15 +59,21 @@ def _holder_text(info: dict) -> str:
 
 
 def acquire(run_dir: Path, warn: Callable[[str], None]) -> None:
-    """Take ``run_dir``'s lock for this process (``ConfigError`` naming the live holder)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
+    """Take ``run_dir``'s lock for this process (``ConfigError`` naming the live holder, or
+    saying the directory cannot be written: the lock is the run's first write there)."""
     path = run_dir / LOCK_FILE
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _unwritable(run_dir, e) from None
     mine = _record()
     for _ in range(3):  # a stale lock removed by a racing run: try again
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
         except FileExistsError:
             pass
+        except OSError as e:  # read-only file system, no permission (as root too: EROFS)
+            raise _unwritable(run_dir, e) from None
         else:
             with os.fdopen(fd, "w") as f:
                 json.dump(mine, f)
@@ -93,6 +99,11 @@ def acquire(run_dir: Path, warn: Callable[[str], None]) -> None:
         raise ConfigError(f"logging.run_dir {run_dir} is in use by a live run: {_holder_text(info)} holds {path}; "
                           f"use another logging.run_dir or stop that run{hint}")
     raise ConfigError(f"logging.run_dir {run_dir}: could not take the lock {path} (other runs keep taking it)")
+
+
+def _unwritable(run_dir: Path, err: OSError) -> ConfigError:
+    return ConfigError(f"logging.run_dir {run_dir} is not writable: {err.strerror or err}; "
+                       "set logging.run_dir to a folder this user can write")
 
 
 def _hold(path: Path) -> None:

@@ -282,9 +282,10 @@ class Trainer:
         evaluated_last = bool(cfg.train.eval_interval) and self.iteration % cfg.train.eval_interval == 0
         if stop_reason == "done" and self.valid_data is not None and not evaluated_last:
             valid_loss = self.evaluate()
+        tensorboard = f"TensorBoard {self.run_dir / 'tensorboard'}, " if cfg.logging.tensorboard else ""
         self.logger.print(
             f"training stopped ({stop_reason}) at step {self.iteration}; metrics {self.run_dir / 'metrics.jsonl'}, "
-            f"TensorBoard {self.run_dir / 'tensorboard'}, checkpoints {cfg.checkpoint_dir}"
+            f"{tensorboard}checkpoints {cfg.checkpoint_dir}"
         )
         self.logger.close()
         return {"iteration": self.iteration, "stop_reason": stop_reason, "valid_loss": valid_loss,
