@@ -200,7 +200,7 @@ class Trainer:
         self.universal, engine_config = None, ds_config
         path, meta = self.resume_path, self.resume_meta
         if path is not None:
-            check_compatible(meta, cfg.to_dict()["model"], self.shapes, state.tp_size)
+            check_compatible(meta, cfg.to_dict()["model"], self.shapes, state.tp_size, path)
             check_same_tokenizer(meta.tokenizer, self.tokenizer, f"checkpoint {path}", "this run's tokenizer/data")
             check_resume_layout(meta, path, cfg.parallel.zero_stage, cfg.train.precision, state.pp_size)
             check_optimizer_groups(meta, [g["name"] for g in optimizer.param_groups], path)
