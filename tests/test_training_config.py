@@ -266,7 +266,8 @@ def test_shape_mismatch_names_both_shapes() -> None:
     meta = CheckpointMeta(tensor_parallel_size=1, parameter_shapes=parameter_shapes(GPT(small)),
                           config={"model": small.to_dict()})
     check_compatible(meta, small.to_dict(), parameter_shapes(GPT(small)), tp_size=1)  # same: fine
-    with pytest.raises(CheckpointError, match=r"trained with model.num_layers=2, this run has model.num_layers=3;"):
+    with pytest.raises(CheckpointError, match=r"trained with model.num_layers=2, this run has model.num_layers=3; "
+                                              r"its parameters do not fit \(blocks.2.\S+: checkpoint absent vs config \["):
         check_compatible(meta, big.to_dict(), parameter_shapes(GPT(big)), tp_size=1)
     other_code = CheckpointMeta(tensor_parallel_size=1, parameter_shapes=parameter_shapes(GPT(big)),
                                 config={"model": small.to_dict()})  # same fields, other shapes (another version)
@@ -302,6 +303,8 @@ def test_resume_refuses_a_changed_model_field(field: str, value: object, same_sh
     message = str(err.value)
     assert f"was trained with model.{field}={getattr(saved, field)}, this run has model.{field}={value};" in message
     assert f"Set model.{field}={getattr(saved, field)} to continue this run, or" in message
+    assert ("(same shapes, other maths)" in message) == same_shapes
+    assert ("its parameters do not fit" in message) != same_shapes
     assert "checkpoint.init_from=R/step_00000002 checkpoint.resume=none" in message
 
 

@@ -105,18 +105,18 @@ def check_compatible(
             f"checkpoint has tensor_parallel_size={saved_tp}, this run {tp_size}; reshard it first "
             f"(megaflex.checkpoint.reshard) or launch with parallel.tensor_parallel_size={saved_tp}"
         )
-    # Fields first: a changed field names the setting (e.g. rms -> capped_denominator also drops out_gain).
-    _check_model_fields(meta, model_config, path or "<checkpoint>")
-    saved_shapes = meta.parameter_shapes
+    saved_shapes, other_shape = meta.parameter_shapes, ""
     if saved_shapes != shapes:
-        saved_model, mine = meta.model_config, model_config
-        diff = {k: (saved_model.get(k), mine.get(k)) for k in sorted(set(saved_model) | set(mine)) if saved_model.get(k) != mine.get(k)}
         names = sorted(set(saved_shapes) ^ set(shapes)) or [n for n in shapes if shapes[n] != saved_shapes[n]]
         first = names[0]
+        other_shape = f"{first}: checkpoint {saved_shapes.get(first, 'absent')} vs config {shapes.get(first, 'absent')}"
+    # Fields first: they name the setting to change back (e.g. rms -> capped_denominator also drops out_gain).
+    _check_model_fields(meta, model_config, path or "<checkpoint>", other_shape)
+    if other_shape:  # no acting field differs: another code version, or learned positions' max_seq_len
+        saved_model, mine = meta.model_config, model_config
+        diff = {k: (saved_model.get(k), mine.get(k)) for k in sorted(set(saved_model) | set(mine)) if saved_model.get(k) != mine.get(k)}
         raise CheckpointError(
-            "checkpoint model shape does not match the config: "
-            f"{first}: checkpoint {saved_shapes.get(first, 'absent')} vs config {shapes.get(first, 'absent')}; "
-            f"model fields (checkpoint, config): {diff}"
+            f"checkpoint model shape does not match the config: {other_shape}; model fields (checkpoint, config): {diff}"
         )
 
 
@@ -135,8 +135,9 @@ def _acting_model_fields(model: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _check_model_fields(meta: CheckpointMeta, model_config: dict[str, Any], path: Path | str) -> None:
-    """CheckpointError naming each acting model field whose saved value differs from this run's.
+def _check_model_fields(meta: CheckpointMeta, model_config: dict[str, Any], path: Path | str, other_shape: str) -> None:
+    """CheckpointError naming each acting model field whose saved value differs from this run's
+    (and ``other_shape``, the first parameter whose shape differs, if any).
     A field the checkpoint does not record has its legacy meaning (``CheckpointMeta.model_config``)
     or, for a field added later, its default (added so as to keep the earlier models' maths)."""
     if "model" not in meta.config:  # nothing recorded to compare (not a megaflex-built model)
@@ -159,10 +160,11 @@ def _check_model_fields(meta: CheckpointMeta, model_config: dict[str, Any], path
     if "normalization" in differ and "normalization" not in meta.config["model"]:
         legacy = (f" (it records no model.normalization: written when {LEGACY_NORMALIZATION} was the default; "
                   f"the default is now {defaults['normalization']})")
+    consequence = (f"its parameters do not fit ({other_shape})" if other_shape else "the weights and their optimizer "
+                   "moments would continue as another model (same shapes, other maths)")
     raise CheckpointError(
-        f"checkpoint {path} was trained with {was}{legacy}, this run has {now}; the weights and their optimizer "
-        f"moments would continue as another model (same shapes, other maths). Set {fix} to continue this run, "
-        f"or {_warm_start_hint(path)}"
+        f"checkpoint {path} was trained with {was}{legacy}, this run has {now}; {consequence}. Set {fix} to continue "
+        f"this run, or {_warm_start_hint(path)}"
     )
 
 
