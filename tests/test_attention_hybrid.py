@@ -217,7 +217,7 @@ def test_distillation_weights_loss_refuses_hybrid_students():
 @pytest.mark.parametrize("mixing", MIXINGS)
 def test_decoding_prompts_shorter_than_the_window_match_the_full_forward(mixing):
     """Every prompt length 1 .. W + 1, then the rest token by token and in chunks of 3: while the
-    cache holds fewer than W - 1 keys, the gated window kept only some of them (logits off by up to 3.2)."""
+    cache holds fewer than W - 1 keys, the gated window kept only some of them (logits off by up to 3.2 here)."""
     window, total = 8, 14
     torch.manual_seed(0)
     model = GPT(model_config(softmax_window=window, qkv_conv_size=0, window_mixing=mixing)).eval()
