@@ -212,3 +212,26 @@ def test_distillation_weights_loss_refuses_hybrid_students():
     for mixing in MIXINGS:
         assert not supports_attention_weights(LocalMixingCore(core, window=4, mixing=mixing))
     assert not supports_attention_weights(LocalMixingCore(core, conv_size=3))
+
+
+@pytest.mark.parametrize("mixing", MIXINGS)
+def test_decoding_prompts_shorter_than_the_window_match_the_full_forward(mixing):
+    """Every prompt length 1 .. W + 1, then the rest token by token and in chunks of 3: while the
+    cache holds fewer than W - 1 keys, the gated window kept only some of them (logits off by up to 3.2 here)."""
+    window, total = 8, 14
+    torch.manual_seed(0)
+    model = GPT(model_config(softmax_window=window, qkv_conv_size=0, window_mixing=mixing)).eval()
+    x = torch.randint(0, 97, (2, total), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(x).logits
+        assert full.std() > 0.3
+        for prompt in range(1, window + 2):
+            for chunk in (1, 3):
+                out = model(x[:, :prompt], return_state=True)
+                state, logits = out.state, [out.logits]
+                for t in range(prompt, total, chunk):
+                    out = model(x[:, t : t + chunk], state=state, return_state=True)
+                    state, logits = out.state, logits + [out.logits]
+                assert state.offset == total
+                assert_close(torch.cat(logits, dim=1), full, steps=gpt_steps(model.config, total),
+                             name=f"prompt {prompt}, chunks of {chunk}")

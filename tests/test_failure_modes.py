@@ -218,6 +218,23 @@ def _resume_weights_only(world, tmp_path, capsys):
                  "parallel.zero_stage=0", "train.train_iters=3")
 
 
+# --- issue 37 (third probe): resume field checks, silent settings, signals
+def _resume_other_position(world, tmp_path, capsys):
+    return train(world["config"], f"logging.run_dir={_copy_run(world, tmp_path)}", "model.position=none",
+                 "train.train_iters=3")
+
+
+def _resume_without_normalization(world, tmp_path, capsys):
+    """A checkpoint of an rms run as versions before model.normalization wrote it, resumed under the new default."""
+    run = tmp_path / "run"
+    assert train(world["config"], f"logging.run_dir={run}", "model.normalization=rms").returncode == 0
+    meta = run / "checkpoints" / "step_00000002" / "megaflex.json"
+    data = json.loads(meta.read_text())
+    del data["config"]["model"]["normalization"]
+    meta.write_text(json.dumps(data))
+    return train(world["config"], f"logging.run_dir={run}", "train.train_iters=3")
+
+
 def _undecodable_latest(world, tmp_path, capsys):
     run = _copy_run(world, tmp_path)
     (run / "checkpoints" / "latest").write_bytes(b"\xff\xfe\x00step")
@@ -339,6 +356,11 @@ CASES: dict[str, Case] = {
         covered_by="tests/test_training_faults.py::test_sigterm_reaches_the_ranks_which_save_and_exit"),
     "Ctrl-C in a terminal": Case(covered_by="tests/test_training_resume.py::test_sigterm_saves_and_stops"),
     "Slurm preemption / time limit": Case(covered_by="tests/test_launch_docs.py::test_documented_launch_line_runs"),
+    # issue 37 (third probe)
+    "SIGTERM/SIGINT/SIGUSR1 during a checkpoint save": Case(
+        covered_by="tests/test_training_hardening.py::test_sigterm_during_a_save_stops_after_it_without_another_step"),
+    "SIGTERM/SIGINT/SIGUSR1 during start-up, before the first step": Case(
+        covered_by="tests/test_training_hardening.py::test_sigterm_during_startup_exits_143_with_one_line"),
     "`megaflex-eval --checkpoint RUN_DIR --tag step_N`": Case(
         covered_by="tests/test_checkpoint_layout.py::test_eval_finds_a_tag_under_a_run_dir"),
     # --- Data and tokenizer faults
@@ -402,6 +424,25 @@ CASES: dict[str, Case] = {
         "was saved with train.precision=fp32, this run has bf16", slow=True),
     "resuming a weights-only checkpoint (`megaflex-export --from-hf`)": Case(
         _resume_weights_only, "holds weights only (written by megaflex-export --from-hf", slow=True),
+    # issue 37 (third probe)
+    "resuming with another value of a model field, also one that keeps every shape (`model.position`, `model.norm_eps`, `model.rope_theta`, `model.attention`, …)":
+        Case(_resume_other_position, "was trained with model.position=rope, this run has model.position=none;", slow=True),
+    "resuming a checkpoint without `model.normalization` (trained with `rms`, the default before `capped_denominator`) under the new default":
+        Case(_resume_without_normalization, "Set model.normalization=rms to continue this run, or start a new run", slow=True),
+    "`data.eod_token_id` outside the vocabulary (`model.vocab_size`, or the tokenizer of a data card)": Case(
+        lambda w, t, c: train_in_process(["--config", str(w["config"]), "data.document_boundaries=reset",
+                                          "data.eod_token_id=512"], c),
+        "config error: data.eod_token_id (from command line): expected an id in [0, model.vocab_size=512), got 512"),
+    "`data.eod_token_id` set without `data.document_boundaries: reset`": Case(
+        covered_by="tests/test_training_silent_settings.py::test_a_run_prints_each_warning_once"),
+    "`model.window_mixing` set without `model.softmax_window`": Case(
+        covered_by="tests/test_training_silent_settings.py::test_a_run_prints_each_warning_once"),
+    "`data.document_boundaries: reset` on data tokenized without EODs (data card `append_eod: false`), or with a `data.eod_token_id` other than the card's EOD":
+        Case(covered_by="tests/test_training_silent_settings.py::test_document_boundaries_are_checked_against_the_data_cards"),
+    "a `logging.profile` window already past on resume": Case(
+        covered_by="tests/test_training_silent_settings.py::test_a_run_prints_each_warning_once"),
+    "`model.window_mixing: gated`, decoding a prompt shorter than the window": Case(
+        covered_by="tests/test_attention_hybrid.py::test_decoding_prompts_shorter_than_the_window_match_the_full_forward"),
     "`latest` holds undecodable bytes": Case(_undecodable_latest, "the quick"),
     "`data.split` leaves the validation split no documents": Case(
         lambda w, t, c: train(_indexed_config(w, t, split="999,1,0", tokenizer=None)),

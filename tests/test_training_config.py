@@ -285,10 +285,77 @@ def test_shape_mismatch_names_both_shapes() -> None:
     meta = CheckpointMeta(tensor_parallel_size=1, parameter_shapes=parameter_shapes(GPT(small)),
                           config={"model": small.to_dict()})
     check_compatible(meta, small.to_dict(), parameter_shapes(GPT(small)), tp_size=1)  # same: fine
-    with pytest.raises(CheckpointError, match=r"blocks.2.\S+: checkpoint absent vs config \[.*num_layers': \(2, 3\)"):
+    with pytest.raises(CheckpointError, match=r"trained with model.num_layers=2, this run has model.num_layers=3; "
+                                              r"its parameters do not fit \(blocks.2.\S+: checkpoint absent vs config \["):
         check_compatible(meta, big.to_dict(), parameter_shapes(GPT(big)), tp_size=1)
+    other_code = CheckpointMeta(tensor_parallel_size=1, parameter_shapes=parameter_shapes(GPT(big)),
+                                config={"model": small.to_dict()})  # same fields, other shapes (another version)
+    with pytest.raises(CheckpointError, match=r"blocks.2.\S+: checkpoint \[.*\] vs config absent; model fields .*: \{\}"):
+        check_compatible(other_code, small.to_dict(), parameter_shapes(GPT(small)), tp_size=1)
     with pytest.raises(CheckpointError, match="tensor_parallel_size=1, this run 2"):
         check_compatible(meta, small.to_dict(), parameter_shapes(GPT(small)), tp_size=2)
+
+
+def _saved(model: ModelConfig, drop: tuple[str, ...] = ()) -> CheckpointMeta:
+    """The metadata of a checkpoint of ``model``; ``drop``: fields it does not record (older versions)."""
+    recorded = {k: v for k, v in model.to_dict().items() if k not in drop}
+    return CheckpointMeta(tensor_parallel_size=1, parameter_shapes=parameter_shapes(GPT(model)), config={"model": recorded})
+
+
+def _resume(meta: CheckpointMeta, model: ModelConfig) -> None:
+    check_compatible(meta, model.to_dict(), parameter_shapes(GPT(model)), tp_size=1, path="R/step_00000002")
+
+
+@pytest.mark.parametrize("field,value,same_shapes", [
+    ("normalization", "denominator", True), ("position", "none", True), ("rope_theta", 500.0, True),
+    ("norm_eps", 1e-6, True), ("vocab_size", 250, True), ("mlp", "swiglu", False), ("norm", "layernorm", False),
+    ("attention", "flexformer_s", False), ("softmax_window", 8, False), ("normalization", "rms", False),
+])
+def test_resume_refuses_a_changed_model_field(field: str, value: object, same_shapes: bool) -> None:
+    """Other maths: refused naming both values and the way out, also where every shape is the same
+    (those resumed silently as another model before)."""
+    saved = ModelConfig(**TINY["model"])
+    changed = ModelConfig(**{**TINY["model"], field: value})
+    assert (parameter_shapes(GPT(changed)) == parameter_shapes(GPT(saved))) == same_shapes
+    with pytest.raises(CheckpointError) as err:
+        _resume(_saved(saved), changed)
+    message = str(err.value)
+    assert f"was trained with model.{field}={getattr(saved, field)}, this run has model.{field}={value};" in message
+    assert f"Set model.{field}={getattr(saved, field)} to continue this run, or" in message
+    assert ("(same shapes, other maths)" in message) == same_shapes
+    assert ("its parameters do not fit" in message) != same_shapes
+    assert "checkpoint.init_from=R/step_00000002 checkpoint.resume=none" in message
+
+
+def test_resume_allows_fields_that_do_not_change_what_the_weights_compute() -> None:
+    saved = ModelConfig(**TINY["model"])
+    _resume(_saved(saved), ModelConfig(**{**TINY["model"], "attention_backend": "torch", "chunk_size": 16,
+                                          "activation_checkpointing": True, "hidden_dropout": 0.1,
+                                          "attention_dropout": 0.1, "init_std": 0.05, "max_seq_len": 128}))
+    # fields the model does not read: the window mixing without a window, a softmax model's normalisation
+    _resume(_saved(saved), ModelConfig(**{**TINY["model"], "window_mixing": "gated"}))
+    softmax = {**TINY["model"], "attention": "softmax"}
+    _resume(_saved(ModelConfig(**softmax, normalization="rms")), ModelConfig(**softmax))
+    with pytest.raises(CheckpointError, match="model.max_seq_len=64, this run has model.max_seq_len=128"):
+        cosformer = {**TINY["model"], "attention": "cosformer"}  # its angles depend on max_seq_len
+        _resume(_saved(ModelConfig(**cosformer)), ModelConfig(**{**cosformer, "max_seq_len": 128}))
+
+
+def test_resume_of_a_checkpoint_without_normalization_says_how_to_continue() -> None:
+    """Checkpoints from before model.normalization were trained with rms; today's default is capped_denominator."""
+    old = _saved(ModelConfig(**TINY["model"], normalization="rms"), drop=("normalization",))
+    with pytest.raises(CheckpointError) as err:
+        _resume(old, ModelConfig(**TINY["model"]))
+    assert str(err.value).startswith(
+        "checkpoint R/step_00000002 was trained with model.normalization=rms (it records no model.normalization: "
+        "written when rms was the default; the default is now capped_denominator), this run has "
+        "model.normalization=capped_denominator;")
+    assert "Set model.normalization=rms to continue this run, or start a new run from its weights: " \
+           "checkpoint.init_from=R/step_00000002 checkpoint.resume=none" in str(err.value)
+    _resume(old, ModelConfig(**TINY["model"], normalization="rms"))  # as the message says
+    # an old softmax checkpoint (no normalisation acts) resumes under the new default
+    softmax = {**TINY["model"], "attention": "softmax"}
+    _resume(_saved(ModelConfig(**softmax), drop=("normalization",)), ModelConfig(**softmax))
 
 
 @pytest.mark.usefixtures("forked_python")

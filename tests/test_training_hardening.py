@@ -151,3 +151,34 @@ def test_sigterm_during_a_long_validation_saves_promptly(tmp_path: Path) -> None
     assert (run / "checkpoints" / "step_00000002" / "megaflex.json").is_file()
     assert not any(json.loads(line).get("kind") == "valid" for line in (run / "metrics.jsonl").read_text().splitlines())
     assert os.path.getsize(run / "metrics.jsonl") > 0
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_save_stops_after_it_without_another_step(tmp_path: Path) -> None:
+    """The signal lands in the save of step 2 (fault injection, before the commit): the run stops
+    with that checkpoint (before: it ran step 3 and saved again)."""
+    from training_harness import logged_train_steps
+
+    cfg = write_config(tmp_path / "c.yaml", SHORT)
+    run = tmp_path / "run"
+    result = launch(cfg, [f"logging.run_dir={run}", "train.train_iters=6", "checkpoint.save_interval=2",
+                          "fault.sigterm_during_save_at_step=2"])
+    assert result.returncodes == [75], result.output
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_00000002"]
+    assert logged_train_steps(run) == [1, 2]
+    assert result.outputs[0].count("saved checkpoint") == 1
+    assert "training stopped (signal SIGTERM) at step 2" in result.outputs[0]
+
+
+@pytest.mark.slow
+def test_sigterm_during_startup_exits_143_with_one_line(tmp_path: Path) -> None:
+    """Before the first step there is nothing to save: the process ends at once, as SIGTERM's
+    default action would (143), but says so (before: no output at all)."""
+    cfg = write_config(tmp_path / "c.yaml", SHORT)
+    run = tmp_path / "run"
+    result = launch(cfg, [f"logging.run_dir={run}", "fault.sigterm_during_startup=true"])
+    assert result.returncodes == [143], result.output
+    assert "Traceback" not in result.outputs[0]
+    lines = [line for line in result.outputs[0].splitlines() if "during start-up" in line]
+    assert lines == ["megaflex-train: stopped by SIGTERM during start-up, before any step (nothing to save); exit 143"]
+    assert not (run / "run.lock").exists() and not (run / "checkpoints").exists()

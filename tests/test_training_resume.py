@@ -145,7 +145,7 @@ def test_checkpoint_with_other_model_shape_is_refused(tmp_path: Path) -> None:
     result = launch(cfg2, [f"logging.run_dir={run}", "train.train_iters=6"], world_size=1)
     assert result.returncodes == [2], result.output
     out = result.outputs[0]
-    assert "checkpoint model shape does not match the config" in out
+    assert "was trained with model.hidden_size=64, this run has model.hidden_size=128; its parameters do not fit (" in out
     assert "[256, 64]" in out and "[256, 128]" in out  # embedding shard shapes of both
     meta = json.loads((run / "checkpoints" / "step_00000004" / "megaflex.json").read_text())
     assert meta["config"]["model"]["hidden_size"] == 64

@@ -281,8 +281,9 @@ class LocalMixingCore(nn.Module):
             key_docs = torch.cat([docs.new_zeros(docs.shape[0], prefix), docs], dim=1)  # [B, P + N]
             band = (band & (docs.unsqueeze(-1) == key_docs.unsqueeze(-2))).unsqueeze(1)  # [B, 1, N, P + N]
         out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=band)
-        keep = self.window - 1
-        return out, k_all[:, :, k_all.shape[2] - keep :], v_all[:, :, v_all.shape[2] - keep :]
+        # the last W - 1 keys, or all of them while fewer are held (a negative start would slice from the end)
+        first = max(k_all.shape[2] - (self.window - 1), 0)
+        return out, k_all[:, :, first:], v_all[:, :, first:]
 
     def extra_repr(self) -> str:
         return f"window={self.window}, conv_size={self.conv_size}, mixing={self.mixing}"

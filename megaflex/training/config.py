@@ -27,6 +27,7 @@ from megaflex.model.config import ModelConfig
 from megaflex.parallel.config import ParallelConfig
 from megaflex.training.config_checks import (  # re-exported: the config's one import for callers
     check_device,
+    config_warnings,
     parallel_dims,
     resolve_device,
     validate,
@@ -51,6 +52,7 @@ __all__ = [
     "Config",
     "FLOAT_RANGES",
     "config_from_sources",
+    "config_warnings",
     "ConfigError",
     "DataConfig",
     "DistillConfig",
@@ -278,6 +280,10 @@ class FaultConfig:
     sigkill_during_save_at_step: int | None = opt(
         None, "every rank kill -9s itself in the save at this step, after the shards are written but before the commit"
     )
+    sigterm_during_save_at_step: int | None = opt(
+        None, "every rank sends itself SIGTERM in the save at this step, before the commit (a preemption mid-save)"
+    )
+    sigterm_during_startup: bool = opt(False, "every rank sends itself SIGTERM once the model is built, before the engine")
 
 
 @dataclass

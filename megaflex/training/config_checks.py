@@ -62,6 +62,10 @@ def validate(cfg: Config) -> None:
         raise _bad(cfg, "data.seq_len", f"expected <= model.max_seq_len ({cfg.model.max_seq_len}), got {d.seq_len}")
     if d.document_boundaries == "reset" and d.eod_token_id is None and not d.tokenizer:
         raise _bad(cfg, "data.document_boundaries", "'reset' needs the EOD id: set data.tokenizer or data.eod_token_id")
+    if d.eod_token_id is not None and not 0 <= d.eod_token_id < cfg.model.vocab_size:
+        # an id no token has: document_boundaries=reset would never cut (the resets would do nothing)
+        raise _bad(cfg, "data.eod_token_id", f"expected an id in [0, model.vocab_size={cfg.model.vocab_size}), "
+                                             f"got {d.eod_token_id}; the tokenizer's EOD id is the default (unset it)")
     if d.reset_positions and d.document_boundaries != "reset":
         raise _bad(cfg, "data.reset_positions", f"needs data.document_boundaries=reset, got {d.document_boundaries!r}")
     decay_first, decay_iters = s.decay_window(t.train_iters)
@@ -86,6 +90,20 @@ def validate(cfg: Config) -> None:
         )
     if d.train_weights and not any(w > 0 for w in d.train_weights):
         raise _bad(cfg, "data.train_weights", f"expected at least one weight > 0 (they are >= 0), got {d.train_weights}")
+
+
+def config_warnings(cfg: Config) -> list[str]:
+    """One line per setting that has no effect in this config. Warnings, not errors: they come from
+    ablations that switch a feature off over a base config (``document_boundaries=none``,
+    ``softmax_window=0``), where the companion key is harmless and the run is the one asked for."""
+    d, m, out = cfg.data, cfg.model, []
+    if d.eod_token_id is not None and d.document_boundaries != "reset":
+        out.append(f"WARNING: data.eod_token_id (from {cfg.where('data.eod_token_id')}) has no effect: it acts only "
+                   f"with data.document_boundaries=reset, got {d.document_boundaries!r}")
+    if cfg.where("model.window_mixing") != "defaults" and not m.softmax_window:
+        out.append(f"WARNING: model.window_mixing={m.window_mixing} (from {cfg.where('model.window_mixing')}) has no "
+                   "effect: it acts only with a window, model.softmax_window > 0, got 0")
+    return out
 
 
 def _validate_wsd(cfg: Config, decay_first: int, decay_iters: int) -> None:

@@ -31,7 +31,7 @@ from typing import Any, Iterator, Protocol
 import numpy as np
 import torch
 
-from megaflex.data.card import check_same_tokenizer, data_tokenizer
+from megaflex.data.card import check_same_tokenizer, data_tokenizer, read_data_card
 from megaflex.data.indexed import DataError
 from megaflex.attention.documents import document_positions
 from megaflex.data.sampler import PretrainingSampler
@@ -111,6 +111,35 @@ def check_data_tokenizer(cfg: Config) -> dict | None:
             f"{record_from} ({record['vocab_size']} tokens); set model.vocab_size >= {record['vocab_size']}"
         )
     return record
+
+
+def check_document_boundaries(cfg: Config) -> list[str]:
+    """``data.document_boundaries: reset`` against the data cards of indexed data. A DataError when
+    ``data.eod_token_id`` is outside a prefix's tokenizer vocabulary (no token has it: the resets
+    would never happen); a warning line per prefix whose documents carry no EOD to reset at (card:
+    ``append_eod: false``), or whose appended EOD is not ``data.eod_token_id``."""
+    d = cfg.data
+    if d.document_boundaries != "reset" or d.source != "indexed":
+        return []
+    eod, out = d.eod_token_id, []  # None: data.tokenizer's EOD, the one the data cards record
+    for prefix in dict.fromkeys([*d.train_path, *d.valid_path]):
+        card = read_data_card(prefix) or {}
+        vocab = (card.get("tokenizer") or {}).get("vocab_size")
+        if eod is not None and isinstance(vocab, int) and eod >= vocab:
+            raise DataError(
+                f"data.eod_token_id (from {cfg.where('data.eod_token_id')}): {eod} is outside the vocabulary of the "
+                f"data {prefix} ({vocab} tokens, its data card): no token has that id, so document_boundaries=reset "
+                f"would never cut; its EOD id is {card.get('eod_id')} (unset data.eod_token_id to use data.tokenizer's)"
+            )
+        if card.get("append_eod") is False and (eod is None or eod == card.get("eod_id")):
+            out.append(f"WARNING: data.document_boundaries=reset: the data {prefix} was tokenized without an EOD after "
+                       "each document (data card: append_eod false), so its samples have no boundary to reset at; "
+                       "re-tokenize it without --no-append-eod, or set data.document_boundaries=none")
+        elif eod is not None and card.get("append_eod") and card.get("eod_id") not in (None, eod):
+            out.append(f"WARNING: data.eod_token_id={eod} (from {cfg.where('data.eod_token_id')}) is not the EOD id "
+                       f"{card['eod_id']} that ends each document of the data {prefix} (data card): resets cut after "
+                       f"token {eod}, not at the documents' ends")
+    return out
 
 
 def index_cache_dir(cfg: Config) -> str:

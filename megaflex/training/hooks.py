@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ContextManager, Protocol
 
@@ -111,9 +112,14 @@ class FaultInjectionHook(BaseHook):
         self.nan_loss = self.inf_grad = False
 
     def on_model_built(self, trainer: Trainer) -> None:
-        kill_step = self.fault.sigkill_during_save_at_step
+        kill_step, term_step = self.fault.sigkill_during_save_at_step, self.fault.sigterm_during_save_at_step
         if kill_step is not None:
             trainer.manager.before_commit = lambda it: _sigkill() if it == kill_step else None
+        elif term_step is not None:
+            trainer.manager.before_commit = lambda it: os.kill(os.getpid(), signal.SIGTERM) if it == term_step else None
+        if self.fault.sigterm_during_startup:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(60)  # the start-up guard ends the process meanwhile; after this, start-up would go on
 
     def on_step_start(self, trainer: Trainer, step: int) -> None:
         self.nan_loss = step in self.fault.nan_loss_at_steps and trainer.rank == 0
@@ -168,6 +174,13 @@ class ProfilerHook(BaseHook):
         self.profiler: StepProfiler | None = None
 
     def on_start(self, trainer: Trainer) -> None:
+        settings = trainer.cfg.logging.profile
+        if settings is not None and trainer.iteration >= settings.start:  # the window opens at its first step only
+            trainer.logger.print(
+                f"WARNING: logging.profile: steps {settings.start}-{settings.start + settings.steps - 1} are not "
+                f"profiled, this run resumed at step {trainer.iteration}; "
+                f"set logging.profile.start above {trainer.iteration} to profile"
+            )
         self.profiler = StepProfiler(trainer.cfg.logging.profile, trainer.engine.module, trainer.run_dir / "profile",
                                      trainer.rank, trainer.device, trainer.logger.print)
 

@@ -20,6 +20,8 @@ EXIT_ERROR = 1  # an unexpected error (traceback)
 EXIT_CONFIG = 2  # bad config or checkpoint: missing, corrupt, incompatible, unwritable dir, disk full
 EXIT_NONFINITE = 3  # train.max_nonfinite_in_a_row non-finite steps in a row
 EXIT_PREEMPTED = 75  # stopped by SIGTERM/SIGINT/SIGUSR1 or a dead launcher, checkpoint saved (EX_TEMPFAIL)
+# 128 + S: stopped by signal S during start-up, before any step, nothing saved (143 for SIGTERM, 130
+# for SIGINT: what S's default action gives), with one line (stop_signals.StartupStop)
 
 
 def build_parser(prog: str, description: str) -> argparse.ArgumentParser:
@@ -60,6 +62,18 @@ def main(argv: list[str] | None = None) -> int:
 
 def execute(prog: str, cfg: Any, objective: Any = None) -> int:
     """Run the trainer on every rank and map its failures to the exit statuses above."""
+    from megaflex.training.run_lock import release_held
+    from megaflex.training.stop_signals import end_startup, guard_startup
+
+    if cfg.checkpoint.save_on_signal:  # a stop before the first step: one line, exit 128 + signum
+        guard_startup(prog, cleanup=release_held)
+    try:
+        return _execute(prog, cfg, objective)
+    finally:
+        end_startup()
+
+
+def _execute(prog: str, cfg: Any, objective: Any) -> int:
     from megaflex.data.indexed import DataError
     from megaflex.parallel.launcher_env import LaunchEnvError, apply_launcher_env
 

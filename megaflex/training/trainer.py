@@ -51,10 +51,13 @@ from megaflex.training.collective_timeout import (
     apply_timeout, every_process_group, parallel_groups, progress, rendezvous_timeout,
 )
 from megaflex.training.config import (
-    Config, ConfigError, check_device, global_batch_size, parallel_dims, resolve_device, validate_runtime,
+    Config, ConfigError, check_device, config_warnings, global_batch_size, parallel_dims, resolve_device,
+    validate_runtime,
 )
 from megaflex.data.card import check_same_tokenizer
-from megaflex.training.data import batch_documents, build_datasets, check_data_tokenizer, document_eod_id, micro_batches
+from megaflex.training.data import (
+    batch_documents, build_datasets, check_data_tokenizer, check_document_boundaries, document_eod_id, micro_batches,
+)
 from megaflex.training.deepspeed_config import (
     deepspeed_config, gradient_accumulation_steps, init_deepspeed_distributed,
 )
@@ -134,6 +137,8 @@ class Trainer:
         if cfg.logging.wandb is not None:
             import_wandb()  # every rank, before anything is set up: a missing package stops all alike
         self.tokenizer = check_data_tokenizer(cfg)  # recorded with checkpoints; raises DataError at start
+        # settings that would have no effect (printed once the logger exists); DataError for an EOD id no token has
+        self.start_warnings = config_warnings(cfg) + check_document_boundaries(cfg)
         if self.objective is not None and cfg.parallel.pipeline_parallel_size > 1:
             raise ConfigError("parallel.pipeline_parallel_size: expected 1 with a training objective other than the "
                               f"LM loss (e.g. distillation), got {cfg.parallel.pipeline_parallel_size}")
@@ -195,12 +200,12 @@ class Trainer:
             _register_zero3_external_parameters(model)
 
         # Resume checks, before the engine.
-        for warning in self.resume_warnings:
+        for warning in self.start_warnings + self.resume_warnings:
             logger.print(warning)
         self.universal, engine_config = None, ds_config
         path, meta = self.resume_path, self.resume_meta
         if path is not None:
-            check_compatible(meta, cfg.to_dict()["model"], self.shapes, state.tp_size)
+            check_compatible(meta, cfg.to_dict()["model"], self.shapes, state.tp_size, path)
             check_same_tokenizer(meta.tokenizer, self.tokenizer, f"checkpoint {path}", "this run's tokenizer/data")
             check_resume_layout(meta, path, cfg.parallel.zero_stage, cfg.train.precision, state.pp_size)
             check_optimizer_groups(meta, [g["name"] for g in optimizer.param_groups], path)
@@ -307,6 +312,9 @@ class Trainer:
                     stop_signal = stop_signal or self._agreed_signal()
             if cfg.checkpoint.save_interval and self.iteration % cfg.checkpoint.save_interval == 0:
                 self.save()
+                # A signal caught during the save (saves are long: preemption notices often land there)
+                # stops the run now, with this checkpoint, not after one more step and another save.
+                stop_signal = stop_signal or self._agreed_signal()
             self.emit("on_step_end", self.iteration)
             if stop_signal > 0:
                 return f"signal {signal.Signals(stop_signal).name}"
