@@ -94,7 +94,9 @@ def test_attention_transfer_changes_only_kernel_parameters(teacher: Path, stage1
     mid, end = load_model_state(ckpt / "step_00000003"), load_model_state(ckpt / "step_00000006")
     student = GPT(ModelConfig.from_dict(json.loads((ckpt / "step_00000006" / "megaflex.json").read_text())["config"]["model"]))
     trainable = linear_attention_parameter_names(student)
-    assert any("omega1" in n for n in trainable) and any("out_gain" in n for n in trainable)
+    # the student takes the default normaliser, not the softmax teacher's field (which softmax never used)
+    assert student.config.normalization == "capped_denominator"
+    assert any("omega1" in n for n in trainable) and not any("out_gain" in n for n in trainable)  # no rms gains
     for name, _ in student.named_parameters():
         if name in trainable:
             assert not torch.equal(mid[name], end[name]), name  # it trains
