@@ -20,6 +20,10 @@ class SignalFlag:
     def __init__(self, enabled: bool, watch_launcher: bool = True, poll_s: float = 1.0) -> None:
         self.signum: int | None = None
         if not enabled:
+            # launch/train.sh starts the deepspeed runner ignoring SIGUSR1 (so that a signal to the
+            # whole Slurm step does not kill it); the ranks inherit that: give them the default back.
+            if signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN:
+                signal.signal(signal.SIGUSR1, signal.SIG_DFL)
             return
         for sig in self.SIGNALS:
             signal.signal(sig, self._handle)
