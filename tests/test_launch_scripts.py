@@ -44,7 +44,8 @@ PIP = (
     '  echo "ERROR: ResolutionImpossible: torch 2.13.0 depends on triton==3.7.1" >&2; exit 1\nfi\n'
 )
 # exit 3 for the GPU-mode check means "a CPU-only torch"; every other call succeeds
-PYTHON = 'echo "python $(printf "%q " "$@")" >> "$STUB_LOG"\n[[ "$*" == *torch.version.cuda* ]] && exit "${STUB_TORCH_CPU_ONLY:-0}"\nexit 0\n'
+PYTHON = ('echo "python $(printf "%q " "$@")" >> "$STUB_LOG"\n[[ "$*" == *torch.version.cuda* ]] && exit "${STUB_TORCH_CPU_ONLY:-0}"\n'
+          '[[ "$*" == *check_node_packages.py* ]] && exit "${STUB_NODE_CHECK:-0}"\nexit 0\n')
 
 
 def run_setup(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess, Path]:
@@ -101,6 +102,48 @@ def test_setup_gpu_mode_refuses_a_cpu_only_torch(tmp_path):
     assert len(calls(log, "pip")) == 1  # megaflex[gpu] is not installed on top of it
 
 
+def test_setup_offline_installs_from_the_wheelhouse_only_and_stays_offline(tmp_path):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "hjson-3.1.0-py3-none-any.whl").write_bytes(b"")
+    proc, log = run_setup(tmp_path, MEGAFLEX_OFFLINE_WHEELS=str(wheels))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # no torch pin, no index: the node's torch and triton stay; megaflex and the wheelhouse from disk
+    assert calls(log, "pip") == [["install", "-q", "--no-index", "--find-links", str(wheels), "-e", str(REPO)]]
+    assert any("launch/check_node_packages.py" in " ".join(c) for c in calls(log, "python"))
+    again, _ = run_setup(tmp_path)  # train.sh's `source`: the venv stays offline, nothing installed
+    assert "environment up to date" in again.stdout and len(calls(log, "pip")) == 1
+    (tmp_path / "venv" / ".megaflex-installed").write_text("an older install offline:" + str(wheels))
+    stale, _ = run_setup(tmp_path)  # pyproject.toml changed since: reinstalled from the same wheelhouse, never an index
+    assert stale.returncode == 0 and calls(log, "pip")[-1][:5] == ["install", "-q", "--no-index", "--find-links", str(wheels)]
+
+
+def test_setup_offline_refuses_a_missing_wheelhouse_or_node_torch(tmp_path):
+    proc, log = run_setup(tmp_path, MEGAFLEX_OFFLINE_WHEELS=str(tmp_path / "nowhere"))
+    assert proc.returncode == 2 and "no wheels there; build them with launch/wheelhouse.sh" in proc.stderr
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "hjson-3.1.0-py3-none-any.whl").write_bytes(b"")
+    proc, log = run_setup(tmp_path, MEGAFLEX_OFFLINE_WHEELS=str(wheels), STUB_NODE_CHECK="2")
+    assert proc.returncode == 2 and not calls(log, "pip")
+
+
+def test_node_packages_check_names_what_is_missing_or_too_old():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("check_node_packages", REPO / "launch" / "check_node_packages.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    assert check.problems({"torch": "2.11.0+cu128", "triton": "3.6.0", "numpy": "2.2.6"}) == []
+    assert check.problems({"torch": "2.13.0+cpu", "triton": None, "numpy": "1.26.4"}) == []  # CPU torch: no triton
+    (old_torch,) = check.problems({"torch": "2.10.1+cu126", "triton": "3.6.0", "numpy": "2.2.6"})
+    assert old_torch.startswith("torch 2.10.1+cu126 is older than the lowest supported 2.11")
+    (old_triton,) = check.problems({"torch": "2.11.0", "triton": "3.5.1", "numpy": "2.2.6"})
+    assert "triton 3.5.1 is older than the lowest supported 3.6" in old_triton
+    (no_numpy,) = check.problems({"torch": "2.11.0", "triton": "3.6.0", "numpy": None})
+    assert no_numpy.startswith("numpy is not installed in this Python") and "--system-site-packages" in no_numpy
+
+
 def test_pyproject_gpu_extra_leaves_triton_to_torch():
     import tomllib
 
@@ -109,6 +152,10 @@ def test_pyproject_gpu_extra_leaves_triton_to_torch():
     assert not any(req.startswith("triton") for req in extras["gpu"])
     assert "triton==3.9.0" in extras["dev"]  # the interpreter tests' pin stays in the CPU extra
     assert "deepspeed>=0.19.2" in project["dependencies"]
+    # a GPU node's offline wheelhouse carries the core dependencies only: nothing training does not import
+    core = {re.split(r"[<>=!~ ]", req)[0] for req in project["dependencies"]}
+    assert core.isdisjoint({"datasets", "matplotlib", "tensorboard", "transformers", "triton"})
+    assert {"datasets", "matplotlib", "tensorboard"} <= {re.split(r"[<>=!~ ]", r)[0] for r in extras["dev"]}
 
 
 # --------------------------------------------------------------------------------------------
