@@ -37,12 +37,7 @@ if [ -z "$offline" ] && [ -z "$gpu_mode" ] && [ -f "$stamp" ] && [[ "$(cat "$sta
   offline="$(cat "$stamp")"; offline="${offline#* offline:}"   # an offline venv stays offline
 fi
 if [ -n "$offline" ]; then
-  [ -d "$offline" ] && compgen -G "$offline/*.whl" > /dev/null || {
-    echo "[setup] MEGAFLEX_OFFLINE_WHEELS=$offline: no wheels there; build them with launch/wheelhouse.sh" \
-      "on a machine with a package index and copy the folder here" >&2
-    exit 2
-  }
-  offline="$(cd "$offline" && pwd)"
+  [ ! -d "$offline" ] || offline="$(cd "$offline" && pwd)"
   gpu_mode=0
 fi
 if [ -z "$gpu_mode" ]; then
@@ -74,6 +69,11 @@ want="$(cat "$repo/pyproject.toml" | sha256sum | cut -c1-16) $torch_spec"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   echo "[setup] environment up to date ($venv)"
 elif [ -n "$offline" ]; then
+  compgen -G "$offline/*.whl" > /dev/null || {
+    echo "[setup] MEGAFLEX_OFFLINE_WHEELS=$offline: no wheels there; build them with launch/wheelhouse.sh" \
+      "on a machine with a package index and copy the folder here" >&2
+    exit 2
+  }
   # The node's torch, triton and numpy stay as they are: check them, never install them.
   "$venv/bin/python" "$repo/launch/check_node_packages.py" || exit 2
   echo "[setup] installing megaflex and its dependencies from $offline (no index)"

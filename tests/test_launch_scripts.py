@@ -113,6 +113,10 @@ def test_setup_offline_installs_from_the_wheelhouse_only_and_stays_offline(tmp_p
     assert any("launch/check_node_packages.py" in " ".join(c) for c in calls(log, "python"))
     again, _ = run_setup(tmp_path)  # train.sh's `source`: the venv stays offline, nothing installed
     assert "environment up to date" in again.stdout and len(calls(log, "pip")) == 1
+    (wheels / "hjson-3.1.0-py3-none-any.whl").rename(tmp_path / "moved.whl")
+    again, _ = run_setup(tmp_path)  # the wheelhouse is needed to install, not to use the install
+    assert again.returncode == 0 and "environment up to date" in again.stdout, again.stderr
+    (tmp_path / "moved.whl").rename(wheels / "hjson-3.1.0-py3-none-any.whl")
     (tmp_path / "venv" / ".megaflex-installed").write_text("an older install offline:" + str(wheels))
     stale, _ = run_setup(tmp_path)  # pyproject.toml changed since: reinstalled from the same wheelhouse, never an index
     assert stale.returncode == 0 and calls(log, "pip")[-1][:5] == ["install", "-q", "--no-index", "--find-links", str(wheels)]
