@@ -358,3 +358,18 @@ def test_usr1_reaches_the_ranks_and_spares_the_deepspeed_runner(tmp_path, to):
     assert proc.returncode == 75, text  # the rank's status, through a runner that did not die of USR1
     ignored = int(next(line.split()[-1] for line in text.splitlines() if line.startswith("runner SigIgn")), 16)
     assert ignored & (1 << (signal.SIGUSR1 - 1))
+
+
+def test_ranks_not_saving_on_signals_get_usr1s_default_back():
+    """The ranks inherit train.sh's ignored USR1; with checkpoint.save_on_signal=false nothing handles
+    it, so it must do what it did before (end the rank), not nothing."""
+    import signal
+
+    from megaflex.training.stop_signals import SignalFlag
+
+    previous = signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # as inherited from launch/train.sh
+    try:
+        SignalFlag(enabled=False)
+        assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
