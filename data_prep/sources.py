@@ -191,7 +191,10 @@ def _jsonl_docs(path: str, text_key: str, errors: str) -> Iterator[str]:
 
 def load_hf(spec: SourceSpec) -> Iterable[dict]:
     """``datasets.load_dataset(NAME, CONFIG, **kwargs)`` (honours HF_DATASETS_OFFLINE and the cache)."""
-    import datasets  # deferred: heavy import, only needed for hf: inputs
+    try:
+        import datasets  # deferred: heavy import, only needed for hf: inputs
+    except ImportError:
+        raise SourceError(f"input {spec}: the datasets package is not installed; pip install 'megaflex[tools]'") from None
 
     try:
         return datasets.load_dataset(spec.hf_name, spec.hf_config, **spec.hf_kwargs)

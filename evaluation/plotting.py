@@ -1,4 +1,5 @@
-"""Small matplotlib helpers shared by the evaluation scripts (headless: Agg backend)."""
+"""Small helpers shared by the evaluation scripts: JSON, Markdown tables and matplotlib plots
+(headless: importing this module selects the Agg backend)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,12 @@ import json
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-import matplotlib
+try:
+    import matplotlib
 
-matplotlib.use("Agg")  # no display on servers; must precede pyplot
-import matplotlib.pyplot as plt  # noqa: E402
+    matplotlib.use("Agg")  # no display on servers; must precede pyplot
+except ImportError:  # megaflex[tools] not installed (a GPU node's offline install): JSON and tables still work
+    pass
 
 
 def write_json(path: str | Path, data: Any) -> Path:
@@ -33,6 +36,8 @@ def line_plot(
     """One PNG with a line per named series of (x, y) points."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, points in series.items():
         if not points:

@@ -106,6 +106,12 @@ def test_non_utf8_input(tmp_path: Path) -> None:
         list(iter_documents(str(j)))
 
 
+def test_hf_input_without_the_datasets_package_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "datasets", None)  # not installed (a GPU node's offline install)
+    with pytest.raises(SourceError, match=r"input hf:wikitext:.*the datasets package is not installed; pip install 'megaflex\[tools\]'"):
+        list(iter_documents("hf:wikitext:wikitext-2-raw-v1:train"))
+
+
 def test_bad_jsonl_and_missing_and_empty(tmp_path: Path) -> None:
     j = tmp_path / "x.jsonl"
     j.write_text('{"text": "a"}\n{"body": "b"}\n')

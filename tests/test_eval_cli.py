@@ -168,3 +168,17 @@ def test_console_entry_point_exits_zero(monkeypatch):
 
     monkeypatch.setattr(perplexity, "run_cli", lambda argv=None: {"ppl": 1.0})
     assert perplexity.main([]) == 0
+
+
+def test_results_json_is_written_without_matplotlib(tmp_path: Path) -> None:
+    """A GPU node's offline install has no matplotlib (``megaflex[tools]``): megaflex-eval's JSON
+    writer (evaluation.plotting.write_json) must not need it; only a plot imports it."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['matplotlib'] = None; from evaluation.plotting import write_json; "
+            "write_json(sys.argv[1], {'ppl': 1.5})")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "r.json")], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((tmp_path / "r.json").read_text()) == {"ppl": 1.5}

@@ -355,12 +355,19 @@ CASES: dict[str, Case] = {
     "SIGTERM to the `deepspeed` runner itself (or `timeout deepspeed ...`)": Case(
         covered_by="tests/test_training_faults.py::test_sigterm_reaches_the_ranks_which_save_and_exit"),
     "Ctrl-C in a terminal": Case(covered_by="tests/test_training_resume.py::test_sigterm_saves_and_stops"),
-    "Slurm preemption / time limit": Case(covered_by="tests/test_launch_docs.py::test_documented_launch_line_runs"),
+    "Slurm preemption / time limit": Case(
+        covered_by="tests/test_launch_scripts.py::test_usr1_reaches_the_ranks_and_spares_the_deepspeed_runner"),
     # issue 37 (third probe)
     "SIGTERM/SIGINT/SIGUSR1 during a checkpoint save": Case(
         covered_by="tests/test_training_hardening.py::test_sigterm_during_a_save_stops_after_it_without_another_step"),
     "SIGTERM/SIGINT/SIGUSR1 during start-up, before the first step": Case(
         covered_by="tests/test_training_hardening.py::test_sigterm_during_startup_exits_143_with_one_line"),
+    "`srun python -m megaflex.train` with one GPU per task (`--gpus-per-task=1`)": Case(
+        covered_by="tests/test_parallel_launcher_env.py::test_the_trainer_sets_the_device_from_local_rank_and_the_visible_count"),
+    "Slurm allocates a node other GPUs than 0..slots-1 (a shared node), or another count": Case(
+        covered_by="tests/test_launch_scripts.py::test_train_sh_gives_the_ranks_slurms_gpus_not_the_hostfile_slots"),
+    "two Slurm jobs whose first node is the same": Case(
+        covered_by="tests/test_launch_scripts.py::test_train_sh_takes_a_port_per_slurm_job"),
     "`megaflex-eval --checkpoint RUN_DIR --tag step_N`": Case(
         covered_by="tests/test_checkpoint_layout.py::test_eval_finds_a_tag_under_a_run_dir"),
     # --- Data and tokenizer faults
@@ -383,6 +390,8 @@ CASES: dict[str, Case] = {
     "malformed or binary YAML config": Case(_malformed_yaml, "malformed YAML (line 2, column 1)"),
     "truncated sample-index cache (`index_cache/*.npy`)": Case(
         covered_by="tests/test_data_faults.py::test_truncated_sample_index_cache_is_rebuilt_with_a_warning"),
+    "first run on a large corpus: rank 0 builds the sample indices for longer than `parallel.timeout_minutes`": Case(
+        covered_by="tests/test_training_index_build.py::test_an_index_build_longer_than_the_collective_timeout_is_waited_for"),
     "`data.cache_dir` unset": Case(
         covered_by="tests/test_data_faults.py::test_training_caches_sample_indices_next_to_the_data_by_default"),
     # issue 37
@@ -411,6 +420,8 @@ CASES: dict[str, Case] = {
         lambda w, t, c: train_in_process(["--config", str(w["config"]), "train.train_iters=10", "schedule.warmup_iters=3",
                                           "schedule.decay_style=wsd", "schedule.wsd_decay_fraction=0.9"], c),
         "schedule.wsd_decay_fraction (from command line): the decay (9 of 10 iterations) overlaps the warmup"),
+    "`logging.tensorboard` on (the default) but the `tensorboard` package not installed (a node's offline install)": Case(
+        covered_by="tests/test_training_logging.py::test_missing_tensorboard_warns_and_logs_metrics_jsonl_only"),
     "`logging.wandb` set but the `wandb` package not installed": Case(
         covered_by="tests/test_training_logging.py::test_missing_wandb_is_a_one_line_config_error"),
     "a second run on a run directory a live run holds": Case(

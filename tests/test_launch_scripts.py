@@ -44,7 +44,8 @@ PIP = (
     '  echo "ERROR: ResolutionImpossible: torch 2.13.0 depends on triton==3.7.1" >&2; exit 1\nfi\n'
 )
 # exit 3 for the GPU-mode check means "a CPU-only torch"; every other call succeeds
-PYTHON = 'echo "python $(printf "%q " "$@")" >> "$STUB_LOG"\n[[ "$*" == *torch.version.cuda* ]] && exit "${STUB_TORCH_CPU_ONLY:-0}"\nexit 0\n'
+PYTHON = ('echo "python $(printf "%q " "$@")" >> "$STUB_LOG"\n[[ "$*" == *torch.version.cuda* ]] && exit "${STUB_TORCH_CPU_ONLY:-0}"\n'
+          '[[ "$*" == *check_node_packages.py* ]] && exit "${STUB_NODE_CHECK:-0}"\nexit 0\n')
 
 
 def run_setup(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess, Path]:
@@ -101,6 +102,52 @@ def test_setup_gpu_mode_refuses_a_cpu_only_torch(tmp_path):
     assert len(calls(log, "pip")) == 1  # megaflex[gpu] is not installed on top of it
 
 
+def test_setup_offline_installs_from_the_wheelhouse_only_and_stays_offline(tmp_path):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "hjson-3.1.0-py3-none-any.whl").write_bytes(b"")
+    proc, log = run_setup(tmp_path, MEGAFLEX_OFFLINE_WHEELS=str(wheels))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # no torch pin, no index: the node's torch and triton stay; megaflex and the wheelhouse from disk
+    assert calls(log, "pip") == [["install", "-q", "--no-index", "--find-links", str(wheels), "-e", str(REPO)]]
+    assert any("launch/check_node_packages.py" in " ".join(c) for c in calls(log, "python"))
+    again, _ = run_setup(tmp_path)  # train.sh's `source`: the venv stays offline, nothing installed
+    assert "environment up to date" in again.stdout and len(calls(log, "pip")) == 1
+    (wheels / "hjson-3.1.0-py3-none-any.whl").rename(tmp_path / "moved.whl")
+    again, _ = run_setup(tmp_path)  # the wheelhouse is needed to install, not to use the install
+    assert again.returncode == 0 and "environment up to date" in again.stdout, again.stderr
+    (tmp_path / "moved.whl").rename(wheels / "hjson-3.1.0-py3-none-any.whl")
+    (tmp_path / "venv" / ".megaflex-installed").write_text("an older install offline:" + str(wheels))
+    stale, _ = run_setup(tmp_path)  # pyproject.toml changed since: reinstalled from the same wheelhouse, never an index
+    assert stale.returncode == 0 and calls(log, "pip")[-1][:5] == ["install", "-q", "--no-index", "--find-links", str(wheels)]
+
+
+def test_setup_offline_refuses_a_missing_wheelhouse_or_node_torch(tmp_path):
+    proc, log = run_setup(tmp_path, MEGAFLEX_OFFLINE_WHEELS=str(tmp_path / "nowhere"))
+    assert proc.returncode == 2 and "no wheels there; build them with launch/wheelhouse.sh" in proc.stderr
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "hjson-3.1.0-py3-none-any.whl").write_bytes(b"")
+    proc, log = run_setup(tmp_path, MEGAFLEX_OFFLINE_WHEELS=str(wheels), STUB_NODE_CHECK="2")
+    assert proc.returncode == 2 and not calls(log, "pip")
+
+
+def test_node_packages_check_names_what_is_missing_or_too_old():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("check_node_packages", REPO / "launch" / "check_node_packages.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    assert check.problems({"torch": "2.11.0+cu128", "triton": "3.6.0", "numpy": "2.2.6"}) == []
+    assert check.problems({"torch": "2.13.0+cpu", "triton": None, "numpy": "1.26.4"}) == []  # CPU torch: no triton
+    (old_torch,) = check.problems({"torch": "2.10.1+cu126", "triton": "3.6.0", "numpy": "2.2.6"})
+    assert old_torch.startswith("torch 2.10.1+cu126 is older than the lowest supported 2.11")
+    (old_triton,) = check.problems({"torch": "2.11.0", "triton": "3.5.1", "numpy": "2.2.6"})
+    assert "triton 3.5.1 is older than the lowest supported 3.6" in old_triton
+    (no_numpy,) = check.problems({"torch": "2.11.0", "triton": "3.6.0", "numpy": None})
+    assert no_numpy.startswith("numpy is not installed in this Python") and "--system-site-packages" in no_numpy
+
+
 def test_pyproject_gpu_extra_leaves_triton_to_torch():
     import tomllib
 
@@ -109,6 +156,10 @@ def test_pyproject_gpu_extra_leaves_triton_to_torch():
     assert not any(req.startswith("triton") for req in extras["gpu"])
     assert "triton==3.9.0" in extras["dev"]  # the interpreter tests' pin stays in the CPU extra
     assert "deepspeed>=0.19.2" in project["dependencies"]
+    # a GPU node's offline wheelhouse carries the core dependencies only: nothing training does not import
+    core = {re.split(r"[<>=!~ ]", req)[0] for req in project["dependencies"]}
+    assert core.isdisjoint({"datasets", "matplotlib", "tensorboard", "transformers", "triton"})
+    assert {"datasets", "matplotlib", "tensorboard"} <= {re.split(r"[<>=!~ ]", r)[0] for r in extras["dev"]}
 
 
 # --------------------------------------------------------------------------------------------
@@ -117,15 +168,17 @@ def test_pyproject_gpu_extra_leaves_triton_to_torch():
 DEEPSPEED = 'echo "deepspeed $(printf "%q " "$@")" >> "$STUB_LOG"\necho "env DS_ACCELERATOR=${DS_ACCELERATOR:-} OMP_NUM_THREADS=${OMP_NUM_THREADS:-}" >> "$STUB_LOG"\n'
 
 
-def run_train_sh(tmp_path: Path, args: list[str], gpus: int | None = None, **env: str) -> tuple[subprocess.CompletedProcess, Path]:
+def run_train_sh(tmp_path: Path, args: list[str], gpus: int | None = None, deepspeed: str = DEEPSPEED,
+                 **env: str) -> tuple[subprocess.CompletedProcess, Path]:  # fmt: skip
     """launch/train.sh with a recording ``deepspeed``; ``gpus`` set: the device probe answers
     "cuda <gpus>" (this machine has none), otherwise the real probe runs."""
     bin_dir, log = tmp_path / "bin", tmp_path / "stub.log"
-    stubs = {"deepspeed": DEEPSPEED}
+    stubs = {"deepspeed": deepspeed}
     if gpus is not None:
         stubs["python"] = f'[ "$1" = launch/resolve_device.py ] && {{ echo "cuda {gpus}"; exit 0; }}\nexec {sys.executable} "$@"\n'
     write_stubs(bin_dir, stubs)
-    base = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "NPROC", "HOSTFILE", "DS_ACCELERATOR", "OMP_NUM_THREADS")}
+    base = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "NPROC", "HOSTFILE", "DS_ACCELERATOR", "OMP_NUM_THREADS",
+                                                             "SLURM_JOB_ID", "SLURM_STEP_GPUS", "MASTER_PORT")}
     base.update(PATH=f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}", MEGAFLEX_SKIP_SETUP="1",
                 STUB_LOG=str(log), PYTHONPATH=str(REPO), **env)  # fmt: skip
     proc = subprocess.run(["bash", "launch/train.sh", *args], cwd=REPO, env=base, capture_output=True, text=True, timeout=120)
@@ -180,11 +233,12 @@ SRUN = 'echo "srun $(printf "%q " "$@")" >> "$STUB_LOG"\necho "env TORCH_NCCL_AS
 SCONTROL = 'for ((i = 0; i < SLURM_JOB_NUM_NODES; i++)); do echo "node$i"; done\n'
 
 
-def test_sbatch_passes_cpus_per_task_and_the_current_nccl_variable(tmp_path):
+def run_sbatch(tmp_path: Path, srun: str = SRUN) -> tuple[subprocess.CompletedProcess, Path]:
+    """launch/slurm.sbatch for a 2-node job, with recording ``srun`` and ``scontrol`` stubs."""
     bin_dir, log = tmp_path / "bin", tmp_path / "stub.log"
-    write_stubs(bin_dir, {"srun": SRUN, "scontrol": SCONTROL})
+    write_stubs(bin_dir, {"srun": srun, "scontrol": SCONTROL})
     job = f"test{os.getpid()}"
-    env = {k: v for k, v in os.environ.items() if "NCCL" not in k}
+    env = {k: v for k, v in os.environ.items() if "NCCL" not in k and k != "MASTER_PORT"}
     env.update(PATH=f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}", STUB_LOG=str(log),
                MEGAFLEX_SKIP_SETUP="1", SLURM_JOB_NUM_NODES="2", SLURM_JOB_NODELIST="node[0-1]", SLURM_JOB_ID=job,
                SLURM_GPUS_PER_NODE="h100:8", SLURM_CPUS_PER_TASK="48", SLURM_SUBMIT_DIR=str(REPO))  # fmt: skip
@@ -193,6 +247,11 @@ def test_sbatch_passes_cpus_per_task_and_the_current_nccl_variable(tmp_path):
                               capture_output=True, text=True, timeout=60)  # fmt: skip
     finally:
         (REPO / "runs" / f"hostfile-{job}").unlink(missing_ok=True)
+    return proc, log
+
+
+def test_sbatch_passes_cpus_per_task_and_the_current_nccl_variable(tmp_path):
+    proc, log = run_sbatch(tmp_path)
     assert proc.returncode == 0, proc.stderr
     (argv,) = calls(log, "srun")
     assert "--cpus-per-task=48" in argv and "--ntasks-per-node=1" in argv
@@ -200,10 +259,117 @@ def test_sbatch_passes_cpus_per_task_and_the_current_nccl_variable(tmp_path):
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING=1 NCCL_ASYNC_ERROR_HANDLING=unset" in log.read_text()
 
 
-def test_sbatch_directives_come_first_and_the_log_needs_no_folder():
-    lines = (REPO / "launch" / "slurm.sbatch").read_text().splitlines()
-    first_command = next(i for i, line in enumerate(lines) if line.strip() and not line.startswith("#"))
-    directives = [line for line in lines if line.startswith("#SBATCH")]
-    assert all(lines.index(d) < first_command for d in directives)  # sbatch stops reading at a command
-    (output,) = [re.split(r"[=\s]+", d)[2] for d in directives if d.startswith("#SBATCH --output")]
-    assert "/" not in output  # Slurm opens it before the script could create a folder
+def test_sbatch_warns_the_batch_shell_only_and_leaves_the_port_to_train_sh(tmp_path):
+    header = [line for line in (REPO / "launch" / "slurm.sbatch").read_text().splitlines() if line.startswith("#SBATCH")]
+    signal_lines = [line.split()[1] for line in header if "--signal" in line]
+    # B: the batch shell (srun, which forwards it to each node's train.sh), not every process of the step
+    assert signal_lines == ["--signal=B:USR1@300"]
+    proc, log = run_sbatch(tmp_path, SRUN + 'echo "env MASTER_PORT=${MASTER_PORT:-unset}" >> "$STUB_LOG"\n')
+    assert proc.returncode == 0, proc.stderr
+    assert "MASTER_PORT=unset" in log.read_text()  # not 29500 for every job: train.sh derives one per job
+
+
+# --------------------------------------------------------------------------------------------
+# launch/train.sh under Slurm: GPU ids, per-job port, USR1 to the whole step
+# --------------------------------------------------------------------------------------------
+# records its arguments and the hostfile it was given
+DEEPSPEED_HOSTFILE = DEEPSPEED + 'while [ $# -gt 0 ]; do [ "$1" = --hostfile ] && sed "s/^/hostfile /" "$2" >> "$STUB_LOG"; shift; done\n'
+
+
+def test_train_sh_gives_the_ranks_slurms_gpus_not_the_hostfile_slots(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node0 slots=4\nnode1 slots=4\n")
+    common = dict(HOSTFILE=str(hostfile), NO_SSH="1", NODE_RANK="1", MASTER_ADDR="node0", deepspeed=DEEPSPEED_HOSTFILE)
+    proc, log = run_train_sh(tmp_path, ["--config", "configs/tiny.yaml"], gpus=4, CUDA_VISIBLE_DEVICES="4,5,6,7", **common)
+    assert proc.returncode == 0, proc.stderr
+    (argv,) = calls(log, "deepspeed")
+    # node 1's ranks get GPUs 4-7 (deepspeed would set CUDA_VISIBLE_DEVICES=0,1,2,3 from the slots)
+    assert argv[argv.index("--include") + 1] == "node0@node1:4,5,6,7"
+    assert argv[argv.index("--node_rank") + 1] == "1" and "--no_ssh" in argv
+    assert [line for line in log.read_text().splitlines() if line.startswith("hostfile ")] == [
+        "hostfile node0 slots=4", "hostfile node1 slots=8"]  # fmt: skip  (slot ids up to 7 exist for --include)
+    assert argv[argv.index("--hostfile") + 1] != str(hostfile) and not Path(argv[argv.index("--hostfile") + 1]).exists()
+
+    fewer, log = run_train_sh(tmp_path / "b", ["--config", "configs/tiny.yaml"], gpus=2, CUDA_VISIBLE_DEVICES="4,5", **common)
+    assert fewer.returncode == 2 and "2 GPUs (4,5) but the hostfile 4 slots" in fewer.stderr and not calls(log, "deepspeed")
+    slurm_only, log = run_train_sh(tmp_path / "c", ["--config", "configs/tiny.yaml"], gpus=4, SLURM_STEP_GPUS="0,1,2,3",
+                                   **common)  # fmt: skip
+    assert slurm_only.returncode == 0, slurm_only.stderr
+    (argv,) = calls(log, "deepspeed")
+    assert argv[argv.index("--include") + 1] == "node0@node1:0,1,2,3"
+
+
+def test_train_sh_takes_a_port_per_slurm_job(tmp_path):
+    def port(**env: str) -> str:
+        proc, log = run_train_sh(tmp_path / str(len(list(tmp_path.iterdir()))), ["--config", "configs/tiny.yaml"],
+                                 gpus=4, **env)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        (argv,) = calls(log, "deepspeed")
+        return argv[argv.index("--master_port") + 1]
+
+    assert port(SLURM_JOB_ID="1234567") == "24567" and port(SLURM_JOB_ID="1234568") == "24568"
+    assert port(SLURM_JOB_ID="1234567", MASTER_PORT="31000") == "31000"
+    assert port() == "29500"  # no Slurm job: the usual default
+
+
+# a runner -> launch -> rank chain like deepspeed's; the rank saves nothing, it reports USR1 and exits 75
+DEEPSPEED_CHAIN = (
+    'grep SigIgn /proc/self/status | sed "s/^/runner /" >> "$STUB_LOG"\n'
+    'bash -c \'"$STUB_PYTHON" "$STUB_RANK"; exit $?\' &\n'
+    "wait $!\n"
+)
+RANK = """import os, signal, sys, time
+log = open(os.environ["STUB_LOG"], "a")
+signal.signal(signal.SIGUSR1, lambda *_: (log.write("rank got USR1\\n"), log.flush(), sys.exit(75)))
+log.write("rank ready\\n"); log.flush()
+time.sleep(60)
+sys.exit(1)
+"""
+
+
+@pytest.mark.parametrize("to", ["train.sh", "the whole step"])
+def test_usr1_reaches_the_ranks_and_spares_the_deepspeed_runner(tmp_path, to):
+    import signal
+    import time
+
+    bin_dir, log = tmp_path / "bin", tmp_path / "stub.log"
+    write_stubs(bin_dir, {"deepspeed": DEEPSPEED_CHAIN,
+                          "python": f'[ "$1" = launch/resolve_device.py ] && {{ echo "cpu 0"; exit 0; }}\nexec {sys.executable} "$@"\n'})  # fmt: skip
+    (tmp_path / "rank.py").write_text(RANK)
+    env = {k: v for k, v in os.environ.items() if k not in ("HOSTFILE", "NPROC", "MASTER_PORT")}
+    env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", MEGAFLEX_SKIP_SETUP="1", STUB_LOG=str(log),
+               STUB_PYTHON=sys.executable, STUB_RANK=str(tmp_path / "rank.py"))  # fmt: skip
+    proc = subprocess.Popen(["bash", "launch/train.sh", "--config", "configs/tiny.yaml"], cwd=REPO, env=env,
+                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        for _ in range(600):
+            if log.exists() and "rank ready" in log.read_text():
+                break
+            time.sleep(0.1)
+        # "the whole step": what Slurm's --signal without B: (or `scancel --signal`) does
+        os.killpg(proc.pid, signal.SIGUSR1) if to == "the whole step" else proc.send_signal(signal.SIGUSR1)
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = log.read_text()
+    assert "rank got USR1" in text, text
+    assert proc.returncode == 75, text  # the rank's status, through a runner that did not die of USR1
+    ignored = int(next(line.split()[-1] for line in text.splitlines() if line.startswith("runner SigIgn")), 16)
+    assert ignored & (1 << (signal.SIGUSR1 - 1))
+
+
+def test_ranks_not_saving_on_signals_get_usr1s_default_back():
+    """The ranks inherit train.sh's ignored USR1; with checkpoint.save_on_signal=false nothing handles
+    it, so it must do what it did before (end the rank), not nothing."""
+    import signal
+
+    from megaflex.training.stop_signals import SignalFlag
+
+    previous = signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # as inherited from launch/train.sh
+    try:
+        SignalFlag(enabled=False)
+        assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGUSR1, previous)

@@ -7,7 +7,9 @@ import subprocess
 
 import pytest
 
-from megaflex.parallel.launcher_env import LaunchEnvError, apply_launcher_env, launcher_env, triton_cache_dir
+from megaflex.parallel.launcher_env import (
+    LaunchEnvError, apply_launcher_env, launcher_env, local_cuda_device, triton_cache_dir,
+)
 from megaflex.training.metrics import read_metrics
 from training_harness import PYTHON, REPO, base_env, write_config
 
@@ -111,3 +113,51 @@ def test_rank_zero_of_one_under_a_multi_task_step_exits_2(tmp_path):
     assert proc.returncode == 2
     assert "launch error: WORLD_SIZE=1 but the launcher started 4 processes (Slurm (srun))" in proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_local_cuda_device_follows_the_visible_gpus():
+    assert local_cuda_device(3, 8) == 3  # torchrun / deepspeed: every GPU of the node visible
+    assert local_cuda_device(3, 1) == 0  # srun --gpus-per-task=1: SLURM_LOCALID 3 sees one GPU, device 0
+    assert local_cuda_device(0, 2) == 0 and local_cuda_device(1, 2) == 1
+    with pytest.raises(LaunchEnvError, match=r"LOCAL_RANK=5 but this process sees 2 CUDA devices \(CUDA_VISIBLE_DEVICES=6,7\)"):
+        local_cuda_device(5, 2, {"CUDA_VISIBLE_DEVICES": "6,7"})
+
+
+@pytest.mark.parametrize("visible, expected", [(1, 0), (8, 3), (2, None)])
+def test_the_trainer_sets_the_device_from_local_rank_and_the_visible_count(tmp_path, monkeypatch, visible, expected):
+    """``srun python -m megaflex.train`` with one GPU per task: LOCAL_RANK=3 (from SLURM_LOCALID) on a
+    process that sees one device must not ask for device 3 ("invalid device ordinal")."""
+    import torch
+
+    from megaflex.training import trainer
+    from megaflex.training.config import load_config
+
+    chosen: list[int] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setattr(trainer, "init_deepspeed_distributed", lambda backend, timeout: chosen.append(backend))
+    monkeypatch.setattr(trainer, "validate_runtime", lambda *args: None)
+    monkeypatch.setattr(trainer.dist, "get_world_size", lambda: 16)
+    for key, value in {"RANK": "11", "WORLD_SIZE": "16", "LOCAL_RANK": "3", "MASTER_ADDR": "gpu07"}.items():
+        monkeypatch.setenv(key, value)
+    cfg = load_config([str(write_config(tmp_path / "cfg.yaml"))], ["train.device=cuda"])
+    if expected is None:
+        with pytest.raises(LaunchEnvError, match="LOCAL_RANK=3 but this process sees 2 CUDA devices"):
+            trainer.init_distributed(cfg)
+        assert chosen == []  # refused before any device or process group
+    else:
+        assert trainer.init_distributed(cfg) == "cuda"
+        assert chosen == [expected, "nccl"]
+
+
+def test_a_launch_error_in_the_trainer_is_one_line_and_exit_2(monkeypatch, capsys):
+    from megaflex.training import train, trainer
+
+    def refuse(cfg, objective=None):
+        raise LaunchEnvError("LOCAL_RANK=3 but this process sees 2 CUDA devices")
+
+    monkeypatch.setattr(trainer, "run", refuse)
+    monkeypatch.setattr(trainer, "shutdown", lambda clean: None)
+    assert train.execute("megaflex-train", object()) == 2
+    assert capsys.readouterr().err == "megaflex-train: launch error: LOCAL_RANK=3 but this process sees 2 CUDA devices\n"

@@ -113,17 +113,21 @@ def _start(cmd: list[str], env: dict[str, str], tmp_path: Path, run: Path) -> su
                             start_new_session=True)  # its own process group: nothing is left behind
 
 
-@pytest.mark.parametrize("target", ["train.sh", "deepspeed runner"])
+@pytest.mark.parametrize("target", ["train.sh", "deepspeed runner", "every process (Slurm step, USR1)"])
 def test_sigterm_reaches_the_ranks_which_save_and_exit(tmp_path: Path, target: str) -> None:
     run, env = tmp_path / "run", launcher_env(2)
-    if target == "train.sh":
-        cmd = ["bash", "launch/train.sh"]
-    else:
+    if target == "deepspeed runner":
         cmd = [deepspeed_launcher(), "--num_gpus", "2", "--master_port", env["MASTER_PORT"], "--module", "megaflex.train"]
+    else:
+        cmd = ["bash", "launch/train.sh"]
+    sig = signal.SIGUSR1 if "USR1" in target else signal.SIGTERM
     proc = _start(cmd, env, tmp_path, run)
     try:
         _wait_for_steps(run / "metrics.jsonl", proc, 2)
-        proc.send_signal(signal.SIGTERM)
+        if "every process" in target:  # Slurm's --signal without B:, or scancel --signal: the runner too
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
         rc = proc.wait(timeout=300)
         assert _group_gone(proc.pid, 300), "rank processes outlived the launcher"
     finally:
@@ -133,9 +137,9 @@ def test_sigterm_reaches_the_ranks_which_save_and_exit(tmp_path: Path, target: s
             pass
     out = (tmp_path / "out.log").read_text()
     stopped = max(read_metrics(run / "metrics.jsonl"))
-    assert f"training stopped (signal SIGTERM) at step {stopped}" in out, out[-4000:]
+    assert f"training stopped (signal {sig.name}) at step {stopped}" in out, out[-4000:]
     assert complete_tags(run / "checkpoints") == [f"step_{stopped:08d}"]
-    if target == "train.sh":
+    if target != "deepspeed runner":  # USR1 to every process: the runner (ignoring it) passes the ranks' status on
         assert rc == EXIT_PREEMPTED, out[-4000:]  # the ranks' status, told apart from a finished run's 0
     else:
         # The runner itself dies of the signal (it forwards nothing); its ranks noticed and saved.

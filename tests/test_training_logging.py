@@ -168,3 +168,18 @@ def test_last_line_names_the_tensorboard_folder_only_when_it_is_written(tmp_path
     last = [line for line in result.outputs[0].splitlines() if line.strip()][-1]
     assert last.startswith("training stopped (done) at step 4; metrics ") and "checkpoints " in last, last
     assert ("TensorBoard" in last) == tensorboard == (run_dir / "tensorboard").is_dir(), last
+
+
+def test_missing_tensorboard_warns_and_logs_metrics_jsonl_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU node's offline install has no tensorboard (an extra): ``logging.tensorboard`` (on by
+    default) then warns once and the run keeps every scalar in metrics.jsonl."""
+    from megaflex.training.metrics import TENSORBOARD_MISSING, MetricsLogger
+
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # what an uninstalled package looks like to find_spec
+    with pytest.warns(UserWarning, match="logging.tensorboard: the tensorboard package is not installed") as record:
+        logger = MetricsLogger(tmp_path, enabled=True, tensorboard=True, progress_bar=False, total_steps=2)
+    assert [str(w.message) for w in record] == [TENSORBOARD_MISSING]
+    logger.log({"kind": "train", "step": 1, "loss": 2.5, "ppl": 12.2, "lr": 1e-3, "tokens_per_s": 10.0}, {"train/loss": 2.5})
+    logger.close()
+    assert read_metrics(tmp_path / "metrics.jsonl")[1]["loss"] == 2.5
+    assert not (tmp_path / "tensorboard").exists()

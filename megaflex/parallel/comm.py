@@ -28,7 +28,7 @@ def device_for_backend(backend: str) -> torch.device:
     the CPU for gloo/mpi. A backend that serves both (``"cpu:gloo,cuda:nccl"``) takes CPU tensors."""
     names = {part.rpartition(":")[2].strip().lower() for part in backend.split(",")}
     if "nccl" in names and not names & {"gloo", "mpi", "ucc"}:
-        return torch.device("cuda")  # the current device (trainer: torch.cuda.set_device(LOCAL_RANK))
+        return torch.device("cuda")  # the current device (trainer: launcher_env.local_cuda_device)
     return torch.device("cpu")
 
 

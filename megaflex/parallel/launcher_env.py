@@ -9,7 +9,10 @@ says is N processes. ``apply_launcher_env`` puts the result into ``os.environ`` 
 torch.distributed starts, with a per-rank node-local ``TRITON_CACHE_DIR`` (ranks compiling into one
 shared home directory race and crawl on network file systems).
 
-``cuda_unusable_reason`` names why CUDA cannot be used (for the launch scripts' error messages).
+``local_cuda_device`` picks this rank's CUDA device from LOCAL_RANK and the devices it can see: an
+srun step that binds one GPU per task (``--gpus-per-task=1``) shows each rank a single device 0,
+whatever its SLURM_LOCALID. ``cuda_unusable_reason`` names why CUDA cannot be used (for the launch
+scripts' error messages).
 """
 
 from __future__ import annotations
@@ -120,6 +123,23 @@ def apply_launcher_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     if "TRITON_CACHE_DIR" not in environ:
         added["TRITON_CACHE_DIR"] = environ["TRITON_CACHE_DIR"] = triton_cache_dir(environ)
     return added
+
+
+def local_cuda_device(local_rank: int, device_count: int, environ: Mapping[str, str] | None = None) -> int:
+    """The CUDA device index of the rank with ``local_rank`` that sees ``device_count`` devices:
+    ``local_rank`` when every GPU of the node is visible (torchrun, deepspeed), 0 when one GPU is
+    bound to this process (srun ``--gpus-per-task=1``: LOCAL_RANK counts tasks, not visible GPUs).
+    Raises :class:`LaunchEnvError` when neither fits: several GPUs visible but fewer than LOCAL_RANK + 1
+    (which of them would be a guess, and a wrong one puts two ranks on one GPU)."""
+    if device_count == 1 or local_rank < device_count:
+        return 0 if device_count == 1 else local_rank
+    environ = os.environ if environ is None else environ
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    raise LaunchEnvError(
+        f"LOCAL_RANK={local_rank} but this process sees {device_count} CUDA devices"
+        + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else "")
+        + ": show every rank all of the node's GPUs, or bind one GPU per rank (srun --gpus-per-task=1)"
+    )
 
 
 def nvidia_device_files() -> list[str]:

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megaflex.model.layers import check_model_fit
+from megaflex.parallel.launcher_env import local_cuda_device
 from megaflex.parallel.rendezvous import free_port
 
 ProcessGroup = dist.ProcessGroup
@@ -258,7 +259,7 @@ def initialize_parallel_state(
             os.environ.setdefault("MASTER_PORT", str(free_port()))
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(local_cuda_device(int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()))
         dist.init_process_group(backend=backend)
     dims = ParallelDims(dist.get_world_size(), tensor_parallel_size, pipeline_parallel_size, context_parallel_size)
     return ParallelState.create(dims)

@@ -24,9 +24,11 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
+import time
 import warnings
+from datetime import timedelta
 from pathlib import Path
-from typing import Any, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import numpy as np
 import torch
@@ -164,13 +166,45 @@ def _writable_dir(path: Path) -> bool:
         return False
 
 
+# Rank 0 builds missing sample indices while the others wait, for minutes on a large corpus: longer
+# than parallel.timeout_minutes, whose NCCL watchdog would end the job on the default group. They
+# wait on a gloo group of their own with this bound instead (a rank that dies still ends the wait:
+# its peers' connections close), and rank 1 reports every INDEX_WAIT_REPORT_S that it is waiting.
+INDEX_BUILD_TIMEOUT = timedelta(hours=6)
+INDEX_WAIT_REPORT_S = 60.0
+
+
+def index_build_barrier() -> Callable[[], None]:
+    """The barrier the sample-index builder and its waiting peers meet at (``INDEX_BUILD_TIMEOUT``, on
+    a new gloo group: collective, every rank calls this once and then the barrier alike)."""
+    import torch.distributed as dist
+
+    group = dist.new_group(backend="gloo", timeout=INDEX_BUILD_TIMEOUT)
+    rank = dist.get_rank()
+
+    def wait() -> None:
+        work = dist.barrier(group=group, async_op=True)
+        start, reported = time.monotonic(), 0
+        while not work.is_completed():
+            time.sleep(0.1)
+            due = int((time.monotonic() - start) / INDEX_WAIT_REPORT_S)
+            if rank == 1 and due > reported:
+                reported = due
+                print(f"rank 1: waiting for rank 0 to build the sample indices ({time.monotonic() - start:.0f} s so far; "
+                      f"at most {INDEX_BUILD_TIMEOUT.total_seconds() / 3600:.0f} h)", flush=True)  # fmt: skip
+        work.wait()  # raises what failed it (a peer gone)
+
+    return wait
+
+
 def build_datasets(cfg: Config, train_samples: int, valid_samples: int, rank: int = 0) -> tuple[TokenDataset, TokenDataset | None]:
     """(train, valid or None) holding at least the requested number of samples.
 
     Indexed data: with ``data.valid_path`` the two sets come from their own files, otherwise
     ``data.split`` cuts train/valid out of ``data.train_path`` (Megatron's document split).
-    Rank 0 builds the cached sample indices (in ``index_cache_dir``), the others wait at a
-    barrier and load them. Indexed data is checked on open and per sample (module docstring)."""
+    Rank 0 builds the cached sample indices (in ``index_cache_dir``), the others wait at
+    ``index_build_barrier`` (not the collective timeout) and load them. Indexed data is checked on
+    open and per sample (module docstring)."""
     d = cfg.data
     if d.source == "synthetic":
         train = SyntheticDataset(train_samples, d.seq_len, cfg.model.vocab_size, cfg.train.seed)
@@ -183,7 +217,7 @@ def build_datasets(cfg: Config, train_samples: int, valid_samples: int, rank: in
     vocab = cfg.model.vocab_size
     common = dict(
         seq_len=d.seq_len, seed=cfg.train.seed, cache_dir=index_cache_dir(cfg),
-        is_builder=(rank == 0), barrier=dist.barrier if dist.is_initialized() else None, vocab_size=vocab,
+        is_builder=(rank == 0), barrier=index_build_barrier() if dist.is_initialized() else None, vocab_size=vocab,
     )
     if d.valid_path:
         train = build_indexed(d.train_path, d.train_weights, split="1,0,0",

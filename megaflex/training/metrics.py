@@ -10,12 +10,14 @@ step (``read_metrics``).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
 import resource
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -112,6 +114,21 @@ class ScalarSink(Protocol):
     def close(self) -> None: ...
 
 
+TENSORBOARD_MISSING = (
+    "logging.tensorboard: the tensorboard package is not installed, so no TensorBoard event files are written "
+    "(metrics.jsonl holds every scalar); pip install 'megaflex[tensorboard]', or set logging.tensorboard=false"
+)
+
+
+def tensorboard_installed() -> bool:
+    """Whether TensorBoard's package is importable; warns (``TENSORBOARD_MISSING``) when not. It is an
+    extra (``megaflex[tensorboard]``): a GPU node's offline install leaves it out (launch/wheelhouse.sh)."""
+    if importlib.util.find_spec("tensorboard") is not None:
+        return True
+    warnings.warn(TENSORBOARD_MISSING, stacklevel=3)
+    return False
+
+
 class TensorBoardSink:
     """TensorBoard event files in ``directory``."""
 
@@ -143,7 +160,7 @@ class MetricsLogger:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
         self._file = open(self.path, "a")
-        if tensorboard:
+        if tensorboard and tensorboard_installed():
             self._sinks.append(TensorBoardSink(run_dir / "tensorboard"))
         if progress_bar and sys.stdout.isatty():
             from tqdm import tqdm

@@ -97,6 +97,10 @@ class SignalFlag:
         # still ends the start-up: no step has run).
         end_startup(restore=not enabled)
         if not enabled:
+            # launch/train.sh starts the deepspeed runner ignoring SIGUSR1 (so that a signal to the
+            # whole Slurm step does not kill it); the ranks inherit that: give them the default back.
+            if signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN:
+                signal.signal(signal.SIGUSR1, signal.SIG_DFL)
             return
         launchers = _launcher_processes() if watch_launcher else []
         if launchers:

@@ -94,6 +94,9 @@ def _execute(prog: str, cfg: Any, objective: Any) -> int:
     except ConfigError as e:
         print(f"{prog}: config error: {e}", file=sys.stderr)
         return EXIT_CONFIG
+    except LaunchEnvError as e:  # e.g. LOCAL_RANK beyond the visible GPUs (launcher_env.local_cuda_device)
+        print(f"{prog}: launch error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
     except CheckpointError as e:
         print(f"{prog}: checkpoint error: {e}", file=sys.stderr)
         return EXIT_CONFIG

@@ -45,6 +45,7 @@ from megaflex.checkpoint import (
 from megaflex.model.gpt import GPT
 from megaflex.parallel import comm
 from megaflex.parallel.deferred_init import full_numel, is_partitioned
+from megaflex.parallel.launcher_env import local_cuda_device
 from megaflex.parallel.rendezvous import free_port
 from megaflex.training.build import build_gpt
 from megaflex.training.collective_timeout import (
@@ -86,7 +87,7 @@ def init_distributed(cfg: Config) -> str:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))  # 29500 may be taken by another job
     if device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(local_cuda_device(int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()))
     init_deepspeed_distributed(backend, rendezvous_timeout(cfg.parallel.timeout_minutes))
     validate_runtime(cfg, dist.get_world_size(), has_cuda)
     return device
