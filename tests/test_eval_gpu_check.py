@@ -198,3 +198,14 @@ def test_out_defaults_outside_the_repository(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     out = gpu_check.default_out()
     assert out.parent == tmp_path / "megaflex" / "gpu_check" and REPO not in out.parents
+
+
+def test_accuracy_judge_lists_the_dtypes_own_overflow_and_fails_the_kernels():
+    from evaluation.gpu_check.accuracy import judge
+
+    inf, nan = float("inf"), float("nan")
+    assert judge({"out": 1e-4, "dq": inf}, {"out": 0.0, "dq": inf}, 1e-3) == {"passed": True, "overflows_in_dtype": ["dq"]}
+    assert judge({"out": 1e-4, "dq": inf}, {"out": 0.0, "dq": 1.0}, 1e-3) == {"passed": False}  # only the kernel overflows
+    assert judge({"out": nan}, {"out": 1e-3}, 1.0) == {"passed": False}
+    assert judge({"out": 2e-3}, {"out": 1e-4}, 1e-3) == {"passed": True}  # within tolerance + 10x the reference's
+    assert judge({"out": 3e-3}, {"out": 1e-4}, 1e-3) == {"passed": False}

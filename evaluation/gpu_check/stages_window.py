@@ -76,7 +76,7 @@ def _plan(dry_run: bool, device: str) -> list[tuple[tuple[int, ...], str, str]]:
 
 def accuracy_case(spec: tuple[tuple[int, ...], str, str]) -> dict[str, Any]:
     """One (shape, dtype) case against the torch Function in fp64; never raises."""
-    from evaluation.gpu_check.accuracy import TOLERANCE
+    from evaluation.gpu_check.accuracy import TOLERANCE, judge
     from megaflex.attention.shared_window_chunked import ChunkedWindowNumerator
     from megaflex.attention.triton import TritonWindowNumerator
 
@@ -95,8 +95,7 @@ def accuracy_case(spec: tuple[tuple[int, ...], str, str]) -> dict[str, Any]:
         for label, fn, side in (("same", ChunkedWindowNumerator, dtype), ("triton", TritonWindowNumerator, None)):
             got = _run(fn, master, m0, shape[-1], dtype, dtype, side)
             errors[label] = {n: (a.double() - b).abs().max().item() / max(b.abs().max().item(), 1.0) for n, a, b in zip(names, got, exact)}
-        worst = max(errors["triton"][n] - 10 * errors["same"][n] for n in names)
-        case.update(passed=worst <= TOLERANCE[dtype], max_error=max(errors["triton"].values()),
+        case.update(**judge(errors["triton"], errors["same"], TOLERANCE[dtype]), max_error=max(errors["triton"].values()),
                     reference_error=max(errors["same"].values()), errors={n: float(f"{e:.3g}") for n, e in errors["triton"].items()})  # fmt: skip
     except Exception as err:  # noqa: BLE001  (recorded, the run goes on)
         case.update(passed=False, error=repr(err)[:500])
