@@ -25,21 +25,25 @@ def _short(value: Any, limit: int = 300) -> str:
 
 
 def caught_failures(result: Any, path: str = "") -> list[str]:
-    """``path: why`` for every ``error`` field and ``passed: False`` in ``result``, nested ones too."""
-    found: list[str] = []
+    """``path: why`` for every ``error`` field and ``passed: False`` in ``result``, nested ones too
+    (``why`` alone at the top level)."""
+    return [f"{where}: {why}" if where else why for where, why in _walk(result, path)]
+
+
+def _walk(result: Any, path: str) -> list[tuple[str, str]]:
+    found: list[tuple[str, str]] = []
     if isinstance(result, dict):
         if result.get("error"):
-            found.append(f"{path or '.'}: error: {_short(result['error'])}")
+            found.append((path, f"error: {_short(result['error'])}"))
         if result.get("passed") is False:
             extra = f" (max_error {result['max_error']:.3g})" if isinstance(result.get("max_error"), float) else ""
-            found.append(f"{path or '.'}: passed=False{extra}")
+            found.append((path, f"passed=False{extra}"))
         for key, value in result.items():
             if key not in ("error", "log_tail") and isinstance(value, (dict, list)):
-                found += caught_failures(value, f"{path}.{key}" if path else key)
+                found += _walk(value, f"{path}.{key}" if path else key)
     elif isinstance(result, list):
         for i, value in enumerate(result):
-            label = _label(value, i) if isinstance(value, dict) else f"[{i}]"
-            found += caught_failures(value, f"{path}{label}")
+            found += _walk(value, path + (_label(value, i) if isinstance(value, dict) else f"[{i}]"))
     return found
 
 
@@ -47,4 +51,4 @@ def stage_failures(name: str, result: dict[str, Any]) -> list[str]:
     """The stage's own status when it did not finish, then the failures it caught, ``name/...``."""
     found = [] if result.get("stage_status") == "ok" else [f"{name}: {result.get('stage_status')}"]
     inner = {k: v for k, v in result.items() if k not in ("stage_status", "log_tail", "seconds")}
-    return found + [f"{name}/{line}" for line in caught_failures(inner)]
+    return found + [f"{name}/{where}: {why}" if where else f"{name}: {why}" for where, why in _walk(inner, "")]
