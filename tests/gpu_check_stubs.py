@@ -41,6 +41,13 @@ def rows_then_hang(stage: Any) -> dict[str, Any]:
     return result
 
 
+def square_or_die(x: int) -> dict[str, Any]:
+    """A case function for ``map_in_workers``: x * x, or its worker process dies for x < 0."""
+    if x < 0:
+        __import__("os")._exit(3)
+    return {"x": x * x}
+
+
 def stages(**timeouts: float) -> dict[str, StageSpec]:
     """name -> StageSpec of the stubs (needs 1 s; dry-run timeout per stage, default 300 s)."""
     targets = {"quick": "ok", "caught": "caught_failure", "hang": "rows_then_hang", "late": "ok"}

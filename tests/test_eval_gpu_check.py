@@ -209,3 +209,13 @@ def test_accuracy_judge_lists_the_dtypes_own_overflow_and_fails_the_kernels():
     assert judge({"out": nan}, {"out": 1e-3}, 1.0) == {"passed": False}
     assert judge({"out": 2e-3}, {"out": 1e-4}, 1e-3) == {"passed": True}  # within tolerance + 10x the reference's
     assert judge({"out": 3e-3}, {"out": 1e-4}, 1e-3) == {"passed": False}
+
+
+def test_map_in_workers_returns_every_item_and_a_dead_worker_as_an_error():
+    from evaluation.gpu_check.common import map_in_workers
+
+    assert dict(map_in_workers(gpu_check_stubs.square_or_die, [1, 2, 3], workers=1)) == {0: {"x": 1}, 1: {"x": 4}, 2: {"x": 9}}
+    got = dict(map_in_workers(gpu_check_stubs.square_or_die, [2, -1], workers=2))
+    assert set(got) == {0, 1} and "worker failed" in got[1]["error"]
+    # a pool that broke may take a neighbour still running along: then that one is an error too
+    assert got[0] == {"x": 4} or "worker failed" in got[0]["error"]
