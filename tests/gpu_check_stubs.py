@@ -18,7 +18,12 @@ HERE = "tests.gpu_check_stubs"
 
 
 def ok(stage: Any) -> dict[str, Any]:
-    return {"passed": True, "cases": [{"dtype": "bf16", "passed": True}]}
+    """Passes; reports the Triton cache it was given and the one a trainer it started would use."""
+    from evaluation.gpu_check.common import trainer_env
+
+    return {"passed": True, "cases": [{"dtype": "bf16", "passed": True}],
+            "triton_cache_dir": __import__("os").environ.get("TRITON_CACHE_DIR"),
+            "trainer_triton_cache_dir": trainer_env(True).get("TRITON_CACHE_DIR")}  # fmt: skip
 
 
 def caught_failure(stage: Any) -> dict[str, Any]:

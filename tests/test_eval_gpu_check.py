@@ -140,6 +140,8 @@ def test_deadline_cuts_the_running_stage_and_skips_the_rest(monkeypatch, tmp_pat
     stages = report["stages"]
     assert status == 1 and report["deadline_s"] == 15
     assert stages["quick"]["stage_status"] == "ok" and stages["quick"]["passed"]
+    # one Triton cache: the stage's and its trainers' (launcher_env keeps a TRITON_CACHE_DIR that is set)
+    assert stages["quick"]["triton_cache_dir"] == stages["quick"]["trainer_triton_cache_dir"] == str(tmp_path / "triton")
     assert stages["hang"]["stage_status"].startswith("timed out after") and stages["hang"]["seconds"] < 300
     assert stages["hang"]["rows"] == [{"row": 0}, {"row": 1}, {"row": 2}]
     assert stages["late"]["stage_status"].startswith("skipped: needs ~1 s") and "of the 15 s deadline" in stages["late"]["stage_status"]
