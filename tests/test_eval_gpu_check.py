@@ -189,6 +189,8 @@ def test_sigterm_kills_the_running_stage_process_group(tmp_path):
         assert _wait_until_gone(pids) == []
         report = json.loads((out / "gpu_check.json").read_text())
         assert report["interrupted"] == "SIGTERM during hang" and "interrupted: SIGTERM during hang" in output
+        assert report["stages"]["hang"]["rows"] == [{"row": 0}, {"row": 1}, {"row": 2}]  # what it had written
+        assert report["failures"] == ["hang: interrupted (SIGTERM)"]
     finally:
         proc.kill()
         for pid in pids:

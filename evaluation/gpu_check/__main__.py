@@ -53,7 +53,8 @@ DEFAULT_DEADLINE_S = {False: 480.0, True: 3600.0}  # one GPU; a dry run on a few
 
 
 class Interrupted(Exception):
-    """SIGTERM (SIGINT raises KeyboardInterrupt) while a stage runs."""
+    """SIGINT or SIGTERM while a stage runs (SIGINT too: a shell's background job ignores it by
+    default, which would leave the stages running)."""
 
 
 def _raise_interrupted(signum: int, _frame: Any) -> None:
@@ -102,15 +103,19 @@ def _spawn(name: str, args: argparse.Namespace, work: Path, report_path: Path, t
         except BaseException:  # Ctrl-C, SIGTERM: the stage's group goes with this process
             _kill_group(proc)
             raise
-    try:
-        result = json.loads(result_path.read_text())  # a killed stage keeps what it emitted
-    except (OSError, json.JSONDecodeError):
-        result = {}
+    result = _read_result(result_path)  # a killed stage keeps what it emitted
     result["stage_status"] = status
     result["seconds"] = round(time.perf_counter() - start, 1)
     if stage_failures(name, result):
         result["log_tail"] = log_tail(log_path, 3000)
     return result
+
+
+def _read_result(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
 
 
 def _stage_env(args: argparse.Namespace, cache: Path) -> dict[str, str]:
@@ -147,6 +152,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--report", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--options", default="{}", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    args.stages = [name for name in STAGES if name in args.stages]  # most valuable first, whatever the order given
     if args.deadline is None:
         args.deadline = DEFAULT_DEADLINE_S[args.dry_run]
     if args.deadline <= 0 or args.timeout_scale <= 0:
@@ -208,17 +214,24 @@ def main(argv: list[str] | None = None) -> int:
                               "triton_cache_entries_at_start": sum(1 for _ in cache.iterdir()), "stages": {}}  # fmt: skip
     print(f"[gpu_check] report: {report_path} (deadline {args.deadline:.0f} s)", flush=True)
     status = 0
-    previous_term = signal.signal(signal.SIGTERM, _raise_interrupted)
+    previous = {sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
     start = time.monotonic()
     try:
         with tempfile.TemporaryDirectory(prefix="gpu_check_work_") as tmp:
-            _run_all(args, report, report_path, args.work_dir or Path(tmp), _stage_env(args, cache))
-    except (KeyboardInterrupt, Interrupted) as err:
-        signum = err.args[0] if isinstance(err, Interrupted) else signal.SIGINT
-        report["interrupted"] = f"{signal.Signals(signum).name} during {report.pop('running', 'no stage')}"
-        status = 128 + int(signum)
+            work = args.work_dir or Path(tmp)
+            try:
+                _run_all(args, report, report_path, work, _stage_env(args, cache))
+            except (KeyboardInterrupt, Interrupted) as err:
+                signame = signal.Signals(err.args[0] if isinstance(err, Interrupted) else signal.SIGINT)
+                running = report.pop("running", None)
+                report["interrupted"] = f"{signame.name} during {running or 'no stage'}"
+                if running:  # what it had written, as after a timeout
+                    report["stages"][running] = {**_read_result(work / f"{running}.result.json"),
+                                                 "stage_status": f"interrupted ({signame.name})"}  # fmt: skip
+                status = 128 + int(signame)
     finally:
-        signal.signal(signal.SIGTERM, previous_term)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     report["seconds"] = round(time.monotonic() - start, 1)
     report["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     report["failures"] = [line for name, r in report["stages"].items() for line in stage_failures(name, r)]
