@@ -7,8 +7,8 @@
 * ``softmax_247m``: configs/softmax_247m.yaml at the same shape: tokens/s and the ratio.
 * ``precision_41m``: configs/flexformer_n_41m.yaml for 100 steps on learnable synthetic tokens in
   fp32 storage with tf32 matmuls, bf16 and bf16 with fp32 gradient accumulation (the three runs at
-  once: one GPU holds them): final-loss gaps and tau trajectories; then whether bf16 storage of
-  Omega and tau matters (``bf16_storage.py``). The "fp32" arm is fp32 storage and arithmetic with
+  once: one GPU holds them): final-loss gaps and tau trajectories; meanwhile, whether bf16 storage
+  of Omega and tau matters (``bf16_storage.py``). The "fp32" arm is fp32 storage and arithmetic with
   tf32 matmul inputs everywhere: the Triton attention kernels take fp32 dot operands as tf32
   (``PREC="tf32"``, triton/function.py) and ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1`` makes torch's
   cuBLAS matmuls do the same, so the arm is one precision, not a mix.
@@ -138,6 +138,11 @@ def precision_41m(stage: Stage) -> dict[str, Any]:
         args = ["--config", config, ZERO1, *over, "checkpoint.resume=none"]
         started[name] = start_trainer(args, stage.work_dir / f"precision_{name}", stage.dry_run, env)
     timeout = stage.inner_timeout(600 if stage.dry_run else 120)
+    try:  # a few seconds, while the runs start up
+        result["bf16_storage"] = bf16_storage_effect(Path(config), seq, 2 if stage.dry_run else micro, stage.device)
+    except Exception as err:  # noqa: BLE001  (recorded: a failure of the stage)
+        result["bf16_storage"] = {"error": repr(err)[:500]}
+    stage.emit(result)
     for name, running in started.items():  # all at once: the startup and compiles overlap
         run = finish_trainer(running, timeout)
         if "error" in run:
@@ -155,9 +160,4 @@ def precision_41m(stage: Stage) -> dict[str, Any]:
     for name, run in result["runs"].items():
         if ref is not None and "final_loss" in run and name != "fp32":
             result[f"final_loss_gap_{name}_minus_fp32"] = run["final_loss"] - ref
-    stage.emit(result)
-    try:
-        result["bf16_storage"] = bf16_storage_effect(Path(config), seq, 2 if stage.dry_run else micro, stage.device)
-    except Exception as err:  # noqa: BLE001  (recorded: a failure of the stage)
-        result["bf16_storage"] = {"error": repr(err)[:500]}
     return result
