@@ -320,6 +320,48 @@ def test_gpu_hook_mapping_onto_gated_linear_attention(normalization, with_state)
 
 
 
+@pytest.mark.parametrize("normalization", ["denominator", "capped_denominator"])
+def test_fla_mapping_keeps_bf16_operands_and_fp32_gates_and_state(normalization):
+    """bf16 features and v reach the kernel as bf16 (no fp32 copies), the gates and initial state
+    as fp32; the result (kernel replaced by a scan that accumulates in fp32, as fla's does) is
+    the contract on the bf16 inputs within bf16 rounding of the keys, the output and its
+    denominator column. Positive features: the denominator forms are normwise-conditioned
+    (floor max|v|); the state's kv by the same sums of |v|."""
+    seen = {}
+
+    def scan_fp32(q, k, v, g, scale, initial_state, output_final_state):
+        seen.update(q=q.dtype, k=k.dtype, v=v.dtype, g=g.dtype, state=initial_state.dtype)
+        o, s = _naive_simple_gla(q.float(), k.float(), v.float(), g, scale, initial_state, output_final_state)
+        return o.to(q.dtype), s
+
+    g = torch.Generator().manual_seed(13)
+    n, feat, dv = 40, 6, 5
+    qf, kf = (torch.rand(2, 2, n, feat, generator=g).to(torch.bfloat16) for _ in range(2))
+    kls = torch.randn(2, 2, n, generator=g) * 3
+    v = torch.randn(2, 2, n, dv, generator=g).to(torch.bfloat16)
+    state = LinearAttentionState(torch.rand(2, 2, feat, dv, generator=g), torch.rand(2, 2, feat, generator=g),
+                                 torch.full((2, 2), 4.0), offset=3)  # fmt: skip
+    out, new_state = gla_linear_attention(qf, kf, kls, v, normalization=normalization, initial_state=state, gla_fn=scan_fp32)
+    assert seen == {"q": torch.bfloat16, "k": torch.bfloat16, "v": torch.bfloat16, "g": torch.float32, "state": torch.float32}
+    assert out.dtype == torch.bfloat16 and new_state.kv.dtype == new_state.k_sum.dtype == torch.float32
+
+    def exact(values):
+        state64 = LinearAttentionState(*(t.double() for t in (state.kv, state.k_sum, state.log_max)), state.offset)
+        return quadratic_linear_attention(qf.double(), kf.double(), kls.double(), values.double(),
+                                          normalization=normalization, initial_state=state64)  # fmt: skip
+
+    ref, ref_state = exact(v)
+    _, abs_state = exact(v.abs())  # the state's terms, summed without cancellation
+    # bf16: the scaled keys, the numerator and the denominator column (kernel output) rounded once
+    # each, the division and output cast; fp32 accumulation over the sequence (and exp of the
+    # log-scale spread) on top
+    steps = 5 + fp32_steps_in(torch.bfloat16, attention_steps(n + 3, feat, dv, log_scale_spread(kls, state.log_max)))
+    assert_close(out, ref, steps=steps, dtype=torch.bfloat16, floor=v.double().abs().max().item(), name="out")
+    assert_close(new_state.k_sum, ref_state.k_sum, steps=steps, dtype=torch.bfloat16, name="k_sum")
+    assert_close(new_state.kv, ref_state.kv, steps=steps, dtype=torch.bfloat16, floor=normwise_scale(abs_state.kv), name="kv")
+
+
+
 
 def _good_args():
     q, k, v = make_qkv(1, 2, 10, 4, seed=10)

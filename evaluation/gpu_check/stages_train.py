@@ -6,7 +6,12 @@
   torch.profiler summary of steps 6-8.
 * ``softmax_247m``: configs/softmax_247m.yaml at the same shape: tokens/s and the ratio.
 * ``precision_41m``: configs/flexformer_n_41m.yaml for 100 steps on learnable synthetic tokens in
-  fp32, bf16 and bf16 with fp32 gradient accumulation: final-loss gaps and tau trajectories.
+  fp32 storage with tf32 matmuls, bf16 and bf16 with fp32 gradient accumulation (the three runs at
+  once: one GPU holds them): final-loss gaps and tau trajectories; meanwhile, whether bf16 storage
+  of Omega and tau matters (``bf16_storage.py``). The "fp32" arm is fp32 storage and arithmetic with
+  tf32 matmul inputs everywhere: the Triton attention kernels take fp32 dot operands as tf32
+  (``PREC="tf32"``, triton/function.py) and ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1`` makes torch's
+  cuBLAS matmuls do the same, so the arm is one precision, not a mix.
 
 Under ``--dry-run`` the same code runs configs/tiny.yaml on CPU at seq 64 for a few steps (the
 trainer stage keeps its 12-step plan, softmax runs 4 steps; the precision stage trains fp32 and
@@ -19,7 +24,16 @@ import re
 from pathlib import Path
 from typing import Any
 
-from evaluation.gpu_check.common import REPO, Stage, base_overrides, learnable_tokens, run_trainer, throughput
+from evaluation.gpu_check.common import (
+    REPO,
+    Stage,
+    base_overrides,
+    finish_trainer,
+    learnable_tokens,
+    run_trainer,
+    start_trainer,
+    throughput,
+)
 from evaluation.gpu_check.profile_summary import summarize
 from megaflex.checkpoint.layout import complete_tags, run_checkpoint_dir
 
@@ -41,12 +55,12 @@ def trainer_247m(stage: Stage) -> dict[str, Any]:
     run_dir = stage.work_dir / "flexformer_247m"
     ckpt = [f"checkpoint.dir={run_checkpoint_dir(run_dir)}", "checkpoint.save_interval=10", "checkpoint.keep_last=1"]
     profile = ["logging.profile.start=6", "logging.profile.steps=3"]  # the trainer's profiler: steps 6-8
-    timeout = 900 if stage.dry_run else 240
+    timeout = 900 if stage.dry_run else 150
     first = run_trainer(["--config", config, *extra, *over, *ckpt, *profile, "checkpoint.resume=none"], run_dir,
-                        stage.dry_run, timeout)  # fmt: skip
+                        stage, timeout)  # fmt: skip
     result: dict[str, Any] = {"config": Path(config).name, "overrides": over}
     if "error" in first:
-        return {**result, "error": first["error"]}
+        return {**result, **first}
     result.update(throughput(first["train"], skip={1, 2, 6, 7, 8}), wall_s=first["wall_s"])
     ops = run_dir / "profile" / "rank0.steps6-8.ops.json"
     result["profile_steps_6_8"] = summarize(ops) if ops.exists() else None
@@ -55,9 +69,9 @@ def trainer_247m(stage: Stage) -> dict[str, Any]:
     result["checkpoints"] = saved
     resumed_dir = stage.work_dir / "flexformer_247m_resumed"
     resumed = run_trainer(["--config", config, *extra, *over, *ckpt, "checkpoint.resume=auto"], resumed_dir,
-                          stage.dry_run, timeout)  # fmt: skip
+                          stage, 900 if stage.dry_run else 90)  # fmt: skip
     if "error" in resumed:
-        return {**result, "resume": {"error": resumed["error"]}}
+        return {**result, "resume": resumed}
     steps = sorted(resumed["train"])
     gaps = [abs(resumed["train"][s]["loss"] - first["train"][s]["loss"]) for s in steps if s in first["train"]]
     result["resume"] = {
@@ -72,9 +86,9 @@ def trainer_247m(stage: Stage) -> dict[str, Any]:
 def softmax_247m(stage: Stage) -> dict[str, Any]:
     config, extra, over = _shape(stage, "softmax_247m", dry_steps=4)  # tokens/s: steps 3-4 past the warm-up
     run = run_trainer(["--config", config, *extra, *over, "checkpoint.resume=none"], stage.work_dir / "softmax_247m",
-                      stage.dry_run, 900 if stage.dry_run else 150)  # fmt: skip
+                      stage, 900 if stage.dry_run else 90)  # fmt: skip
     if "error" in run:
-        return {"config": Path(config).name, "error": run["error"]}
+        return {"config": Path(config).name, **run}
     result = {"config": Path(config).name, **throughput(run["train"], skip={1, 2}), "wall_s": run["wall_s"]}
     flex = stage.options.get("previous", {}).get("trainer_247m", {})
     if flex.get("tokens_per_s") and result["tokens_per_s"]:
@@ -93,6 +107,7 @@ def _tau_trajectory(kernel: dict[int, dict[str, Any]]) -> dict[int, float]:
 
 
 def precision_41m(stage: Stage) -> dict[str, Any]:
+    from evaluation.gpu_check.bf16_storage import bf16_storage_effect
     from megaflex.training.config import ConfigError, load_config
 
     if stage.dry_run:
@@ -102,13 +117,15 @@ def precision_41m(stage: Stage) -> dict[str, Any]:
     tokens_needed = steps * gbs * (seq + 1)
     prefix = learnable_tokens(stage.work_dir / "tokens" / "learnable", vocab, tokens_needed // 128 + 64, 128)
     data = ["data.source=indexed", f"data.train_path=[{prefix}]", "data.valid_path=[]", "data.split=98,2,0",
-            "data.tokenizer=null", "train.eval_iters=1", f"logging.kernel_stats_interval={max(1, steps // 10)}"]  # fmt: skip
+            f"logging.kernel_stats_interval={max(1, steps // 10)}"]  # fmt: skip
     variants = {"fp32": ["train.precision=fp32"], "bf16": ["train.precision=bf16", "train.grad_accum_dtype=bf16"],
                 "bf16_fp32_accum": ["train.precision=bf16", "train.grad_accum_dtype=fp32"]}  # fmt: skip
-    result: dict[str, Any] = {"config": Path(config).name, "steps": steps, "global_batch": gbs, "runs": {}}
+    result: dict[str, Any] = {"config": Path(config).name, "steps": steps, "global_batch": gbs, "runs": {},
+                              "fp32_arm": "fp32 storage, tf32 matmul inputs in torch (TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1) "
+                                          "and in the Triton kernels (PREC=tf32)"}  # fmt: skip
+    started = {}
     for name, extra in variants.items():
         over = base_overrides(seq, micro, gbs, steps, "bf16", stage.dry_run) + data + extra  # later keys win
-        args = ["--config", config, ZERO1, *over, "checkpoint.resume=none"]
         try:
             load_config([config, ZERO1], over)
         except ConfigError as err:  # e.g. no fp32-accumulation key in this trainer yet
@@ -117,9 +134,19 @@ def precision_41m(stage: Stage) -> dict[str, Any]:
         if stage.dry_run and name == "bf16_fp32_accum":  # the bf16 run's code path with one other key (checked above)
             result["runs"][name] = {"skipped": "dry run: config checked, not trained"}
             continue
-        run = run_trainer(args, stage.work_dir / f"precision_{name}", stage.dry_run, 600 if stage.dry_run else 150)
+        env = {"TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "1"} if name == "fp32" else {}
+        args = ["--config", config, ZERO1, *over, "checkpoint.resume=none"]
+        started[name] = start_trainer(args, stage.work_dir / f"precision_{name}", stage.dry_run, env)
+    timeout = stage.inner_timeout(600 if stage.dry_run else 120)
+    try:  # a few seconds, while the runs start up
+        result["bf16_storage"] = bf16_storage_effect(Path(config), seq, 2 if stage.dry_run else micro, stage.device)
+    except Exception as err:  # noqa: BLE001  (recorded: a failure of the stage)
+        result["bf16_storage"] = {"error": repr(err)[:500]}
+    stage.emit(result)
+    for name, running in started.items():  # all at once: the startup and compiles overlap
+        run = finish_trainer(running, timeout)
         if "error" in run:
-            result["runs"][name] = {"error": run["error"]}
+            result["runs"][name] = run
         else:
             losses = [r["loss"] for _, r in sorted(run["train"].items())]
             tail = losses[-max(1, len(losses) // 10) :]

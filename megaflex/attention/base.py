@@ -137,18 +137,21 @@ def fp32_inputs(
     kls: torch.Tensor | None,
     v: torch.Tensor,
     initial_state: LinearAttentionState | None,
+    operand_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, LinearAttentionState]:
     """Common prologue of the attention forms: upcast to the accumulation dtype (fp32, or fp64
-    for fp64 inputs), ``kls=None`` -> zeros, ``initial_state=None`` -> the empty state."""
+    for fp64 inputs), ``kls=None`` -> zeros, ``initial_state=None`` -> the empty state.
+    ``operand_dtype``: qf, kf, v go to it instead (a kernel that accumulates in fp32 itself)."""
     batch, heads, n, feat = qf.shape
     acc = accumulation_dtype(v.dtype)
+    op = operand_dtype or acc
     ls = torch.zeros(batch, heads, n, device=qf.device, dtype=acc) if kls is None else kls.to(acc)
     state = initial_state
     if state is None:
         state = LinearAttentionState.empty(batch, heads, feat, v.shape[-1], device=qf.device, dtype=acc)
     else:
         state = LinearAttentionState(state.kv.to(acc), state.k_sum.to(acc), state.log_max.to(acc), state.offset)
-    return qf.to(acc), kf.to(acc), ls, v.to(acc), state
+    return qf.to(op), kf.to(op), ls, v.to(op), state
 
 
 # Optimisation roles of learnable kernel parameters (``KernelParameter.role``):

@@ -16,7 +16,14 @@ max m_t (m_0 = state.log_max),
 so the contract's weights are GLA with keys k'_s = exp(kls_s - m_s) kf_s (scale <= 1) and
 log-space gates g_u = m_{u-1} - m_u <= 0: every exponent the kernel forms is <= 0. The GLA state
 after token t is then exactly the contract's kv relative to m_t. The denominator rides along as a
-ones column of v (only for normalization="denominator"; for "rms" k_sum is one reduction).
+ones column of v (for the denominator normalisations; for "rms" k_sum is one reduction).
+
+Precision: features and v go to the kernel in their own dtype (bf16 under bf16 training: no fp32
+copies saved for the backward); the kernel accumulates its products and the carried state in fp32
+(fla's ``chunk_fwd_h`` keeps the running state in fp32 registers and returns the final state in
+fp32; the per-chunk states its output kernel reads are stored in the input dtype), and the gates,
+the initial state, the stabiliser and the normalisation stay in fp32. The scaled keys are formed
+in fp32 and rounded once. The output (and so the denominator column) comes back in v's dtype.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from typing import Callable
 
 import torch
 
-from .base import LinearAttentionState, fp32_inputs, normalize_output, reads_denominator
+from .base import LinearAttentionState, accumulation_dtype, fp32_inputs, normalize_output, reads_denominator
 from .validation import validate_linear_attention_inputs
 
 # (q, k, v [B, T, H, *], g [B, T, H], scale, initial_state [B, H, K, V] | None, output_final_state)
@@ -61,14 +68,16 @@ def gla_linear_attention(
         qf, kf, kls, v, form="chunked", normalization=normalization, chunk_size=chunk_size, initial_state=initial_state, eps=eps
     )
     gla = gla_fn if gla_fn is not None else _fla_chunk_simple_gla()
-    dv = v.shape[-1]
-    q, k, lam, vv, state = fp32_inputs(qf, kf, kls, v, initial_state)
+    n, dv = qf.shape[2], v.shape[-1]
+    acc = accumulation_dtype(v.dtype)  # gates, state, stabiliser: fp32 (fp64 for fp64 inputs)
+    io = v.dtype  # the kernel's operand dtype: it accumulates in fp32 itself
+    q, k, lam, vv, state = fp32_inputs(qf, kf, kls, v, initial_state, operand_dtype=io)
     m0 = state.log_max.detach()
     m = torch.maximum(lam.detach().cummax(dim=-1).values, m0.unsqueeze(-1))  # [B, H, N], a constant
     # an empty state (log_max = -inf) holds zeros: start the gates at m_1 so no -inf enters the kernel
     start = torch.where(torch.isfinite(m0), m0, m[..., 0])
     gates = torch.cat([start.unsqueeze(-1), m[..., :-1]], dim=-1) - m  # g_t = m_{t-1} - m_t <= 0
-    keys = k * torch.exp(lam - m).unsqueeze(-1)  # exp(kls_s - m_s) kf_s
+    keys = (k.to(acc) * torch.exp(lam - m).unsqueeze(-1)).to(io)  # exp(kls_s - m_s) kf_s, rounded once
     denominator = reads_denominator(normalization)
     values = torch.cat([vv, torch.ones_like(vv[..., :1])], dim=-1) if denominator else vv
     s0 = torch.cat([state.kv, state.k_sum.unsqueeze(-1)], dim=-1) if denominator else state.kv
@@ -81,16 +90,18 @@ def gla_linear_attention(
         seq_major(q), seq_major(keys), seq_major(values), g=seq_major(gates), scale=1.0,
         initial_state=s0, output_final_state=True,
     )
-    o = o.transpose(1, 2)  # [B, H, N, Dv(+1)]
+    o = o.transpose(1, 2).to(acc)  # [B, H, N, Dv(+1)]
     out = normalize_output(o[..., :dv], o[..., dv] if denominator else None, normalization, eps)
     m_last = m[..., -1]
+    final = final.to(acc)
     if denominator:
         kv, k_sum = final[..., :dv], final[..., dv]
     else:
         decay = torch.exp(m0 - m_last).nan_to_num(0.0)  # 0 for the empty state
         kv = final
-        k_sum = state.k_sum * decay.unsqueeze(-1) + torch.einsum("bhn,bhnf->bhf", torch.exp(lam - m_last.unsqueeze(-1)), k)
-    return out.to(v.dtype), LinearAttentionState(kv, k_sum, m_last, state.offset + q.shape[2])
+        weights = torch.exp(lam - m_last.unsqueeze(-1))
+        k_sum = state.k_sum * decay.unsqueeze(-1) + torch.einsum("bhn,bhnf->bhf", weights, k.to(acc))  # one fp32 sum
+    return out.to(v.dtype), LinearAttentionState(kv, k_sum, m_last, state.offset + n)
 
 
 def fla_linear_attention(

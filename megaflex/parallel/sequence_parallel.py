@@ -35,6 +35,10 @@ from megaflex.parallel.mappings import conjugate_pair, copy_to_tp_region
 from megaflex.parallel.state import ParallelState
 
 SEQUENCE_DIM = -2
+# Newer torch names the tensor collectives *_single and deprecates the old names; torch 2.11 (the
+# lowest supported) has only all_gather_into_tensor / reduce_scatter_tensor. Same semantics.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _check(state: ParallelState, length: int) -> None:
@@ -60,7 +64,7 @@ def gather_sequence(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
     _check(state, 0)
     front = x.movedim(SEQUENCE_DIM, 0).contiguous()
     out = front.new_empty(state.tp_size * front.shape[0], *front.shape[1:])
-    dist.all_gather_single(out, front, group=state.tp_group)
+    _all_gather_single(out, front, group=state.tp_group)
     return out.movedim(0, SEQUENCE_DIM)
 
 
@@ -69,7 +73,7 @@ def reduce_scatter_sequence(x: torch.Tensor, state: ParallelState) -> torch.Tens
     _check(state, x.shape[SEQUENCE_DIM])
     front = x.movedim(SEQUENCE_DIM, 0).contiguous()
     out = front.new_empty(front.shape[0] // state.tp_size, *front.shape[1:])
-    dist.reduce_scatter_single(out, front, group=state.tp_group)
+    _reduce_scatter_single(out, front, group=state.tp_group)
     return out.movedim(0, SEQUENCE_DIM)
 
 

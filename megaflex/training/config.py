@@ -196,7 +196,7 @@ class TrainConfig:
         "auto", "where to train (auto: cuda when available; cuda: unusable CUDA is an error naming the cause)"
     )
     eval_interval: int = opt(0, "run validation every this many steps (0: only at the end, if valid_path is set)")
-    eval_iters: int = opt(10, "validation micro-batches per rank per evaluation")
+    eval_iters: int = opt(10, "validation micro-batches per rank per evaluation (0: no validation)")
     max_nonfinite_in_a_row: int = opt(5, "abort after this many consecutive steps with non-finite loss or grad norm")
 
 

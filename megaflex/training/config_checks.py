@@ -34,14 +34,14 @@ def validate(cfg: Config) -> None:
     t, s, d, c, lg = cfg.train, cfg.schedule, cfg.data, cfg.checkpoint, cfg.logging
     positive = {
         "train.train_iters": t.train_iters, "train.micro_batch_size": t.micro_batch_size,
-        "train.eval_iters": t.eval_iters, "train.max_nonfinite_in_a_row": t.max_nonfinite_in_a_row,
+        "train.max_nonfinite_in_a_row": t.max_nonfinite_in_a_row,
         "data.seq_len": d.seq_len, "checkpoint.keep_last": c.keep_last, "logging.log_interval": lg.log_interval,
     }
     for key, value in positive.items():
         if value < 1:
             raise _bad(cfg, key, f"expected a positive integer, got {value}")
     non_negative = {
-        "train.eval_interval": t.eval_interval, "checkpoint.save_interval": c.save_interval,
+        "train.eval_interval": t.eval_interval, "train.eval_iters": t.eval_iters, "checkpoint.save_interval": c.save_interval,
         "schedule.warmup_iters": s.warmup_iters, "logging.kernel_stats_interval": lg.kernel_stats_interval,
     }
     for key, value in non_negative.items():

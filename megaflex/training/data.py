@@ -208,7 +208,8 @@ def build_datasets(cfg: Config, train_samples: int, valid_samples: int, rank: in
     d = cfg.data
     if d.source == "synthetic":
         train = SyntheticDataset(train_samples, d.seq_len, cfg.model.vocab_size, cfg.train.seed)
-        valid = SyntheticDataset(valid_samples, d.seq_len, cfg.model.vocab_size, cfg.train.seed + 1)
+        # train.eval_iters=0 (no validation): no validation set, as for indexed data below
+        valid = SyntheticDataset(valid_samples, d.seq_len, cfg.model.vocab_size, cfg.train.seed + 1) if valid_samples else None
         return train, valid
     import torch.distributed as dist
 

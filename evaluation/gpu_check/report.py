@@ -1,0 +1,54 @@
+"""What counts as a failure in a gpu_check report, and the console lines that name them.
+
+A stage fails when its process did not finish ("crashed", "timed out", "skipped"), and also when it
+finished but caught a failure itself: any ``"error"`` field (a trainer crash, a failed resume, a
+kernel that raised) or ``"passed": False`` (an accuracy case, the int32 probe, ``pip check``),
+at any depth of its result.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# fields that name a row of a list (a case, a run) in a failure's path
+_LABEL_KEYS = ("impl", "dtype", "n", "N", "normalization", "state", "paired", "shape", "F", "Dv", "name")
+
+
+def _label(row: dict[str, Any], index: int) -> str:
+    parts = [f"{k}={row[k]}" for k in _LABEL_KEYS if k in row and not isinstance(row[k], (dict, list))]
+    return f"[{index}]" + (f"({' '.join(parts)})" if parts else "")
+
+
+def _short(value: Any, limit: int = 300) -> str:
+    text = " ".join(str(value).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def caught_failures(result: Any, path: str = "") -> list[str]:
+    """``path: why`` for every ``error`` field and ``passed: False`` in ``result``, nested ones too
+    (``why`` alone at the top level)."""
+    return [f"{where}: {why}" if where else why for where, why in _walk(result, path)]
+
+
+def _walk(result: Any, path: str) -> list[tuple[str, str]]:
+    found: list[tuple[str, str]] = []
+    if isinstance(result, dict):
+        if result.get("error"):
+            found.append((path, f"error: {_short(result['error'])}"))
+        if result.get("passed") is False:
+            extra = f" (max_error {result['max_error']:.3g})" if isinstance(result.get("max_error"), float) else ""
+            found.append((path, f"passed=False{extra}"))
+        for key, value in result.items():
+            if key not in ("error", "log_tail") and isinstance(value, (dict, list)):
+                found += _walk(value, f"{path}.{key}" if path else key)
+    elif isinstance(result, list):
+        for i, value in enumerate(result):
+            found += _walk(value, path + (_label(value, i) if isinstance(value, dict) else f"[{i}]"))
+    return found
+
+
+def stage_failures(name: str, result: dict[str, Any]) -> list[str]:
+    """The stage's own status when it did not finish, then the failures it caught, ``name/...``."""
+    found = [] if result.get("stage_status") == "ok" else [f"{name}: {result.get('stage_status')}"]
+    inner = {k: v for k, v in result.items() if k not in ("stage_status", "log_tail", "seconds")}
+    return found + [f"{name}/{where}: {why}" if where else f"{name}: {why}" for where, why in _walk(inner, "")]
