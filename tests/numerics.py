@@ -28,12 +28,20 @@ against an fp64 reference with the conditioning measured rather than guessed
 quadratic form, no OpenBLAS involved) vs fp64 carries it, and the kernel may exceed the normwise
 bound by at most ``CONDITIONING_FACTOR`` times that error.
 
+After optimizer steps the two computations are no longer within rounding of each other: Adam's
+step is about lr * sign(g) for every |g| >> eps, so an element whose gradient is within rounding of
+0 steps +lr in one run and -lr in the other, whichever way the CPU's reduction order rounded it.
+Parameters after Adam are bounded by what an update can move an element
+(``assert_params_close_after_adam``); quantities only rounding changes (a step's loss, the gradient
+norm of the first step) keep the rounding bounds (``training_loss_steps``, ``grad_norm_steps``).
+
 Bit-exact claims (resume, determinism on one machine) use ``torch.equal``, not this module.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -134,3 +142,69 @@ def gpt_steps(config: Any, seq_len: int, backward: bool = False) -> float:
     per_layer = 4 * hidden + ffn + attention + 8
     forward = config.num_layers * per_layer + hidden + 8
     return 2 * forward if backward else forward
+
+
+def training_loss_steps(config: Any, seq_len: int, tokens: int, ranks: int = 1) -> float:
+    """Error growth of a training step's logged loss: the forward on ``seq_len`` tokens, the
+    cross-entropy's vocabulary-term log-sum-exp, the mean over the step's ``tokens`` (micro-batches
+    and ranks summed in any order) and the all-reduces over ``ranks``.
+
+    It bounds the losses of later steps too: the elements Adam moves differently in two runs are
+    those whose gradient is within rounding of 0, so to first order they move the loss by that
+    rounding-sized gradient times ~lr each, far below the loss's own rounding."""
+    return gpt_steps(config, seq_len) + config.vocab_size + tokens + ranks + 4
+
+
+def grad_norm_steps(config: Any, seq_len: int, tokens: int, numel: int, ranks: int = 1) -> float:
+    """Error growth of the global gradient norm of a training step, relative to the norm: the
+    backward's (every gradient sums over the step's ``tokens``), the all-reduces over ``ranks``,
+    the sum of ``numel`` squares (n u relative) and its square root (half of that)."""
+    return gpt_steps(config, seq_len, backward=True) + 2 * (tokens + config.vocab_size + ranks) + numel / 2 + 2
+
+
+def adam_update_bound(step: int, betas: tuple[float, float]) -> float:
+    """The largest |m_hat / sqrt(v_hat)| of Adam's step ``step`` (1-based) over *every* gradient
+    history: by Cauchy-Schwarz on m_t = (1-b1) sum_i b1^(t-i) g_i against v_t = (1-b2) sum_i
+    b2^(t-i) g_i^2, |m_t| <= (1-b1) sqrt(sum_k<t (b1^2/b2)^k) sqrt(v_t / (1-b2)), and the bias
+    corrections divide by 1-b1^t and 1-b2^t. 1 at step 1, ~1.00 for the first steps at (0.9, 0.95)."""
+    b1, b2 = betas
+    ratio = sum((b1 * b1 / b2) ** k for k in range(step))
+    return (1 - b1) / (1 - b1**step) * math.sqrt((1 - b2**step) / (1 - b2) * ratio)
+
+
+def adam_drift_bound(lrs: Sequence[float], betas: tuple[float, float]) -> float:
+    """How far apart two AdamW runs from the same weights can end, per element, whatever their
+    gradients: step t moves an element by at most lr_t x ``adam_update_bound(t)`` (eps only shrinks
+    it) in each run, so they part by at most twice that; the decoupled weight decay w (1 - lr wd)
+    only shrinks a difference."""
+    return 2 * sum(lr * adam_update_bound(t, betas) for t, lr in enumerate(lrs, start=1))
+
+
+def assert_params_close_after_adam(
+    actual: Mapping[str, torch.Tensor],
+    expected: Mapping[str, torch.Tensor],
+    *,
+    lrs: Sequence[float],
+    betas: tuple[float, float],
+    lr_multiplier: Callable[[str], float] = lambda name: 1.0,
+    name: str = "",
+) -> float:
+    """Parameters of two AdamW runs from the same weights whose gradients differ by rounding, after
+    ``len(lrs)`` steps of learning rates ``lrs`` (``lr_multiplier(name)``: a parameter group's
+    multiplier): per element within ``adam_drift_bound`` (an element whose gradient is within
+    rounding of 0 can step either way at every step) plus the rounding of the updates themselves
+    (a few operations per step on |w|, in each run). Returns the drift bound of multiplier 1, for
+    the caller to show it is below what a misplaced tensor would differ by."""
+    assert actual.keys() == expected.keys(), f"{name}: {sorted(actual.keys() ^ expected.keys())}"
+    drift = adam_drift_bound(lrs, betas)
+    for key, want in expected.items():
+        got = actual[key]
+        assert got.shape == want.shape and torch.isfinite(got).all(), f"{name} {key}: shape or non-finite"
+        err = (got.double() - want.double()).abs()
+        bound = drift * lr_multiplier(key) + 2 * error_bound(4 * len(lrs), 1.0) * want.double().abs()
+        worst = int((err - bound).argmax())
+        assert (err <= bound).all(), (
+            f"{name} {key}: element {worst} off by {err.flatten()[worst].item():.3e} > its bound"
+            f" {bound.flatten()[worst].item():.3e} (Adam drift {drift * lr_multiplier(key):.3e} + update rounding)"
+        )
+    return drift

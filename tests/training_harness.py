@@ -20,6 +20,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import yaml
 
@@ -171,3 +172,34 @@ def write_pattern_data(folder: Path) -> list[str]:
             start, stride = int(rng.integers(256)), int(rng.integers(1, 4))
             builder.add_document((start + stride * np.arange(200)) % 256)
     return ["data.source=indexed", f"data.train_path=[{prefix}]", "data.split=98,2,0", "train.eval_iters=1"]
+
+
+def adam_settings(loaded: Any) -> tuple[tuple[float, float], Callable[[str], float]]:
+    """(betas, LR multiplier by parameter name) of the run an ``evaluation.loading.load_for_eval``
+    checkpoint came from: the kernel groups' multipliers (``megaflex.training.optim``), 1 elsewhere."""
+    from megaflex.attention import named_kernel_parameters
+    from megaflex.training.config import OptimizerConfig
+
+    opt = {**OptimizerConfig().__dict__, **(loaded.config.get("optimizer") or {})}
+    roles = {name: kp.role for name, kp in named_kernel_parameters(loaded.model)}
+    multipliers = {"frequencies": opt["kernel_frequency_lr_multiplier"], "temperature": opt["kernel_temperature_lr_multiplier"]}
+    if opt["freeze_kernel"]:
+        multipliers = {}
+    return (opt["beta1"], opt["beta2"]), lambda name: float(multipliers.get(roles.get(name, ""), 1.0))
+
+
+def assert_train_losses_close(got: dict[int, float], want: dict[int, float], ranks: int, name: str = "") -> None:
+    """Per-step training losses of two ``TINY`` runs that differ only in layout (process count,
+    parallelism, ZeRO stage), the same global batches in the same steps: each within the rounding
+    of a step's loss (tests/numerics.py: ``training_loss_steps``, which also says why later steps,
+    after Adam's updates, stay within it)."""
+    import torch
+
+    from megaflex.model.config import ModelConfig
+    from numerics import assert_close, training_loss_steps
+
+    assert got.keys() == want.keys(), (sorted(got), sorted(want))
+    seq = TINY["data"]["seq_len"]
+    steps = training_loss_steps(ModelConfig(**TINY["model"]), seq, TINY["train"]["global_batch_size"] * seq, ranks)
+    for step in want:
+        assert_close(torch.tensor(got[step]), torch.tensor(want[step]), steps=steps, name=f"{name} loss at step {step}")
