@@ -157,9 +157,19 @@ def training_loss_steps(config: Any, seq_len: int, tokens: int, ranks: int = 1) 
 
 def grad_norm_steps(config: Any, seq_len: int, tokens: int, numel: int, ranks: int = 1) -> float:
     """Error growth of the global gradient norm of a training step, relative to the norm: the
-    backward's (every gradient sums over the step's ``tokens``), the all-reduces over ``ranks``,
-    the sum of ``numel`` squares (n u relative) and its square root (half of that)."""
+    backward's (every gradient sums over the step's ``tokens``), taken normwise (relative to the
+    gradients' 2-norm: a run's log has no per-tensor scales for ``norm_steps``), the all-reduces
+    over ``ranks``, the sum of ``numel`` squares (n u relative) and its square root."""
     return gpt_steps(config, seq_len, backward=True) + 2 * (tokens + config.vocab_size + ranks) + numel / 2 + 2
+
+
+def norm_steps(steps: float, values: Sequence[torch.Tensor], norm: float, floor: float = 0.0) -> float:
+    """Error growth, relative to ``norm``, of the 2-norm of the tensors ``values`` whose elements are
+    each within ``error_bound(steps, scale)`` of exact, ``scale`` the tensor's ``normwise_scale``
+    (at least ``floor``): sqrt(sum of numel x scale^2) of those in the 2-norm, plus the sum of
+    squares (numel terms) and the square root."""
+    spread = math.sqrt(sum(v.numel() * normwise_scale(v, floor) ** 2 for v in values))
+    return steps * spread / norm + sum(v.numel() for v in values) / 2 + 2
 
 
 def adam_update_bound(step: int, betas: tuple[float, float]) -> float:

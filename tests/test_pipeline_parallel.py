@@ -22,7 +22,7 @@ import torch
 from megaflex.model.config import ModelConfig
 from megaflex.parallel.pipeline import gpt_parameter_name, stage_bounds
 from numerics import assert_close, assert_params_close_after_adam, grad_norm_steps, training_loss_steps
-from training_harness import REPO, TINY, adam_settings, deepspeed_launcher, launcher_env, write_config
+from training_harness import REPO, TINY, adam_steps_of, deepspeed_launcher, launcher_env, write_config
 
 STEPS = 5
 COMMON = [
@@ -104,8 +104,8 @@ def test_pipeline_parallel_run_equals_one_device(tmp_path: Path, reference: tupl
     # element within what STEPS Adam steps can part two runs whose gradients differ by rounding
     # (an element whose gradient is within rounding of 0 can step either way) ...
     assert mine.meta.pipeline_parallel_size == 2
-    betas, multiplier = adam_settings(ref)
-    lrs = [r["lr"] for r in ref_records if r["kind"] == "train"]
+    lrs, betas, multiplier = adam_steps_of(ref)
+    assert lrs == [r["lr"] for r in ref_records if r["kind"] == "train"]
     a, b = mine.model.state_dict(), ref.model.state_dict()
     drift = assert_params_close_after_adam(a, b, lrs=lrs, betas=betas, lr_multiplier=multiplier, name="weights")
     # ... which a tensor from the wrong stage, block or TP rank would exceed: two matrices' elements

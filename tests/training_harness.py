@@ -174,18 +174,20 @@ def write_pattern_data(folder: Path) -> list[str]:
     return ["data.source=indexed", f"data.train_path=[{prefix}]", "data.split=98,2,0", "train.eval_iters=1"]
 
 
-def adam_settings(loaded: Any) -> tuple[tuple[float, float], Callable[[str], float]]:
-    """(betas, LR multiplier by parameter name) of the run an ``evaluation.loading.load_for_eval``
-    checkpoint came from: the kernel groups' multipliers (``megaflex.training.optim``), 1 elsewhere."""
+def adam_steps_of(loaded: Any) -> tuple[list[float], tuple[float, float], Callable[[str], float]]:
+    """(the learning rate of each of its steps, betas, LR multiplier by parameter name) of the run
+    an ``evaluation.loading.load_for_eval`` checkpoint came from, from the run config it stores:
+    the schedule (``lr_at``) and the kernel groups' multipliers of ``megaflex.training.optim``."""
     from megaflex.attention import named_kernel_parameters
-    from megaflex.training.config import OptimizerConfig
+    from megaflex.training.config import FLOAT_RANGES, Config
+    from megaflex.training.config_loader import Source, load_dataclass
+    from megaflex.training.optim import kernel_lr_multipliers, lr_at
 
-    opt = {**OptimizerConfig().__dict__, **(loaded.config.get("optimizer") or {})}
+    cfg, _ = load_dataclass(Config, [Source(loaded.config, "checkpoint")], FLOAT_RANGES)  # as run: no re-validation
+    lrs = [lr_at(cfg, i) for i in range(loaded.meta.iteration)]
     roles = {name: kp.role for name, kp in named_kernel_parameters(loaded.model)}
-    multipliers = {"frequencies": opt["kernel_frequency_lr_multiplier"], "temperature": opt["kernel_temperature_lr_multiplier"]}
-    if opt["freeze_kernel"]:
-        multipliers = {}
-    return (opt["beta1"], opt["beta2"]), lambda name: float(multipliers.get(roles.get(name, ""), 1.0))
+    multipliers = kernel_lr_multipliers(cfg)
+    return lrs, (cfg.optimizer.beta1, cfg.optimizer.beta2), lambda name: float(multipliers.get(roles.get(name, ""), 1.0))
 
 
 def assert_train_losses_close(got: dict[int, float], want: dict[int, float], ranks: int, name: str = "") -> None:
