@@ -149,9 +149,10 @@ def training_loss_steps(config: Any, seq_len: int, tokens: int, ranks: int = 1) 
     cross-entropy's vocabulary-term log-sum-exp, the mean over the step's ``tokens`` (micro-batches
     and ranks summed in any order) and the all-reduces over ``ranks``.
 
-    It bounds the losses of later steps too: the elements Adam moves differently in two runs are
-    those whose gradient is within rounding of 0, so to first order they move the loss by that
-    rounding-sized gradient times ~lr each, far below the loss's own rounding."""
+    Later steps' losses, after Adam's updates, are held to it too: the elements Adam moves apart
+    in two runs are those whose gradient is within rounding of 0, so to first order each moves
+    the loss by that rounding-sized gradient times <= 2 lr per step. Not a worst case (every
+    element flipping would exceed it), but a loss off by more than its rounding is not that."""
     return gpt_steps(config, seq_len) + config.vocab_size + tokens + ranks + 4
 
 
