@@ -68,7 +68,8 @@ def _assert_same_run(records: list[dict], reference: list[dict], numel: int, ran
         if got["kind"] == "valid" and data_parallel > 1:
             continue  # validation reads eval_iters x micro x DP samples: more of them at DP 2
         steps = training_loss_steps(config, seq, tokens[got["kind"]], ranks)
-        assert_close(torch.tensor(got["loss"]), torch.tensor(want["loss"]), steps=steps, name=f"{got['kind']} loss {got['step']}")
+        assert_close(torch.tensor(got["loss"]), torch.tensor(want["loss"]), steps=steps,
+                     name=f"{got['kind']} loss {got['step']}")
     first = next(r for r in reference if r["kind"] == "train" and r["step"] == 1)
     got = next(r for r in records if r["kind"] == "train" and r["step"] == 1)
     assert_close(torch.tensor(got["grad_norm"]), torch.tensor(first["grad_norm"]),

@@ -3,10 +3,11 @@
 CP=2 on 2 gloo ranks: a kill -9 mid-run and ``checkpoint.resume=auto`` continue the loss curve bit
 for bit (ZeRO 0 and 1); the same checkpoint resumed with CP=1 x DP=2 on 2 ranks (the same DP x CP
 count, so ZeRO shards load as saved) and with CP=1 on one rank continues with the same losses
-within rounding (tests/numerics.py; CP holds no state of its own, only the reduction order differs). At ZeRO 1 the one-rank resume
-changes the DP x CP count: it is refused with ``checkpoint.zero_universal_resume=false`` (and
-otherwise goes through DeepSpeed's universal checkpoint, converted once, repartitioned: checked at
-ZeRO 2, which runs ZeRO 1's DeepSpeed optimizer and conversion, below).
+within rounding (tests/numerics.py; CP holds no state of its own, only the reduction order
+differs). At ZeRO 1 the one-rank resume changes the DP x CP count: it is refused with
+``checkpoint.zero_universal_resume=false`` (and otherwise goes through DeepSpeed's universal
+checkpoint, converted once, repartitioned: checked at ZeRO 2, which runs ZeRO 1's DeepSpeed
+optimizer and conversion, below).
 
 ZeRO 2 and 3 (fp32): CP=2 on 2 ranks equals CP=1 on one rank step by step on a learnable data
 set, and their checkpoints resume at CP=1 on one rank (universal copy) with the same losses. bf16
