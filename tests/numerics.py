@@ -156,12 +156,18 @@ def training_loss_steps(config: Any, seq_len: int, tokens: int, ranks: int = 1) 
     return gpt_steps(config, seq_len) + config.vocab_size + tokens + ranks + 4
 
 
+def training_grad_steps(config: Any, seq_len: int, tokens: int, ranks: int = 1) -> float:
+    """Error growth of a training step's gradients (on the largest one's scale, as every gradient
+    comparison here): the backward, whose every gradient sums over the step's ``tokens``, the loss's
+    vocabulary sums and the all-reduces over ``ranks``."""
+    return gpt_steps(config, seq_len, backward=True) + 2 * (tokens + config.vocab_size + ranks)
+
+
 def grad_norm_steps(config: Any, seq_len: int, tokens: int, numel: int, ranks: int = 1) -> float:
     """Error growth of the global gradient norm of a training step, relative to the norm: the
-    backward's (every gradient sums over the step's ``tokens``), taken normwise (relative to the
-    gradients' 2-norm: a run's log has no per-tensor scales for ``norm_steps``), the all-reduces
-    over ``ranks``, the sum of ``numel`` squares (n u relative) and its square root."""
-    return gpt_steps(config, seq_len, backward=True) + 2 * (tokens + config.vocab_size + ranks) + numel / 2 + 2
+    gradients' (``training_grad_steps``), taken normwise (relative to their 2-norm: a run's log has
+    no per-tensor scales for ``norm_steps``), the sum of ``numel`` squares and its square root."""
+    return training_grad_steps(config, seq_len, tokens, ranks) + numel / 2 + 2
 
 
 def norm_steps(steps: float, values: Sequence[torch.Tensor], norm: float, floor: float = 0.0) -> float:
@@ -191,6 +197,16 @@ def adam_drift_bound(lrs: Sequence[float], betas: tuple[float, float]) -> float:
     return 2 * sum(lr * adam_update_bound(t, betas) for t, lr in enumerate(lrs, start=1))
 
 
+def first_adam_step_bound(grad: torch.Tensor, grad_error: float, lr: float, eps: float) -> torch.Tensor:
+    """Per element, how far Adam's first step (lr g / (|g| + eps)) can part two runs whose gradients
+    differ by at most ``grad_error`` (``grad``: one run's): where |g| > grad_error both have its
+    sign, and the steps differ by lr eps ||g| - |g'|| / ((|g| + eps)(|g'| + eps)); elsewhere the
+    step can go either way: 2 lr."""
+    g = grad.double().abs()
+    same_sign = lr * eps * grad_error / ((g + eps) * (g - grad_error + eps)).clamp_min(eps * eps)
+    return torch.where(g > grad_error, same_sign.clamp_max(2 * lr), torch.full_like(g, 2 * lr))
+
+
 def assert_params_close_after_adam(
     actual: Mapping[str, torch.Tensor],
     expected: Mapping[str, torch.Tensor],
@@ -198,24 +214,38 @@ def assert_params_close_after_adam(
     lrs: Sequence[float],
     betas: tuple[float, float],
     lr_multiplier: Callable[[str], float] = lambda name: 1.0,
+    first_step: tuple[Mapping[str, torch.Tensor], float, float] | None = None,
     name: str = "",
 ) -> float:
     """Parameters of two AdamW runs from the same weights whose gradients differ by rounding, after
     ``len(lrs)`` steps of learning rates ``lrs`` (``lr_multiplier(name)``: a parameter group's
     multiplier): per element within ``adam_drift_bound`` (an element whose gradient is within
     rounding of 0 can step either way at every step) plus the rounding of the updates themselves
-    (a few operations per step on |w|, in each run). Returns the drift bound of multiplier 1, for
+    (a few operations per step on |w| and on the step, in each run).
+
+    After one step, ``first_step`` = (one run's gradients by name, their error growth ``steps``,
+    Adam's eps) makes it tight where the gradient is well away from 0 (``first_adam_step_bound``;
+    the two runs' gradients differ by at most twice ``error_bound(steps)`` on each tensor's own
+    scale: a parameter's gradient sums its own terms, the feature maps' ~1e-5 against the
+    embedding's ~1e-2). Later gradients depend on the weights the steps moved, which no rounding
+    bound covers, so only the first step has that. Returns the drift bound of multiplier 1, for
     the caller to show it is below what a misplaced tensor would differ by."""
     assert actual.keys() == expected.keys(), f"{name}: {sorted(actual.keys() ^ expected.keys())}"
+    assert first_step is None or len(lrs) == 1, "first_step: one step only"
     drift = adam_drift_bound(lrs, betas)
     for key, want in expected.items():
-        got = actual[key]
+        got, lr_scale = actual[key], lr_multiplier(key)
         assert got.shape == want.shape and torch.isfinite(got).all(), f"{name} {key}: shape or non-finite"
         err = (got.double() - want.double()).abs()
-        bound = drift * lr_multiplier(key) + 2 * error_bound(4 * len(lrs), 1.0) * want.double().abs()
+        moved = torch.full_like(err, drift * lr_scale)
+        if first_step is not None:
+            grads, grad_steps, eps = first_step
+            grad_error = 2 * error_bound(grad_steps, normwise_scale(grads[key]))
+            moved = first_adam_step_bound(grads[key], grad_error, lrs[0] * lr_scale, eps)
+        bound = moved + 2 * error_bound(4 * len(lrs), 1.0) * (want.double().abs() + sum(lrs) * lr_scale)
         worst = int((err - bound).argmax())
         assert (err <= bound).all(), (
             f"{name} {key}: element {worst} off by {err.flatten()[worst].item():.3e} > its bound"
-            f" {bound.flatten()[worst].item():.3e} (Adam drift {drift * lr_multiplier(key):.3e} + update rounding)"
+            f" {bound.flatten()[worst].item():.3e} (Adam's steps {moved.flatten()[worst].item():.3e} + their rounding)"
         )
     return drift

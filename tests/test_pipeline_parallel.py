@@ -4,10 +4,11 @@ Real ``megaflex.train`` runs under the deepspeed launcher on CPU gloo ranks, fp3
 embeddings (the tiny config's default): the per-step losses, the first step's gradient norm
 (clipping is active: the norms are about 1) and the validation loss of PP=2 (with activation
 checkpointing) and of TP=2 x PP=2 with sequence parallelism (and the training of PP=2 x DP=2) equal
-the 1 x 1 run's within rounding (tests/numerics.py); their final checkpoints, read on one process by
-the evaluation loader, are the 1 x 1 model (every weight within what Adam's steps allow, the same
-perplexity); a PP=2 run killed with kill -9 resumes (``checkpoint.resume: auto``) bit-exactly. The
-stage split itself is tested in test_model.py.
+the 1 x 1 run's within rounding (tests/numerics.py); their checkpoints, read on one process by the
+evaluation loader, are the 1 x 1 model's: after step 1 every weight within rounding unless its
+gradient is, after the last within what Adam's steps allow, with the same perplexity; a PP=2 run
+killed with kill -9 resumes (``checkpoint.resume: auto``) bit-exactly. The stage split itself is
+tested in test_model.py.
 """
 
 from __future__ import annotations
@@ -21,8 +22,12 @@ import torch
 
 from megaflex.model.config import ModelConfig
 from megaflex.parallel.pipeline import gpt_parameter_name, stage_bounds
-from numerics import assert_close, assert_params_close_after_adam, grad_norm_steps, training_loss_steps
-from training_harness import REPO, TINY, adam_steps_of, deepspeed_launcher, launcher_env, write_config
+from numerics import (
+    assert_close, assert_params_close_after_adam, grad_norm_steps, training_grad_steps, training_loss_steps,
+)
+from training_harness import (
+    REPO, TINY, adam_steps_of, deepspeed_launcher, first_step_gradients, launcher_env, write_config,
+)
 
 STEPS = 5
 COMMON = [
@@ -54,7 +59,7 @@ def _train(run: Path, ranks: int, overrides: list[str]) -> list[dict]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
     run = tmp_path_factory.mktemp("ref") / "run"
-    return run, _train(run, 1, [])
+    return run, _train(run, 1, ["checkpoint.save_interval=1"])  # its step-1 gradients: Adam's first moment
 
 
 def _assert_same_run(records: list[dict], reference: list[dict], numel: int, ranks: int, data_parallel: int = 1) -> None:
@@ -94,19 +99,25 @@ def test_pipeline_parallel_run_equals_one_device(tmp_path: Path, reference: tupl
     from evaluation.perplexity import run_eval
 
     ref_run, ref_records = reference
-    records = _train(tmp_path / "run", ranks, overrides)
+    records = _train(tmp_path / "run", ranks, overrides + ["checkpoint.save_interval=1"])
     tp = 2 if "parallel.tensor_parallel_size=2" in overrides else 1
     mine, ref = load_for_eval(tmp_path / "run"), load_for_eval(ref_run)
     numel = sum(p.numel() for p in ref.model.parameters())
     _assert_same_run(records, ref_records, numel, ranks, data_parallel=ranks // (2 * tp))
     assert any(r["kind"] == "valid" for r in records)  # eval_batch through the pipeline
 
-    # The final checkpoint (per stage and TP rank) read on one process is the 1 x 1 model: every
-    # element within what STEPS Adam steps can part two runs whose gradients differ by rounding
-    # (an element whose gradient is within rounding of 0 can step either way) ...
+    # The checkpoints (per stage and TP rank) read on one process are the 1 x 1 model's. After step
+    # 1 every element is within rounding unless its gradient is (Adam's first step is lr g / (|g| +
+    # eps): only a gradient within rounding of 0 can step either way) ...
     assert mine.meta.pipeline_parallel_size == 2
-    lrs, betas, multiplier = adam_steps_of(ref)
+    lrs, betas, eps, multiplier = adam_steps_of(ref)
     assert lrs == [r["lr"] for r in ref_records if r["kind"] == "train"]
+    seq, tokens = TINY["data"]["seq_len"], TINY["train"]["global_batch_size"] * TINY["data"]["seq_len"]
+    first_step = (first_step_gradients(ref_run), training_grad_steps(ref.model.config, seq, tokens, ranks), eps)
+    after_1 = [load_for_eval(run, tag="step_00000001").model.state_dict() for run in (tmp_path / "run", ref_run)]
+    assert_params_close_after_adam(*after_1, lrs=lrs[:1], betas=betas, lr_multiplier=multiplier, first_step=first_step,
+                                   name="weights after step 1")
+    # ... and after the last step within what STEPS Adam steps can part any two runs ...
     a, b = mine.model.state_dict(), ref.model.state_dict()
     drift = assert_params_close_after_adam(a, b, lrs=lrs, betas=betas, lr_multiplier=multiplier, name="weights")
     # ... which a tensor from the wrong stage, block or TP rank would exceed: two matrices' elements
