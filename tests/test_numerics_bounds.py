@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from numerics import adam_drift_bound, adam_update_bound
+from numerics import adam_drift_bound, adam_update_bound, error_bound, first_adam_step_bound
 
 BETAS = (0.9, 0.95)
 
@@ -46,3 +46,17 @@ def test_adam_drift_bound_covers_two_runs_that_differ_by_rounding_near_zero() ->
     drift = (_adam_steps(a, lrs).sum(0) - _adam_steps(-a, lrs).sum(0)).abs().item()
     assert drift <= adam_drift_bound(lrs, BETAS) * (1 + 1e-12)
     assert drift == pytest.approx(adam_drift_bound(lrs, BETAS), rel=1e-2)
+
+
+def test_first_adam_step_bound_covers_gradients_within_the_error_and_is_tight_away_from_0() -> None:
+    gen = torch.Generator().manual_seed(0)
+    lr, eps, error = 1e-3, 1e-8, 1e-6
+    magnitudes = 10 ** (-8 * torch.rand(1, 100_000, generator=gen, dtype=torch.float64))
+    grads = torch.randn(1, 100_000, generator=gen, dtype=torch.float64) * magnitudes
+    other = grads + error * (2 * torch.rand(grads.shape, generator=gen, dtype=torch.float64) - 1)  # within the error
+    apart = (_adam_steps(grads, [lr], eps) - _adam_steps(other, [lr], eps)).abs()[0]
+    bound = first_adam_step_bound(grads[0], error, lr, eps)
+    assert (apart <= bound + 2 * error_bound(4, lr, torch.float64)).all()  # + the steps' own (fp64) rounding
+    near_zero = grads[0].abs() <= error
+    assert near_zero.any() and (bound[near_zero] == 2 * lr).all() and apart[near_zero].max() > lr  # they do flip
+    assert bound[grads[0].abs() > 100 * error].max() < 1e-3 * lr  # elsewhere the step is the same to 1e-3 lr
