@@ -157,9 +157,9 @@ def training_loss_steps(config: Any, seq_len: int, tokens: int, ranks: int = 1) 
 
 
 def training_grad_steps(config: Any, seq_len: int, tokens: int, ranks: int = 1) -> float:
-    """Error growth of a training step's gradients (on the largest one's scale, as every gradient
-    comparison here): the backward, whose every gradient sums over the step's ``tokens``, the loss's
-    vocabulary sums and the all-reduces over ``ranks``."""
+    """Error growth of a training step's gradients (on the scale the caller gives: the largest
+    gradient's, or each tensor's own): the backward, whose every gradient sums over the step's
+    ``tokens``, the loss's vocabulary sums and the all-reduces over ``ranks``."""
     return gpt_steps(config, seq_len, backward=True) + 2 * (tokens + config.vocab_size + ranks)
 
 
