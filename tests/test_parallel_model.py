@@ -130,12 +130,14 @@ def _check_against_reference(refs: list[dict], per_rank: list[list[dict]], tp: i
 
 
 @pytest.mark.slow
+@pytest.mark.numerics
 def test_gpt_tp2_dp2_equals_tp1() -> None:
     refs = [_reference(name) for name in ("flex_tied", "hedgehog_untied")]
     _check_against_reference(refs, run_distributed(_tp_worker, 4, args=(2, refs)), tp=2)
 
 
 @pytest.mark.slow
+@pytest.mark.numerics
 def test_gpt_tp4_equals_tp1() -> None:
     refs = [_reference(name) for name in ("flex_tied", "softmax")]
     _check_against_reference(refs, run_distributed(_tp_worker, 4, args=(4, refs)), tp=4)
