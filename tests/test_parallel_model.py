@@ -160,7 +160,9 @@ def test_layout_of_gpt() -> None:
     assert layout["final_norm.weight"] == ShardSpec(None)
     flex = gpt_layout(ModelConfig(**CONFIGS["flex_tied"]))
     assert {flex[f"blocks.0.attn.core.feature_map.{p}"] for p in ("omega1", "omega2", "tau")} == {ShardSpec(0)}
-    assert flex["blocks.0.attn.out_gain"] == ShardSpec(0)
+    assert "blocks.0.attn.out_gain" not in flex  # the default capped_denominator has no gains
+    flex_rms = gpt_layout(ModelConfig(**CONFIGS["flex_tied"], normalization="rms"))
+    assert flex_rms["blocks.0.attn.out_gain"] == ShardSpec(0)  # per-head gains: heads on dim 0
     # one head: no TP>1 skeleton exists; the layout comes from the partition tags
     single = gpt_layout(ModelConfig(**dict(CONFIGS["flex_tied"], num_heads=1)))
     assert single["embed.weight"] == ShardSpec(0, VOCAB)
