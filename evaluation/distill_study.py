@@ -347,7 +347,9 @@ FLOAT_FLAGS = ("lr", "min_lr", "stage1_lr", "stage2_lr", "stage_kernel_lr_multip
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m evaluation.distill_study", description=__doc__.split("\n\n")[0])
     defaults = DistillStudyConfig()
-    p.add_argument("--students", default=",".join(defaults.students), help="comma-separated student attention kinds")
+    p.add_argument("--students", default=None,
+                   help=f"comma-separated student attention kinds (default {','.join(defaults.students)}, less those with "
+                        "nothing to train in stage 1 under --normalization: a fixed map has only the rms gains)")
     p.add_argument("--teacher-runs", default=None, help="a kernel study's runs/ folder: reuse its softmax_s{seed} runs")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--normalization", default=defaults.normalization, choices=list(NORMALIZATIONS),
@@ -360,15 +362,39 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def untrainable_students(students: list[str], normalization: str) -> list[str]:
+    """The student kinds with no parameter for stage 1 (attention transfer) to train under ``normalization``."""
+    from megaflex.model import GPT, ModelConfig
+    from megaflex.training.weights import linear_attention_parameter_names
+
+    def trainable(kind: str) -> bool:
+        probe = ModelConfig(vocab_size=8, num_layers=1, hidden_size=8, num_heads=1, feature_dim=4, chunk_size=4,
+                            max_seq_len=8, attention=kind, normalization=normalization)
+        return bool(linear_attention_parameter_names(GPT(probe)))
+
+    return [s for s in students if not trainable(s)]
+
+
 def config_from_args(args: argparse.Namespace) -> DistillStudyConfig:
     """DistillStudyConfig from parsed arguments (unset flags keep the defaults), validated."""
     from megaflex.model.config import ATTENTION_KINDS
 
     values = {k: v for k, v in vars(args).items() if v is not None}
-    values["students"] = [s for s in args.students.split(",") if s]
+    explicit = args.students is not None
+    values["students"] = [s for s in args.students.split(",") if s] if explicit else list(DistillStudyConfig().students)
     linear = [k for k in ATTENTION_KINDS if k != "softmax"]
     if not values["students"] or set(values["students"]) - set(linear):
         raise ValueError(f"--students: expected linear attention kinds of {linear}, got {values['students']}")
+    normalization = values.get("normalization", DistillStudyConfig.normalization)
+    idle = untrainable_students(values["students"], normalization)
+    if idle and explicit:
+        raise ValueError(f"--students: {idle} have nothing to train in stage 1 (attention transfer) with "
+                         f"--normalization {normalization}: a fixed feature map's only learnable part is the rms gains; "
+                         "use --normalization rms or other students")
+    if idle:
+        print(f"[distill_study] students {idle} left out: nothing to train in stage 1 with model.normalization "
+              f"{normalization} (pass --normalization rms to distill them)", flush=True)
+        values["students"] = [s for s in values["students"] if s not in idle]
     for name in ("seeds", "stage1_steps", "stage2_steps"):
         if values.get(name, 1) < 1:
             raise ValueError(f"--{name.replace('_', '-')}: expected >= 1, got {values[name]}")

@@ -21,7 +21,7 @@ compiles every window; the features are given (the feature map runs in torch).
     python -m evaluation.triton_aot --normalization capped_denominator --dtypes bf16 --out docs/results/triton_aot_capped.json
 
 ``--normalization`` compiles every linear config with that output normalisation (the shipped
-configs use rms; ``chunk_outputs`` specialises on it).
+configs use capped_denominator since round 4, rms before; ``chunk_outputs`` specialises on it).
 """
 
 from __future__ import annotations

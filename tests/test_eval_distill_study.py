@@ -37,7 +37,8 @@ LABELS = ["softmax", "flexformer_n_stage1", "flexformer_n_stage2", "performer_st
 def test_tiny_study_end_to_end(shared_data: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     # stage 2 with LoRA: the study evaluates the merged weights the LoRA run exports
-    rows = main([*TINY, "--seeds", "1", "--lora-rank", "2", "--lora-alpha", "4", "--data-root", str(shared_data),
+    # rms: a Performer student has gains to train in stage 1 only under rms (see the next test)
+    rows = main([*TINY, "--seeds", "1", "--lora-rank", "2", "--lora-alpha", "4", "--normalization", "rms", "--data-root", str(shared_data),
                  "--work-dir", str(tmp_path / "work"), "--out", str(out)])
     assert [r["label"] for r in rows] == LABELS
     results = json.loads((out / "results.json").read_text())
@@ -152,3 +153,15 @@ def test_bad_settings_fail_before_any_training(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"--teacher-runs: .*softmax_s1234 is not a finished kernel-study run"):
         main([*TINY, "--teacher-runs", str(tmp_path / "nothing"), *work])
     assert not (tmp_path / "work").exists()  # nothing was prepared or trained
+
+
+def test_students_with_nothing_to_train_in_stage_1_are_left_out_or_refused() -> None:
+    from evaluation.distill_study import build_parser, config_from_args, untrainable_students
+
+    assert untrainable_students(["flexformer_n", "performer", "hedgehog"], "capped_denominator") == ["performer"]
+    assert untrainable_students(["flexformer_n", "performer"], "rms") == []  # the rms gains train
+    default = config_from_args(build_parser().parse_args([]))  # the default normalisation is capped
+    assert default.normalization == "capped_denominator" and default.students == ["flexformer_n"]
+    assert config_from_args(build_parser().parse_args(["--normalization", "rms"])).students == ["flexformer_n", "performer"]
+    with pytest.raises(ValueError, match=r"--students: \['performer'\] have nothing to train .* --normalization rms"):
+        config_from_args(build_parser().parse_args(["--students", "flexformer_n,performer"]))

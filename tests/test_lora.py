@@ -15,7 +15,7 @@ from megaflex.parallel import ParallelState, parallelize_gpt
 from megaflex.parallel.lora import LoRAAdapter, add_lora, lora_parameters, merge_lora
 from megaflex.checkpoint.reshard import ShardSpec, derive_layout, gpt_layout, load_state_dict_checked, merge_shards, split_state_dict
 from megaflex.training.optim import param_groups
-from numerics import assert_close, gpt_steps, normwise_scale
+from numerics import assert_close, gpt_steps, norm_steps, normwise_scale
 
 VOCAB = 301  # not divisible by 2
 SEQ = 13  # not a multiple of the chunk size
@@ -288,6 +288,7 @@ def _tp_worker(rank: int, world: int, refs: list[dict]) -> list[dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.numerics
 def test_tp2_lora_equals_tp1_also_under_deepspeed_zero() -> None:
     refs = [_reference("flex", ("qkv", "proj")), _reference("softmax", ALL_TARGETS)]
     per_rank = run_distributed(_tp_worker, 2, args=(refs,))
@@ -316,10 +317,16 @@ def test_tp2_lora_equals_tp1_also_under_deepspeed_zero() -> None:
         assert merged.keys() == ref["merged"].keys()
         for n, w in ref["merged"].items():
             assert_close(merged[n], w, steps=RANK + 2, name=n)
+        # the gradient norm: each gradient within the bound above
+        grad_norm_steps = norm_steps(grad_steps, list(ref["grads"].values()), ref["grad_norm"], floor=terms)
         for stage in ("zero0", "zero2"):
             for res in (r[i][stage] for r in per_rank):
                 assert res["frozen_unchanged"], stage
-                assert res["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5), stage
+                assert_close(torch.tensor(res["grad_norm"]), torch.tensor(ref["grad_norm"]), steps=grad_norm_steps,
+                             name=f"{stage} grad norm")
             stepped = merge_shards([r[i][stage]["stepped"] for r in per_rank], lora_layout)
             for n, w in ref["stepped"].items():
-                torch.testing.assert_close(stepped[n], w, atol=1e-5, rtol=1e-5, msg=lambda m: f"{stage} {n}: {m}")
+                # one SGD step w - lr (g + wd w): lr times the gradients' difference (their bound above)
+                # plus the rounding of the update, a few operations on |w|
+                scale = normwise_scale(w, floor=SGD_LR * terms)
+                assert_close(stepped[n], w, steps=SGD_LR * grad_steps * terms / scale + 4, name=f"{stage} {n}")

@@ -159,5 +159,8 @@ def test_a_launch_error_in_the_trainer_is_one_line_and_exit_2(monkeypatch, capsy
 
     monkeypatch.setattr(trainer, "run", refuse)
     monkeypatch.setattr(trainer, "shutdown", lambda clean: None)
-    assert train.execute("megaflex-train", object()) == 2
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(checkpoint=SimpleNamespace(save_on_signal=False))  # no start-up signal watcher
+    assert train.execute("megaflex-train", cfg) == 2
     assert capsys.readouterr().err == "megaflex-train: launch error: LOCAL_RANK=3 but this process sees 2 CUDA devices\n"

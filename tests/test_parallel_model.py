@@ -130,12 +130,14 @@ def _check_against_reference(refs: list[dict], per_rank: list[list[dict]], tp: i
 
 
 @pytest.mark.slow
+@pytest.mark.numerics
 def test_gpt_tp2_dp2_equals_tp1() -> None:
     refs = [_reference(name) for name in ("flex_tied", "hedgehog_untied")]
     _check_against_reference(refs, run_distributed(_tp_worker, 4, args=(2, refs)), tp=2)
 
 
 @pytest.mark.slow
+@pytest.mark.numerics
 def test_gpt_tp4_equals_tp1() -> None:
     refs = [_reference(name) for name in ("flex_tied", "softmax")]
     _check_against_reference(refs, run_distributed(_tp_worker, 4, args=(4, refs)), tp=4)
@@ -158,7 +160,9 @@ def test_layout_of_gpt() -> None:
     assert layout["final_norm.weight"] == ShardSpec(None)
     flex = gpt_layout(ModelConfig(**CONFIGS["flex_tied"]))
     assert {flex[f"blocks.0.attn.core.feature_map.{p}"] for p in ("omega1", "omega2", "tau")} == {ShardSpec(0)}
-    assert flex["blocks.0.attn.out_gain"] == ShardSpec(0)
+    assert "blocks.0.attn.out_gain" not in flex  # the default capped_denominator has no gains
+    flex_rms = gpt_layout(ModelConfig(**CONFIGS["flex_tied"], normalization="rms"))
+    assert flex_rms["blocks.0.attn.out_gain"] == ShardSpec(0)  # per-head gains: heads on dim 0
     # one head: no TP>1 skeleton exists; the layout comes from the partition tags
     single = gpt_layout(ModelConfig(**dict(CONFIGS["flex_tied"], num_heads=1)))
     assert single["embed.weight"] == ShardSpec(0, VOCAB)

@@ -115,6 +115,7 @@ def _check(per_rank: list[dict], config: ModelConfig) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.parametrize("name,with_documents", [("flex_rms_rope", False), ("hedgehog_ln_learned", True)])
 def test_sequence_parallel_equals_tensor_parallel(name: str, with_documents: bool) -> None:
     per_rank = run_distributed(_sp_worker, 2, args=(2, 1, name, with_documents))
@@ -122,6 +123,7 @@ def test_sequence_parallel_equals_tensor_parallel(name: str, with_documents: boo
 
 
 @pytest.mark.slow
+@pytest.mark.numerics
 def test_sequence_parallel_composes_with_context_parallel() -> None:
     """TP=2 x CP=2 on 4 ranks: each CP slice is split again over the TP ranks."""
     per_rank = run_distributed(_sp_worker, 4, args=(2, 2, "hedgehog_ln_learned", False))

@@ -117,7 +117,7 @@ def test_softmax_source_into_flexformer_keeps_the_kernel_fresh(sources: dict[str
     fresh = {n: p.detach().clone() for n, p in model.named_parameters()}
     copied, _ = init_from_checkpoint(model, sources["softmax"], "all")
     optional = linear_attention_parameter_names(model)
-    assert set(copied) == set(fresh) - optional and any(n.endswith("out_gain") for n in optional)
+    assert set(copied) == set(fresh) - optional and any(n.endswith("omega1") for n in optional)
     for n, p in model.named_parameters():
         assert torch.equal(p, fresh[n] if n in optional else state[n]), n
     with pytest.raises(ConfigError, match=r"no parameter 'blocks\.0\.attn\.core\.feature_map\.omega1'.*init_parameters=kernel"):

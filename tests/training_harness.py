@@ -20,6 +20,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import yaml
 
@@ -171,3 +172,59 @@ def write_pattern_data(folder: Path) -> list[str]:
             start, stride = int(rng.integers(256)), int(rng.integers(1, 4))
             builder.add_document((start + stride * np.arange(200)) % 256)
     return ["data.source=indexed", f"data.train_path=[{prefix}]", "data.split=98,2,0", "train.eval_iters=1"]
+
+
+def adam_steps_of(loaded: Any) -> tuple[list[float], tuple[float, float], float, Callable[[str], float]]:
+    """(the learning rate of each of its steps, betas, eps, LR multiplier by parameter name) of the
+    run an ``evaluation.loading.load_for_eval`` checkpoint came from, from the run config it stores:
+    the schedule (``lr_at``) and the kernel groups' multipliers of ``megaflex.training.optim``."""
+    from megaflex.attention import named_kernel_parameters
+    from megaflex.training.config import FLOAT_RANGES, Config
+    from megaflex.training.config_loader import Source, load_dataclass
+    from megaflex.training.optim import kernel_lr_multipliers, lr_at
+
+    cfg, _ = load_dataclass(Config, [Source(loaded.config, "checkpoint")], FLOAT_RANGES)  # as run: no re-validation
+    lrs = [lr_at(cfg, i) for i in range(loaded.meta.iteration)]
+    roles = {name: kp.role for name, kp in named_kernel_parameters(loaded.model)}
+    multipliers = kernel_lr_multipliers(cfg)
+    betas = (cfg.optimizer.beta1, cfg.optimizer.beta2)
+    return lrs, betas, cfg.optimizer.eps, lambda name: float(multipliers.get(roles.get(name, ""), 1.0))
+
+
+def assert_train_losses_close(got: dict[int, float], want: dict[int, float], ranks: int, name: str = "") -> None:
+    """Per-step training losses of two ``TINY`` runs that differ only in layout (process count,
+    parallelism, ZeRO stage), the same global batches in the same steps: each within the rounding
+    of a step's loss (tests/numerics.py: ``training_loss_steps``, which also says why later steps,
+    after Adam's updates, stay within it)."""
+    import torch
+
+    from megaflex.model.config import ModelConfig
+    from numerics import assert_close, training_loss_steps
+
+    assert got.keys() == want.keys(), (sorted(got), sorted(want))
+    seq = TINY["data"]["seq_len"]
+    steps = training_loss_steps(ModelConfig(**TINY["model"]), seq, TINY["train"]["global_batch_size"] * seq, ranks)
+    for step in want:
+        assert_close(torch.tensor(got[step]), torch.tensor(want[step]), steps=steps, name=f"{name} loss at step {step}")
+
+
+def first_step_gradients(run: Path) -> dict[str, Any]:
+    """Each parameter's gradient of step 1 of a one-rank ZeRO 1 or 2 run, from its step-1 checkpoint:
+    AdamW's first moment after one step is (1 - beta1) x the gradient (DeepSpeed keeps it flat per
+    param group, in the order of the model states' ``param_shapes``)."""
+    import math
+
+    import torch
+
+    tag = run / "checkpoints" / "step_00000001"
+    shapes = torch.load(tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["param_shapes"]
+    optim = torch.load(tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt", map_location="cpu",
+                       weights_only=False)["optimizer_state_dict"]["base_optimizer_state"]
+    grads = {}
+    for group, state, settings in zip(shapes, optim["state"].values(), optim["param_groups"]):
+        assert int(state["step"]) == 1
+        flat, offset = state["exp_avg"].double() / (1 - settings["betas"][0]), 0
+        for name, shape in group.items():
+            grads[name] = flat[offset : offset + math.prod(shape)].view(tuple(shape))
+            offset += math.prod(shape)
+    return grads
