@@ -55,7 +55,7 @@ ARMS: dict[str, tuple[list[str], str]] = {
 # the kind an arm changes (default: flexformer_n)
 ARM_KINDS = {"softmax_rms": "softmax", **{f"performer_window{w}{c}": "performer" for w in (16, 64) for c in ("", "_capped")},
              **{f"softmax_window{w}": "softmax" for w in (16, 64)}}
-# study v3's arms: with --kinds softmax,flexformer_n,cosformer (README "The kernel study")
+# study v3's arms: with --kinds softmax,flexformer_n,cosformer (docs/studies.md "The kernel study")
 V3_ARMS = ("softmax_rms",) + tuple(f"{arm}{w}" for w in (16, 64)
                                    for arm in ("softmax_window", "fn_window", "fn_gated", "performer_window"))  # fmt: skip
 # ... and the capped denominator (attention/base.py), added in the study's third session

@@ -123,7 +123,7 @@ def window_launches_of(shapes: dict[Shape, list[str]], dtypes: list[str]) -> dic
 
 
 def markdown_table(report: dict, configs: tuple[str, ...] = ("flexformer_n_247m", "flexformer_n_1.3b"), dtype: str = "bf16") -> str:
-    """README table: per config and kernel, shared memory / registers / spills on sm_80 and sm_90."""
+    """The table in docs/design.md "GPU": per config and kernel, shared memory / registers / spills on sm_80 and sm_90."""
     lines = [
         "| config | kernel | blocks, warps, stages | sm_80 smem / regs / spill B | sm_90 smem / regs / spill B |",
         "|---|---|---|---|---|",
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window-only", action="store_true", help="compile the window hybrid's launches only")
     parser.add_argument("--normalization", choices=NORMALIZATIONS,
                         help="compile every linear config with this output normalisation instead of its own")
-    parser.add_argument("--table", type=Path, help="print the README table of this report (JSON) and exit")
+    parser.add_argument("--table", type=Path, help="print the docs/design.md table of this report (JSON) and exit")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiles in parallel (default: one per CPU)")
     args = parser.parse_args(argv)
     if args.table:

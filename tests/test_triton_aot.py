@@ -37,7 +37,7 @@ def _compiler_env() -> dict[str, str]:
 
 # fp16 launches are the bf16 ones with the other 2-byte type (same tiles, same shared memory, same
 # mma shapes): CI compiles bf16 and fp32 only; ``python -m evaluation.triton_aot`` (all three) writes
-# the report the README cites, docs/results/triton_aot.json.
+# the report docs/design.md cites, docs/results/triton_aot.json.
 CI_DTYPES = ("bf16", "fp32")
 
 
