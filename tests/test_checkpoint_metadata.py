@@ -41,6 +41,16 @@ def _old_meta(model: GPT) -> dict:
     return meta
 
 
+def _write_checkpoint(root: Path, model: GPT, meta: dict) -> Path:
+    """``model``'s weights with metadata ``meta`` as the latest checkpoint under ``root``; its folder."""
+    tag = root / "checkpoints" / "step_00000010"
+    tag.mkdir(parents=True)
+    torch.save({"module": model.state_dict()}, model_states_file(tag, 0))
+    write_meta(tag, meta)
+    write_latest(tag.parent, tag.name)
+    return tag
+
+
 @pytest.fixture(scope="module")
 def model() -> GPT:
     torch.manual_seed(0)
@@ -120,11 +130,7 @@ def test_a_window_hybrid_saved_before_window_mixing_loads_as_the_gated_blend(tmp
     gated = GPT(ModelConfig(**{**TINY["model"], "softmax_window": 8, "window_mixing": "gated"}))
     meta = _old_meta(gated)
     del meta["config"]["model"]["window_mixing"]  # as an older megaflex saved it
-    tag = tmp_path / "checkpoints" / "step_00000010"
-    tag.mkdir(parents=True)
-    torch.save({"module": gated.state_dict()}, model_states_file(tag, 0))
-    write_meta(tag, meta)
-    write_latest(tag.parent, tag.name)
+    tag = _write_checkpoint(tmp_path, gated, meta)
     assert CheckpointMeta.read(tag).model_config["window_mixing"] == "gated"
     loaded = load_for_eval(tmp_path)  # window_mix is a parameter of the gated blend only
     assert loaded.model.config.window_mixing == "gated"
@@ -158,11 +164,7 @@ def test_a_model_saved_before_the_capped_default_loads_with_the_rms_it_was_train
             block.attn.out_gain.uniform_(0.5, 1.5)
     meta = _old_meta(rms)
     del meta["config"]["model"]["normalization"]  # as the older megaflex saved it
-    tag = tmp_path / "checkpoints" / "step_00000010"
-    tag.mkdir(parents=True)
-    torch.save({"module": rms.state_dict()}, model_states_file(tag, 0))
-    write_meta(tag, meta)
-    write_latest(tag.parent, tag.name)
+    tag = _write_checkpoint(tmp_path, rms, meta)
     assert CheckpointMeta.read(tag).model_config["normalization"] == "rms"
     loaded = load_for_eval(tmp_path)
     assert loaded.model.config.normalization == "rms"
