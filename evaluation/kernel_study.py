@@ -224,9 +224,10 @@ def evaluate_run(
 
 
 def long_context_scores(cfg: StudyConfig, model: torch.nn.Module, tok: Any, token_bytes: torch.Tensor) -> dict[str, Any]:
-    """english-docs valid perplexity at each of ``cfg.long_contexts`` (past the training length), in
-    windows mode (disjoint windows of N tokens) and stateful mode (N-token chunks, state carried
-    through each whole document): ``english_docs_valid_ppl_{windows,stateful}<N>``. A context the
+    """english-docs valid perplexity at each of ``cfg.long_contexts`` (past the training length) in
+    windows mode (disjoint windows of N tokens), ``english_docs_valid_ppl_windows<N>``, and once in
+    stateful mode (state carried through each whole document, in chunks of the longest N),
+    ``english_docs_valid_ppl_stateful<N>``. A context the
     model refuses gives None and its message under ``long_context_errors``."""
     from evaluation.scoring import evaluate
 
@@ -235,8 +236,11 @@ def long_context_scores(cfg: StudyConfig, model: torch.nn.Module, tok: Any, toke
     docs = eval_documents(str(Path(cfg.data_root) / "english-docs" / "valid.jsonl"), tok, cfg.eval_tokens or None)
     out: dict[str, Any] = {}
     errors: dict[str, str] = {}
+    # Stateful scoring carries the state through each whole document, so its chunk length changes
+    # only rounding: score it once, at the longest context (fewest chunks).
+    longest = max(cfg.long_contexts)
     for context in cfg.long_contexts:
-        for mode in ("windows", "stateful"):
+        for mode in ("windows", "stateful") if context == longest else ("windows",):
             key = f"english_docs_valid_ppl_{mode}{context}"
             # batches of about eval_batch_size training-length windows' tokens
             batch = max(1, cfg.eval_batch_size * cfg.seq_len // context)

@@ -251,7 +251,8 @@ def write_report(
         md += ["## Long context: english-docs valid past the training length\n",
                f"Trained at {cfg.seq_len} tokens. `windows N`: disjoint windows of N tokens, each from an empty "
                "context; `stateful N`: each whole document in N-token chunks with the state (KV cache for softmax) "
-               "carried, so every target sees its whole document prefix (independent of N up to rounding). "
+               "carried, so every target sees its whole document prefix; independent of N up to rounding, so scored "
+               "once, at the longest N. "
                "n: seeds with the columns (rows reused from an earlier study have none; the ratios use those seeds only). A kind that refuses a "
                "length (cosformer's reweighting is defined up to max_seq_len) has no value there.\n",
                markdown_table(long_table, list(dict.fromkeys(k for r in long_table for k in r))), "\n"]
