@@ -1,6 +1,6 @@
 """Attention-layer benchmark (not a test): fwd+bwd wall time and peak memory, SDPA vs linear kinds.
 
-    python -m evaluation.bench_attention [--seq-lens 1024 4096 16384 65536] [--json PATH]
+    python -m benchmarks.attention [--seq-lens 1024 4096 16384 65536] [--json PATH]
 
 One causal attention layer (``AttentionCore``: feature map included for the linear kinds) at
 batch 1, 8 heads, head_dim 64, feature dim F = 128 (64 frequencies for the trig maps), fp32 on
@@ -13,7 +13,7 @@ compares its peak memory with SDPA's). Each (impl, seq_len) runs in a *fresh sub
   ``fwd_bwd_s`` is the best, ``fwd_bwd_s_median`` the median. SDPA above ``--sdpa-max-seq`` is not
   run but *estimated* from the longest measured SDPA length by quadratic scaling
   (``"estimated": true``); at or below it, lengths > 16k run once without warm-up (minutes each).
-* allocator: workers run with ``MALLOC_TUNING`` (glibc never mmaps/trims; ``bench_common.py``) unless
+* allocator: workers run with ``MALLOC_TUNING`` (glibc never mmaps/trims; ``benchmarks/common.py``) unless
   ``--no-malloc-tuning``.
 * peak memory: ``peak_mem_mb`` = the process's peak RSS (VmHWM) during the first fwd+bwd minus its
   RSS just before it (inputs and parameters already allocated, ``torch.utils.checkpoint`` imported):
@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from evaluation.bench_common import MALLOC_TUNING, worker_env
+from benchmarks.common import MALLOC_TUNING, worker_env
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_JSON = REPO / "docs" / "results" / "bench_attention.json"
@@ -177,7 +177,7 @@ def merge_processes(rows: list[dict]) -> dict:
 
 def run_subprocess(impl: str, seq_len: int, chunk_size: int, repeats: int, warmup: bool, timeout: float,
                    malloc_tuning: bool, segment_tokens: int = 0) -> dict:
-    cmd = [sys.executable, "-m", "evaluation.bench_attention", "--worker", impl, str(seq_len),
+    cmd = [sys.executable, "-m", "benchmarks.attention", "--worker", impl, str(seq_len),
            "--chunk-size", str(chunk_size), "--repeats", str(repeats), "--segment-tokens", str(segment_tokens)]
     cmd += [] if warmup else ["--no-warmup"]
     env = worker_env(malloc_tuning)

@@ -1,7 +1,7 @@
 """Context-parallel training step: per-rank peak memory, step time and bytes communicated.
 
-    python -m evaluation.bench_context_parallel            # N = 64k, 128k, 256k x CP 1, 2; then 1M on 2 ranks
-    python -m evaluation.bench_context_parallel --lengths 4096 --no-long   # quick check
+    python -m benchmarks.context_parallel            # N = 64k, 128k, 256k x CP 1, 2; then 1M on 2 ranks
+    python -m benchmarks.context_parallel --lengths 4096 --no-long   # quick check
 
 Each point is a fresh set of gloo CPU ranks (one spawned process per CP rank) running one
 warm-up and ``--steps`` timed steps (forward + backward of one sequence of N tokens; the
@@ -235,7 +235,7 @@ def main() -> None:
         )
         long_point = dict(bench_point(long_kw, args.long_length, args.long_cp, 1), model=long_kw)
     result = {
-        "command": "python -m evaluation.bench_context_parallel " + " ".join(sys.argv[1:]),
+        "command": "python -m benchmarks.context_parallel " + " ".join(sys.argv[1:]),
         "model": model_kw, "steps": args.steps, "points": points, "memory_fit": fit_memory(points),
         "long_sequence": long_point,
         "note": "2-core CPU shared with other jobs (loaded): timings noisy; gloo ranks on one host",

@@ -1,6 +1,6 @@
 """Data-pipeline benchmark (not a test): preprocessing throughput, index build, sample reads.
 
-    python -m evaluation.bench_data [--out docs/results/bench_data.json] [--quick]
+    python -m benchmarks.data [--out docs/results/bench_data.json] [--quick]
 
 1. Preprocessing MB/s and tokens/s on english-docs (62 MB JSONL) with 1 and 2 processes, using a
    BPE tokenizer trained on a sample of it (``--vocab-size``).

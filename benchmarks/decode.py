@@ -1,7 +1,7 @@
 """Decode latency per token vs context length: Flexformer's recurrent state vs a softmax KV cache.
 
-    python -m evaluation.bench_decode                                   # 1k ... 64k, both kinds
-    python -m evaluation.bench_decode --contexts 1024,4096 --steps 8    # quick
+    python -m benchmarks.decode                                   # 1k ... 64k, both kinds
+    python -m benchmarks.decode --contexts 1024,4096 --steps 8    # quick
 
 For each attention kind (same GPT otherwise) and context length L, the model is put at position
 L and ``--steps`` single-token forwards are timed (median ms per token). The state at L is built
@@ -31,7 +31,7 @@ from typing import Any, Sequence
 
 import torch
 
-from evaluation.bench_common import add_model_arguments, model_config
+from benchmarks.common import add_model_arguments, model_config
 from megaflex.attention.softmax import KVCache
 from megaflex.model.gpt import GPT, GPTState
 
@@ -125,7 +125,7 @@ def speedups(rows: list[dict[str, Any]], baseline: str = "softmax", kind: str = 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m evaluation.bench_decode", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.decode", description=__doc__.split("\n\n")[0])
     p.add_argument("--kinds", default="flexformer_n,softmax")
     p.add_argument("--contexts", default=DEFAULT_CONTEXTS)
     p.add_argument("--batch-sizes", default="1,8", help="sequences decoded together (1: latency; more: serving)")
@@ -140,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    from evaluation.plotting import line_plot, write_json
+    from megaflex.eval.plotting import line_plot, write_json
 
     args = build_parser().parse_args(argv)
     args.kinds = [k for k in args.kinds.split(",") if k]

@@ -1,8 +1,8 @@
 """The memory plan (``python -m megaflex.model.summary --memory``) against a measured CPU step. Not a test.
 
-    python evaluation/bench_memory_plan.py [--config configs/flexformer_n_247m.yaml] [--zero 1]
-                                           [--precision bf16] [--micro-batch 1] [--seq-len 32]
-                                           [--out docs/results/memory_plan_247m.json]
+    python -m benchmarks.memory_plan [--config configs/flexformer_n_247m.yaml] [--zero 1]
+                                     [--precision bf16] [--micro-batch 1] [--seq-len 32]
+                                     [--out docs/results/memory_plan_247m.json]
 
 Runs the real trainer (``python -m megaflex.train``, one CPU rank, synthetic tokens) for one
 optimizer step of the config and reads its peak RSS from metrics.jsonl; then the same run with

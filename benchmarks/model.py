@@ -1,8 +1,8 @@
 """Training throughput and peak memory vs sequence length: Flexformer_n GPT vs a same-size softmax GPT.
 
-    python -m evaluation.bench_model                                    # 1k ... 32k, both kinds
-    python -m evaluation.bench_model --seq-lens 1024,2048 --steps 2     # quick
-    python -m evaluation.bench_model --seq-lens 256,512 --batch-size 8 --hidden-size 128 \
+    python -m benchmarks.model                                    # 1k ... 32k, both kinds
+    python -m benchmarks.model --seq-lens 1024,2048 --steps 2     # quick
+    python -m benchmarks.model --seq-lens 256,512 --batch-size 8 --hidden-size 128 \
         --vocab-size 4096 --steps 5 --rounds 3 --threads 1 \
         --out docs/results/model_kernel_shape                      # the kernel-study shape
 
@@ -10,7 +10,7 @@ Each (kind, sequence length) runs in a fresh subprocess (so peak memory is its o
 training step (forward, backward, AdamW) untimed, then ``--steps`` timed ones of ``--batch-size``
 sequences (default 1). The kinds alternate per length, ``--rounds`` times; each row keeps its
 best round (on a shared machine, the least disturbed one). CPU workers run with
-``bench_common.MALLOC_TUNING`` (glibc never mmaps or trims, as ``launch/setup_env.sh`` sets on CPU
+``benchmarks.common.MALLOC_TUNING`` (glibc never mmaps or trims, as ``launch/setup_env.sh`` sets on CPU
 nodes) unless ``--no-malloc-tuning``: with glibc's defaults every step's temporaries fault their
 pages in again (at the kernel-study shape: 20-25% fewer tokens/s for every kind, and window
 hybrid / plain kernel ratios 0.03-0.05 higher, since that cost hides the hybrid's own).
@@ -33,7 +33,7 @@ from typing import Any, Sequence
 
 import torch
 
-from evaluation.bench_common import MALLOC_TUNING, add_model_arguments, model_config, worker_env
+from benchmarks.common import MALLOC_TUNING, add_model_arguments, model_config, worker_env
 from megaflex.training.metrics import peak_rss_kib
 
 REPO = Path(__file__).resolve().parents[1]
@@ -85,7 +85,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_one(args: argparse.Namespace, kind: str, seq_len: int) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "evaluation.bench_model", "--worker", "--kind", kind, "--seq-len", str(seq_len)]
+    cmd = [sys.executable, "-m", "benchmarks.model", "--worker", "--kind", kind, "--seq-len", str(seq_len)]
     for name in ("steps", "batch_size", "vocab_size", "num_layers", "hidden_size", "num_heads", "feature_dim", "threads"):
         cmd += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     cmd += ["--device", args.device]
@@ -100,7 +100,7 @@ def run_one(args: argparse.Namespace, kind: str, seq_len: int) -> dict[str, Any]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m evaluation.bench_model", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.model", description=__doc__.split("\n\n")[0])
     p.add_argument("--kinds", default="flexformer_n,softmax")
     p.add_argument("--seq-lens", default=DEFAULT_SEQ_LENS)
     p.add_argument("--steps", type=int, default=2)
@@ -122,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     if args.worker:
         print(json.dumps(worker(args)))
         return None
-    from evaluation.plotting import line_plot, write_json
+    from megaflex.eval.plotting import line_plot, write_json
 
     kinds = [k for k in args.kinds.split(",") if k]
     rows = []

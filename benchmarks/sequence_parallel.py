@@ -1,7 +1,7 @@
 """Sequence parallelism: activation memory kept for backward per TP rank, with and without it.
 
-    python -m evaluation.bench_sequence_parallel                       # TP 2, N 2048, hidden 512
-    python -m evaluation.bench_sequence_parallel --seq-len 512 --steps 1   # quick check
+    python -m benchmarks.sequence_parallel                       # TP 2, N 2048, hidden 512
+    python -m benchmarks.sequence_parallel --seq-len 512 --steps 1   # quick check
 
 One fresh set of TP gloo CPU ranks per setting (``parallel.sequence_parallel`` off, then on) runs
 forward + backward of the GPT of ``--num-layers``/``--hidden-size``/... on [``--batch``,
@@ -55,7 +55,7 @@ def _rank_main(rank: int, tp: int, port: int, sp: bool, model_kw: dict[str, Any]
     import torch
     import torch.distributed as dist
 
-    from evaluation.bench_context_parallel import timed_steps
+    from benchmarks.context_parallel import timed_steps
     from megaflex.model.config import ModelConfig
     from megaflex.model.gpt import GPT
     from megaflex.parallel import ParallelState, parallelize_gpt
@@ -98,8 +98,8 @@ def bench(tp: int, sp: bool, model_kw: dict[str, Any], shape: tuple[int, int], s
 
 
 def main() -> None:
-    from evaluation.bench_context_parallel import add_model_arguments, model_kwargs
-    from evaluation.plotting import write_json
+    from benchmarks.context_parallel import add_model_arguments, model_kwargs
+    from megaflex.eval.plotting import write_json
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tp", type=int, default=2)
@@ -114,7 +114,7 @@ def main() -> None:
     shape = (args.batch, args.seq_len)
     off, on = (bench(args.tp, sp, model_kw, shape, args.steps) for sp in (False, True))
     result = {
-        "command": "python -m evaluation.bench_sequence_parallel " + " ".join(sys.argv[1:]),
+        "command": "python -m benchmarks.sequence_parallel " + " ".join(sys.argv[1:]),
         "model": model_kw, "batch": args.batch, "seq_len": args.seq_len, "points": [off, on],
         "saved_ratio_sp_over_tp": round(on["saved_mib_per_rank"] / off["saved_mib_per_rank"], 3),
         "same_loss": on["loss"] == off["loss"],

@@ -1,7 +1,7 @@
 """Training throughput and peak memory per ZeRO stage and precision (CPU by default). Not a test.
 
-    python evaluation/bench_training.py [--configs tiny 41m] [--zero 0 1 2 3] [--precision fp32 bf16]
-                                        [--world-size 2] [--steps 6] [--out docs/results/bench_training.json]
+    python -m benchmarks.training [--configs tiny 41m] [--zero 0 1 2 3] [--precision fp32 bf16]
+                                  [--world-size 2] [--steps 6] [--out docs/results/bench_training.json]
 
 Each cell launches the real trainer (``python -m megaflex.train``) on ``--world-size`` local gloo
 ranks with synthetic tokens (no data files needed) and reads tokens/s (median of the steps after

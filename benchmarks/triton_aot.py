@@ -1,6 +1,6 @@
 """Compile every Triton kernel launch of every shipped config for A100 (sm_80) and H100 (sm_90), here.
 
-    python -m evaluation.triton_aot --out docs/results/triton_aot.json [--dtypes bf16 fp16 fp32]
+    python -m benchmarks.triton_aot --out docs/results/triton_aot.json [--dtypes bf16 fp16 fp32]
 
 For each linear-attention config in configs/ (feature dim F, head dim = value dim, default
 chunk) and each input dtype, ``megaflex.attention.triton.aot`` records the launches the
@@ -11,14 +11,14 @@ memory than its target has. The JSON holds one row per (launch, target) and whic
 Trig maps (every shipped linear config) take the dispatcher's path, features computed in the
 kernels (``trig_linear_attention``'s default); ``--unfused-trig`` compiles its reference path.
 
-    python -m evaluation.triton_aot --window-only --out docs/results/triton_aot_window.json
+    python -m benchmarks.triton_aot --window-only --out docs/results/triton_aot_window.json
 
 ``--window`` adds (``--window-only``: compiles only) the one-normaliser window hybrid's Triton form
 (``megaflex/attention/triton/window.py``) at the shapes of ``WINDOW_CONFIGS``, its rows labelled
 '<config>+window/<dtype>': the window and the lookback are runtime arguments, so one window
 compiles every window; the features are given (the feature map runs in torch).
 
-    python -m evaluation.triton_aot --normalization capped_denominator --dtypes bf16 --out docs/results/triton_aot_capped.json
+    python -m benchmarks.triton_aot --normalization capped_denominator --dtypes bf16 --out docs/results/triton_aot_capped.json
 
 ``--normalization`` compiles every linear config with that output normalisation (the shipped
 configs use capped_denominator since round 4, rms before; ``chunk_outputs`` specialises on it).

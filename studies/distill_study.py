@@ -1,7 +1,7 @@
 """Distillation study: convert a softmax teacher into Flexformer-N with <= 10% of its training tokens.
 
-    python -m evaluation.distill_study                                   # 3 seeds, the kernel study's CPU scale
-    python -m evaluation.distill_study --teacher-runs KSWORK/runs        # reuse kernel-study softmax runs
+    python -m studies.distill_study                                   # 3 seeds, the kernel study's CPU scale
+    python -m studies.distill_study --teacher-runs KSWORK/runs        # reuse kernel-study softmax runs
 
 Per seed (seed-major: a stopped study still has whole seeds):
 
@@ -35,7 +35,7 @@ from typing import Any, Sequence
 from megaflex.attention.base import NORMALIZATIONS
 from megaflex.checkpoint.layout import run_checkpoint_dir
 
-from evaluation.kernel_study import RunSpec, StudyConfig, evaluate_run, prepare_data, reused_run_data, train_run
+from studies.kernel_study import RunSpec, StudyConfig, evaluate_run, prepare_data, reused_run_data, train_run
 
 DISTILL_ENTRY = "megaflex.distill"  # megaflex-distill's module, run with python -m
 STUDENTS = ("flexformer_n", "performer")
@@ -212,7 +212,7 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     teacher's and each perplexity as a ratio to the teacher's (means over seeds)."""
     import statistics
 
-    from evaluation.kernel_study_report import aggregate
+    from studies.kernel_study_report import aggregate
 
     summary = aggregate(rows)
     teacher = next(s for s in summary if s["label"] == TEACHER.label)
@@ -231,7 +231,7 @@ def check_targets(cfg: DistillStudyConfig, summary: list[dict[str, Any]]) -> dic
     teacher's ppl on <= 10% of its tokens; better than scratch; better than distilled Performer.
     Comparisons use the kernel study's seed-noise rule (None: not separated by the seeds); the
     Performer comparison is ``NOT_RUN`` when the study had no Performer student."""
-    from evaluation.kernel_study_report import beats
+    from studies.kernel_study_report import beats
 
     by = {s["label"]: s for s in summary}
     fn = by.get("flexformer_n_stage2")
@@ -265,7 +265,7 @@ def targets_markdown(targets: dict[str, dict[str, Any]], seeds: int) -> str:
 
 def plot_ppl_vs_tokens(path: Path, summary: list[dict[str, Any]]) -> None:
     """Perplexity (mean +- std over seeds) against tokens spent as a fraction of the teacher's."""
-    import evaluation.plotting  # noqa: F401  (headless backend first)
+    import megaflex.eval.plotting  # noqa: F401  (headless backend first)
     import matplotlib.pyplot as plt
 
     teacher = next(s for s in summary if s["label"] == TEACHER.label)
@@ -293,7 +293,7 @@ def plot_ppl_vs_tokens(path: Path, summary: list[dict[str, Any]]) -> None:
 
 def write_report(cfg: DistillStudyConfig, rows: list[dict[str, Any]], command: str, seconds: float) -> None:
     """results.json, results.md and ppl_vs_tokens.png under ``cfg.out``."""
-    from evaluation.plotting import markdown_table, write_json
+    from megaflex.eval.plotting import markdown_table, write_json
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -345,7 +345,7 @@ FLOAT_FLAGS = ("lr", "min_lr", "stage1_lr", "stage2_lr", "stage_kernel_lr_multip
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m evaluation.distill_study", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m studies.distill_study", description=__doc__.split("\n\n")[0])
     defaults = DistillStudyConfig()
     p.add_argument("--students", default=None,
                    help=f"comma-separated student attention kinds (default {','.join(defaults.students)}, less those with "
@@ -411,7 +411,7 @@ def config_from_args(args: argparse.Namespace) -> DistillStudyConfig:
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     cfg = config_from_args(build_parser().parse_args(argv))
     args = argv if argv is not None else sys.argv[1:]
-    return run_study(cfg, ("python -m evaluation.distill_study " + " ".join(shlex.quote(a) for a in args)).strip())
+    return run_study(cfg, ("python -m studies.distill_study " + " ".join(shlex.quote(a) for a in args)).strip())
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """Pilot of the Flexformer-N recipe: kernel LR multiplier x Omega init, one seed, short runs.
 
-    python -m evaluation.kernel_pilot          # 5 runs x 120 steps, 2 at a time
+    python -m studies.kernel_pilot          # 5 runs x 120 steps, 2 at a time
 
 Used to pick the defaults of ``optimizer.kernel_{frequency,temperature}_lr_multiplier`` and of
-Flexformer-N's ``omega_init``. Same model, data and evaluation as ``evaluation.kernel_study``
+Flexformer-N's ``omega_init``. Same model, data and evaluation as ``studies.kernel_study``
 (its functions, shorter runs on the first 1500 train documents); every run sets both options
 explicitly, so the grid does not depend on the current defaults. Single seed: a pilot, not a
 result (the study's seed noise on valid ppl was about +-2.7%). Output: ``results.json`` /
@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
 
-from evaluation.kernel_study import RunSpec, StudyConfig, evaluate_run, prepare_data, train_run
+from studies.kernel_study import RunSpec, StudyConfig, evaluate_run, prepare_data, train_run
 
 
 TITLE = ("# Kernel pilot: kernel LR multiplier x Omega init (ONE seed, 120 steps: a pilot, not a result)\n\n"
@@ -50,9 +50,9 @@ def pilot_runs(grid: Sequence[tuple[str, float]]) -> list[RunSpec]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from evaluation.kernel_study_report import write_report
+    from studies.kernel_study_report import write_report
 
-    p = argparse.ArgumentParser(prog="python -m evaluation.kernel_pilot", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m studies.kernel_pilot", description=__doc__.split("\n\n")[0])
     p.add_argument("--grid", default="paper:1,10 tied:1,10,30", help="'INIT:LR_MULTIPLIERS ...' runs")
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--max-train-docs", type=int, default=1500)
@@ -64,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     cfg = StudyConfig(kinds=["flexformer_n"], arms=[], seeds=1, steps=args.steps, max_train_docs=args.max_train_docs,
                       tokenizer_sentences=100_000, eval_tokens=args.eval_tokens, work_dir=args.work_dir, out=args.out)
     runs = pilot_runs(parse_grid(args.grid))
-    command = "python -m evaluation.kernel_pilot " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    command = "python -m studies.kernel_pilot " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     start = time.perf_counter()
     data = prepare_data(cfg)
     with ThreadPoolExecutor(args.parallel) as pool:  # each run is its own training subprocess

@@ -1,8 +1,8 @@
 """The kernel study: does a learnable kernel (Flexformer) beat fixed linear kernels, and how close
 does it come to softmax? Version 2: several seeds, mean +- std, and arms of the Flexformer-N recipe.
 
-    python -m evaluation.kernel_study                         # 7 kinds + 4 arms x 3 seeds (CPU preset)
-    python -m evaluation.kernel_study --device cuda --preset 41m   # the paper's 41M shape on a GPU
+    python -m studies.kernel_study                         # 7 kinds + 4 arms x 3 seeds (CPU preset)
+    python -m studies.kernel_study --device cuda --preset 41m   # the paper's 41M shape on a GPU
 
 trains one small GPT per run: every attention kind with the project's default recipe, plus the
 *arms*, Flexformer-N variants that change one thing of that recipe (``ARMS``: the tied init,
@@ -30,7 +30,7 @@ rewritten after every run from every stored row of the study and names the runs 
 Training uses the project's trainer (``megaflex-train``, DeepSpeed ZeRO-0, one process, one
 subprocess per run). Data: a sentencepiece BPE tokenizer trained on the english-docs train shards,
 which are then preprocessed to ``.bin/.idx`` (cached under ``--work-dir``). Evaluation:
-``evaluation.scoring`` in ``windows`` mode with the training sequence length, every target token once.
+``megaflex.eval.scoring`` in ``windows`` mode with the training sequence length, every target token once.
 """
 
 from __future__ import annotations
@@ -51,10 +51,10 @@ from typing import Any, Sequence
 import torch
 
 from megaflex.attention import NORMALIZATIONS
-from evaluation.kernel_study_config import (
+from studies.kernel_study_config import (
     ARMS, KINDS, LEARNED_SPECTRUM, LEGACY_NORMALIZATION, NOT_FINGERPRINTED, ORDERS, PRESETS, REPO, RunSpec, StudyConfig,
 )
-from evaluation.kernel_study_report import write_report
+from studies.kernel_study_report import write_report
 
 
 # ------------------------------------------------------------------------------- data
@@ -177,7 +177,7 @@ _EVAL_DOCS: dict[tuple[str, int, int, str, int | None], list[torch.Tensor]] = {}
 
 def eval_documents(path: str, tokenizer: Any, max_tokens: int | None) -> list[torch.Tensor]:
     """``load_eval_set(path, tokenizer, max_tokens=...)``'s documents, tokenized once per process."""
-    from evaluation.eval_data import load_eval_set
+    from megaflex.eval.eval_data import load_eval_set
 
     stat = os.stat(path)
     key = (path, stat.st_size, stat.st_mtime_ns, tokenizer.record["sha256"], max_tokens)
@@ -191,8 +191,8 @@ def evaluate_run(
 ) -> dict[str, Any]:
     """Perplexities, throughput, kernel statistics and the learned spectrum of one trained run
     (its model from ``checkpoint``, default the run's checkpoint folder)."""
-    from evaluation.loading import load_for_eval
-    from evaluation.scoring import evaluate
+    from megaflex.eval.loading import load_for_eval
+    from megaflex.eval.scoring import evaluate
     from megaflex.checkpoint import run_checkpoint_dir
     from megaflex.training.metrics import read_metrics
 
@@ -229,7 +229,7 @@ def long_context_scores(cfg: StudyConfig, model: torch.nn.Module, tok: Any, toke
     stateful mode (state carried through each whole document, in chunks of the longest N),
     ``english_docs_valid_ppl_stateful<N>``. A context the
     model refuses gives None and its message under ``long_context_errors``."""
-    from evaluation.scoring import evaluate
+    from megaflex.eval.scoring import evaluate
 
     if not cfg.long_contexts:
         return {}
@@ -440,7 +440,7 @@ def run_study(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m evaluation.kernel_study", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m studies.kernel_study", description=__doc__.split("\n\n")[0])
     defaults = StudyConfig()
     p.add_argument("--kinds", default=",".join(defaults.kinds), help="comma-separated attention kinds")
     p.add_argument("--arms", default=",".join(defaults.arms), help=f"comma-separated Flexformer-N arms of {list(ARMS)}")
@@ -498,7 +498,7 @@ def config_from_args(args: argparse.Namespace) -> StudyConfig:
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     args = build_parser().parse_args(argv)
     cfg = config_from_args(args)
-    command = "python -m evaluation.kernel_study " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    command = "python -m studies.kernel_study " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     only = [label for label in args.only.split(",") if label] if args.only is not None else None
     if args.reuse_from:
         source = Path(args.reuse_from)

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import torch
 
-from evaluation.kernel_study_config import ARM_KINDS, ARMS, LEARNED_SPECTRUM, StudyConfig
+from studies.kernel_study_config import ARM_KINDS, ARMS, LEARNED_SPECTRUM, StudyConfig
 
 METRICS = ("english_docs_valid_ppl", "wikitext2_test_ppl")
 EVAL_SETS = {"english_docs_valid_ppl": "english-docs valid", "wikitext2_test_ppl": "WikiText-2 test"}
@@ -190,7 +190,7 @@ def write_report(
     study's runs without a row yet (``<label>_s<seed>``); ``seconds``: this session's wall time."""
     from dataclasses import asdict
 
-    from evaluation.plotting import markdown_table, write_json
+    from megaflex.eval.plotting import markdown_table, write_json
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -261,7 +261,7 @@ def write_report(
 
 def plot_loss_bands(path: Path, rows: list[dict[str, Any]], cfg: StudyConfig) -> None:
     """Training loss per label: mean over seeds with a +-1 std band (steps shared by all seeds)."""
-    import evaluation.plotting  # noqa: F401  (headless backend first)
+    import megaflex.eval.plotting  # noqa: F401  (headless backend first)
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
@@ -287,7 +287,7 @@ def plot_loss_bands(path: Path, rows: list[dict[str, Any]], cfg: StudyConfig) ->
 
 def plot_tau(path: Path, rows: list[dict[str, Any]]) -> None:
     """tau (mean over heads and layers) over training: mean over seeds per label."""
-    from evaluation.plotting import line_plot
+    from megaflex.eval.plotting import line_plot
 
     series = {}
     for label in dict.fromkeys(r["label"] for r in rows if r.get("tau_curve")):
@@ -299,7 +299,7 @@ def plot_tau(path: Path, rows: list[dict[str, Any]]) -> None:
 
 
 def plot_spectrum(path: Path, rows: list[dict[str, Any]], cfg: StudyConfig) -> None:
-    import evaluation.plotting  # noqa: F401  (selects the headless Agg backend first)
+    import megaflex.eval.plotting  # noqa: F401  (selects the headless Agg backend first)
     import matplotlib.pyplot as plt
 
     head_dim = cfg.hidden_size // cfg.num_heads

@@ -1,13 +1,13 @@
 """Kernel transfer across domains (issue 12, item 2): does a kernel learned on one domain still
 serve on another, and better for Flexformer-N than for Hedgehog (the paper's comparison)?
 
-    python -m evaluation.kernel_transfer --steps-a 300 --steps-b 150 --seeds 1 --jobs 2
-    python -m evaluation.kernel_transfer --a-runs KS_WORK/runs --steps-b 200 --seeds 3 --jobs 2   # A: the kernel study's runs
+    python -m studies.kernel_transfer --steps-a 300 --steps-b 150 --seeds 1 --jobs 2
+    python -m studies.kernel_transfer --a-runs KS_WORK/runs --steps-b 200 --seeds 3 --jobs 2   # A: the kernel study's runs
 
 Per kernel kind (``--kinds``, default flexformer_n and hedgehog) and seed:
 
 * **A**: a GPT trained on domain A, the english-docs train shards (the kernel study's model, data,
-  tokenizer and recipe: ``evaluation.kernel_study``), ``--steps-a`` steps; or, with ``--a-runs``,
+  tokenizer and recipe: ``studies.kernel_study``), ``--steps-a`` steps; or, with ``--a-runs``,
   the kernel study's own finished run ``<kind>_s<seed>`` (checked to have this shape and length);
 * on domain B, WikiText-2, ``--steps-b`` steps each, three arms that differ only in the kernel:
   1. ``transfer``: A's kernel parameters, frozen (``checkpoint.init_from`` = A's checkpoint with
@@ -46,11 +46,11 @@ from typing import Any, Sequence
 
 import torch
 
-from evaluation.kernel_study import (
+from studies.kernel_study import (
     RunSpec, StudyConfig, evaluate_run, initial_model, load_row, prepare_data, reused_run_data, save_row, train_run,
 )
-from evaluation.kernel_transfer_config import ARMS, B_METRIC, FROZEN, TransferConfig
-from evaluation.kernel_transfer_report import write_report
+from studies.kernel_transfer_config import ARMS, B_METRIC, FROZEN, TransferConfig
+from studies.kernel_transfer_report import write_report
 from megaflex.checkpoint.layout import run_checkpoint_dir
 from megaflex.hashing import sha256_file
 
@@ -109,7 +109,7 @@ def b_run(kind: str, arm: str, a_checkpoint: Path) -> RunSpec:
 
 def kernel_state(run_dir: Path) -> dict[str, torch.Tensor]:
     """The trained model's kernel parameters (qualified name -> tensor)."""
-    from evaluation.loading import load_for_eval
+    from megaflex.eval.loading import load_for_eval
     from megaflex.attention import named_kernel_parameters
 
     model = load_for_eval(run_checkpoint_dir(run_dir)).model
@@ -118,7 +118,7 @@ def kernel_state(run_dir: Path) -> dict[str, torch.Tensor]:
 
 def initial_kernel_state(run_dir: Path, seed: int) -> dict[str, torch.Tensor]:
     """The kernel parameters the run started from if nothing was loaded: the seed's fresh init."""
-    from evaluation.loading import load_for_eval
+    from megaflex.eval.loading import load_for_eval
     from megaflex.attention import named_kernel_parameters
 
     fresh = initial_model(load_for_eval(run_checkpoint_dir(run_dir)).model, seed)
@@ -204,7 +204,7 @@ def run_transfer(cfg: TransferConfig, command: str, fresh: bool = False) -> list
 
 # ------------------------------------------------------------------------------- CLI
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m evaluation.kernel_transfer", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m studies.kernel_transfer", description=__doc__.split("\n\n")[0])
     defaults = TransferConfig(StudyConfig())
     p.add_argument("--kinds", default=",".join(defaults.kinds), help="comma-separated kernel kinds with learnable maps")
     p.add_argument("--seeds", type=int, default=1, help="seeds seed, seed + 1, ... (default 1: a pilot)")
@@ -249,7 +249,7 @@ def config_from_args(args: argparse.Namespace) -> TransferConfig:
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     args = build_parser().parse_args(argv)
     cfg = config_from_args(args)
-    command = "python -m evaluation.kernel_transfer " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    command = "python -m studies.kernel_transfer " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     return run_transfer(cfg, command.strip(), fresh=args.fresh)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from evaluation.kernel_study_config import StudyConfig
+from studies.kernel_study_config import StudyConfig
 
 KINDS = ("flexformer_n", "hedgehog")
 ARMS = {

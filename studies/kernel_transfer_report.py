@@ -12,8 +12,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from evaluation.kernel_study_report import beats, mean_std
-from evaluation.kernel_transfer_config import ARMS, B_METRIC, TransferConfig
+from studies.kernel_study_report import beats, mean_std
+from studies.kernel_transfer_config import ARMS, B_METRIC, TransferConfig
 
 A_METRIC = "english_docs_valid_ppl"
 DROP_ARMS = ("transfer", "random")
@@ -91,7 +91,7 @@ def cell(s: dict[str, Any], key: str) -> str:
 
 
 def write_report(cfg: TransferConfig, rows: list[dict[str, Any]], command: str, seconds: float) -> None:
-    from evaluation.plotting import markdown_table, write_json
+    from megaflex.eval.plotting import markdown_table, write_json
 
     out = Path(cfg.study.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -149,7 +149,7 @@ def write_report(cfg: TransferConfig, rows: list[dict[str, Any]], command: str, 
 
 def plot_bars(path: Path, summary: dict[str, dict[str, Any]], cfg: TransferConfig) -> None:
     """B test ppl per kind (groups) and arm (bars), +-1 std over seeds when there are several."""
-    import evaluation.plotting  # noqa: F401  (headless backend first)
+    import megaflex.eval.plotting  # noqa: F401  (headless backend first)
     import matplotlib.pyplot as plt
 
     kinds, arms = list(summary), list(ARMS)

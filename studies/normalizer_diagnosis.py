@@ -10,7 +10,7 @@ at initialisation and in a trained softmax model, and relates it to how spread e
 attention is (effective keys ``exp(entropy)``); and it compares the gradient that reaches the
 attention's input projection at initialisation under both normalisers (same weights).
 
-    python -m evaluation.normalizer_diagnosis --checkpoint RUN_DIR_OR_CHECKPOINT \\
+    python -m studies.normalizer_diagnosis --checkpoint RUN_DIR_OR_CHECKPOINT \\
         --out docs/results/normalizer_diagnosis
 
 writes ``results.json`` and ``results.md`` there.
@@ -105,7 +105,7 @@ def init_gradient_scale(config: ModelConfig, tokens: torch.Tensor, seed: int) ->
 
 def load_windows(path: Path, tokenizer: Any, seq_len: int, count: int) -> torch.Tensor:
     """The first ``count`` windows of ``seq_len`` tokens of english-docs valid (documents concatenated)."""
-    from evaluation.eval_data import load_eval_set
+    from megaflex.eval.eval_data import load_eval_set
 
     docs = load_eval_set(str(path), tokenizer, max_tokens=seq_len * count * 2).docs
     flat = torch.cat(docs)[: seq_len * count]
@@ -113,7 +113,7 @@ def load_windows(path: Path, tokenizer: Any, seq_len: int, count: int) -> torch.
 
 
 def diagnose(checkpoint: str, data_root: str, windows: int, seed: int) -> dict[str, Any]:
-    from evaluation.loading import load_for_eval
+    from megaflex.eval.loading import load_for_eval
 
     loaded = load_for_eval(checkpoint)
     trained = loaded.model
@@ -163,7 +163,7 @@ def write_markdown(result: dict[str, Any], path: Path, command: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(prog="python -m evaluation.normalizer_diagnosis", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m studies.normalizer_diagnosis", description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True, help="a trained plain softmax run (run dir, checkpoint dir or folder)")
     p.add_argument("--data-root", default=os.environ.get("MEGAFLEX_DATA", "../shared/data"))
     p.add_argument("--windows", type=int, default=8, help="windows of the training length scored")
@@ -176,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
-    command = "python -m evaluation.normalizer_diagnosis " + " ".join(argv if argv is not None else os.sys.argv[1:])
+    command = "python -m studies.normalizer_diagnosis " + " ".join(argv if argv is not None else os.sys.argv[1:])
     write_markdown(result, out / "results.md", command)
     print((out / "results.md").read_text())
     return result

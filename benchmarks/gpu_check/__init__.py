@@ -1,6 +1,6 @@
-"""The one-call GPU acceptance: ``python -m evaluation.gpu_check`` (at most 8 minutes on one GPU).
+"""The one-call GPU acceptance: ``python -m benchmarks.gpu_check`` (at most 8 minutes on one GPU).
 
-    python -m evaluation.gpu_check [--out DIR] [--deadline 480] [--stages NAME ...] [--dry-run]
+    python -m benchmarks.gpu_check [--out DIR] [--deadline 480] [--stages NAME ...] [--dry-run]
 
 Every stage runs in its own subprocess (its own process group: a timeout, Ctrl-C or SIGTERM kills
 it and the trainers it started) under one global deadline (``--deadline``, default 480 s). Stages

@@ -1,4 +1,4 @@
-"""``python -m evaluation.gpu_check``: run the stages (see the package docstring), each in a subprocess
+"""``python -m benchmarks.gpu_check``: run the stages (see the package docstring), each in a subprocess
 (its own process group) under one global deadline, and rewrite ``<out>/gpu_check.json`` after every
 stage. Exit status: 0 when every stage finished and nothing in it failed, 1 otherwise (a stage that
 crashed, timed out or was skipped for the deadline, or a failure a stage caught itself: see
@@ -19,13 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from evaluation.gpu_check.common import REPO, Stage, log_tail
-from evaluation.gpu_check.report import stage_failures
+from benchmarks.gpu_check.common import REPO, Stage, log_tail
+from benchmarks.gpu_check.report import stage_failures
 
 
 @dataclass(frozen=True)
 class StageSpec:
-    """A stage: ``module:function`` (under evaluation.gpu_check unless dotted), the seconds it needs
+    """A stage: ``module:function`` (under benchmarks.gpu_check unless dotted), the seconds it needs
     on one GPU with a cold Triton cache (it is skipped when less is left before the deadline) and
     its own timeout there, and the same two on a dry run (CPU)."""
 
@@ -64,7 +64,7 @@ def _raise_interrupted(signum: int, _frame: Any) -> None:
 def run_stage(target: str, dry_run: bool, work: Path, result: Path, options: dict[str, Any]) -> None:
     """In the stage's own process: run it and write its result (partial results as it goes)."""
     module, function = target.split(":")
-    module = module if "." in module else f"evaluation.gpu_check.{module}"
+    module = module if "." in module else f"benchmarks.gpu_check.{module}"
     stage = Stage(dry_run=dry_run, work_dir=work, result_path=result, options=options)
     stage.emit(getattr(importlib.import_module(module), function)(stage))
 
@@ -84,7 +84,7 @@ def _spawn(name: str, args: argparse.Namespace, work: Path, report_path: Path, t
     result_path = work / f"{name}.result.json"
     result_path.unlink(missing_ok=True)
     options = {"deadline": time.time() + timeout, "timeout_scale": args.timeout_scale}
-    cmd = [sys.executable, "-m", "evaluation.gpu_check", "--run-stage", name, "--target", STAGES[name].target,
+    cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--run-stage", name, "--target", STAGES[name].target,
            "--result", str(result_path), "--work-dir", str(work / name), "--report", str(report_path),
            "--options", json.dumps(options)]  # fmt: skip
     if args.dry_run:
@@ -134,7 +134,7 @@ def default_out() -> Path:
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description="GPU acceptance of megaflex in one call (see evaluation/gpu_check/__init__.py)")
+    ap = argparse.ArgumentParser(description="GPU acceptance of megaflex in one call (see benchmarks/gpu_check/__init__.py)")
     ap.add_argument("--dry-run", action="store_true", help="every stage at tiny shapes on CPU (Triton interpreter)")
     ap.add_argument("--out", type=Path, default=None, help="report folder (default: a new folder under "
                     "$XDG_CACHE_HOME/megaflex/gpu_check, outside the repository)")  # fmt: skip

@@ -188,7 +188,7 @@ def check_kernels(small: bool, device: str, emit: Callable[[dict[str, Any]], Non
                   workers: int = 1) -> dict[str, Any]:  # fmt: skip
     """Every planned case (``plan``), in ``workers`` processes; ``emit`` gets the partial result
     after each case. ``passed``: every case ran and passed."""
-    from evaluation.gpu_check.common import map_in_workers
+    from benchmarks.gpu_check.common import map_in_workers
 
     cases = plan(small, device)
     done: dict[int, dict[str, Any]] = {}

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from typing import Any
 
-from evaluation.gpu_check.common import REPO, Stage
+from benchmarks.gpu_check.common import REPO, Stage
 
 
 def _version(dist: str) -> str | None:

@@ -22,7 +22,7 @@ import json
 import math
 from typing import Any, Callable
 
-from evaluation.gpu_check.common import REPO, Stage, timed
+from benchmarks.gpu_check.common import REPO, Stage, timed
 
 GPU_SHAPES = ((8, 16, 1024, 128, 64), (1, 16, 32768, 128, 64))
 GPU_LAST_SHAPES = ((4, 16, 1024, 256, 128),)  # after the int32 probe
@@ -186,7 +186,7 @@ def aot_report() -> dict[str, Any]:
 def kernel_accuracy(stage: Stage) -> dict[str, Any]:
     import os
 
-    from evaluation.gpu_check.accuracy import check_kernels
+    from benchmarks.gpu_check.accuracy import check_kernels
 
     workers = 1 if stage.dry_run else min(7, max(1, (os.cpu_count() or 2) // 2))  # 7: the compile sets
     return check_kernels(stage.dry_run, stage.device, stage.emit, workers)

@@ -24,7 +24,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from evaluation.gpu_check.common import (
+from benchmarks.gpu_check.common import (
     REPO,
     Stage,
     base_overrides,
@@ -34,7 +34,7 @@ from evaluation.gpu_check.common import (
     start_trainer,
     throughput,
 )
-from evaluation.gpu_check.profile_summary import summarize
+from benchmarks.gpu_check.profile_summary import summarize
 from megaflex.checkpoint.layout import complete_tags, run_checkpoint_dir
 
 ZERO1 = str(REPO / "configs" / "zero" / "zero1.yaml")
@@ -107,7 +107,7 @@ def _tau_trajectory(kernel: dict[int, dict[str, Any]]) -> dict[int, float]:
 
 
 def precision_41m(stage: Stage) -> dict[str, Any]:
-    from evaluation.gpu_check.bf16_storage import bf16_storage_effect
+    from benchmarks.gpu_check.bf16_storage import bf16_storage_effect
     from megaflex.training.config import ConfigError, load_config
 
     if stage.dry_run:

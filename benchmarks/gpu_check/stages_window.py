@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from evaluation.gpu_check.common import Stage, timed
+from benchmarks.gpu_check.common import Stage, timed
 
 # (BH, T, head dim, F, Dv, W): the shipped shapes at N = 1024 (247M: B = 8; 1.3B: B = 4), W = 64
 GPU_SHAPES = ((128, 1024, 64, 128, 64, 64), (64, 1024, 128, 256, 128, 64))
@@ -76,7 +76,7 @@ def _plan(dry_run: bool, device: str) -> list[tuple[tuple[int, ...], str, str]]:
 
 def accuracy_case(spec: tuple[tuple[int, ...], str, str]) -> dict[str, Any]:
     """One (shape, dtype) case against the torch Function in fp64; never raises."""
-    from evaluation.gpu_check.accuracy import TOLERANCE, judge
+    from benchmarks.gpu_check.accuracy import TOLERANCE, judge
     from megaflex.attention.shared_window_chunked import ChunkedWindowNumerator
     from megaflex.attention.triton import TritonWindowNumerator
 
@@ -130,7 +130,7 @@ def _speed(stage: Stage, rows: list[dict[str, Any]], emit: Callable[[], None]) -
 def window_kernels(stage: Stage) -> dict[str, Any]:
     import os
 
-    from evaluation.gpu_check.common import map_in_workers
+    from benchmarks.gpu_check.common import map_in_workers
 
     specs = _plan(stage.dry_run, stage.device)
     workers = 1 if stage.dry_run else min(len(specs), max(1, (os.cpu_count() or 2) // 2))

@@ -172,7 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``megaflex-generate``: exit status 0 after streaming the continuation of
     ``--prompt`` to stdout, 2 on bad input (message on stderr)."""
     args = build_parser().parse_args(argv)
-    from evaluation.loading import USER_ERRORS
+    from megaflex.eval.loading import USER_ERRORS
 
     try:
         _generate_cli(args)
@@ -183,8 +183,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _generate_cli(args: argparse.Namespace) -> None:
-    from evaluation.eval_data import check_eval_tokenizer
-    from evaluation.loading import load_for_eval  # late import: keeps the library part light
+    from megaflex.eval.eval_data import check_eval_tokenizer
+    from megaflex.eval.loading import load_for_eval  # late import: keeps the library part light
 
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
     loaded = load_for_eval(args.checkpoint, tag=args.tag, tokenizer=args.tokenizer, device=args.device)

@@ -2,12 +2,12 @@
 
     megaflex-eval --checkpoint runs/tiny --data ../shared/data/wikitext-2-raw/wiki.test.raw \\
         --mode stateful --context 2048 --json out.json --plot out.png
-    torchrun --nproc-per-node 4 -m evaluation.perplexity --checkpoint ... --data PREFIX \\
+    torchrun --nproc-per-node 4 -m megaflex.eval.perplexity --checkpoint ... --data PREFIX \\
         --tensor-parallel-size 2 --mode sliding --context 1024 --stride 512
 
 ``--data`` is a ``.bin/.idx`` prefix, a raw text file, a ``.jsonl`` file or ``hf:NAME[:CONFIG
-[:SPLIT]]`` (tokenised on the fly with the checkpoint's tokenizer); see ``evaluation.eval_data``
-for what a document is and ``evaluation.scoring`` for exactly what is counted. In short:
+[:SPLIT]]`` (tokenised on the fly with the checkpoint's tokenizer); see ``megaflex.eval.eval_data``
+for what a document is and ``megaflex.eval.scoring`` for exactly what is counted. In short:
 ``ppl = exp(mean NLL over every target token)``, ``bits_per_byte`` divides the same summed NLL
 by ``ln 2 x`` UTF-8 bytes of the targets, and ``word_ppl`` by the WikiText word count (words +
 one per line), which is how word-level WikiText-103 tables report subword models.
@@ -32,8 +32,8 @@ from typing import Any, Sequence
 
 import torch
 
-from evaluation.eval_data import EVAL_DOC_MODES, check_eval_tokenizer, load_eval_set
-from evaluation.scoring import MODES, evaluate
+from megaflex.eval.eval_data import EVAL_DOC_MODES, check_eval_tokenizer, load_eval_set
+from megaflex.eval.scoring import MODES, evaluate
 
 COUNTING = (
     "ppl = exp(sum NLL / tokens) over every target token (each document's first token, an EOD "
@@ -130,7 +130,7 @@ def run_eval(
 
 def plot_results(results: dict[str, Any], path: str) -> None:
     """PNG: ppl vs context (sweep) and ppl by position in the document (context buckets)."""
-    from evaluation.plotting import line_plot
+    from megaflex.eval.plotting import line_plot
 
     series = {}
     if results["context_sweep"]:
@@ -144,7 +144,7 @@ def plot_results(results: dict[str, Any], path: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``megaflex-eval``: exit status 0 (results printed / written), 2 on bad input."""
-    from evaluation.loading import USER_ERRORS
+    from megaflex.eval.loading import USER_ERRORS
 
     try:
         run_cli(argv)
@@ -156,8 +156,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run_cli(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """``megaflex-eval`` with its arguments; returns the results dict (also printed / written)."""
-    from evaluation.loading import load_for_eval
-    from evaluation.plotting import write_json
+    from megaflex.eval.loading import load_for_eval
+    from megaflex.eval.plotting import write_json
 
     args = build_parser().parse_args(argv)
     state, tracker = _distributed(args.tensor_parallel_size)

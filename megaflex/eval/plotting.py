@@ -1,4 +1,4 @@
-"""Small helpers shared by the evaluation scripts: JSON, Markdown tables and matplotlib plots
+"""Small helpers shared by megaflex-eval, the benchmarks and the studies: JSON, Markdown tables and matplotlib plots
 (headless: importing this module selects the Agg backend)."""
 
 from __future__ import annotations

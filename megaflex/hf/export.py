@@ -48,7 +48,7 @@ def export_checkpoint(
     (a new or empty directory unless ``overwrite``)."""
     from transformers import GenerationConfig
 
-    from evaluation.loading import load_for_eval
+    from megaflex.eval.loading import load_for_eval
     from megaflex.data.tokenizer import Tokenizer
     from megaflex.hf import FlexformerConfig, FlexformerForCausalLM
     from megaflex.hf.remote_code import AUTO_MAP, write_remote_code
@@ -117,7 +117,7 @@ def import_hf(hf_dir: str | os.PathLike, megaflex_out: str | os.PathLike, overwr
         data["tokenizer"] = str((tag_dir / original.name).resolve())
     run_config["data"] = data
     gpt = model.model
-    # ZeRO-0 / TP-1 layout of a megaflex-train checkpoint: what evaluation.loading reads.
+    # ZeRO-0 / TP-1 layout of a megaflex-train checkpoint: what megaflex.eval.loading reads.
     torch.save({"module": gpt.state_dict()}, layout.model_states_file(tag_dir, 0))
     meta = CheckpointMeta(
         iteration=iteration, tensor_parallel_size=1, world_size=1, data_parallel_size=1, zero_stage=0,
@@ -200,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``megaflex-export``: 0 when written, 2 on bad input (one ``error:`` line)."""
-    from evaluation.loading import USER_ERRORS
+    from megaflex.eval.loading import USER_ERRORS
 
     p = build_parser()
     args = p.parse_args(argv)

@@ -1,6 +1,6 @@
 """Local lm-evaluation-harness tasks whose perplexity equals ``megaflex-eval``'s (offline).
 
-    python -m evaluation.lm_eval_tasks --out tasks/ --hf-model hf/tiny      # tokenizer + length from an export
+    python -m megaflex.hf.lm_eval_tasks --out tasks/ --hf-model hf/tiny      # tokenizer + length from an export
     lm_eval --model hf --model_args pretrained=hf/tiny,trust_remote_code=True \\
         --include_path tasks/ --tasks megaflex_wikitext2 --batch_size 4
     megaflex-eval --checkpoint runs/tiny --data tasks/megaflex_wikitext2.jsonl --mode windows --context 256
@@ -33,11 +33,11 @@ from typing import Callable, Sequence
 
 import yaml
 
-from evaluation.eval_data import EVAL_DOC_MODES, count_words, text_documents
+from megaflex.eval.eval_data import EVAL_DOC_MODES, count_words, text_documents
 
 TASK = "megaflex_wikitext2"
 UTILS_MODULE = "megaflex_lm_eval_utils"
-_UTILS_SOURCE = '''"""process_results of the megaflex local perplexity task (written by evaluation.lm_eval_tasks)."""
+_UTILS_SOURCE = '''"""process_results of the megaflex local perplexity task (written by megaflex.hf.lm_eval_tasks)."""
 
 
 def process_results(doc, results):
@@ -125,7 +125,7 @@ def write_task(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m evaluation.lm_eval_tasks", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m megaflex.hf.lm_eval_tasks", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="directory for the task (pass it to lm_eval --include_path)")
     p.add_argument("--hf-model", default=None, help="a megaflex-export directory: its tokenizer and max_seq_len")
     p.add_argument("--tokenizer", default=None, help="tokenizer file: sentencepiece .model or tokenizer.json (instead of --hf-model)")
