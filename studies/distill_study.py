@@ -5,7 +5,7 @@
 
 Per seed (seed-major: a stopped study still has whole seeds):
 
-1. teacher: a softmax GPT with the kernel study's shape and recipe (``kernel_study.train_run``,
+1. teacher: a softmax GPT with the kernel study's shape and recipe (``runner.train_run``,
    300 steps x 16 x 256 tokens), or that study's run ``softmax_s{seed}`` under ``--teacher-runs``;
 2. per student kind (``flexformer_n`` and ``performer``, the paper's fixed-kernel baseline):
    stage 1 ``megaflex-distill distill.stage=attention_transfer`` (only the kernel parameters and
@@ -15,7 +15,7 @@ Per seed (seed-major: a stopped study still has whole seeds):
 3. Flexformer-N from scratch: the kernel study's recipe on the tokens of stage 1 + stage 2.
 
 Stages 1 and 2 together may use at most ``--max-token-fraction`` (10%) of the teacher's tokens.
-Every model is evaluated like the kernel study's runs (``kernel_study.evaluate_run``: english-docs
+Every model is evaluated like the kernel study's runs (``runner.evaluate_run``: english-docs
 valid and WikiText-2 test, windows of the training length). Output in ``--out`` (default
 ``docs/results/distill``): ``results.json``, ``results.md`` (mean +- std over seeds, tokens
 as a fraction of the teacher's, the issue's targets checked) and ``ppl_vs_tokens.png``.
@@ -35,7 +35,8 @@ from typing import Any, Sequence
 from megaflex.attention.base import NORMALIZATIONS
 from megaflex.checkpoint.layout import run_checkpoint_dir
 
-from studies.kernel_study import RunSpec, StudyConfig, evaluate_run, prepare_data, reused_run_data, train_run
+from studies.kernel_study_config import RunSpec, StudyConfig
+from studies.runner import evaluate_run, prepare_data, reused_run_data, train_run
 
 DISTILL_ENTRY = "megaflex.distill"  # megaflex-distill's module, run with python -m
 STUDENTS = ("flexformer_n", "performer")
@@ -143,7 +144,7 @@ def trained_tokens(run_dir: Path) -> int:
 
 def evaluated(cfg: StudyConfig, run: RunSpec, seed: int, run_dir: Path, checkpoint: Path | None = None,
               **extra: Any) -> dict[str, Any]:
-    """``kernel_study.evaluate_run``'s row (the model in ``checkpoint``, default the run's
+    """``runner.evaluate_run``'s row (the model in ``checkpoint``, default the run's
     checkpoint folder) plus this run's training tokens and ``extra`` fields."""
     row = evaluate_run(cfg, run, seed, run_dir, checkpoint)
     row.update(tokens=trained_tokens(run_dir), **extra)

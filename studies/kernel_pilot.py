@@ -4,7 +4,7 @@
 
 Used to pick the defaults of ``optimizer.kernel_{frequency,temperature}_lr_multiplier`` and of
 Flexformer-N's ``omega_init``. Same model, data and evaluation as ``studies.kernel_study``
-(its functions, shorter runs on the first 1500 train documents); every run sets both options
+(``studies.runner``'s functions, shorter runs on the first 1500 train documents); every run sets both options
 explicitly, so the grid does not depend on the current defaults. Single seed: a pilot, not a
 result (the study's seed noise on valid ppl was about +-2.7%). Output: ``results.json`` /
 ``results.md`` / plots in ``--out`` (default ``docs/results/kernel_pilot``).
@@ -20,7 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
 
-from studies.kernel_study import RunSpec, StudyConfig, evaluate_run, prepare_data, train_run
+from studies.kernel_study_config import RunSpec, StudyConfig
+from studies.runner import evaluate_run, prepare_data, train_run
 
 
 TITLE = ("# Kernel pilot: kernel LR multiplier x Omega init (ONE seed, 120 steps: a pilot, not a result)\n\n"

@@ -7,7 +7,7 @@ serve on another, and better for Flexformer-N than for Hedgehog (the paper's com
 Per kernel kind (``--kinds``, default flexformer_n and hedgehog) and seed:
 
 * **A**: a GPT trained on domain A, the english-docs train shards (the kernel study's model, data,
-  tokenizer and recipe: ``studies.kernel_study``), ``--steps-a`` steps; or, with ``--a-runs``,
+  tokenizer and recipe: ``studies.runner``), ``--steps-a`` steps; or, with ``--a-runs``,
   the kernel study's own finished run ``<kind>_s<seed>`` (checked to have this shape and length);
 * on domain B, WikiText-2, ``--steps-b`` steps each, three arms that differ only in the kernel:
   1. ``transfer``: A's kernel parameters, frozen (``checkpoint.init_from`` = A's checkpoint with
@@ -46,8 +46,9 @@ from typing import Any, Sequence
 
 import torch
 
-from studies.kernel_study import (
-    RunSpec, StudyConfig, evaluate_run, initial_model, load_row, prepare_data, reused_run_data, save_row, train_run,
+from studies.kernel_study_config import RunSpec, StudyConfig
+from studies.runner import (
+    evaluate_run, initial_model, load_row, prepare_data, reused_run_data, save_row, train_run,
 )
 from studies.kernel_transfer_config import ARMS, B_METRIC, FROZEN, TransferConfig
 from studies.kernel_transfer_report import write_report

@@ -11,7 +11,9 @@ import pytest
 
 from dataclasses import replace
 
-from studies.kernel_study import RunSpec, StudyConfig, load_row, main, plan, run_fingerprint, run_study, save_row
+from studies.kernel_study import main, plan, run_study
+from studies.kernel_study_config import RunSpec, StudyConfig
+from studies.runner import load_row, run_fingerprint, save_row
 from studies.kernel_study_report import aggregate, beats, chi_density, window_targets
 
 
@@ -153,7 +155,8 @@ def test_chi_density_integrates_to_one_with_the_right_mean() -> None:
 
 
 def test_runs_use_the_project_kernel_lr_multipliers_and_arms_override_them(tmp_path: Path) -> None:
-    from studies.kernel_study import ARMS, REPO, train_overrides
+    from studies.kernel_study_config import ARMS, REPO
+    from studies.runner import train_overrides
     from megaflex.training.config import OptimizerConfig, load_config
 
     cfg = StudyConfig()
@@ -175,7 +178,7 @@ def test_runs_use_the_project_kernel_lr_multipliers_and_arms_override_them(tmp_p
 def test_v3_arms_build_valid_models_and_report_the_far_share_per_layer() -> None:
     import torch
 
-    from studies.kernel_study import kernel_summary
+    from studies.runner import kernel_summary
     from studies.kernel_study_config import ARM_KINDS, ARMS, V3_ARMS
     from megaflex.model import GPT, ModelConfig
 
@@ -203,7 +206,8 @@ def test_v3_arms_build_valid_models_and_report_the_far_share_per_layer() -> None
 
 
 def test_the_base_normalisation_is_fingerprinted_only_where_it_changes_the_run(tmp_path: Path) -> None:
-    from studies.kernel_study import REPO, train_overrides
+    from studies.kernel_study_config import REPO
+    from studies.runner import train_overrides
     from megaflex.training.config import load_config
 
     capped, rms = StudyConfig(out=str(tmp_path)), StudyConfig(out=str(tmp_path), normalization="rms")
@@ -230,7 +234,7 @@ def test_the_base_normalisation_is_fingerprinted_only_where_it_changes_the_run(t
 
 
 def test_reuse_copies_rows_of_another_study_with_the_same_recipe_under_this_studys_labels(tmp_path: Path) -> None:
-    from studies.kernel_study import reuse_rows
+    from studies.runner import reuse_rows
 
     old = StudyConfig(out=str(tmp_path / "v3"), normalization="rms", seeds=1)
     stored = {  # label -> (run of the old study, its row)
@@ -253,7 +257,7 @@ def test_reuse_copies_rows_of_another_study_with_the_same_recipe_under_this_stud
 def test_long_context_columns_score_past_the_training_length_or_name_why_not(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    import studies.kernel_study as study
+    import studies.runner as study
     from megaflex.eval.scoring import evaluate
     from megaflex.model import GPT, ModelConfig
 
