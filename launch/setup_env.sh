@@ -109,7 +109,7 @@ export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$repo/.torch_extensions}"
 export PATH="$venv/bin:$PATH"
 # PyTorch's CPU allocator does not cache: with glibc defaults every tensor over 32 MiB is a fresh
 # mmap that page-faults on every step. Keeping freed memory in the heap halves long-sequence CPU
-# step times (measured in evaluation/bench_attention.py). Not on GPU nodes: there the host holds
+# step times (measured in benchmarks/attention.py). Not on GPU nodes: there the host holds
 # pinned buffers and loader workers, and a heap that never returns memory only grows.
 if [ "$gpu_mode" != 1 ] && ! compgen -G "/dev/nvidia[0-9]*" > /dev/null; then
   export MALLOC_MMAP_MAX_="${MALLOC_MMAP_MAX_:-0}"

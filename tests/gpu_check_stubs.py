@@ -1,7 +1,7 @@
 """Stand-in gpu_check stages for tests/test_eval_gpu_check.py (not a test module): stages that
 finish, catch a failure, or write rows and then hang with a child process of their own.
 
-``python -m tests.gpu_check_stubs ARGS``: ``python -m evaluation.gpu_check ARGS`` with these stages
+``python -m tests.gpu_check_stubs ARGS``: ``python -m benchmarks.gpu_check ARGS`` with these stages
 in place of the real ones (for tests that signal the parent process)."""
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ import sys
 import time
 from typing import Any
 
-from evaluation.gpu_check.__main__ import StageSpec
+from benchmarks.gpu_check.__main__ import StageSpec
 
 HERE = "tests.gpu_check_stubs"
 
 
 def ok(stage: Any) -> dict[str, Any]:
     """Passes; reports the Triton cache it was given and the one a trainer it started would use."""
-    from evaluation.gpu_check.common import trainer_env
+    from benchmarks.gpu_check.common import trainer_env
 
     return {"passed": True, "cases": [{"dtype": "bf16", "passed": True}],
             "triton_cache_dir": __import__("os").environ.get("TRITON_CACHE_DIR"),
@@ -60,7 +60,7 @@ def stages(**timeouts: float) -> dict[str, StageSpec]:
 
 
 if __name__ == "__main__":
-    import evaluation.gpu_check.__main__ as gpu_check
+    import benchmarks.gpu_check.__main__ as gpu_check
 
     gpu_check.STAGES = stages()
     sys.exit(gpu_check.main(sys.argv[1:]))

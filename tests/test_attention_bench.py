@@ -1,6 +1,6 @@
-"""evaluation/bench_attention.py bookkeeping: the matmul FLOPs it credits the linear layers with are
+"""benchmarks/attention.py bookkeeping: the matmul FLOPs it credits the linear layers with are
 exactly what the layer executes (torch's FLOP counter on a real fwd+bwd), and the issue #2 target
-summary judges rows correctly; the benchmarks' workers get the glibc malloc settings (bench_common)."""
+summary judges rows correctly; the benchmarks' workers get the glibc malloc settings (benchmarks.common)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from evaluation.bench_attention import IMPLS, flexformer_n_targets, linear_layer_flops, merge_processes
-from evaluation.bench_common import worker_env
+from benchmarks.attention import IMPLS, flexformer_n_targets, linear_layer_flops, merge_processes
+from benchmarks.common import worker_env
 from megaflex.attention import AttentionCore
 
 aten = torch.ops.aten

@@ -1,6 +1,6 @@
 """Triton kernels of the chunked form and the fused trig path, against the quadratic reference,
 run on CPU tensors under Triton's interpreter (the GPU compiles the same kernels; see
-evaluation/gpu_check (kernel_accuracy) for the compiled run in fp32/bf16/fp16).
+benchmarks/gpu_check (kernel_accuracy) for the compiled run in fp32/bf16/fp16).
 
 Every case compares the output, the final state and the gradients of q/k features, key
 log-scales, v and the incoming state (trig path: q, k, v, omega, inv_temperature, state).

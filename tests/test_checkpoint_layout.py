@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from evaluation.loading import resolve_checkpoint
+from megaflex.eval.loading import resolve_checkpoint
 from megaflex.checkpoint.layout import (
     FILES_KEY, META_FILE, CheckpointError, CorruptCheckpointError, auto_candidates, check_writable, prune_universal,
     rng_file, tag_for, universal_dir, verify_checkpoint, write_latest, write_meta,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from evaluation.loading import load_for_eval
+from megaflex.eval.loading import load_for_eval
 from megaflex.checkpoint import (
     CheckpointError, CheckpointManager, CheckpointMeta, check_optimizer_groups, check_resume_layout,
     needs_repartition, parameter_shapes, save_weights_only,

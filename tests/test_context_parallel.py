@@ -302,7 +302,7 @@ def test_config_errors_for_context_parallelism(tmp_path) -> None:
 
 @pytest.mark.slow
 def test_benchmark_points_agree_and_cp_bytes_do_not_depend_on_n() -> None:
-    from evaluation.bench_context_parallel import bench_point
+    from benchmarks.context_parallel import bench_point
 
     model = dict(vocab_size=64, num_layers=1, hidden_size=16, num_heads=2, attention="flexformer_n", feature_dim=8, chunk_size=16)
     short, long = bench_point(model, 128, 2, 1), bench_point(model, 512, 2, 1)

@@ -182,9 +182,9 @@ def test_bad_input_is_named(teacher: Path, stage1: Path, tmp_path: Path) -> None
 def test_finetune_lora_and_full_give_checkpoints_megaflex_eval_and_generate_read(
     teacher: Path, stage1: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from evaluation.generate import main as megaflex_generate
-    from evaluation.loading import load_for_eval
-    from evaluation.perplexity import run_cli as megaflex_eval
+    from megaflex.eval.generate import main as megaflex_generate
+    from megaflex.eval.loading import load_for_eval
+    from megaflex.eval.perplexity import run_cli as megaflex_eval
     from megaflex.parallel.lora import add_lora
 
     data = teacher.parent / "data"

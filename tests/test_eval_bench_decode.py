@@ -1,4 +1,4 @@
-"""evaluation/bench_decode.py bookkeeping on a tiny model: the decoding state it times is positioned
+"""benchmarks/decode.py bookkeeping on a tiny model: the decoding state it times is positioned
 where it claims (Flexformer's state constant in size, softmax's KV cache linear in the context)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from evaluation.bench_decode import main
+from benchmarks.decode import main
 
 TINY = ["--vocab-size", "64", "--num-layers", "2", "--hidden-size", "32", "--num-heads", "2", "--feature-dim", "16"]
 

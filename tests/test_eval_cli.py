@@ -18,8 +18,8 @@ import torch
 from distributed import run_distributed
 from numerics import assert_params_close_after_adam
 from training_harness import adam_steps_of, tokenized_wikitext
-from evaluation.eval_data import count_words
-from evaluation.loading import load_for_eval
+from megaflex.eval.eval_data import count_words
+from megaflex.eval.loading import load_for_eval
 
 REPO = Path(__file__).resolve().parents[1]
 LR = 1e-6
@@ -46,7 +46,7 @@ def _train_rank(rank: int, world_size: int, args: list[str]) -> int:
 
 
 def _eval_rank(rank: int, world_size: int, args: list[str]) -> dict:
-    from evaluation.perplexity import run_cli as main
+    from megaflex.eval.perplexity import run_cli as main
 
     return main(args)
 
@@ -84,7 +84,7 @@ def test_zero_and_tp_checkpoints_load_as_the_same_model(runs: dict[str, Path], o
 
 @pytest.mark.slow
 def test_megaflex_eval_json_contract_and_exact_counts(runs: dict[str, Path], tmp_path: Path) -> None:
-    from evaluation.perplexity import run_cli as main
+    from megaflex.eval.perplexity import run_cli as main
     from megaflex.data.tokenizer import Tokenizer
 
     text_path = runs["data"] / "test.raw"
@@ -110,7 +110,7 @@ def test_megaflex_eval_json_contract_and_exact_counts(runs: dict[str, Path], tmp
 
 @pytest.mark.slow
 def test_indexed_data_and_context_sweep_plot(runs: dict[str, Path], tmp_path: Path) -> None:
-    from evaluation.perplexity import run_cli as main
+    from megaflex.eval.perplexity import run_cli as main
     from megaflex.data.indexed import IndexedDataset
 
     prefix = runs["data"] / "test"
@@ -127,7 +127,7 @@ def test_indexed_data_and_context_sweep_plot(runs: dict[str, Path], tmp_path: Pa
 
 @pytest.mark.slow
 def test_distributed_eval_with_tp_and_dp_matches_one_process(runs: dict[str, Path]) -> None:
-    from evaluation.perplexity import run_cli as main
+    from megaflex.eval.perplexity import run_cli as main
 
     # one document per line, so data-parallel ranks really split the documents
     args = ["--checkpoint", str(runs["z3tp2"]), "--data", str(runs["data"] / "test.raw"), "--mode", "stateful",
@@ -142,7 +142,7 @@ def test_distributed_eval_with_tp_and_dp_matches_one_process(runs: dict[str, Pat
 
 @pytest.mark.slow
 def test_megaflex_generate_streams_a_continuation(runs: dict[str, Path], capsys: pytest.CaptureFixture) -> None:
-    from evaluation.generate import main
+    from megaflex.eval.generate import main
 
     main(["--checkpoint", str(runs["z0"]), "--prompt", " = Valkyria", "--max-new-tokens", "12", "--temperature", "0"])
     printed = capsys.readouterr().out
@@ -153,7 +153,7 @@ def test_megaflex_generate_streams_a_continuation(runs: dict[str, Path], capsys:
 @pytest.mark.slow
 def test_hf_dataset_source_tokenized_on_the_fly_matches_the_raw_file(runs: dict[str, Path],
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    from evaluation.perplexity import run_cli as main
+    from megaflex.eval.perplexity import run_cli as main
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     text_path = runs["data"] / "test.raw"
@@ -167,7 +167,7 @@ def test_hf_dataset_source_tokenized_on_the_fly_matches_the_raw_file(runs: dict[
 
 def test_console_entry_point_exits_zero(monkeypatch):
     """``megaflex-eval`` is ``sys.exit(main())``: main must return an exit status, not the results."""
-    import evaluation.perplexity as perplexity
+    import megaflex.eval.perplexity as perplexity
 
     monkeypatch.setattr(perplexity, "run_cli", lambda argv=None: {"ppl": 1.0})
     assert perplexity.main([]) == 0
@@ -175,11 +175,11 @@ def test_console_entry_point_exits_zero(monkeypatch):
 
 def test_results_json_is_written_without_matplotlib(tmp_path: Path) -> None:
     """A GPU node's offline install has no matplotlib (``megaflex[tools]``): megaflex-eval's JSON
-    writer (evaluation.plotting.write_json) must not need it; only a plot imports it."""
+    writer (megaflex.eval.plotting.write_json) must not need it; only a plot imports it."""
     import subprocess
     import sys
 
-    code = ("import sys; sys.modules['matplotlib'] = None; from evaluation.plotting import write_json; "
+    code = ("import sys; sys.modules['matplotlib'] = None; from megaflex.eval.plotting import write_json; "
             "write_json(sys.argv[1], {'ppl': 1.5})")  # fmt: skip
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "r.json")], cwd=REPO, capture_output=True,
                           text=True, timeout=120)  # fmt: skip

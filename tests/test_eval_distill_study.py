@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from evaluation.distill_study import (
+from studies.distill_study import (
     DistillStudyConfig,
     build_parser,
     check_targets,
@@ -21,7 +21,7 @@ from evaluation.distill_study import (
     teacher_data,
     teacher_run,
 )
-from evaluation.loading import resolve_checkpoint
+from megaflex.eval.loading import resolve_checkpoint
 from megaflex.checkpoint.layout import read_meta
 
 TINY = ["--steps", "20", "--stage1-steps", "1", "--stage2-steps", "1", "--max-train-docs", "40",
@@ -156,7 +156,7 @@ def test_bad_settings_fail_before_any_training(tmp_path: Path) -> None:
 
 
 def test_students_with_nothing_to_train_in_stage_1_are_left_out_or_refused() -> None:
-    from evaluation.distill_study import build_parser, config_from_args, untrainable_students
+    from studies.distill_study import build_parser, config_from_args, untrainable_students
 
     assert untrainable_students(["flexformer_n", "performer", "hedgehog"], "capped_denominator") == ["performer"]
     assert untrainable_students(["flexformer_n", "performer"], "rms") == []  # the rms gains train

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from evaluation.scoring import MODES, evaluate
+from megaflex.eval.scoring import MODES, evaluate
 
 DOC_LENGTHS = [1, 3, 9, 40, 41, 77, 2]
 CONTEXT = 16

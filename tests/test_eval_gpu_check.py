@@ -1,4 +1,4 @@
-"""``python -m evaluation.gpu_check --dry-run``: every stage of the one-call GPU acceptance runs at tiny
+"""``python -m benchmarks.gpu_check --dry-run``: every stage of the one-call GPU acceptance runs at tiny
 shapes on CPU (kernels under Triton's interpreter, the real trainer as subprocesses) and writes its
 fields into the JSON report; with stand-in stages (tests/gpu_check_stubs.py): the global deadline,
 rows that survive a timeout, the exit status of caught failures, and SIGTERM taking the running
@@ -18,11 +18,11 @@ import pytest
 
 pytest.importorskip("triton", reason="triton is not installed (pip install 'megaflex[dev]' installs it)")
 
-import evaluation.gpu_check.__main__ as gpu_check  # noqa: E402
+import benchmarks.gpu_check.__main__ as gpu_check  # noqa: E402
 import gpu_check_stubs  # noqa: E402
-from evaluation.gpu_check.__main__ import STAGES  # noqa: E402
-from evaluation.gpu_check.profile_summary import category  # noqa: E402
-from evaluation.gpu_check.report import caught_failures  # noqa: E402
+from benchmarks.gpu_check.__main__ import STAGES  # noqa: E402
+from benchmarks.gpu_check.profile_summary import category  # noqa: E402
+from benchmarks.gpu_check.report import caught_failures  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.mark.timeout(1500)  # seven stages in subprocesses, about 5 minutes on 2 loaded cores
 @pytest.mark.usefixtures("forked_python")  # its stages and their training runs: forked, not fresh interpreters
 def test_gpu_check_dry_run_runs_every_stage(tmp_path):
-    from evaluation.gpu_check.__main__ import main
+    from benchmarks.gpu_check.__main__ import main
 
     status = main(["--dry-run", "--out", str(tmp_path), "--triton-cache", str(tmp_path / "triton")])
     report = json.loads((tmp_path / "gpu_check.json").read_text())
@@ -103,7 +103,7 @@ def test_gpu_check_refuses_to_run_without_cuda_unless_dry_run():
     if __import__("torch").cuda.is_available():
         pytest.skip("this machine has CUDA: the real run is the one to use")
     proc = subprocess.run(
-        [sys.executable, "-m", "evaluation.gpu_check", "--stages", "environment"],
+        [sys.executable, "-m", "benchmarks.gpu_check", "--stages", "environment"],
         cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 2 and "no usable CUDA device" in proc.stderr
@@ -205,7 +205,7 @@ def test_out_defaults_outside_the_repository(monkeypatch, tmp_path):
 
 
 def test_accuracy_judge_lists_the_dtypes_own_overflow_and_fails_the_kernels():
-    from evaluation.gpu_check.accuracy import judge
+    from benchmarks.gpu_check.accuracy import judge
 
     inf, nan = float("inf"), float("nan")
     assert judge({"out": 1e-4, "dq": inf}, {"out": 0.0, "dq": inf}, 1e-3) == {"passed": True, "overflows_in_dtype": ["dq"]}
@@ -216,7 +216,7 @@ def test_accuracy_judge_lists_the_dtypes_own_overflow_and_fails_the_kernels():
 
 
 def test_map_in_workers_returns_every_item_and_a_dead_worker_as_an_error():
-    from evaluation.gpu_check.common import map_in_workers
+    from benchmarks.gpu_check.common import map_in_workers
 
     assert dict(map_in_workers(gpu_check_stubs.square_or_die, [1, 2, 3], workers=1)) == {0: {"x": 1}, 1: {"x": 4}, 2: {"x": 9}}
     got = dict(map_in_workers(gpu_check_stubs.square_or_die, [2, -1], workers=2))

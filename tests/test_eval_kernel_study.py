@@ -11,8 +11,10 @@ import pytest
 
 from dataclasses import replace
 
-from evaluation.kernel_study import RunSpec, StudyConfig, load_row, main, plan, run_fingerprint, run_study, save_row
-from evaluation.kernel_study_report import aggregate, beats, chi_density, window_targets
+from studies.kernel_study import main, plan, run_study
+from studies.kernel_study_config import RunSpec, StudyConfig
+from studies.runner import load_row, run_fingerprint, save_row
+from studies.kernel_study_report import aggregate, beats, chi_density, window_targets
 
 
 TINY = ["--steps", "3", "--kinds", "flexformer_n", "--arms", "fn_hybrid", "--seeds", "2",
@@ -153,7 +155,8 @@ def test_chi_density_integrates_to_one_with_the_right_mean() -> None:
 
 
 def test_runs_use_the_project_kernel_lr_multipliers_and_arms_override_them(tmp_path: Path) -> None:
-    from evaluation.kernel_study import ARMS, REPO, train_overrides
+    from studies.kernel_study_config import ARMS, REPO
+    from studies.runner import train_overrides
     from megaflex.training.config import OptimizerConfig, load_config
 
     cfg = StudyConfig()
@@ -175,8 +178,8 @@ def test_runs_use_the_project_kernel_lr_multipliers_and_arms_override_them(tmp_p
 def test_v3_arms_build_valid_models_and_report_the_far_share_per_layer() -> None:
     import torch
 
-    from evaluation.kernel_study import kernel_summary
-    from evaluation.kernel_study_config import ARM_KINDS, ARMS, V3_ARMS
+    from studies.runner import kernel_summary
+    from studies.kernel_study_config import ARM_KINDS, ARMS, V3_ARMS
     from megaflex.model import GPT, ModelConfig
 
     kinds = {}
@@ -203,7 +206,8 @@ def test_v3_arms_build_valid_models_and_report_the_far_share_per_layer() -> None
 
 
 def test_the_base_normalisation_is_fingerprinted_only_where_it_changes_the_run(tmp_path: Path) -> None:
-    from evaluation.kernel_study import REPO, train_overrides
+    from studies.kernel_study_config import REPO
+    from studies.runner import train_overrides
     from megaflex.training.config import load_config
 
     capped, rms = StudyConfig(out=str(tmp_path)), StudyConfig(out=str(tmp_path), normalization="rms")
@@ -230,7 +234,7 @@ def test_the_base_normalisation_is_fingerprinted_only_where_it_changes_the_run(t
 
 
 def test_reuse_copies_rows_of_another_study_with_the_same_recipe_under_this_studys_labels(tmp_path: Path) -> None:
-    from evaluation.kernel_study import reuse_rows
+    from studies.runner import reuse_rows
 
     old = StudyConfig(out=str(tmp_path / "v3"), normalization="rms", seeds=1)
     stored = {  # label -> (run of the old study, its row)
@@ -253,8 +257,8 @@ def test_reuse_copies_rows_of_another_study_with_the_same_recipe_under_this_stud
 def test_long_context_columns_score_past_the_training_length_or_name_why_not(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    import evaluation.kernel_study as study
-    from evaluation.scoring import evaluate
+    import studies.runner as study
+    from megaflex.eval.scoring import evaluate
     from megaflex.model import GPT, ModelConfig
 
     assert study.long_context_scores(StudyConfig(), None, None, None) == {}  # off by default
@@ -283,7 +287,7 @@ def test_long_context_columns_score_past_the_training_length_or_name_why_not(mon
 def test_normalizer_diagnosis_measures_the_gain_rms_puts_on_softmax_attention() -> None:
     import torch
 
-    from evaluation.normalizer_diagnosis import capture_attention_inputs, init_gradient_scale, rms_gain_statistics
+    from studies.normalizer_diagnosis import capture_attention_inputs, init_gradient_scale, rms_gain_statistics
     from megaflex.model import GPT, ModelConfig
 
     # equal keys: uniform causal attention, so A v at position t is the mean of the first t values
@@ -310,7 +314,7 @@ def test_normalizer_diagnosis_measures_the_gain_rms_puts_on_softmax_attention() 
 
 
 def test_v4_verdict_asks_whether_each_learned_kernel_beats_every_fixed_one_and_tabulates_long_context() -> None:
-    from evaluation.kernel_study_report import learned_against_fixed, long_context_metrics, long_context_table
+    from studies.kernel_study_report import learned_against_fixed, long_context_metrics, long_context_table
 
     def rows(label: str, kind: str, ppls: tuple[float, ...], long: float | None = None) -> list[dict]:
         out = []

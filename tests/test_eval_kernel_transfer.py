@@ -10,7 +10,7 @@ import pytest
 
 from forked_python import forking_process_pool
 
-from evaluation.kernel_transfer import B_METRIC, initial_kernel_state, kernel_state, main, max_abs_diff
+from studies.kernel_transfer import B_METRIC, initial_kernel_state, kernel_state, main, max_abs_diff
 
 TINY = ["--steps-a", "4", "--steps-b", "3", "--max-train-docs", "40", "--vocab-size", "512", "--hidden-size", "32",
         "--num-layers", "2", "--num-heads", "2", "--feature-dim", "16", "--seq-len", "64", "--micro-batch-size", "2",
@@ -21,10 +21,10 @@ TINY = ["--steps-a", "4", "--steps-b", "3", "--max-train-docs", "40", "--vocab-s
 def test_kernel_transfer_arms_freeze_the_right_kernels_and_report_the_drops(
     shared_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import evaluation.kernel_transfer
+    import studies.kernel_transfer
 
     # the chains' worker processes and their training runs: forked, not fresh interpreters
-    monkeypatch.setattr(evaluation.kernel_transfer, "ProcessPoolExecutor", forking_process_pool)
+    monkeypatch.setattr(studies.kernel_transfer, "ProcessPoolExecutor", forking_process_pool)
     work, out = tmp_path / "work", tmp_path / "out"
     places = ["--data-root", str(shared_data), "--data-work-dir", str(tmp_path / "data"), "--work-dir", str(work), "--out", str(out)]
     rows = main([*TINY, *places, "--jobs", "2"])  # the two kinds' chains in two processes
@@ -41,7 +41,7 @@ def test_kernel_transfer_arms_freeze_the_right_kernels_and_report_the_drops(
     # the transfer run copied only the kernel: its other weights were trained from scratch on B
     import torch
 
-    from evaluation.loading import load_for_eval
+    from megaflex.eval.loading import load_for_eval
 
     a_model, t_model = (load_for_eval(runs["hedgehog", arm] / "checkpoints").model for arm in ("A", "transfer"))
     assert not torch.equal(a_model.embed.weight, t_model.embed.weight)
@@ -102,7 +102,7 @@ def test_kinds_without_a_learnable_kernel_and_bad_counts_are_refused() -> None:
 
 
 def test_findings_claim_only_what_the_seeds_separate() -> None:
-    from evaluation.kernel_transfer_report import findings, summarize
+    from studies.kernel_transfer_report import findings, summarize
 
     ppl = {  # B test ppl per (kind, arm): three seeds each
         ("flexformer_n", "transfer"): [300.0, 295.0, 340.0], ("flexformer_n", "learned_b"): [398.0, 331.0, 297.0],

@@ -1,4 +1,4 @@
-"""Exact token accounting of evaluation.scoring with tiny GPTs built here (no checkpoint)."""
+"""Exact token accounting of megaflex.eval.scoring with tiny GPTs built here (no checkpoint)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from evaluation.scoring import EvalResult, evaluate, evaluate_stateful, evaluate_windows, plan_windows, shard
+from megaflex.eval.scoring import EvalResult, evaluate, evaluate_stateful, evaluate_windows, plan_windows, shard
 from megaflex.model.config import ModelConfig
 from megaflex.model.gpt import GPT
 

@@ -92,19 +92,19 @@ def train_in_process(argv: list[str], capsys: pytest.CaptureFixture) -> Outcome:
 
 
 def export(argv: list[str], capsys: pytest.CaptureFixture) -> Outcome:
-    from evaluation.export import main
+    from megaflex.hf.export import main
 
     return in_process("megaflex-export", main, argv, capsys)
 
 
 def generate(argv: list[str], capsys: pytest.CaptureFixture) -> Outcome:
-    from evaluation.generate import main
+    from megaflex.eval.generate import main
 
     return in_process("megaflex-generate", main, argv, capsys)
 
 
 def evaluate(argv: list[str], capsys: pytest.CaptureFixture) -> Outcome:
-    from evaluation.perplexity import main
+    from megaflex.eval.perplexity import main
 
     return in_process("megaflex-eval", main, argv, capsys)
 
@@ -115,7 +115,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A 300-piece tokenizer, a 2-step ZeRO 1 run with it (model vocabulary 512: padded beyond the
     tokenizer's), its HF export, and a small indexed dataset."""
     from data_prep.train_tokenizer import TokenizerTrainConfig, train_tokenizer
-    from evaluation.export import export_checkpoint
+    from megaflex.hf.export import export_checkpoint
     from test_data_faults import write_docs
 
     root = tmp_path_factory.mktemp("failure_modes")
@@ -529,7 +529,7 @@ def test_eval_prints_the_context_sweep_and_no_unknown_numbers(world: dict[str, P
                                                               capsys: pytest.CaptureFixture) -> None:
     """Issue 37: the --contexts sweep reached only --json/--plot, and text without word counts
     (here cut by --max-tokens) printed "word ppl None"."""
-    from evaluation.perplexity import main
+    from megaflex.eval.perplexity import main
 
     out, data = tmp_path / "eval.json", world["root"] / "text.txt"
     capsys.readouterr()

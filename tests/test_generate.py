@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from evaluation.generate import SamplingConfig, TextStreamer, generate, sample_next
+from megaflex.eval.generate import SamplingConfig, TextStreamer, generate, sample_next
 from test_eval_scoring import VOCAB, tiny_gpt
 
 

@@ -20,9 +20,9 @@ import torch
 
 from distributed import run_distributed
 from failure_helpers import one_error_line
-from evaluation.export import export_checkpoint, import_hf
-from evaluation.export import main as export_main
-from evaluation.loading import load_for_eval
+from megaflex.hf.export import export_checkpoint, import_hf
+from megaflex.hf.export import main as export_main
+from megaflex.eval.loading import load_for_eval
 from numerics import assert_close, gpt_steps
 from test_eval_cli import _train_args, _train_rank
 
@@ -47,7 +47,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory, shared_data: Path) -> dic
         shutil.copyfile(data / split.replace("test", "train"), data / split)
     run = root / "z3tp2"
     assert run_distributed(_train_rank, 2, args=(_train_args(data, run, 3, 2),), init_process_group=False) == [0, 0]
-    from evaluation.perplexity import run_cli
+    from megaflex.eval.perplexity import run_cli
 
     run_cli(["--checkpoint", str(run), "--data", str(data / "train.raw"), "--max-tokens", "400", "--context", "64",
              "--device", "cpu", "--json", str(root / "ppl.json")])
@@ -83,7 +83,7 @@ def test_tp2_zero3_export_loads_with_auto_classes_and_matches_megaflex(exported:
 @pytest.mark.slow
 def test_greedy_generate_equals_megaflex_generate_cli(exported: dict[str, Path], capsys: pytest.CaptureFixture) -> None:
     import megaflex.hf  # noqa: F401
-    from evaluation.generate import main as generate_main
+    from megaflex.eval.generate import main as generate_main
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     generate_main(["--checkpoint", str(exported["run"]), "--prompt", PROMPT, "--max-new-tokens", "20",
@@ -157,7 +157,7 @@ torch.save({"logits": logits, "generated": generated, "module": type(model).__mo
 @pytest.fixture(scope="module")
 def remote(exported: dict[str, Path], tmp_path_factory: pytest.TempPathFactory, shared_data: Path) -> dict:
     """The ``_REMOTE`` process's results, its ids and the lm-eval task's JSONL."""
-    from evaluation.lm_eval_tasks import main as tasks_main
+    from megaflex.hf.lm_eval_tasks import main as tasks_main
 
     root = tmp_path_factory.mktemp("remote")
     tasks = root / "tasks"
@@ -182,14 +182,14 @@ def test_trust_remote_code_without_megaflex(exported: dict[str, Path], remote: d
     with torch.no_grad():
         expected = reference.gather_logits(reference(ids).logits)
     assert_close(remote["logits"], expected, steps=gpt_steps(reference.config, ids.shape[-1]))
-    from evaluation.generate import SamplingConfig, generate
+    from megaflex.eval.generate import SamplingConfig, generate
 
     assert torch.equal(remote["generated"][:, 8:], generate(reference, ids[:, :8], 6, SamplingConfig(temperature=0)))
 
 
 @pytest.mark.slow
 def test_lm_eval_local_task_perplexity_matches_megaflex_eval(exported: dict[str, Path], remote: dict) -> None:
-    from evaluation.perplexity import run_cli
+    from megaflex.eval.perplexity import run_cli
 
     records = [json.loads(line) for line in remote["jsonl"].read_text().splitlines()]
     assert len(records) > 2 and max(r["num_tokens"] for r in records) <= 256  # cut to the model's max_seq_len
@@ -242,8 +242,8 @@ def test_clear_errors(exported: dict[str, Path], tmp_path: Path, capsys: pytest.
 @pytest.mark.slow
 def test_truncated_checkpoint_metadata_is_one_error_line(exported: dict[str, Path], tmp_path: Path,
                                                          capsys: pytest.CaptureFixture) -> None:
-    from evaluation.generate import main as generate_main
-    from evaluation.perplexity import main as eval_main
+    from megaflex.eval.generate import main as generate_main
+    from megaflex.eval.perplexity import main as eval_main
 
     run = tmp_path / "run"
     shutil.copytree(exported["run"] / "checkpoints", run)

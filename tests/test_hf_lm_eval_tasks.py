@@ -1,10 +1,10 @@
-"""evaluation.lm_eval_tasks.split_document: line-aligned pieces that each fit one lm-eval window."""
+"""megaflex.hf.lm_eval_tasks.split_document: line-aligned pieces that each fit one lm-eval window."""
 
 from __future__ import annotations
 
 import pytest
 
-from evaluation.lm_eval_tasks import split_document
+from megaflex.hf.lm_eval_tasks import split_document
 
 
 def chars(text: str) -> list[int]:  # a character-level tokenizer: one token per character

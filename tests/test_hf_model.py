@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import megaflex.hf  # noqa: F401  (registers the Auto classes)
-from evaluation.generate import SamplingConfig, generate
+from megaflex.eval.generate import SamplingConfig, generate
 from megaflex.attention import ATTENTION_KINDS
 from megaflex.hf import FlexformerCache, FlexformerConfig, FlexformerForCausalLM
 from megaflex.model.config import ModelConfig

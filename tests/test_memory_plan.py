@@ -149,9 +149,9 @@ def test_247m_plan_matches_a_measured_cpu_bf16_step() -> None:
     The sequence is 8 tokens: CPUs without AVX-512 emulate bf16 matmuls (a 256-token step ran
     over 10 minutes here); weights, gradients and optimizer states, 99.8% of the plan at 8 tokens,
     are what the comparison checks. The run skips all but one closing validation batch. Longer sequences:
-    evaluation/bench_memory_plan.py (docs/results/memory_plan_247m.json, sequence 32)."""
+    benchmarks/memory_plan.py (docs/results/memory_plan_247m.json, sequence 32)."""
     sys.path.insert(0, str(REPO))
-    from evaluation.bench_memory_plan import compare
+    from benchmarks.memory_plan import compare
 
     result = compare(REPO / "configs" / "flexformer_n_247m.yaml", zero=1, precision="bf16", micro_batch=1, seq_len=8)
     assert result["parameters"] > 230e6

@@ -2,7 +2,7 @@
 Python (needs the package index: PyPI for DeepSpeed's sdist and hjson), a fresh venv gets only what a
 node brings (torch, triton 3.6.0 -- the lowest supported -- and numpy, from the local wheel cache),
 then launch/setup_env.sh with MEGAFLEX_OFFLINE_WHEELS installs megaflex with every index and pip
-configuration file switched off, and ``python -m evaluation.gpu_check --dry-run`` runs in it.
+configuration file switched off, and ``python -m benchmarks.gpu_check --dry-run`` runs in it.
 
 The wheelhouse is cached (MEGAFLEX_WHEELHOUSE_CACHE, default ~/.cache/megaflex/wheelhouse) under a
 key of megaflex's dependencies and the script, so it is rebuilt only when either changes. A wheelhouse
@@ -96,7 +96,7 @@ def test_offline_install_onto_a_preinstalled_torch_runs_the_gpu_check(tmp_path):
     assert again.returncode == 0 and "environment up to date" in again.stdout, again.stdout + again.stderr
 
     out = tmp_path / "gpu_check"
-    check = subprocess.run([str(node / "bin" / "python"), "-m", "evaluation.gpu_check", "--dry-run", "--out", str(out)],
+    check = subprocess.run([str(node / "bin" / "python"), "-m", "benchmarks.gpu_check", "--dry-run", "--out", str(out)],
                            cwd=REPO, capture_output=True, text=True, timeout=1500,
                            env=_quiet_env(OMP_NUM_THREADS="1"))  # fmt: skip
     report = json.loads((out / "gpu_check.json").read_text())

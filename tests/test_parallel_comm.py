@@ -19,7 +19,7 @@ from megaflex.parallel import comm
 from distributed import run_distributed
 
 REPO = Path(__file__).resolve().parents[1]
-CHECKED = ("megaflex", "evaluation", "data_prep")
+CHECKED = ("megaflex", "benchmarks", "studies", "data_prep")
 ALLOWED = REPO / "megaflex" / "parallel"
 COLLECTIVES = frozenset({
     "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "all_gather_coalesced",

@@ -95,8 +95,8 @@ def _assert_same_run(records: list[dict], reference: list[dict], numel: int, ran
 )
 def test_pipeline_parallel_run_equals_one_device(tmp_path: Path, reference: tuple[Path, list[dict]], ranks: int,
                                                  overrides: list[str]) -> None:
-    from evaluation.loading import load_for_eval
-    from evaluation.perplexity import run_eval
+    from megaflex.eval.loading import load_for_eval
+    from megaflex.eval.perplexity import run_eval
 
     ref_run, ref_records = reference
     records = _train(tmp_path / "run", ranks, overrides + ["checkpoint.save_interval=1"])

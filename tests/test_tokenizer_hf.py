@@ -72,8 +72,8 @@ def test_preprocessed_tokens_are_the_tokenizer_ids(bpe_run: dict[str, Path]) -> 
 
 
 def test_training_records_the_bpe_and_evaluation_refuses_another(bpe_run: dict[str, Path], tmp_path: Path) -> None:
-    from evaluation.loading import load_for_eval
-    from evaluation.perplexity import run_cli
+    from megaflex.eval.loading import load_for_eval
+    from megaflex.eval.perplexity import run_cli
 
     loaded = load_for_eval(bpe_run["run"])
     assert isinstance(loaded.tokenizer, HFTokenizer) and loaded.meta.tokenizer["sha256"] == loaded.tokenizer.record["sha256"]
@@ -92,9 +92,9 @@ def test_training_records_the_bpe_and_evaluation_refuses_another(bpe_run: dict[s
 def test_generate_cli_streams_the_bpe_text(bpe_run: dict[str, Path], capsys: pytest.CaptureFixture) -> None:
     import torch
 
-    from evaluation.generate import SamplingConfig, generate
-    from evaluation.generate import main as generate_main
-    from evaluation.loading import load_for_eval
+    from megaflex.eval.generate import SamplingConfig, generate
+    from megaflex.eval.generate import main as generate_main
+    from megaflex.eval.loading import load_for_eval
 
     prompt = "The history of the"
     assert generate_main(["--checkpoint", str(bpe_run["run"]), "--prompt", prompt, "--max-new-tokens", "12",
@@ -120,8 +120,8 @@ def test_training_refuses_data_of_another_tokenizer(bpe_run: dict[str, Path], tm
 def test_export_keeps_the_bpe_ids_and_identity(bpe_run: dict[str, Path], shared_data: Path, tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
-    from evaluation.export import export_checkpoint, import_hf
-    from evaluation.loading import load_for_eval
+    from megaflex.hf.export import export_checkpoint, import_hf
+    from megaflex.eval.loading import load_for_eval
 
     hf = export_checkpoint(bpe_run["run"], tmp_path / "hf")
     assert (hf / "megaflex_tokenizer.json").read_bytes() == bpe_run["tok"].read_bytes()

@@ -116,8 +116,8 @@ def test_checkpoint_records_the_tokenizer_and_resume_refuses_another(setup: dict
 def test_eval_and_generate_refuse_another_tokenizer(setup: dict[str, Path], good_run: Path,
                                                     capsys: pytest.CaptureFixture) -> None:
     """Fails on the old code: eval on data_t2 returned a plausible perplexity with rc 0."""
-    from evaluation.generate import main as generate
-    from evaluation.perplexity import main as evaluate
+    from megaflex.eval.generate import main as generate
+    from megaflex.eval.perplexity import main as evaluate
 
     common = ["--checkpoint", str(good_run), "--mode", "windows", "--context", "64", "--max-tokens", "2000"]
     assert evaluate(common + ["--data", str(setup["d1"])]) == 0

@@ -36,7 +36,7 @@ def _compiler_env() -> dict[str, str]:
 
 
 # fp16 launches are the bf16 ones with the other 2-byte type (same tiles, same shared memory, same
-# mma shapes): CI compiles bf16 and fp32 only; ``python -m evaluation.triton_aot`` (all three) writes
+# mma shapes): CI compiles bf16 and fp32 only; ``python -m benchmarks.triton_aot`` (all three) writes
 # the report docs/design.md cites, docs/results/triton_aot.json.
 CI_DTYPES = ("bf16", "fp32")
 
@@ -45,7 +45,7 @@ CI_DTYPES = ("bf16", "fp32")
 def test_every_shipped_launch_fits_shared_memory_and_meets_the_spill_targets(tmp_path):
     out = tmp_path / "aot.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "evaluation.triton_aot", "--out", str(out), "--dtypes", *CI_DTYPES],
+        [sys.executable, "-m", "benchmarks.triton_aot", "--out", str(out), "--dtypes", *CI_DTYPES],
         cwd=REPO_ROOT, env=_compiler_env(), capture_output=True, text=True, timeout=1800,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -81,13 +81,13 @@ WINDOW_KERNELS = ("chunk_states", "chunk_state_grads", "window_outputs", "window
 @pytest.mark.slow
 def test_window_hybrid_launches_fit_shared_memory_without_spills(tmp_path):
     """The one-normaliser window hybrid's Triton form (``triton/window.py``) at the 247M and 1.3B
-    shapes, bf16 (the training dtype; ``python -m evaluation.triton_aot --window-only`` also compiles
+    shapes, bf16 (the training dtype; ``python -m benchmarks.triton_aot --window-only`` also compiles
     fp16 / fp32: docs/results/triton_aot_window.json): every launch, every config its autotuner may
     pick, fits sm_80 / sm_90 shared memory, reaches the tensor cores and spills nothing. Its own
     run (40 compiles), so the shipped set's checks above stay about the shipped configs."""
     out = tmp_path / "aot_window.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "evaluation.triton_aot", "--window-only", "--out", str(out), "--dtypes", "bf16"],
+        [sys.executable, "-m", "benchmarks.triton_aot", "--window-only", "--out", str(out), "--dtypes", "bf16"],
         cwd=REPO_ROOT, env=_compiler_env(), capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

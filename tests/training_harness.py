@@ -176,7 +176,7 @@ def write_pattern_data(folder: Path) -> list[str]:
 
 def adam_steps_of(loaded: Any) -> tuple[list[float], tuple[float, float], float, Callable[[str], float]]:
     """(the learning rate of each of its steps, betas, eps, LR multiplier by parameter name) of the
-    run an ``evaluation.loading.load_for_eval`` checkpoint came from, from the run config it stores:
+    run a ``megaflex.eval.loading.load_for_eval`` checkpoint came from, from the run config it stores:
     the schedule (``lr_at``) and the kernel groups' multipliers of ``megaflex.training.optim``."""
     from megaflex.attention import named_kernel_parameters
     from megaflex.training.config import FLOAT_RANGES, Config

@@ -128,7 +128,7 @@ class IndexedDataset:
     over the index (lengths non-negative, pointers monotone and equal to the running sum of the
     sizes, last pointer + size = ``.bin`` length, document indices monotone), and
     :meth:`check_token_sample` reads a bounded random sample of token ids. Training runs both
-    (about a second for a 1B-token index, see ``evaluation/bench_data.py``);
+    (about a second for a 1B-token index, see ``benchmarks/data.py``);
     ``data_prep.inspect --verify`` adds a scan of every token id.
     """
 

@@ -1,0 +1,181 @@
+"""The kernel study: does a learnable kernel (Flexformer) beat fixed linear kernels, and how close
+does it come to softmax? Version 2: several seeds, mean +- std, and arms of the Flexformer-N recipe.
+
+    python -m studies.kernel_study                         # 7 kinds + 4 arms x 3 seeds (CPU preset)
+    python -m studies.kernel_study --device cuda --preset 41m   # the paper's 41M shape on a GPU
+
+trains one small GPT per run: every attention kind with the project's default recipe, plus the
+*arms*, Flexformer-N variants that change one thing of that recipe (``ARMS``: the tied init,
+the kernel LR multipliers off, Omega frozen, the sliding softmax window). Everything else is identical: data, token budget,
+optimizer, schedule, and for one seed also the data order and the initialisation of every shared
+weight. Each run is evaluated on the english-docs valid split and on WikiText-2 test; results go
+to ``--out`` (default ``docs/results/kernel_study``):
+
+* ``results.json`` / ``results.md``: per run and seed, and mean +- std over seeds per kind/arm:
+  perplexity and bits per byte on both sets, training tokens/s, final tau per layer, relative
+  change of Omega since init, negative-weight fraction and effective keys per query (the trainer's
+  kernel statistics on a fixed probe batch); a verdict that only claims what the seeds support;
+* ``loss_curves.png``: training loss, mean over seeds with a +-1 std band;
+* ``spectrum.png``: ||omega|| per layer, learned vs init (first seed) and the Gaussian density;
+* ``tau.png``: Flexformer-N's tau (mean over heads and layers) over training;
+* ``runs/<label>_s<seed>.json``: each finished run's row with a fingerprint of its settings.
+
+Resumable: the full study (33 runs at the CPU preset) does not fit one session. A run whose row
+is stored with the same fingerprint (``run_fingerprint``: the StudyConfig fields that change a
+result, the run's kind and overrides, its seed) is skipped (``--fresh`` retrains it); the report is
+rewritten after every run from every stored row of the study and names the runs still missing.
+``--order kinds`` trains all seeds of one kind/arm before the next (default ``seeds``: seed-major),
+``--only LABEL[,..]`` trains just those kinds/arms. Per-run checkpoints stay in ``--work-dir``.
+
+Training uses the project's trainer (``megaflex-train``, DeepSpeed ZeRO-0, one process, one
+subprocess per run). Data: a sentencepiece BPE tokenizer trained on the english-docs train shards,
+which are then preprocessed to ``.bin/.idx`` (cached under ``--work-dir``). Evaluation:
+``megaflex.eval.scoring`` in ``windows`` mode with the training sequence length, every target token once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from megaflex.attention import NORMALIZATIONS
+from studies.kernel_study_config import ARMS, KINDS, ORDERS, PRESETS, RunSpec, StudyConfig
+from studies.kernel_study_report import write_report
+from studies.runner import evaluate_run, load_row, prepare_data, reuse_rows, save_row, train_run
+
+
+# ------------------------------------------------------------------------------- run order
+def plan(cfg: StudyConfig, runs: list[RunSpec], order: str = "seeds") -> list[tuple[RunSpec, int]]:
+    """Every (run, seed) of the study: seed-major (``seeds``) or kind-major (``kinds``)."""
+    if order not in ORDERS:
+        raise ValueError(f"order: expected one of {ORDERS}, got {order!r}")
+    if order == "seeds":
+        return [(run, seed) for seed in cfg.seed_list for run in runs]
+    return [(run, seed) for run in runs for seed in cfg.seed_list]
+
+
+# ------------------------------------------------------------------------------- driver and CLI
+def run_study(
+    cfg: StudyConfig, runs: list[RunSpec], command: str, order: str = "seeds",
+    only: Sequence[str] | None = None, fresh: bool = False,
+) -> list[dict[str, Any]]:
+    """Train and evaluate the runs not stored yet (``only``: just these labels; ``fresh``: retrain
+    stored ones too), rewriting the report after each; returns every available row, seed-major."""
+    labels = [r.label for r in runs]
+    unknown = sorted(set(only or ()) - set(labels))
+    if unknown:
+        raise ValueError(f"only: expected labels of this study {labels}, got unknown {unknown}")
+    start = time.perf_counter()
+    report_order = plan(cfg, runs, "seeds")
+    todo = [(run, seed) for run, seed in plan(cfg, runs, order) if only is None or run.label in only]
+    redo = {(run.label, seed) for run, seed in todo} if fresh else set()
+    rows: dict[tuple[str, int], dict[str, Any]] = {}
+    for run, seed in report_order:
+        stored = None if (run.label, seed) in redo else load_row(cfg, run, seed)
+        if stored is not None:
+            rows[run.label, seed] = stored
+
+    def report() -> list[dict[str, Any]]:
+        available = [rows[r.label, s] for r, s in report_order if (r.label, s) in rows]
+        missing = [f"{r.label}_s{s}" for r, s in report_order if (r.label, s) not in rows]
+        if available:
+            write_report(cfg, available, command, time.perf_counter() - start, missing)
+        return available
+
+    todo = [(run, seed) for run, seed in todo if (run.label, seed) not in rows]
+    print(f"[kernel_study] {len(rows)} of {len(report_order)} runs stored; training {len(todo)} now", flush=True)
+    data = prepare_data(cfg) if todo else {}
+    available = []
+    for run, seed in todo:
+        t0 = time.perf_counter()
+        row = evaluate_run(cfg, run, seed, train_run(cfg, run, seed, data))
+        row["seconds"] = time.perf_counter() - t0
+        save_row(cfg, run, seed, row, command)
+        rows[run.label, seed] = row
+        available = report()
+        print(f"[kernel_study] {run.label} seed {seed}: valid ppl {row['english_docs_valid_ppl']:.2f}, "
+              f"WikiText-2 test ppl {row['wikitext2_test_ppl']:.2f} ({row['seconds']:.0f}s)", flush=True)
+    if not todo:  # else the last run's report is the final one
+        available = report()
+    print(f"[kernel_study] results in {cfg.out}")
+    return available
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m studies.kernel_study", description=__doc__.split("\n\n")[0])
+    defaults = StudyConfig()
+    p.add_argument("--kinds", default=",".join(defaults.kinds), help="comma-separated attention kinds")
+    p.add_argument("--arms", default=",".join(defaults.arms), help=f"comma-separated Flexformer-N arms of {list(ARMS)}")
+    p.add_argument("--preset", default="cpu", choices=list(PRESETS), help="model/training shape (41m: the paper's)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    for name in ("data_root", "work_dir", "out"):
+        p.add_argument("--" + name.replace("_", "-"), default=getattr(defaults, name))
+    for name in ("vocab_size", "num_layers", "hidden_size", "num_heads", "feature_dim", "steps", "seq_len",
+                 "micro_batch_size", "global_batch_size", "warmup", "seed", "seeds", "tokenizer_sentences",
+                 "eval_batch_size", "eval_tokens"):
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=None, help=f"default {getattr(defaults, name)}")
+    for name in ("lr", "min_lr", "kernel_frequency_lr_multiplier", "kernel_temperature_lr_multiplier"):
+        p.add_argument("--" + name.replace("_", "-"), type=float, default=None, help=f"default {getattr(defaults, name)}")
+    p.add_argument("--max-train-docs", type=int, default=None, help="use only the first N train-00 documents")
+    p.add_argument("--document-boundaries", default=None, choices=["none", "reset"],
+                   help="data.document_boundaries of every run (default none: packed documents attend to each other)")
+    p.add_argument("--order", default="seeds", choices=ORDERS,
+                   help="seeds: every kind/arm of one seed, then the next seed; kinds: all seeds of one kind/arm, then the next")
+    p.add_argument("--only", default=None, help="comma-separated kinds/arms to train now (the report still covers all)")
+    p.add_argument("--fresh", action="store_true", help="retrain runs whose row is stored with the same fingerprint")
+    p.add_argument("--normalization", default=None, choices=list(NORMALIZATIONS),
+                   help=f"model.normalization of every run whose arm does not set it (default {defaults.normalization})")
+    p.add_argument("--long-contexts", default=None,
+                   help="comma-separated context lengths at which english-docs valid is also scored (windows and stateful)")
+    p.add_argument("--reuse-from", default=None, metavar="STUDY_DIR",
+                   help="first copy rows of another study folder (e.g. docs/results/kernel_study_v3) whose training "
+                        "recipe equals a run of this one (same settings, kind, overrides and effective normalisation)")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> StudyConfig:
+    """StudyConfig from parsed arguments: defaults < preset < explicit flags."""
+    selection = ("order", "only", "fresh", "reuse_from")  # how this session runs the study, not what the study is
+    values = {**PRESETS[args.preset], **{k: v for k, v in vars(args).items() if v is not None and k not in selection}}
+    values["kinds"] = [k for k in args.kinds.split(",") if k]
+    values["arms"] = [a for a in args.arms.split(",") if a]
+    if args.long_contexts is not None:
+        try:
+            values["long_contexts"] = [int(c) for c in args.long_contexts.split(",") if c]
+        except ValueError:
+            raise ValueError(f"--long-contexts: expected comma-separated ints, got {args.long_contexts!r}") from None
+        if any(c < 1 for c in values["long_contexts"]):
+            raise ValueError(f"--long-contexts: expected positive lengths, got {args.long_contexts!r}")
+    for name, given, known in (("--kinds", values["kinds"], KINDS), ("--arms", values["arms"], tuple(ARMS))):
+        unknown = sorted(set(given) - set(known))
+        if unknown:
+            raise ValueError(f"{name}: expected a subset of {list(known)}, got unknown {unknown}")
+    if values.get("seeds", 1) < 1:
+        raise ValueError(f"--seeds: expected >= 1, got {values['seeds']}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available here")
+    return StudyConfig(**values)
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    args = build_parser().parse_args(argv)
+    cfg = config_from_args(args)
+    command = "python -m studies.kernel_study " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    only = [label for label in args.only.split(",") if label] if args.only is not None else None
+    if args.reuse_from:
+        source = Path(args.reuse_from)
+        if not (source / "runs").is_dir():
+            raise ValueError(f"--reuse-from: {source} holds no runs/ folder of a study")
+        copied = reuse_rows(cfg, cfg.runs(), source)
+        print(f"[kernel_study] reused {len(copied)} rows of {source}: {', '.join(copied) or 'none'}", flush=True)
+    return run_study(cfg, cfg.runs(), command.strip(), order=args.order, only=only, fresh=args.fresh)
+
+
+if __name__ == "__main__":
+    main()
