@@ -35,8 +35,8 @@ from .core import (
     validate_linear_attention_inputs,
 )
 from .feature_maps import FEATURE_MAP_KINDS, build_feature_map, feature_dim_of
-from .quadratic import quadratic_linear_attention
-from .recurrent import recurrent_linear_attention
+from .linear.naive import quadratic_linear_attention
+from .linear.recurrent import recurrent_linear_attention
 from .softmax import KVCache, softmax_attention
 
 

@@ -44,8 +44,8 @@ from torch import nn
 from .base import NORMALIZATIONS, LinearAttentionState
 from .documents import DocumentLayout, block_causal_mask, document_layout, run_by_document, run_documents_batched
 from .feature_maps import FEATURE_MAP_KINDS, build_feature_map
-from .quadratic import quadratic_linear_attention
-from .recurrent import recurrent_linear_attention, recurrent_step
+from .linear.naive import quadratic_linear_attention
+from .linear.recurrent import recurrent_linear_attention, recurrent_step
 from .softmax import KVCache, softmax_attention
 from .validation import FORMS, _check_floating, _shape, validate_linear_attention_inputs
 
@@ -78,10 +78,10 @@ def _chunked_impl(backend: str, on_cuda: bool) -> LinearAttentionFn:
 
         return triton_linear_attention
     if which == "fla":
-        from .chunked_cuda import fla_linear_attention
+        from .linear.chunk_fla import fla_linear_attention
 
         return fla_linear_attention
-    from .chunked import chunked_linear_attention
+    from .linear.chunk import chunked_linear_attention
 
     return chunked_linear_attention
 
@@ -299,7 +299,7 @@ class AttentionCore(nn.Module):
         spec = self._trig_spec()
         if which == "torch" and spec is not None and q.device.type == "cpu":
             # CPU: the trig map fused into the chunked form, no [B, H, N, F] features kept for backward
-            from .chunked_trig import trig_linear_attention_chunked
+            from .linear.chunk_trig import trig_linear_attention_chunked
 
             omega, inv_temperature, paired = spec
             out, new_state = trig_linear_attention_chunked(

@@ -47,7 +47,7 @@ from typing import NamedTuple
 import torch
 
 from .base import normalize_output, reads_denominator
-from .chunked import _normalize_backward
+from .linear.chunk import _normalize_backward
 
 # elements of a group's [heads, g, C, (L + 1) C] temporaries (x 4 bytes = 4 MiB)
 _GROUP_ELEMENTS = 1 << 20

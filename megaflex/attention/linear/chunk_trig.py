@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import torch
 
-from ._heads import for_each_head
-from .base import LinearAttentionState, accumulation_dtype, normalize_output, reads_denominator
-from .chunked import (
+from .._heads import for_each_head
+from ..base import LinearAttentionState, accumulation_dtype, normalize_output, reads_denominator
+from .chunk import (
     GroupScratch, _groups, _normalize_backward, _plan, _stabiliser, chunked_linear_attention, group_backward, group_forward,
     unpack_result,
 )
-from .feature_maps._trig import _feature_scale, trig_d_proj, trig_feature_map, trig_rows
-from .validation import validate_linear_attention_inputs
+from ..feature_maps._trig import _feature_scale, trig_d_proj, trig_feature_map, trig_rows
+from ..validation import validate_linear_attention_inputs
 
 # chunked_linear_attention's plan decides "long" (one head per block); False forces the plain path
 FUSED_TRIG_ENABLED = True

@@ -62,12 +62,12 @@ import functools
 
 import torch
 
-from ._heads import for_each_head
-from .base import (
+from .._heads import for_each_head
+from ..base import (
     OUTPUT_RMS_CAP, LinearAttentionState, capped_denominator, fp32_inputs, guard_denominator, normalize_output, output_rms,
     reads_denominator,
 )
-from .validation import validate_linear_attention_inputs
+from ..validation import validate_linear_attention_inputs
 
 # target number of elements of a group's C x C weight block (x 4 bytes = 1 MiB)
 _GROUP_ELEMENTS = 1 << 18

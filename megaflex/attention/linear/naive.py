@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import LinearAttentionState, fp32_inputs, normalize_output
-from .documents import block_causal_mask, document_ids
+from ..base import LinearAttentionState, fp32_inputs, normalize_output
+from ..documents import block_causal_mask, document_ids
 
 
 def quadratic_linear_attention(
