@@ -12,7 +12,7 @@
 
   - ``"shared_normaliser"`` (default; LoLCATs / Based): exact softmax weights exp(q.k / sqrt d)
     for the last W keys and the learned kernel phi~(q).phi~(k) for every older key, in one
-    normaliser with one log-space stabiliser per query (``shared_window.py``, which has the maths
+    normaliser with one log-space stabiliser per query (``window/``, which has the maths
     and the quadratic / chunked / recurrent forms). Near keys are counted once, the two parts keep
     their relative mass, and nothing is learned for the mix. No [N, N] or [N, W + N] mask. Decoding
     keeps a W - 1 key window cache plus the linear state of the keys that left it.
@@ -38,8 +38,8 @@ from torch import nn
 from .base import KernelParameter, LinearAttentionState, normalize_output
 from .core import AttentionCore, mask_padded_keys, padding_mask
 from .documents import DocumentLayout, document_layout, run_documents_batched
-from .segments import run_segments
-from .shared_window import WindowCache, windowed_linear_attention
+from .window.segments import run_segments
+from .window import WindowCache, windowed_linear_attention
 from .softmax import padded_causal_mask
 
 WINDOW_MIXINGS = ("shared_normaliser", "gated")
@@ -164,7 +164,7 @@ class LocalMixingCore(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: HybridState | None, return_state: bool,
         key_mask: torch.Tensor | None, restarting: DocumentLayout | None,
     ) -> tuple[torch.Tensor, HybridState | None]:
-        """The one-normaliser window (``shared_window.py``) after the optional convolution. Packed
+        """The one-normaliser window (``window/``) after the optional convolution. Packed
         documents (``restarting``: a layout whose starts change something) run one per row
         (``run_documents_batched``), convolution included."""
         if restarting is not None:

@@ -428,7 +428,7 @@ def unpack_result(
     -> (out [B, H, N, Dv], LinearAttentionState)."""
     dv = final.shape[-1] - 1
     final = final.view(batch, heads, final.shape[-2], dv + 1)
-    state = LinearAttentionState(kv=final[..., :dv], k_sum=final[..., dv], log_max=log_max.view(batch, heads), offset=offset)
+    state = LinearAttentionState.from_augmented(final, log_max.view(batch, heads), offset)
     return out.view(batch, heads, -1, dv), state
 
 
@@ -457,7 +457,7 @@ def chunked_linear_attention(
     dv = v.shape[-1]
     with torch.autocast(device_type=qf.device.type, enabled=False):
         q, k, lam, vv, state = fp32_inputs(qf, kf, kls, v, initial_state)
-        s0 = torch.cat([state.kv, state.k_sum.unsqueeze(-1)], dim=-1)  # [B, H, F, Dv+1]
+        s0 = state.augmented()  # [B, H, F, Dv+1]
         bh = batch * heads
         out, final, log_max = _ChunkedLinearAttention.apply(
             q.reshape(bh, n, feat).contiguous(),

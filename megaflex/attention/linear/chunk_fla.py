@@ -80,7 +80,7 @@ def gla_linear_attention(
     keys = (k.to(acc) * torch.exp(lam - m).unsqueeze(-1)).to(io)  # exp(kls_s - m_s) kf_s, rounded once
     denominator = reads_denominator(normalization)
     values = torch.cat([vv, torch.ones_like(vv[..., :1])], dim=-1) if denominator else vv
-    s0 = torch.cat([state.kv, state.k_sum.unsqueeze(-1)], dim=-1) if denominator else state.kv
+    s0 = state.augmented() if denominator else state.kv
     s0 = torch.where(torch.isfinite(m0)[..., None, None], s0, torch.zeros_like(s0))
 
     def seq_major(t: torch.Tensor) -> torch.Tensor:  # [B, H, N, ...] -> [B, N, H, ...]

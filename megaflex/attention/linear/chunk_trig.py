@@ -217,7 +217,7 @@ def trig_linear_attention_chunked(
     with torch.autocast(device_type=q.device.type, enabled=False):
         if initial_state is None:
             initial_state = LinearAttentionState.empty(batch, heads, feat, dv, device=q.device, dtype=acc)
-        s0 = torch.cat([initial_state.kv.to(acc), initial_state.k_sum.to(acc).unsqueeze(-1)], dim=-1)
+        s0 = initial_state.augmented().to(acc)
         out, final, log_max = _ChunkedTrigAttention.apply(
             q.to(acc).reshape(bh, n, d).contiguous(),
             k.to(acc).reshape(bh, n, d).contiguous(),

@@ -154,7 +154,7 @@ def record_window_launches(
     from .window import window_backward, window_chunk, window_forward, window_plan
 
     recorder = _Recorder()
-    c = window_chunk(chunk_size)  # what the dispatcher (shared_window._chunked) passes
+    c = window_chunk(chunk_size)  # what the dispatcher (window._triton_function) passes
     t = 3 * c
     q, k = torch.zeros(bh, t, head_dim, dtype=dtype), torch.zeros(bh, t, head_dim, dtype=dtype)
     qf, kf = torch.zeros(bh, t, feat, dtype=dtype), torch.zeros(bh, t, feat, dtype=dtype)

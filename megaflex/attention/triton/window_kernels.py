@@ -1,4 +1,4 @@
-"""Triton kernels of the one-normaliser hybrid's chunked form (maths: ``shared_window.py`` and
+"""Triton kernels of the one-normaliser hybrid's chunked form (maths: ``window/`` and
 ``shared_window_chunked.py``; glue: ``window.py``).
 
 Layout: contiguous [BH, T, *], T = NC * CHUNK (the glue pads), keys aligned with the queries.
