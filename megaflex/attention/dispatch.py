@@ -13,6 +13,7 @@ Ops (the ``op`` axis):
 * ``linear``:       causal linear attention (``AttentionCore``, ``causal_linear_attention``).
 * ``local_mixing``: the hybrid's module-level paths (``hybrid.LocalMixingCore``).
 * ``window``:       the one-normaliser window's numerator forms (``window/``).
+* ``module``:       the attention module a model builds (``hybrid.build_attention``).
 
 ``form`` is "causal" today; an encoder's "bidirectional" rows go next to the causal ones.
 Nothing here imports an implementation at import time, so this module imports nothing of the package.
@@ -52,7 +53,7 @@ def chunked_backend(backend: str, on_cuda: bool) -> str:
 class Request:
     """One attention call, as far as choosing its implementation goes."""
 
-    op: str  # "softmax" | "linear" | "local_mixing" | "window"
+    op: str  # "softmax" | "linear" | "local_mixing" | "window" | "module"
     algorithm: str = "chunked"  # the configured one: "chunked" | "recurrent" | "quadratic"
     form: str = "causal"  # "causal" | "bidirectional"
     backend: str = "auto"  # as requested: auto | torch | triton | fla
@@ -67,8 +68,14 @@ class Request:
     padded: bool = False  # some key is padding (a key mask that masks something)
     documents: str = "none"  # "none" | "restart" (the op restarts itself) | "restart_state" | "restart_batched"
     mixing: str = "shared_normaliser"  # local_mixing: "shared_normaliser" | "gated"
-    window: int = 0  # window: W
+    window: int = 0  # local_mixing, window: W
     segment_tokens: int = 0  # local_mixing: the segment length of long training sequences
+    conv_size: int = 0  # module: the q/k/v convolution's taps
+
+    @property
+    def mixes_locally(self) -> bool:
+        """module: a window or a convolution around the core."""
+        return self.window >= 1 or self.conv_size >= 1
 
     @property
     def chunk_backend(self) -> str:
@@ -96,6 +103,11 @@ class Request:
         return self.window >= 1
 
     @property
+    def shared_window(self) -> bool:
+        """local_mixing: the one-normaliser window (else the core, with the gated window if any)."""
+        return self.window >= 1 and self.mixing == "shared_normaliser"
+
+    @property
     def segmented(self) -> bool:
         """Long enough to train in recomputed segments (more than two segments)."""
         return self.tokens > 2 * max(self.segment_tokens, self.chunk_size)
@@ -117,7 +129,10 @@ class Row:
 
     def implementation(self) -> Callable[..., Any]:
         module, _, name = self.target.partition(":")
-        return getattr(importlib.import_module(module), name)
+        found = importlib.import_module(module)
+        for attribute in name.split("."):  # "Class.method" too
+            found = getattr(found, attribute)
+        return found
 
     def __str__(self) -> str:
         rule = ", ".join(f"{k} in {v}" if len(v) > 1 else f"{k}={v[0]!r}" for k, v in self.conditions)
@@ -137,6 +152,9 @@ _WINDOW = "window."
 _NO_DOCS = dict(documents="none")
 
 ROWS: tuple[Row, ...] = (
+    # the module a model layer holds: the core alone, or wrapped by the local closers
+    _row("module.local_mixing", _HYBRID.rstrip("."), "wrap", mixes_locally=True),
+    _row("module.core", "core:AttentionCore", "as_is", mixes_locally=False),
     # softmax: a block-causal mask for packed documents, else the KV cache and key mask
     _row("softmax.documents", "softmax:softmax_attention", "softmax_documents", documents=("restart_state", "restart_batched")),
     _row("softmax.cached", "softmax:softmax_attention", "softmax", **_NO_DOCS),
@@ -156,11 +174,11 @@ ROWS: tuple[Row, ...] = (
     _row("linear.chunk.fla", "linear.chunk_fla:fla_linear_attention", "features", runs="chunked", chunk_backend="fla", **_NO_DOCS),
     _row("linear.chunk.torch_trig_cpu", "linear.chunk_trig:trig_linear_attention_chunked", "trig", runs="chunked", chunk_backend="torch", trig=True, padded=False, device="cpu", **_NO_DOCS),
     _row("linear.chunk.torch", "linear.chunk:chunked_linear_attention", "features", runs="chunked", chunk_backend="torch", **_NO_DOCS),
-    # the hybrid (LocalMixingCore) around a core
-    _row("local_mixing.gated", _HYBRID + "_gated_forward", "method", mixing="gated"),
-    _row("local_mixing.documents", "documents:run_documents_batched", "documents_batched", mixing="shared_normaliser", documents="restart_batched"),
-    _row("local_mixing.segments", _HYBRID + "_segmented", "segments", mixing="shared_normaliser", grad=True, padded=False, algorithm="chunked", segmented=True, **_NO_DOCS),
-    _row("local_mixing.shared", _HYBRID + "_shared_forward", "method", mixing="shared_normaliser", **_NO_DOCS),
+    # the hybrid (LocalMixingCore): the core with a convolution and/or the gated window, or the one-normaliser window
+    _row("local_mixing.core", _HYBRID + "_core_forward", "method", shared_window=False),
+    _row("local_mixing.documents", "documents:run_documents_batched", "documents_batched", shared_window=True, documents=("restart_state", "restart_batched")),
+    _row("local_mixing.segments", _HYBRID + "_segmented", "shared", shared_window=True, grad=True, padded=False, algorithm="chunked", segmented=True, **_NO_DOCS),
+    _row("local_mixing.shared", _HYBRID + "_shared_forward", "shared", shared_window=True, **_NO_DOCS),
     # the one-normaliser window's numerators; padded keys: the torch-ops blocks; "fla" has no window kernel
     _row("window.quadratic", _WINDOW + "naive:quadratic_numerators", "numerators", runs="quadratic"),
     _row("window.recurrent", _WINDOW + "recurrent:recurrent_numerators", "numerators", runs="recurrent"),

@@ -67,7 +67,7 @@ from ..base import (
     OUTPUT_RMS_CAP, LinearAttentionState, capped_denominator, fp32_inputs, guard_denominator, normalize_output, output_rms,
     reads_denominator,
 )
-from ..validation import validate_linear_attention_inputs
+from ..inputs import validate_linear_attention_inputs
 
 # target number of elements of a group's C x C weight block (x 4 bytes = 1 MiB)
 _GROUP_ELEMENTS = 1 << 18

@@ -31,7 +31,7 @@ from .chunk import (
     unpack_result,
 )
 from ..feature_maps._trig import _feature_scale, trig_d_proj, trig_feature_map, trig_rows
-from ..validation import validate_linear_attention_inputs
+from ..inputs import validate_linear_attention_inputs
 
 # chunked_linear_attention's plan decides "long" (one head per block); False forces the plain path
 FUSED_TRIG_ENABLED = True

@@ -21,7 +21,7 @@ from types import ModuleType
 import torch
 
 from ..base import NORMALIZATIONS, OUTPUT_RMS_CAP, LinearAttentionState
-from ..validation import validate_linear_attention_inputs
+from ..inputs import validate_linear_attention_inputs
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_CHUNK = 128
