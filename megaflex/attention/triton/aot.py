@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .function import ChunkPlan, TrigMap, _plan, attention_backward, attention_forward, kernel_chunk, map_backward
+from .linear import ChunkPlan, TrigMap, _plan, attention_backward, attention_forward, kernel_chunk, map_backward
 
 # Shared memory per block (opt-in maximum) of the targets the kernels must launch on.
 SHARED_MEMORY_LIMIT = {80: 166_912, 90: 232_448}
@@ -91,10 +91,10 @@ class _Recorder:
 
 
 def _tuner(kernel: str):
-    """``kernel``'s autotuner: the linear kernels' (``kernels.py``) or the window hybrid's (``window_kernels.py``)."""
-    from . import kernels, window_kernels
+    """``kernel``'s autotuner: the linear kernels' (``linear_kernels.py``) or the window hybrid's (``window_kernels.py``)."""
+    from . import linear_kernels, window_kernels
 
-    return getattr(kernels, kernel, None) or getattr(window_kernels, kernel)
+    return getattr(linear_kernels, kernel, None) or getattr(window_kernels, kernel)
 
 
 def _jit_function(kernel: str):

@@ -3,11 +3,11 @@ Function ``TritonWindowNumerator``, ``ChunkedWindowNumerator``'s contract (``sha
 
 Forward: the chunk stabilisers B_j (``function._plan``: B_0 = m0, B_{j+1} = the running max of the
 key log-scales at chunk j's end), the state entering every chunk (``chunk_states`` of
-``kernels.py``, run on v_aug: the ones column makes the k_sum column), then ``window_outputs``.
+``linear_kernels.py``, run on v_aug: the ones column makes the k_sum column), then ``window_outputs``.
 Saved for backward: the inputs and m [BH, T] (no states, no blocks).
 
 Backward: the states again (one O(T F Dv) scan), dL/dS from the reads by the reverse scan
-``chunk_state_grads`` of ``kernels.py``: state j is read by chunk j + L with the coefficient
+``chunk_state_grads`` of ``linear_kernels.py``: state j is read by chunk j + L with the coefficient
 exp(qls_t + B_j - m_t) = exp(B_j - (m_t - qls_t)), so the scan runs on the queries, output
 gradients and (m - qls) shifted back by L chunks; chunks 0 .. L - 1, which read S_0 too, add
 theirs to dL/dS_0 here (L C tokens, one small matmul). Then ``window_grads_q`` and
@@ -23,7 +23,7 @@ from types import ModuleType
 
 import torch
 
-from .function import _LOOP_TILE, ChunkPlan, _block, _chunk_states, _launch, _plan, check_triton_dtype, kernel_chunk, kernels_for
+from .linear import _LOOP_TILE, ChunkPlan, _block, _chunk_states, _launch, _plan, check_triton_dtype, kernel_chunk, kernels_for
 
 
 # The window kernels hold [C, C] blocks (weights, their gradients) and [C, Dv] tiles in registers:
