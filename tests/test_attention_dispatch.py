@@ -8,6 +8,7 @@ the implementation the old code picked there.
 
 from __future__ import annotations
 
+import inspect
 import io
 import os
 import subprocess
@@ -21,6 +22,7 @@ import torch
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are first imported (CPU tensors need it)
 
 from megaflex.attention import dispatch  # noqa: E402
+from megaflex.attention.base import LinearAttentionFn  # noqa: E402
 from megaflex.attention.dispatch import ROWS, NoAttentionImplementation, Request, select  # noqa: E402
 from tests import attention_dispatch_cases as cases  # noqa: E402
 
@@ -137,3 +139,14 @@ def test_auto_on_cuda_picks_the_old_implementation(request_: Request, row_name: 
 def test_no_row_raises_naming_the_request() -> None:
     with pytest.raises(NoAttentionImplementation, match="op='linear'.*form='bidirectional'"):
         select(Request("linear", form="bidirectional"))
+
+
+def test_feature_rows_meet_the_one_contract() -> None:
+    """Every row fed features takes the keywords of ``base.LinearAttentionFn``."""
+    contract = inspect.signature(LinearAttentionFn.__call__).parameters
+    keywords = {name for name, p in contract.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    feature_rows = [row for row in ROWS if row.adapter == "features"]
+    assert len(feature_rows) >= 5
+    for row in feature_rows:
+        parameters = inspect.signature(row.implementation()).parameters
+        assert keywords <= set(parameters), (row.name, sorted(keywords - set(parameters)))

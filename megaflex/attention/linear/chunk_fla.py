@@ -105,11 +105,21 @@ def gla_linear_attention(
 
 
 def fla_linear_attention(
-    qf: torch.Tensor, kf: torch.Tensor, kls: torch.Tensor | None, v: torch.Tensor, **options: object
+    qf: torch.Tensor,
+    kf: torch.Tensor,
+    kls: torch.Tensor | None,
+    v: torch.Tensor,
+    *,
+    normalization: str = "rms",
+    chunk_size: int = 64,
+    initial_state: LinearAttentionState | None = None,
+    eps: float = 1e-6,
 ) -> tuple[torch.Tensor, LinearAttentionState]:
-    """``gla_linear_attention`` (same signature and options) on fla's ``chunk_simple_gla``; a
-    clear RuntimeError without flash-linear-attention or on CPU tensors."""
+    """``gla_linear_attention`` (the same contract) on fla's ``chunk_simple_gla``; a clear RuntimeError
+    without flash-linear-attention or on CPU tensors."""
     gla = _fla_chunk_simple_gla()
     if not qf.is_cuda:
         raise RuntimeError("attention_backend='fla' runs on CUDA tensors only (use 'auto' or 'torch' on CPU)")
-    return gla_linear_attention(qf, kf, kls, v, gla_fn=gla, **options)  # type: ignore[arg-type]
+    return gla_linear_attention(
+        qf, kf, kls, v, normalization=normalization, chunk_size=chunk_size, initial_state=initial_state, eps=eps, gla_fn=gla
+    )
