@@ -13,7 +13,7 @@ d_t is the same sum with v_s := 1, so we append a ones column to v ("v_aug" [..,
 last column of the numerator is d_t and the last column of the state is k_sum. One code path
 then serves both normalisations and returns the full state.
 
-Performance design (CPU; the optional fused GPU backend is ``chunked_cuda.py``):
+Performance design (CPU; the optional fused GPU backend is ``chunk_fla.py``):
 
 * All compute in fp32 (fp64 for fp64 inputs) with autocast off, whatever the input dtype.
 * One sweep per head over *groups* of G chunks (forward in order, backward in reverse): chunk
@@ -48,7 +48,7 @@ Performance design (CPU; the optional fused GPU backend is ``chunked_cuda.py``):
   stabiliser, is a constant for autograd (as in the quadratic and recurrent forms).
 * Backward keeps only a per-head buffer of one group's states and state
   gradients (dL/dS at a group boundary is carried to the previous group).
-* One group's work is ``group_forward`` / ``group_backward``, shared with ``chunked_trig.py``,
+* One group's work is ``group_forward`` / ``group_backward``, shared with ``chunk_trig.py``,
   which feeds them trig features computed per group on the fly (nothing [B, H, N, F] is saved).
 * PyTorch's CPU allocator does not cache: with glibc defaults every > 32 MiB tensor is a fresh
   mmap that page-faults again each step. Set ``MALLOC_MMAP_MAX_=0`` and a large

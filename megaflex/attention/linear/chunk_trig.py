@@ -2,7 +2,7 @@
 
 ``trig_linear_attention_chunked`` is ``chunked_linear_attention(phi(q), phi(k), kls(k), v)`` with
 phi the random-Fourier map of ``feature_maps/_trig.py``, the CPU twin of ``triton/trig.py``.
-Long sequences (one head per call in ``chunked.py``'s plan) run one sweep per head over the
+Long sequences (one head per call in ``chunk.py``'s plan) run one sweep per head over the
 chunk groups: per group the features of its q and k rows are computed on the fly into
 cache-sized buffers (``trig_rows``: mm + cos/sin + pair sums; the feature scale goes to the group
 functions as q_scale, k_scale), then the group goes

@@ -1,5 +1,5 @@
 """Torch glue of the one-normaliser hybrid's Triton kernels (``window_kernels.py``): the autograd
-Function ``TritonWindowNumerator``, ``ChunkedWindowNumerator``'s contract (``shared_window_chunked.py``).
+Function ``TritonWindowNumerator``, ``ChunkedWindowNumerator``'s contract (``window/chunk.py``).
 
 Forward: the chunk stabilisers B_j (``function._plan``: B_0 = m0, B_{j+1} = the running max of the
 key log-scales at chunk j's end), the state entering every chunk (``chunk_states`` of
@@ -172,7 +172,7 @@ def window_backward(q, qf, qls, k, kf, kls, v_aug, s0, m0, m, d_numer, plan: Win
 
 
 class TritonWindowNumerator(torch.autograd.Function):
-    """``ChunkedWindowNumerator`` (``shared_window_chunked.py``) in Triton kernels: (q, qf, qls, k, kf,
+    """``ChunkedWindowNumerator`` (``window/chunk.py``) in Triton kernels: (q, qf, qls, k, kf,
     kls, v_aug [BH, T, *] key-aligned, T a multiple of C, padded keys with k = kf = v_aug = 0 and
     kls = -inf; s0 [BH, F, Dv + 1], m0 [BH]; window W >= 1, C a power of two in [16, 128])
     -> numerators [BH, T, Dv + 1] fp32. q, qf, k, kf, v_aug in one of fp16 / bf16 / fp32 (the dots'

@@ -1,5 +1,5 @@
 """Triton kernels of the one-normaliser hybrid's chunked form (maths: ``window/`` and
-``shared_window_chunked.py``; glue: ``window.py``).
+``window/chunk.py``; glue: ``window.py``).
 
 Layout: contiguous [BH, T, *], T = NC * CHUNK (the glue pads), keys aligned with the queries.
 q, k [BH, T, D] (raw, for q.k / sqrt d), qf, kf [BH, T, F], qls, kls [BH, T] fp32, v_aug
