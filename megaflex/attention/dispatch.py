@@ -153,39 +153,55 @@ _NO_DOCS = dict(documents="none")
 
 ROWS: tuple[Row, ...] = (
     # the module a model layer holds: the core alone, or wrapped by the local closers
-    _row("module.local_mixing", _HYBRID.rstrip("."), "wrap", mixes_locally=True),
+    _row("module.local_mixing", "hybrid:LocalMixingCore", "wrap", mixes_locally=True),
     _row("module.core", "core:AttentionCore", "as_is", mixes_locally=False),
     # softmax: a block-causal mask for packed documents, else the KV cache and key mask
-    _row("softmax.documents", "softmax:softmax_attention", "softmax_documents", documents=("restart_state", "restart_batched")),
+    _row("softmax.documents", "softmax:softmax_attention", "softmax_documents",
+         documents=("restart_state", "restart_batched")),
     _row("softmax.cached", "softmax:softmax_attention", "softmax", **_NO_DOCS),
     # linear: packed documents first (each document runs as its own call, which comes back here)
     _row("linear.documents.per_document", "documents:run_by_document", "by_document", documents="restart_state"),
-    _row("linear.documents.batched", "documents:run_documents_batched", "documents_batched", documents="restart_batched"),
+    _row("linear.documents.batched", "documents:run_documents_batched", "documents_batched",
+         documents="restart_batched"),
     # decoding without autograd: q and k through the map as one batch, one token by the single step
-    _row("linear.decode.step", "linear.recurrent:recurrent_step", "decode", decoding=True, grad=False, single_token=True, **_NO_DOCS),
-    _row("linear.decode.scan", "linear.recurrent:recurrent_linear_attention", "decode", decoding=True, grad=False, **_NO_DOCS),
+    _row("linear.decode.step", "linear.recurrent:recurrent_step", "decode",
+         decoding=True, grad=False, single_token=True, **_NO_DOCS),
+    _row("linear.decode.scan", "linear.recurrent:recurrent_linear_attention", "decode",
+         decoding=True, grad=False, **_NO_DOCS),
     # the reference forms restart at document starts themselves
-    _row("linear.quadratic", "linear.naive:quadratic_linear_attention", "features", runs="quadratic", documents=("none", "restart")),
-    _row("linear.recurrent", "linear.recurrent:recurrent_linear_attention", "features", runs="recurrent", documents=("none", "restart")),
-    _row("linear.chunk.by_document", "documents:run_by_document", "chunks_by_document", runs="chunked", documents="restart"),
+    _row("linear.quadratic", "linear.naive:quadratic_linear_attention", "features",
+         runs="quadratic", documents=("none", "restart")),
+    _row("linear.recurrent", "linear.recurrent:recurrent_linear_attention", "features",
+         runs="recurrent", documents=("none", "restart")),
+    _row("linear.chunk.by_document", "documents:run_by_document", "chunks_by_document",
+         runs="chunked", documents="restart"),
     # the chunked form: trig maps fused into the kernels (no features kept for backward) unless keys are masked
-    _row("linear.chunk.triton_trig", _TRITON + "trig_linear_attention", "trig", runs="chunked", chunk_backend="triton", trig=True, padded=False, **_NO_DOCS),
-    _row("linear.chunk.triton", _TRITON + "triton_linear_attention", "features", runs="chunked", chunk_backend="triton", **_NO_DOCS),
-    _row("linear.chunk.fla", "linear.chunk_fla:fla_linear_attention", "features", runs="chunked", chunk_backend="fla", **_NO_DOCS),
-    _row("linear.chunk.torch_trig_cpu", "linear.chunk_trig:trig_linear_attention_chunked", "trig", runs="chunked", chunk_backend="torch", trig=True, padded=False, device="cpu", **_NO_DOCS),
-    _row("linear.chunk.torch", "linear.chunk:chunked_linear_attention", "features", runs="chunked", chunk_backend="torch", **_NO_DOCS),
+    _row("linear.chunk.triton_trig", _TRITON + "trig_linear_attention", "trig",
+         runs="chunked", chunk_backend="triton", trig=True, padded=False, **_NO_DOCS),
+    _row("linear.chunk.triton", _TRITON + "triton_linear_attention", "features",
+         runs="chunked", chunk_backend="triton", **_NO_DOCS),
+    _row("linear.chunk.fla", "linear.chunk_fla:fla_linear_attention", "features",
+         runs="chunked", chunk_backend="fla", **_NO_DOCS),
+    _row("linear.chunk.torch_trig_cpu", "linear.chunk_trig:trig_linear_attention_chunked", "trig",
+         runs="chunked", chunk_backend="torch", trig=True, padded=False, device="cpu", **_NO_DOCS),
+    _row("linear.chunk.torch", "linear.chunk:chunked_linear_attention", "features",
+         runs="chunked", chunk_backend="torch", **_NO_DOCS),
     # the hybrid (LocalMixingCore): the core with a convolution and/or the gated window, or the one-normaliser window
     _row("local_mixing.core", _HYBRID + "_core_forward", "method", shared_window=False),
-    _row("local_mixing.documents", "documents:run_documents_batched", "documents_batched", shared_window=True, documents=("restart_state", "restart_batched")),
-    _row("local_mixing.segments", _HYBRID + "_segmented", "shared", shared_window=True, grad=True, padded=False, algorithm="chunked", segmented=True, **_NO_DOCS),
+    _row("local_mixing.documents", "documents:run_documents_batched", "documents_batched",
+         shared_window=True, documents=("restart_state", "restart_batched")),
+    _row("local_mixing.segments", _HYBRID + "_segmented", "shared",
+         shared_window=True, grad=True, padded=False, algorithm="chunked", segmented=True, **_NO_DOCS),
     _row("local_mixing.shared", _HYBRID + "_shared_forward", "shared", shared_window=True, **_NO_DOCS),
     # the one-normaliser window's numerators; padded keys: the torch-ops blocks; "fla" has no window kernel
     _row("window.quadratic", _WINDOW + "naive:quadratic_numerators", "numerators", runs="quadratic"),
     _row("window.recurrent", _WINDOW + "recurrent:recurrent_numerators", "numerators", runs="recurrent"),
     _row("window.chunk.padded", _WINDOW + "chunk_blocks:blocks_numerators", "numerators", runs="chunked", padded=True),
-    _row("window.chunk.triton", _TRITON + "TritonWindowNumerator", "triton_function", runs="chunked", backend="triton", has_window=True),
+    _row("window.chunk.triton", _TRITON + "TritonWindowNumerator", "triton_function",
+         runs="chunked", backend="triton", has_window=True),
     # "auto" on CUDA keeps fp64 on the torch Function (the kernels' dots are at most fp32)
-    _row("window.chunk.triton_auto", _TRITON + "TritonWindowNumerator", "triton_function", runs="chunked", backend="auto", chunk_backend="triton", has_window=True, fp64=False),
+    _row("window.chunk.triton_auto", _TRITON + "TritonWindowNumerator", "triton_function",
+         runs="chunked", backend="auto", chunk_backend="triton", has_window=True, fp64=False),
     _row("window.chunk.torch", _WINDOW + "chunk:ChunkedWindowNumerator", "torch_function", runs="chunked"),
 )
 
