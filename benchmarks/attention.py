@@ -6,7 +6,7 @@ One causal attention layer (``AttentionCore``: feature map included for the line
 batch 1, 8 heads, head_dim 64, feature dim F = 128 (64 frequencies for the trig maps), fp32 on
 CPU, for: softmax (``F.scaled_dot_product_attention``, causal), flexformer_n / flexformer_s /
 performer (chunked form), and flexformer_n with a W-token softmax window under one normaliser
-(``flexformer_n_window16`` / ``flexformer_n_window64``: its chunked form, ``shared_window_chunked.py``; ``peak_vs_sdpa``
+(``flexformer_n_window16`` / ``flexformer_n_window64``: its chunked form, ``window/chunk.py``; ``peak_vs_sdpa``
 compares its peak memory with SDPA's). Each (impl, seq_len) runs in a *fresh subprocess*:
 
 * time: one warm-up fwd+bwd, then ``--repeats`` timed fwd+bwd (loss = <out, fixed random probe>);
@@ -46,7 +46,7 @@ from benchmarks.common import MALLOC_TUNING, worker_env
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_JSON = REPO / "docs" / "results" / "bench_attention.json"
 IMPLS = ("softmax", "flexformer_n", "flexformer_s", "performer")
-# the one-normaliser window hybrid (attention/shared_window.py) over flexformer_n: impl "flexformer_n_window<W>"
+# the one-normaliser window hybrid (attention/window/) over flexformer_n: impl "flexformer_n_window<W>"
 WINDOW_IMPLS = ("flexformer_n_window16", "flexformer_n_window64")
 HEADS, HEAD_DIM, FEATURE_DIM = 8, 64, 128
 # issue #2 targets for flexformer_n, checked in the summary

@@ -12,10 +12,10 @@ import torch
 
 from attention_helpers import attend, attention_steps, form_steps, log_scale_spread, make_map, make_qkv
 from megaflex.attention import LinearAttentionState, NORMALIZATIONS, causal_linear_attention
-from megaflex.attention.chunked import _ChunkedLinearAttention, _stabiliser, chunked_linear_attention
-from megaflex.attention.chunked_cuda import gla_linear_attention
-from megaflex.attention.core import _chunked_impl
-from megaflex.attention.quadratic import quadratic_linear_attention
+from megaflex.attention.linear.chunk import _ChunkedLinearAttention, _stabiliser, chunked_linear_attention
+from megaflex.attention.linear.chunk_fla import gla_linear_attention
+from megaflex.attention.dispatch import Request, select
+from megaflex.attention.linear.naive import quadratic_linear_attention
 from numerics import assert_close, fp32_steps_in, normwise_scale
 
 pytestmark = pytest.mark.numerics
@@ -267,7 +267,7 @@ def test_bf16_inputs_keep_fp32_state():
 
 
 def test_dispatcher_reaches_chunked():
-    assert _chunked_impl("auto", on_cuda=False) is chunked_linear_attention
+    assert select(Request("linear", backend="auto", device="cpu")).implementation() is chunked_linear_attention
     q, k, v = make_qkv(1, 2, 20, 4, seed=9)
     a, _ = causal_linear_attention(q, k, None, v, form="chunked", chunk_size=8)
     b, _ = causal_linear_attention(q, k, None, v, form="quadratic")

@@ -257,7 +257,7 @@ def test_inference_decoding_fast_path_equals_the_autograd_path(kind, normalizati
 @pytest.mark.parametrize("normalization", NORMALIZATIONS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_recurrent_step_matches_the_recurrent_loop(batch, heads, feat, value_dim, normalization, dtype):
-    from megaflex.attention.recurrent import recurrent_linear_attention, recurrent_step
+    from megaflex.attention.linear.recurrent import recurrent_linear_attention, recurrent_step
 
     g = torch.Generator().manual_seed(feat)
     qf = torch.randn(batch, heads, 6, feat, generator=g).to(dtype)

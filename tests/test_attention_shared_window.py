@@ -1,4 +1,4 @@
-"""The one-normaliser window hybrid (``megaflex.attention.shared_window``): maths, forms, states, edges."""
+"""The one-normaliser window hybrid (``megaflex.attention.window``): maths, forms, states, edges."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from megaflex.attention import NORMALIZATIONS, causal_linear_attention
-from megaflex.attention.shared_window import WindowCache, windowed_linear_attention
+from megaflex.attention.window import WindowCache, windowed_linear_attention
 from tests.attention_helpers import attention_steps, log_scale_spread, make_map, make_qkv, saved_bytes
 from tests.numerics import assert_close, normwise_scale
 
@@ -136,7 +136,7 @@ def test_chunk_groups_agree_with_the_quadratic_form(window, kind, grouped, monke
     backward, where the other tests' short sequences keep them), or in one group, after a carried
     state and window cache: outputs, states and every gradient as the quadratic form. ``softmax``:
     no far field (zero-width features, from the first token)."""
-    from megaflex.attention import shared_window_chunked
+    from megaflex.attention.window import chunk as shared_window_chunked
 
     if grouped:
         monkeypatch.setattr(shared_window_chunked, "_GROUP_ELEMENTS", 1)
@@ -169,7 +169,7 @@ def test_chunk_groups_agree_with_the_quadratic_form(window, kind, grouped, monke
 def test_the_function_runs_narrower_chunks_when_they_shrink_the_blocks():
     """``_inner_chunk``: C halved (down to 16) while the window stays within two chunks and a query's
     (L + 1) C block keys shrink; odd or small chunks are kept."""
-    from megaflex.attention.shared_window_chunked import _inner_chunk
+    from megaflex.attention.window.chunk import _inner_chunk
 
     assert [_inner_chunk(64, w) for w in (0, 1, 16, 17, 32, 33, 64, 65, 512)] == [16, 16, 16, 16, 16, 32, 32, 64, 64]
     assert (_inner_chunk(32, 64), _inner_chunk(29, 5), _inner_chunk(8, 3), _inner_chunk(48, 4)) == (32, 29, 8, 24)
@@ -182,7 +182,7 @@ def test_narrower_inner_chunks_agree_with_the_quadratic_form(window, one_group, 
     kept for the backward, key blocks views of the flat keys of every head) or one chunk per group
     (recomputed), after a carried state and window cache: outputs, state and every gradient as the
     quadratic form ("rms" runs without the ones column)."""
-    from megaflex.attention import shared_window_chunked
+    from megaflex.attention.window import chunk as shared_window_chunked
 
     if not one_group:
         monkeypatch.setattr(shared_window_chunked, "_GROUP_ELEMENTS", 1)

@@ -19,13 +19,13 @@ import torch  # noqa: E402
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install 'megaflex[dev]' installs it)")
 import triton.language as tl  # noqa: E402
 
-import megaflex.attention.quadratic as quadratic_module  # noqa: E402
+import megaflex.attention.linear.naive as quadratic_module  # noqa: E402
 from megaflex.attention import LinearAttentionState  # noqa: E402
 from megaflex.attention.base import NORMALIZATIONS, OUTPUT_RMS_CAP, normalize_output, output_rms  # noqa: E402
 from megaflex.attention.feature_maps._trig import trig_feature_map_reference  # noqa: E402
-from megaflex.attention.quadratic import quadratic_linear_attention  # noqa: E402
+from megaflex.attention.linear.naive import quadratic_linear_attention  # noqa: E402
 from megaflex.attention.triton import kernel_chunk, trig_linear_attention, triton_linear_attention  # noqa: E402
-from megaflex.attention.triton.kernels import _cos_shifted, _sin_cos  # noqa: E402
+from megaflex.attention.triton.linear_kernels import _cos_shifted, _sin_cos  # noqa: E402
 from attention_helpers import attention_steps, log_scale_spread  # noqa: E402
 from numerics import assert_close, assert_close_to_reference, fp32_steps_in  # noqa: E402
 

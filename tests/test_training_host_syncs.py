@@ -27,7 +27,7 @@ import megaflex.training.trainer as trainer
 import megaflex.training.data as data
 
 main_thread, reads, ours, marks = threading.get_ident(), [0], [0], []
-CPU_KERNEL = "megaflex/attention/chunked.py"  # CPU-only path: on CUDA the Triton kernels run, read-free
+CPU_KERNEL = "megaflex/attention/linear/chunk.py"  # CPU-only path: on CUDA the Triton kernels run, read-free
 
 def caller_files():
     frame = sys._getframe(2)

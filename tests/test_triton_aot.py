@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("triton", reason="triton is not installed (pip install 'megaflex[dev]' installs it)")
 
 from megaflex.attention.triton.aot import parse_ptxas_log  # noqa: E402
-from megaflex.attention.triton.function import SCAN_KERNELS, launch_configs  # noqa: E402
+from megaflex.attention.triton.tuning import SCAN_KERNELS, launch_configs  # noqa: E402
 
 KERNELS = ("chunk_states", "chunk_outputs", "chunk_state_grads", "chunk_grads_qk", "chunk_grads_v", "trig_grads")
 
@@ -155,7 +155,7 @@ def test_ptxas_log_parsing_takes_registers_spills_and_stack():
 _CONFIG_PROBE = textwrap.dedent(
     """
     import json, sys, torch
-    from megaflex.attention.triton import kernels
+    from megaflex.attention.triton import linear_kernels as kernels
     from megaflex.attention.triton.aot import record_launches
     launches = record_launches(64, 32, torch.bfloat16, 64, bh=4, trig_head_dim=32)
     launches += record_launches(64, 32, torch.bfloat16, 64, bh=4)  # features given: TRIG=False
@@ -191,7 +191,8 @@ def test_cuda_autotunes_over_the_listed_configs_and_the_aot_records_each():
 
 def test_interpreter_runs_one_fixed_config_per_kernel():
     """Under TRITON_INTERPRET=1 (the test session's) the autotuners hold one config: the first listed."""
-    from megaflex.attention.triton import interpreter_enabled, kernels, window_kernels
+    from megaflex.attention.triton import interpreter_enabled, window_kernels
+    from megaflex.attention.triton import linear_kernels as kernels
 
     if not interpreter_enabled():
         pytest.skip("the session runs without TRITON_INTERPRET=1")

@@ -15,9 +15,9 @@ import torch  # noqa: E402
 pytest.importorskip("triton", reason="triton is not installed (pip install 'megaflex[dev]' installs it)")
 
 from megaflex.attention import LinearAttentionState  # noqa: E402
-from megaflex.attention.quadratic import quadratic_linear_attention  # noqa: E402
+from megaflex.attention.linear.naive import quadratic_linear_attention  # noqa: E402
 from megaflex.attention.triton import triton_linear_attention  # noqa: E402
-from megaflex.attention.triton.function import ChunkPlan  # noqa: E402
+from megaflex.attention.triton.linear import ChunkPlan  # noqa: E402
 
 
 def _case(feat: int, dv: int, n: int, heads: int, normalization: str, dtype: torch.dtype):

@@ -66,7 +66,7 @@ def _impls(heads: int, feat: int, dv: int, device: str, dtype: Any) -> dict[str,
     try:
         import fla  # noqa: F401
 
-        from megaflex.attention.chunked_cuda import gla_linear_attention
+        from megaflex.attention.linear.chunk_fla import gla_linear_attention
 
         impls["fla_chunk_simple_gla"] = (
             (lambda q, k, v, qf, kf, kls: gla_linear_attention(qf, kf, kls, v, normalization=norm)[0])

@@ -10,7 +10,7 @@
   once: one GPU holds them): final-loss gaps and tau trajectories; meanwhile, whether bf16 storage
   of Omega and tau matters (``bf16_storage.py``). The "fp32" arm is fp32 storage and arithmetic with
   tf32 matmul inputs everywhere: the Triton attention kernels take fp32 dot operands as tf32
-  (``PREC="tf32"``, triton/function.py) and ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1`` makes torch's
+  (``PREC="tf32"``, triton/linear.py) and ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1`` makes torch's
   cuBLAS matmuls do the same, so the arm is one precision, not a mix.
 
 Under ``--dry-run`` the same code runs configs/tiny.yaml on CPU at seq 64 for a few steps (the

@@ -77,7 +77,7 @@ def _plan(dry_run: bool, device: str) -> list[tuple[tuple[int, ...], str, str]]:
 def accuracy_case(spec: tuple[tuple[int, ...], str, str]) -> dict[str, Any]:
     """One (shape, dtype) case against the torch Function in fp64; never raises."""
     from benchmarks.gpu_check.accuracy import TOLERANCE, judge
-    from megaflex.attention.shared_window_chunked import ChunkedWindowNumerator
+    from megaflex.attention.window.chunk import ChunkedWindowNumerator
     from megaflex.attention.triton import TritonWindowNumerator
 
     shape, dtype_name, device = spec
@@ -105,7 +105,7 @@ def accuracy_case(spec: tuple[tuple[int, ...], str, str]) -> dict[str, Any]:
 def _speed(stage: Stage, rows: list[dict[str, Any]], emit: Callable[[], None]) -> None:
     import torch
 
-    from megaflex.attention.shared_window_chunked import ChunkedWindowNumerator
+    from megaflex.attention.window.chunk import ChunkedWindowNumerator
     from megaflex.attention.triton import TritonWindowNumerator
 
     device = stage.device

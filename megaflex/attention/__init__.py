@@ -5,7 +5,8 @@ All tensors are [B, H, N, d]. See ``core.py`` for the maths shared by every form
 
 * ``build_feature_map(kind, num_heads, head_dim, feature_dim, **kwargs)``
 * ``causal_linear_attention(qf, kf, kls, v, *, form, normalization, chunk_size, initial_state, eps, backend)``
-  (``backend``: auto | torch | triton, the chunked form's implementation)
+  (``backend``: auto | torch | triton | fla, the chunked form's implementation)
+* ``ROWS`` / ``select(Request(...))``: the one table that decides which implementation runs (``dispatch.py``)
 * ``AttentionCore(kind, num_heads, head_dim, ...)``: the module the model uses
 * ``softmax_attention`` / ``KVCache``: exact baseline
 * ``redraw_random_features(module, step)``: Performer redraws, call once per optimiser step
@@ -26,17 +27,12 @@ from .base import (
     LinearAttentionState,
     named_kernel_parameters,
 )
-from .core import (
-    ATTENTION_BACKENDS,
-    ATTENTION_KINDS,
-    FORMS,
-    AttentionCore,
-    causal_linear_attention,
-    validate_linear_attention_inputs,
-)
+from .core import ATTENTION_KINDS, AttentionCore, causal_linear_attention
+from .dispatch import ATTENTION_BACKENDS, ROWS, NoAttentionImplementation, Request, Row, chunked_backend, select
 from .feature_maps import FEATURE_MAP_KINDS, build_feature_map, feature_dim_of
-from .quadratic import quadratic_linear_attention
-from .recurrent import recurrent_linear_attention
+from .linear.naive import quadratic_linear_attention
+from .linear.recurrent import recurrent_linear_attention
+from .inputs import FORMS, mask_padded_keys, padding_mask, validate_linear_attention_inputs
 from .softmax import KVCache, softmax_attention
 
 
@@ -62,13 +58,21 @@ __all__ = [
     "KVCache",
     "KernelParameter",
     "LinearAttentionState",
+    "NoAttentionImplementation",
+    "ROWS",
+    "Request",
+    "Row",
     "build_feature_map",
     "causal_linear_attention",
+    "chunked_backend",
     "feature_dim_of",
+    "mask_padded_keys",
     "named_kernel_parameters",
+    "padding_mask",
     "quadratic_linear_attention",
     "recurrent_linear_attention",
     "redraw_random_features",
+    "select",
     "softmax_attention",
     "validate_linear_attention_inputs",
 ]

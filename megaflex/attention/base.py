@@ -31,7 +31,7 @@ Output normalisation (shared by every form, so they agree to rounding):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Protocol
 
 import torch
 from torch import nn
@@ -80,6 +80,28 @@ class LinearAttentionState:
     def detach(self) -> "LinearAttentionState":
         """Same state cut from the autograd graph (truncated backprop across segments)."""
         return LinearAttentionState(self.kv.detach(), self.k_sum.detach(), self.log_max.detach(), self.offset)
+
+    def augmented(self) -> torch.Tensor:
+        """[kv, k_sum] as one [B, H, F, Dv + 1] tensor: the state of the values augmented with a ones
+        column (v_aug = [v, 1]), so numerator and denominator come out of one matmul."""
+        return torch.cat([self.kv, self.k_sum.unsqueeze(-1)], dim=-1)
+
+    @classmethod
+    def from_augmented(cls, s: torch.Tensor, log_max: torch.Tensor, offset: int) -> "LinearAttentionState":
+        """The inverse of ``augmented``: s [B, H, F, Dv + 1] split into kv and k_sum."""
+        return cls(kv=s[..., :-1], k_sum=s[..., -1], log_max=log_max, offset=offset)
+
+
+class LinearAttentionFn(Protocol):
+    """The contract every causal linear-attention implementation on features meets (``linear/``,
+    ``triton.triton_linear_attention``): qf, kf [B, H, N, F], kls [B, H, N] | None, v [B, H, N, Dv]
+    -> (out [B, H, N, Dv] in v.dtype, the fp32 state after the last token)."""
+
+    def __call__(
+        self, qf: torch.Tensor, kf: torch.Tensor, kls: torch.Tensor | None, v: torch.Tensor, *,
+        normalization: str = "rms", chunk_size: int = 64, initial_state: "LinearAttentionState | None" = None,
+        eps: float = 1e-6,
+    ) -> "tuple[torch.Tensor, LinearAttentionState]": ...
 
 
 NORMALIZATIONS = ("rms", "denominator", "capped_denominator")

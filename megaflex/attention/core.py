@@ -11,10 +11,13 @@ with one of three forms that agree to fp rounding:
 * ``quadratic``: materialised N x N weights; ground truth for tests.
 * ``recurrent``: token-by-token scan; O(1) per token, the decoding path.
 * ``chunked``:   parallel chunk form with a hand-written backward; training path. Three
-  implementations, picked by ``backend`` (auto | torch | triton | fla, ``chunked_backend``):
-  ``chunked.py`` (torch, CPU-tuned), ``triton/`` (Triton kernels; auto on CUDA tensors, or on
+  implementations, picked by ``backend`` (auto | torch | triton | fla, ``dispatch.chunked_backend``):
+  ``linear/chunk.py`` (torch, CPU-tuned), ``triton/`` (Triton kernels; auto on CUDA tensors, or on
   CPU under TRITON_INTERPRET=1 when forced) and flash-linear-attention's ``chunk_simple_gla``
-  (``chunked_cuda.py``; CUDA only, extra "gpu").
+  (``linear/chunk_fla.py``; CUDA only, extra "gpu").
+
+Which implementation runs is decided in one place, the table of ``dispatch.py`` (rows ``linear.*`` and
+``softmax.*``); this module describes the call as a ``Request`` and feeds the chosen row (``_ADAPTERS``).
 
 Stabiliser: the key log-scale (e.g. ||k||^2 / e^tau, unbounded) only ever enters as
 exp(kls_s - m_t) <= 1 with m_t the running max, so nothing overflows for any key norm; the
@@ -25,9 +28,9 @@ which both normalisations cancel.
 
 Mixed precision: every form accumulates in fp32 and returns ``v.dtype``.
 
-``AttentionCore`` is what the model instantiates: feature map + form selection for linear kinds
-(recurrent when continuing from a state with few new tokens, chunked otherwise) or exact
-softmax attention with a ``KVCache``.
+``AttentionCore`` is what the model instantiates: a feature map and the linear forms (recurrent when
+continuing from a state with few new tokens, the configured one otherwise) or exact softmax
+attention with a ``KVCache``.
 
 Padding (``key_mask``, False at padded tokens): a padded key's features are zeroed (nothing
 added to kv or k_sum) and its log-scale is lowered to the smallest real one of its row, so the
@@ -36,54 +39,29 @@ running max m_t is the max over real keys only, as without the pads; softmax mas
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 from torch import nn
 
 from .base import NORMALIZATIONS, LinearAttentionState
-from .documents import DocumentLayout, block_causal_mask, document_layout, run_by_document, run_documents_batched
+from .dispatch import ATTENTION_BACKENDS, Request, check_backend, chunked_backend, select
+from .documents import DocumentLayout, block_causal_mask
 from .feature_maps import FEATURE_MAP_KINDS, build_feature_map
-from .quadratic import quadratic_linear_attention
-from .recurrent import recurrent_linear_attention, recurrent_step
-from .softmax import KVCache, softmax_attention
-from .validation import FORMS, _check_floating, _shape, validate_linear_attention_inputs
+from .inputs import (
+    FORMS, _check_floating, _shape, checked_starts, mask_padded_keys, padding_mask, restarting,
+    validate_linear_attention_inputs,
+)
+from .softmax import KVCache
 
 ATTENTION_KINDS = FEATURE_MAP_KINDS + ("softmax",)
 
-LinearAttentionFn = Callable[..., "tuple[torch.Tensor, LinearAttentionState]"]
-
-ATTENTION_BACKENDS = ("auto", "torch", "triton", "fla")
-
-
-def check_backend(backend: str) -> None:
-    if backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention_backend: expected one of {ATTENTION_BACKENDS}, got {backend!r}")
-
-
-def chunked_backend(backend: str, on_cuda: bool) -> str:
-    """The one decision of which implementation runs the chunked form of CUDA (``on_cuda``) or
-    CPU tensors: "auto" is "triton" on CUDA and "torch" on CPU; the others are taken as given
-    ("triton" on CPU tensors needs TRITON_INTERPRET=1; "fla" needs CUDA and flash-linear-attention)."""
-    check_backend(backend)
-    if backend == "auto":
-        return "triton" if on_cuda else "torch"
-    return backend
-
-
-def _chunked_impl(backend: str, on_cuda: bool) -> LinearAttentionFn:
-    which = chunked_backend(backend, on_cuda)
-    if which == "triton":
-        from .triton import triton_linear_attention
-
-        return triton_linear_attention
-    if which == "fla":
-        from .chunked_cuda import fla_linear_attention
-
-        return fla_linear_attention
-    from .chunked import chunked_linear_attention
-
-    return chunked_linear_attention
+__all__ = [
+    "ATTENTION_BACKENDS", "ATTENTION_KINDS", "FORMS", "AttentionCore", "causal_linear_attention", "chunked_backend",
+    "mask_padded_keys", "padding_mask", "validate_linear_attention_inputs",
+]
 
 
 def causal_linear_attention(
@@ -104,7 +82,7 @@ def causal_linear_attention(
     -> (out [B, H, N, Dv] in v.dtype, fp32 state after the last token).
 
     ``form`` selects the algorithm (identical maths); ``chunk_size`` only affects "chunked", and
-    ``backend`` (auto | torch | triton | fla, see ``chunked_backend``) which implementation runs it.
+    ``backend`` (auto | torch | triton | fla, see ``dispatch.chunked_backend``) which implementation runs it.
     ``document_starts`` [B, N] bool (or its ``DocumentLayout``) restarts the state at each document
     start (``documents.py``): masked in the quadratic form, emptied in the recurrent one, one call per document in "chunked".
     """
@@ -112,69 +90,61 @@ def causal_linear_attention(
         qf, kf, kls, v, form=form, normalization=normalization, chunk_size=chunk_size, initial_state=initial_state, eps=eps
     )
     check_backend(backend)
-    layout = _checked_starts(document_starts, qf)
-    restarts = layout is not None and layout.has_restarts(initial_state is not None)
-    starts = layout.starts if restarts else None
-    if form == "quadratic":
-        return quadratic_linear_attention(
-            qf, kf, kls, v, normalization=normalization, initial_state=initial_state, eps=eps, document_starts=starts
-        )
-    if form == "recurrent":
-        return recurrent_linear_attention(
-            qf, kf, kls, v, normalization=normalization, initial_state=initial_state, eps=eps, document_starts=starts
-        )
-    chunked = _chunked_impl(backend, qf.is_cuda)
+    layout = restarting(checked_starts(document_starts, qf), initial_state is not None)
+    request = Request(
+        "linear", algorithm=form, backend=backend, device=qf.device.type, dtype=v.dtype, tokens=qf.shape[2],
+        chunk_size=chunk_size, continues_state=initial_state is not None, documents="none" if layout is None else "restart",
+    )  # fmt: skip
     options = dict(normalization=normalization, chunk_size=chunk_size, eps=eps)
-    if restarts:
-        return run_by_document(lambda t, s: chunked(*t, initial_state=s, **options), [qf, kf, kls, v], layout, initial_state)
-    return chunked(qf, kf, kls, v, initial_state=initial_state, **options)
+    row = select(request)
+    return _FUNCTIONAL_ADAPTERS[row.adapter](row.implementation(), request, [qf, kf, kls, v], initial_state, layout, options)
 
 
-def _checked_starts(
-    document_starts: DocumentLayout | torch.Tensor | None, like: torch.Tensor
-) -> DocumentLayout | None:
-    """The layout of ``document_starts`` after checking its starts are a [B, N] bool tensor matching
-    ``like`` [B, H, N, *]."""
-    if document_starts is None:
-        return None
-    starts = document_starts.starts if isinstance(document_starts, DocumentLayout) else document_starts
-    expected = (like.shape[0], like.shape[2])
-    if starts.dtype != torch.bool or tuple(starts.shape) != expected:
-        raise ValueError(
-            f"document_starts: expected a bool tensor of shape {expected} ([B, N]), "
-            f"got {starts.dtype} {tuple(starts.shape)}"
-        )
-    return document_layout(document_starts)
+def _features_call(fn, request, tensors, state, layout, options):  # noqa: ANN001, ANN202
+    """The contract (``base.LinearAttentionFn``); the reference forms take the document starts themselves."""
+    starts = {} if layout is None else {"document_starts": layout.starts}
+    return fn(*tensors, initial_state=state, **options, **starts)
+
+
+def _chunks_by_document(fn, request, tensors, state, layout, options):  # noqa: ANN001, ANN202
+    """``run_by_document``: one chunked call per document, by the row the call without documents takes."""
+    chunked = select(replace(request, documents="none")).implementation()
+    return fn(lambda t, s: chunked(*t, initial_state=s, **options), tensors, layout, state)
+
+
+# how ``causal_linear_attention`` feeds each row of op "linear" it can select (``dispatch.ROWS``)
+_FUNCTIONAL_ADAPTERS: dict[str, Callable[..., tuple[torch.Tensor, LinearAttentionState]]] = {
+    "features": _features_call, "chunks_by_document": _chunks_by_document,
+}
 
 
 AttentionState = LinearAttentionState | KVCache
 
 
-def padding_mask(key_mask: torch.Tensor | None, batch: int, length: int, name: str = "key_mask") -> torch.Tensor | None:
-    """``key_mask`` as bool [batch, length] (ValueError naming ``name`` on another shape), or None
-    when it masks nothing."""
-    if key_mask is None:
-        return None
-    if key_mask.dim() != 2 or tuple(key_mask.shape) != (batch, length):
-        raise ValueError(f"{name}: expected shape [{batch}, {length}] (every token so far, cached ones first), "
-                         f"got {tuple(key_mask.shape)}")
-    key_mask = key_mask.bool()
-    return None if bool(key_mask.all()) else key_mask
+@dataclass
+class _Call:
+    """One ``AttentionCore`` call after its checks: what the adapters feed the chosen implementation."""
 
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    state: AttentionState | None
+    return_state: bool
+    key_mask: torch.Tensor | None  # [B, offset + N], None when nothing is padding
+    layout: DocumentLayout | None  # only when its starts restart something
+    trig_spec: tuple[torch.Tensor, torch.Tensor, bool] | None = None  # the feature map's, set by ``_run``
 
-def mask_padded_keys(
-    features: torch.Tensor, log_scale: torch.Tensor | None, key_mask: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Key features [B, H, N, F] and log-scales [B, H, N] with padded keys (``key_mask`` [B, N]
-    False) removed from the sums: zero features, and a log-scale no larger than the row's real
-    ones (not -inf: the chunked forms' row scales exp(M_c - m_t) must stay finite)."""
-    real = key_mask[:, None, :]  # [B, 1, N]
-    features = torch.where(real.unsqueeze(-1), features, torch.zeros_like(features))
-    if log_scale is not None:
-        lowest_real = torch.where(real, log_scale, torch.full_like(log_scale, float("inf"))).amin(-1, keepdim=True)
-        has_real = real.any(-1, keepdim=True)
-        log_scale = torch.where(real | ~has_real, log_scale, lowest_real.detach())
-    return features, log_scale
+    @property
+    def offset(self) -> int:
+        return 0 if self.state is None else self.state.offset
+
+    @functools.cached_property
+    def new_keys(self) -> torch.Tensor | None:
+        """The key mask of the N new tokens, None when none of them is padding."""
+        return None if self.key_mask is None else padding_mask(self.key_mask[:, self.offset :], *self.q.shape[0:3:2])
+
+    def kept(self, out: torch.Tensor, state: AttentionState | None) -> tuple[torch.Tensor, AttentionState | None]:
+        return out, (state if self.return_state else None)
 
 
 class AttentionCore(nn.Module):
@@ -187,12 +157,13 @@ class AttentionCore(nn.Module):
     ``feature_kwargs`` go to ``build_feature_map`` (``max_seq_len`` is passed to cosformer only).
 
     ``backend`` (auto | torch | triton | fla) picks the chunked form's implementation for training,
-    evaluation and prefill alike (decoding keeps the recurrent form): with Triton, trig maps
-    (``feature_map.trig_spec()``) go through ``trig_linear_attention``, which keeps no features
-    alive for backward; other maps compute their features in torch, then run the same kernels.
-    With the torch backend on CPU, trig maps go through ``chunked_trig.trig_linear_attention_chunked``
-    (the same fusion: long sequences keep no features alive; short ones use the plain path).
+    evaluation and prefill alike (decoding keeps the recurrent form): trig maps
+    (``feature_map.trig_spec()``) go through a fused map + attention that keeps no features alive for
+    backward (Triton: ``trig_linear_attention``; torch on CPU: ``linear.chunk_trig``); other maps compute
+    their features in torch first. ``dispatch.ROWS`` lists every path.
     """
+
+    op = "core"  # what ``parallel.layers`` wraps for context parallelism
 
     def __init__(
         self,
@@ -244,6 +215,11 @@ class AttentionCore(nn.Module):
         if v.shape[:3] != q.shape[:3]:
             raise ValueError(f"v: expected shape [{q.shape[0]}, {self.num_heads}, {q.shape[2]}, Dv], got {_shape(v)}")
 
+    def _check_state(self, state: AttentionState | None) -> None:
+        expected = KVCache if self.feature_map is None else LinearAttentionState
+        if state is not None and not isinstance(state, expected):
+            raise ValueError(f"state: expected a {expected.__name__} for kind {self.kind!r}, got {type(state).__name__}")
+
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: AttentionState | None = None,
         return_state: bool = False, key_mask: torch.Tensor | None = None,
@@ -256,118 +232,108 @@ class AttentionCore(nn.Module):
         ``document_starts`` [B, N] bool or its ``DocumentLayout`` (``documents.py``): no token attends
         across a document start (softmax: a block-causal mask; linear kinds: each document runs on its own)."""
         self._check_qkv(q, k, v)
-        layout = _checked_starts(document_starts, q)
-        restarts = layout is not None and layout.has_restarts(state is not None)
-        if restarts and key_mask is not None:
-            raise ValueError("key_mask and document_starts: padded batches of packed documents are not supported")
+        layout = restarting(checked_starts(document_starts, q), state is not None, key_mask)
         offset = state.offset if state is not None else 0
         key_mask = padding_mask(key_mask, q.shape[0], offset + q.shape[2])
-        if self.feature_map is None:
-            if state is not None and not isinstance(state, KVCache):
-                raise ValueError(f"state: expected a KVCache for kind 'softmax', got {type(state).__name__}")
-            if restarts:
-                if state is not None or return_state:
-                    raise ValueError("document_starts: expected no KVCache in or out (decode one document at a time)")
-                return softmax_attention(q, k, v, mask=block_causal_mask(layout.starts))[0], None
-            out, cache = softmax_attention(q, k, v, cache=state, key_mask=key_mask)
-            return out, (cache if return_state else None)
-        if state is not None and not isinstance(state, LinearAttentionState):
-            raise ValueError(f"state: expected a LinearAttentionState for kind {self.kind!r}, got {type(state).__name__}")
-        if restarts and return_state:  # the state after each row's last document: one call per document
-            return run_by_document(lambda t, s: self.forward(*t, state=s, return_state=True), [q, k, v], layout, state)
-        if restarts:  # training: documents of similar length batched into one call
-            return run_documents_batched(lambda t, s: self.forward(*t, state=s), [q, k, v], layout, state), None
-        new_keys = None if key_mask is None else padding_mask(key_mask[:, offset:], q.shape[0], q.shape[2])
-        if new_keys is not None and self.kind == "cosformer":
-            raise ValueError("key_mask: padding is not supported by the position-dependent 'cosformer' map")
-        decoding = state is not None and q.shape[2] <= self.recurrent_max_tokens
-        if decoding and not torch.is_grad_enabled():
-            return self._decode(q, k, v, state, return_state, new_keys)
-        form = "recurrent" if decoding else self.form
-        which = chunked_backend(self.backend, q.is_cuda) if form == "chunked" else None
-        if new_keys is not None:  # the fused trig paths compute key features internally: mask them here
-            q_map, k_map = self.feature_map(q, offset), self.feature_map(k, offset)
-            kf, kls = mask_padded_keys(k_map.features, k_map.log_scale, new_keys)
-            out, new_state = causal_linear_attention(
-                q_map.features, kf, kls, v, form=form, normalization=self.normalization, chunk_size=self.chunk_size,
-                initial_state=state, eps=self.eps, backend=self.backend,
-            )  # fmt: skip
-            return out, (new_state if return_state else None)
-        if which == "triton":
-            out, new_state = self._triton_chunked(q, k, v, state, offset)
-            return out, (new_state if return_state else None)
-        spec = self._trig_spec()
-        if which == "torch" and spec is not None and q.device.type == "cpu":
-            # CPU: the trig map fused into the chunked form, no [B, H, N, F] features kept for backward
-            from .chunked_trig import trig_linear_attention_chunked
+        self._check_state(state)
+        return self._run(_Call(q, k, v, state, return_state, key_mask, layout))
 
-            omega, inv_temperature, paired = spec
-            out, new_state = trig_linear_attention_chunked(
-                q, k, v, omega, inv_temperature, paired=paired, normalization=self.normalization,
-                chunk_size=self.chunk_size, initial_state=state, eps=self.eps,
-            )  # fmt: skip
-            return out, (new_state if return_state else None)
-        q_map = self.feature_map(q, offset)
-        k_map = self.feature_map(k, offset)
-        out, new_state = causal_linear_attention(
-            q_map.features,
-            k_map.features,
-            k_map.log_scale,
-            v,
-            form=form,
-            normalization=self.normalization,
-            chunk_size=self.chunk_size,
-            initial_state=state,
-            eps=self.eps,
-            backend=self.backend,
-        )
-        return out, (new_state if return_state else None)
+    def _run(self, call: _Call) -> tuple[torch.Tensor, AttentionState | None]:
+        """Feature map -> dispatch -> one call: ``dispatch.select`` picks the row, its adapter feeds it."""
+        call.trig_spec = self._trig_spec()
+        row = select(self._request(call))
+        return _ADAPTERS[row.adapter](self, row.implementation(), call)
+
+    def _request(self, call: _Call) -> Request:
+        documents = "none" if call.layout is None else ("restart_state" if call.return_state else "restart_batched")
+        return Request(
+            "softmax" if self.feature_map is None else "linear", algorithm=self.form, backend=self.backend,
+            device=call.q.device.type, dtype=call.v.dtype, tokens=call.q.shape[2], chunk_size=self.chunk_size,
+            continues_state=call.state is not None, recurrent_max_tokens=self.recurrent_max_tokens,
+            grad=torch.is_grad_enabled(), trig=call.trig_spec is not None, padded=call.new_keys is not None,
+            documents=documents,
+        )  # fmt: skip
 
     def _trig_spec(self) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
         """(omega, inv_temperature, paired) when the feature map is a trig map, else None."""
         trig_spec = getattr(self.feature_map, "trig_spec", None)
         return trig_spec() if trig_spec is not None else None
 
-    def _triton_chunked(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: LinearAttentionState | None, offset: int
-    ) -> tuple[torch.Tensor, LinearAttentionState]:
-        """The chunked form in the Triton kernels; trig maps fused with the attention (see class doc)."""
-        from .triton import trig_linear_attention, triton_linear_attention
+    def _options(self, call: _Call) -> dict:
+        """The contract's options (``base.LinearAttentionFn``)."""
+        return dict(normalization=self.normalization, chunk_size=self.chunk_size, initial_state=call.state, eps=self.eps)
 
-        options = dict(normalization=self.normalization, chunk_size=self.chunk_size, initial_state=state, eps=self.eps)
-        spec = self._trig_spec()
-        if spec is not None:
-            omega, inv_temperature, paired = spec
-            return trig_linear_attention(q, k, v, omega, inv_temperature, paired=paired, **options)
-        q_map, k_map = self.feature_map(q, offset), self.feature_map(k, offset)
-        return triton_linear_attention(q_map.features, k_map.features, k_map.log_scale, v, **options)
+    def _features(self, call: _Call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(qf, kf, kls) of the new tokens, padded keys taken out of the sums (``mask_padded_keys``)."""
+        if call.new_keys is not None and self.kind == "cosformer":
+            raise ValueError("key_mask: padding is not supported by the position-dependent 'cosformer' map")
+        q_map, k_map = self.feature_map(call.q, call.offset), self.feature_map(call.k, call.offset)
+        kf, kls = k_map.features, k_map.log_scale
+        if call.new_keys is not None:
+            kf, kls = mask_padded_keys(kf, kls, call.new_keys)
+        return q_map.features, kf, kls
 
-    def _decode(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: LinearAttentionState, return_state: bool,
-        key_mask: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, LinearAttentionState | None]:
-        """Inference continuing from ``state`` with a few tokens: the same maths as ``forward``'s
-        recurrent form in fewer ops (decoding is bound by per-op overhead, not FLOPs): q and k go
-        through the feature map as one batch, and a single token takes ``recurrent_step``."""
-        batch = q.shape[0]
-        both = self.feature_map(torch.cat([q, k]), state.offset)  # [2B, H, N, F]: queries then keys
+    def _on_features(self, fn: Callable, call: _Call) -> tuple[torch.Tensor, AttentionState | None]:
+        qf, kf, kls = self._features(call)
+        validate_linear_attention_inputs(
+            qf, kf, kls, call.v, form=self.form, normalization=self.normalization, chunk_size=self.chunk_size,
+            initial_state=call.state, eps=self.eps,
+        )  # fmt: skip
+        return call.kept(*fn(qf, kf, kls, call.v, **self._options(call)))
+
+    def _fused_trig(self, fn: Callable, call: _Call) -> tuple[torch.Tensor, AttentionState | None]:
+        omega, inv_temperature, paired = call.trig_spec
+        return call.kept(*fn(call.q, call.k, call.v, omega, inv_temperature, paired=paired, **self._options(call)))
+
+    def _decode(self, fn: Callable, call: _Call) -> tuple[torch.Tensor, AttentionState | None]:
+        """Inference continuing from the state with a few tokens: the recurrent form in fewer ops
+        (decoding is bound by per-op overhead, not FLOPs): q and k go through the feature map as one
+        batch; ``fn`` is ``recurrent_step`` for one token."""
+        if call.new_keys is not None and self.kind == "cosformer":
+            raise ValueError("key_mask: padding is not supported by the position-dependent 'cosformer' map")
+        batch = call.q.shape[0]
+        both = self.feature_map(torch.cat([call.q, call.k]), call.offset)  # [2B, H, N, F]: queries then keys
         qf, kf = both.features[:batch], both.features[batch:]
         kls = None if both.log_scale is None else both.log_scale[batch:]
-        if key_mask is not None:
-            kf, kls = mask_padded_keys(kf, kls, key_mask)
+        if call.new_keys is not None:
+            kf, kls = mask_padded_keys(kf, kls, call.new_keys)
         validate_linear_attention_inputs(
-            qf, kf, kls, v, form="recurrent", normalization=self.normalization, initial_state=state, eps=self.eps
+            qf, kf, kls, call.v, form="recurrent", normalization=self.normalization, initial_state=call.state, eps=self.eps
         )
-        if q.shape[2] == 1:
-            out, new_state = recurrent_step(qf, kf, kls, v, state, normalization=self.normalization, eps=self.eps)
-        else:
-            out, new_state = recurrent_linear_attention(
-                qf, kf, kls, v, normalization=self.normalization, initial_state=state, eps=self.eps
-            )
-        return out, (new_state if return_state else None)
+        return call.kept(*fn(qf, kf, kls, call.v, normalization=self.normalization, initial_state=call.state, eps=self.eps))
+
+    def _softmax(self, fn: Callable, call: _Call) -> tuple[torch.Tensor, AttentionState | None]:
+        return call.kept(*fn(call.q, call.k, call.v, cache=call.state, key_mask=call.key_mask))
+
+    def _softmax_documents(self, fn: Callable, call: _Call) -> tuple[torch.Tensor, None]:
+        if call.state is not None or call.return_state:
+            raise ValueError("document_starts: expected no KVCache in or out (decode one document at a time)")
+        return fn(call.q, call.k, call.v, mask=block_causal_mask(call.layout.starts))[0], None
+
+    def _per_document(self, fn: Callable, call: _Call) -> tuple[torch.Tensor, AttentionState | None]:
+        """One call per document (the state after each row's last document), each through ``_run``."""
+        run = lambda t, s: self._run(_Call(*t, s, True, None, None))  # noqa: E731
+        return fn(run, [call.q, call.k, call.v], call.layout, call.state)
+
+    def _documents_batched(self, fn: Callable, call: _Call) -> tuple[torch.Tensor, None]:
+        """Training: documents of similar length batched into one call, through ``_run``."""
+        run = lambda t, s: self._run(_Call(*t, s, False, None, None))  # noqa: E731
+        return fn(run, [call.q, call.k, call.v], call.layout, call.state), None
 
     def extra_repr(self) -> str:
         return (
             f"kind={self.kind}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
             f"normalization={self.normalization}, backend={self.backend}"
         )
+
+
+# how ``AttentionCore`` feeds each row it can select (``dispatch.ROWS``, ops "softmax" and "linear")
+_ADAPTERS: dict[str, Callable[[AttentionCore, Callable, _Call], tuple[torch.Tensor, AttentionState | None]]] = {
+    "softmax": AttentionCore._softmax,
+    "softmax_documents": AttentionCore._softmax_documents,
+    "by_document": AttentionCore._per_document,
+    "documents_batched": AttentionCore._documents_batched,
+    "decode": AttentionCore._decode,
+    "features": AttentionCore._on_features,
+    "trig": AttentionCore._fused_trig,
+}

@@ -9,7 +9,7 @@ softmax probability. Both are compared through
 * ``effective_keys``: exp(entropy of |w_t.| / sum_s |w_ts|), averaged over queries t: the number
   of keys a query effectively attends to (1 = one key, t + 1 = uniform over its prefix).
 
-For the one-normaliser window hybrid (``shared_window.py``) the weights are the hybrid's own
+For the one-normaliser window hybrid (``window/``) the weights are the hybrid's own
 (exact softmax weights in the window, the kernel before it, one stabiliser), and
 ``far_share`` is the far field's share of each query's absolute weight mass, averaged over the
 queries that have a far field (t >= W).
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from .base import FeatureMap
-from .shared_window import quadratic_weights
+from .window import quadratic_weights
 
 
 def causal_weights(q: torch.Tensor, k: torch.Tensor, feature_map: FeatureMap | None) -> torch.Tensor:

@@ -12,7 +12,7 @@
 
   - ``"shared_normaliser"`` (default; LoLCATs / Based): exact softmax weights exp(q.k / sqrt d)
     for the last W keys and the learned kernel phi~(q).phi~(k) for every older key, in one
-    normaliser with one log-space stabiliser per query (``shared_window.py``, which has the maths
+    normaliser with one log-space stabiliser per query (``window/``, which has the maths
     and the quadratic / chunked / recurrent forms). Near keys are counted once, the two parts keep
     their relative mass, and nothing is learned for the mix. No [N, N] or [N, W + N] mask. Decoding
     keeps a W - 1 key window cache plus the linear state of the keys that left it.
@@ -30,17 +30,20 @@ sequence.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .base import KernelParameter, LinearAttentionState, normalize_output
-from .core import AttentionCore, mask_padded_keys, padding_mask
-from .documents import DocumentLayout, document_layout, run_documents_batched
-from .segments import run_segments
-from .shared_window import WindowCache, windowed_linear_attention
+from .core import AttentionCore
+from .dispatch import Request, select
+from .documents import DocumentLayout, document_layout
+from .inputs import mask_padded_keys, padding_mask, restarting
 from .softmax import padded_causal_mask
+from .window import WindowCache, windowed_linear_attention
+from .window.segments import run_segments
 
 WINDOW_MIXINGS = ("shared_normaliser", "gated")
 # padded keys' log-scale below the row's lowest real one (finite: no -inf - -inf anywhere); exp(-1e4) = 0
@@ -73,6 +76,8 @@ class _QKTap(nn.Module):
 
 class LocalMixingCore(nn.Module):
     """A linear ``AttentionCore`` plus a causal q/k/v convolution and/or a sliding softmax window."""
+
+    op = "local_mixing"  # what ``parallel.layers`` wraps for context parallelism
 
     def __init__(
         self, core: AttentionCore, *, window: int = 0, conv_size: int = 0, mixing: str = "shared_normaliser"
@@ -129,26 +134,41 @@ class LocalMixingCore(nn.Module):
             raise ValueError(f"state: expected a HybridState, got {type(state).__name__}")
         offset = 0 if state is None else state.offset
         key_mask = padding_mask(key_mask, q.shape[0], offset + q.shape[2])
-        layout = document_layout(document_starts)
-        restarts = layout is not None and layout.has_restarts(state is not None)
-        if self.window and self.mixing == "shared_normaliser":
-            return self._shared_forward(q, k, v, state, return_state, key_mask, layout if restarts else None)
+        layout = restarting(document_layout(document_starts), state is not None, key_mask)
+        return self._run(q, k, v, state, return_state, key_mask, layout)
+
+    def _run(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: HybridState | None, return_state: bool,
+        key_mask: torch.Tensor | None, layout: DocumentLayout | None,
+    ) -> tuple[torch.Tensor, HybridState | None]:
+        """Dispatch (``dispatch.ROWS``, op "local_mixing") -> one call."""
+        core = self.core
+        documents = "none" if layout is None else ("restart_state" if return_state else "restart_batched")
+        request = Request(
+            "local_mixing", algorithm=core.form, backend=core.backend, device=q.device.type, dtype=v.dtype,
+            tokens=q.shape[2], chunk_size=core.chunk_size, continues_state=state is not None,
+            recurrent_max_tokens=core.recurrent_max_tokens, grad=torch.is_grad_enabled(), padded=key_mask is not None,
+            documents=documents, mixing=self.mixing, window=self.window, segment_tokens=self.segment_tokens,
+        )  # fmt: skip
+        row = select(request)
+        return _ADAPTERS[row.adapter](self, row.implementation(), request, q, k, v, state, return_state, key_mask, layout)
+
+    def _core_forward(
+        self, request: Request, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: HybridState | None,
+        return_state: bool, key_mask: torch.Tensor | None, layout: DocumentLayout | None,
+    ) -> tuple[torch.Tensor, HybridState | None]:
+        """The core over (convolved) q, k, v, and the gated window mixed in."""
         docs = None  # document index per token (0: the document the state belongs to), when documents restart
-        if restarts:
+        if layout is not None:
             if return_state:
                 raise ValueError("document_starts: expected return_state=False (decode one document at a time)")
-            if key_mask is not None:
-                raise ValueError("key_mask and document_starts: padded batches of packed documents are not supported")
             docs = layout.ids
         conv_tail = None
         if self.conv_weight is not None:
-            if key_mask is not None:
-                real = key_mask[:, None, offset:, None]  # [B, 1, N, 1]
-                q, k, v = (torch.where(real, x, torch.zeros_like(x)) for x in (q, k, v))
-            q, k, v, conv_tail = self._convolve(q, k, v, None if state is None else state.conv_tail, docs)
+            q, k, v, conv_tail = self._convolve(q, k, v, state, key_mask, docs)
         out, linear_state = self.core(
             q, k, v, state=None if state is None else state.linear, return_state=return_state, key_mask=key_mask,
-            document_starts=layout if restarts else None,
+            document_starts=layout,
         )  # fmt: skip
         window_k = window_v = None
         if self.window:
@@ -160,31 +180,35 @@ class LocalMixingCore(nn.Module):
             out = torch.lerp(out.float(), local.float(), mix).to(out.dtype)
         return out, (HybridState(linear_state, window_k, window_v, conv_tail) if return_state else None)
 
-    def _shared_forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: HybridState | None, return_state: bool,
-        key_mask: torch.Tensor | None, restarting: DocumentLayout | None,
+    def _documents_batched(
+        self, run_documents_batched: Callable, request: Request, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        state: HybridState | None, return_state: bool, key_mask: torch.Tensor | None, layout: DocumentLayout,
+    ) -> tuple[torch.Tensor, None]:
+        """Packed documents through the one-normaliser window: one document per row, convolution included."""
+        if state is not None or return_state:
+            raise ValueError("document_starts: expected no state in or out (decode one document at a time)")
+        run = lambda t, s: (self._run(*t, None, False, None, None)[0], None)  # noqa: E731
+        return run_documents_batched(run, [q, k, v], layout, None), None
+
+    def _shared(
+        self, window_fn: Callable, request: Request, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        state: HybridState | None, return_state: bool, key_mask: torch.Tensor | None, layout: None,
     ) -> tuple[torch.Tensor, HybridState | None]:
-        """The one-normaliser window (``shared_window.py``) after the optional convolution. Packed
-        documents (``restarting``: a layout whose starts change something) run one per row
-        (``run_documents_batched``), convolution included."""
-        if restarting is not None:
-            if state is not None or return_state:
-                raise ValueError("document_starts: expected no state in or out (decode one document at a time)")
-            if key_mask is not None:
-                raise ValueError("key_mask and document_starts: padded batches of packed documents are not supported")
-            return run_documents_batched(lambda t, s: (self.forward(*t)[0], None), [q, k, v], restarting, None), None
-        offset = 0 if state is None else state.offset
+        """The one-normaliser window (``window/``) after the optional convolution: ``window_fn`` is
+        ``_segmented`` (long training sequences) or ``_shared_forward``."""
         conv_tail = None
         if self.conv_weight is not None:
-            if key_mask is not None:
-                real = key_mask[:, None, offset:, None]  # [B, 1, N, 1]
-                q, k, v = (torch.where(real, x, torch.zeros_like(x)) for x in (q, k, v))
-            q, k, v, conv_tail = self._convolve(q, k, v, None if state is None else state.conv_tail)
+            q, k, v, conv_tail = self._convolve(q, k, v, state, key_mask)
         self.core._check_qkv(q, k, v)
-        segment = max(self.segment_tokens, self.core.chunk_size)
-        if key_mask is None and torch.is_grad_enabled() and self.core.form == "chunked" and q.shape[2] > 2 * segment:
-            out, far, cache = self._segmented(q, k, v, state, offset, segment - segment % self.core.chunk_size)
-            return out, (HybridState(far, None, None, conv_tail, cache) if return_state else None)
+        out, far, cache = window_fn(self, request, q, k, v, state, key_mask, return_state)
+        return out, (HybridState(far, None, None, conv_tail, cache) if return_state else None)
+
+    def _shared_forward(
+        self, request: Request, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: HybridState | None,
+        key_mask: torch.Tensor | None, return_state: bool,
+    ) -> tuple[torch.Tensor, LinearAttentionState | None, WindowCache | None]:
+        """One call of ``windowed_linear_attention`` over the whole sequence (decoding: its recurrent form)."""
+        offset = 0 if state is None else state.offset
         qf, qls, kf, kls = self.window_features(q, k, offset)
         cache = None if state is None else state.window_cache
         key_valid = None
@@ -195,22 +219,23 @@ class LocalMixingCore(nn.Module):
                 kls = torch.where(real, kls, kls - _PAD_LOG_SCALE_MARGIN)
             prefix = 0 if cache is None else cache.length
             key_valid = key_mask[:, offset - prefix :]
-        decoding = state is not None and q.shape[2] <= self.core.recurrent_max_tokens
-        form = "recurrent" if decoding else self.core.form
-        out, far, cache = windowed_linear_attention(
-            q, qf, qls, k, kf, kls, v, window=self.window, form=form, normalization=self.core.normalization,
+        return windowed_linear_attention(
+            q, qf, qls, k, kf, kls, v, window=self.window, form=request.runs, normalization=self.core.normalization,
             chunk_size=self.core.chunk_size, far_state=None if state is None else state.linear, cache=cache,
             eps=self.core.eps, key_valid=key_valid, return_state=return_state, backend=self.core.backend,
         )  # fmt: skip
-        return out, (HybridState(far, None, None, conv_tail, cache) if return_state else None)
 
     def _segmented(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: HybridState | None, offset: int, segment: int
+        self, request: Request, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: HybridState | None,
+        key_mask: None, return_state: bool,
     ) -> tuple[torch.Tensor, LinearAttentionState, WindowCache]:
-        """Training on long sequences: segments of ``segment`` tokens, each continuing the previous one's
-        (far state, window cache) (``segments.py``), so between forward and backward only q, k, v, the
-        output and a state per segment live (no features, no [N, (L + 1) C] blocks); the backward
-        recomputes one segment at a time. Same maths as one call (segments agree to rounding)."""
+        """Training on long sequences: segments of ``segment_tokens`` (at least a chunk, whole chunks), each
+        continuing the previous one's (far state, window cache) (``window/segments.py``), so between forward
+        and backward only q, k, v, the output and a state per segment live (no features, no [N, (L + 1) C]
+        blocks); the backward recomputes one segment at a time. Same maths as one call (segments agree to rounding)."""
+        offset = 0 if state is None else state.offset
+        segment = max(self.segment_tokens, self.core.chunk_size)
+        segment -= segment % self.core.chunk_size
         far = None if state is None else state.linear
         cache = None if state is None else state.window_cache
         carried = [] if far is None else [far.kv, far.k_sum, far.log_max]
@@ -244,10 +269,16 @@ class LocalMixingCore(nn.Module):
         return q_map.features, q_map.log_scale, k_map.features, k_map.log_scale
 
     def _convolve(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tail: torch.Tensor | None, docs: torch.Tensor | None = None
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: HybridState | None,
+        key_mask: torch.Tensor | None, docs: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Causal depthwise convolution of q, k, v along the sequence; returns the new tail. ``docs``
-        [B, N] document indices: taps reaching into another document (or the tail, from index 1 on) read 0."""
+        """Causal depthwise convolution of q, k, v along the sequence after the state's tail; returns the
+        new tail. Padded tokens (``key_mask`` [B, T]) enter as zeros. ``docs`` [B, N] document indices:
+        taps reaching into another document (or the tail, from index 1 on) read 0."""
+        tail = None if state is None else state.conv_tail
+        if key_mask is not None:
+            real = key_mask[:, None, key_mask.shape[1] - q.shape[2] :, None]  # [B, 1, N, 1]
+            q, k, v = (torch.where(real, x, torch.zeros_like(x)) for x in (q, k, v))
         x = torch.stack([q, k, v], dim=2)  # [B, H, 3, N, d]
         if tail is None:
             tail = x.new_zeros(*x.shape[:3], self.conv_size - 1, x.shape[-1])
@@ -287,3 +318,25 @@ class LocalMixingCore(nn.Module):
 
     def extra_repr(self) -> str:
         return f"window={self.window}, conv_size={self.conv_size}, mixing={self.mixing}"
+
+
+# how ``LocalMixingCore`` feeds each row it can select (``dispatch.ROWS``, op "local_mixing")
+_ADAPTERS: dict[str, Callable[..., tuple[torch.Tensor, HybridState | None]]] = {
+    "method": lambda self, fn, *args: fn(self, *args),
+    "documents_batched": LocalMixingCore._documents_batched,
+    "shared": LocalMixingCore._shared,
+}
+
+
+def build_attention(core: AttentionCore, *, window: int = 0, conv_size: int = 0, mixing: str = "shared_normaliser") -> AttentionCore | LocalMixingCore:
+    """The attention module of a model layer: ``core``, wrapped in a ``LocalMixingCore`` when a ``window``
+    or a convolution (``conv_size``) is asked for (``dispatch.ROWS``, op "module")."""
+    row = select(Request("module", window=window, conv_size=conv_size))
+    return _MODULE_ADAPTERS[row.adapter](row.implementation(), core, window=window, conv_size=conv_size, mixing=mixing)
+
+
+# how ``build_attention`` feeds the rows of op "module": the core as it is, or the wrapper class around it
+_MODULE_ADAPTERS: dict[str, Callable[..., AttentionCore | LocalMixingCore]] = {
+    "as_is": lambda cls, core, **closers: core,
+    "wrap": lambda cls, core, **closers: cls(core, **closers),
+}

@@ -16,7 +16,7 @@ ZeRO 0: the pipeline engine's per-layer files) and its parameter names mapped ba
 
 then resharded exactly to the caller's TP size (``megaflex.checkpoint.reshard``). Training uses
 it for ``checkpoint.init_from`` (``megaflex.training.weights``) and distillation teachers;
-evaluation (``evaluation.loading``) for every checkpoint it reads.
+evaluation (``megaflex.eval.loading``) for every checkpoint it reads.
 """
 
 from __future__ import annotations

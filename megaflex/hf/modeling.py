@@ -27,7 +27,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from megaflex.attention import KVCache, LinearAttentionState
 from megaflex.attention.hybrid import HybridState
-from megaflex.attention.shared_window import WindowCache
+from megaflex.attention.window import WindowCache
 from megaflex.hf.configuration import FlexformerConfig
 from megaflex.model.gpt import GPT, IGNORE_INDEX, GPTState
 

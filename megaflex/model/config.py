@@ -47,7 +47,7 @@ class ModelConfig:
     softmax_window: int = 0  # W > 0: exact softmax attention over the last W tokens (attention/hybrid.py);
     # with attention "softmax": sliding-window softmax (no far field)
     # how the window meets the kernel: "shared_normaliser" (exact weights for the last W keys, the
-    # kernel for older ones, one normaliser: attention/shared_window.py) or "gated" (the first
+    # kernel for older ones, one normaliser: attention/window/) or "gated" (the first
     # design: a learned per-head blend of two separately normalised branches; an ablation arm)
     window_mixing: str = "shared_normaliser"
     qkv_conv_size: int = 0  # K > 0: short causal depthwise convolution of q, k, v (K taps)

@@ -30,10 +30,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from megaflex.attention import AttentionCore, KVCache, LinearAttentionState
-from megaflex.attention.core import padding_mask
+from megaflex.attention import AttentionCore, KVCache, LinearAttentionState, padding_mask
 from megaflex.attention.documents import DocumentLayout
-from megaflex.attention.hybrid import HybridState, LocalMixingCore
+from megaflex.attention.hybrid import HybridState, LocalMixingCore, build_attention
+from megaflex.attention.inputs import refuse_padded_documents
 from megaflex.model.config import ModelConfig
 from megaflex.model.kernel_stats import kernel_statistics
 from megaflex.model.layers import LayerFactory, LocalLayers, linear, norm, normal_init, vocab_embedding
@@ -264,9 +264,8 @@ class GPT(nn.Module):
         # global position of the first token (under context parallelism: of this rank's slice)
         offset = (0 if state is None else state.offset) + self.layer_factory.sequence_offset(N)
         padding = Padding.from_attention_mask(attention_mask, B, offset + N)
+        refuse_padded_documents(padding is not None, documents is not None, "attention_mask and documents")
         if padding is not None:
-            if documents is not None:
-                raise ValueError("attention_mask and documents: padded batches of packed documents are not supported")
             padding = padding.new_tokens(N)
         if documents is not None:  # read to the host and cut into documents once, for every layer
             documents = documents.laid_out()
@@ -443,8 +442,5 @@ def build_attention_core(config: ModelConfig, num_heads: int) -> AttentionCore |
         backend=config.attention_backend,
         **config.feature_kwargs,
     )
-    if config.softmax_window or config.qkv_conv_size:  # deterministic init: no RNG drawn here
-        return LocalMixingCore(
-            core, window=config.softmax_window, conv_size=config.qkv_conv_size, mixing=config.window_mixing
-        )
-    return core
+    # the closers' init is deterministic: no RNG drawn there
+    return build_attention(core, window=config.softmax_window, conv_size=config.qkv_conv_size, mixing=config.window_mixing)

@@ -1,4 +1,4 @@
-"""Context parallelism for the one-normaliser window hybrid (``megaflex.attention.shared_window``).
+"""Context parallelism for the one-normaliser window hybrid (``megaflex.attention.window``).
 
 CP rank r holds a slice of n tokens. Its first W - 1 queries see, in their exact window, the last
 W - 1 keys of rank r - 1 (the halo); every older key is far field. So, next to the state exchange
@@ -25,7 +25,7 @@ import torch
 from megaflex.attention import LinearAttentionState
 from megaflex.attention.base import accumulation_dtype
 from megaflex.attention.documents import DocumentLayout, has_restarts
-from megaflex.attention.shared_window import WindowCache, windowed_linear_attention
+from megaflex.attention.window import WindowCache, windowed_linear_attention
 from megaflex.parallel.context_parallel import _all_gather, check_whole_sequences, local_state
 from megaflex.parallel.state import ParallelState
 

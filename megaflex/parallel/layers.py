@@ -27,7 +27,6 @@ from torch import nn
 
 from megaflex.attention import named_kernel_parameters
 from megaflex.model.layers import LocalLayers, check_tensor_parallel_fit, pad_vocab_size
-from megaflex.attention.hybrid import LocalMixingCore
 from megaflex.parallel.context_parallel import ContextParallelAttention, sequence_sum
 from megaflex.parallel.context_parallel_window import ContextParallelWindowAttention
 from megaflex.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -47,6 +46,10 @@ from megaflex.parallel.sequence_parallel import (
 )
 from megaflex.parallel.state import ParallelState
 
+
+# context parallelism of each attention module, by the ``op`` it declares (``AttentionCore.op``,
+# ``LocalMixingCore.op``); which module a layer holds is decided by ``attention.dispatch`` (op "module")
+_CONTEXT_PARALLEL = {"core": ContextParallelAttention, "local_mixing": ContextParallelWindowAttention}
 
 def set_tensor_parallel_attributes(param: torch.Tensor, partition_dim: int, stride: int = 1) -> None:
     """Tag ``param`` as split along ``partition_dim`` over the TP group (Megatron's convention)."""
@@ -274,6 +277,4 @@ class TensorParallelLayers:
     def attention(self, core: nn.Module) -> Callable[..., Any]:
         if self.state.cp_size == 1:
             return core
-        if isinstance(core, LocalMixingCore):
-            return ContextParallelWindowAttention(core, self.state)
-        return ContextParallelAttention(core, self.state)
+        return _CONTEXT_PARALLEL[core.op](core, self.state)

@@ -4,13 +4,14 @@
 * ``trig_linear_attention``: trig feature map + attention as one autograd function that keeps no
   [B, H, N, F] features alive between forward and backward.
 * ``TritonWindowNumerator``: the one-normaliser window hybrid's chunked form (``window.py``), the
-  contract of ``shared_window_chunked.ChunkedWindowNumerator``.
+  contract of ``window.chunk.ChunkedWindowNumerator``.
 
 ``triton`` itself is imported only when a kernel first runs (``function.kernels_for``), so this
 package imports without it.
 """
 
-from .function import interpreter_enabled, kernel_chunk, triton_available, triton_linear_attention
+from .linear import kernel_chunk, triton_available, triton_linear_attention
+from .tuning import interpreter_enabled
 from .trig import trig_linear_attention
 from .window import TritonWindowNumerator
 

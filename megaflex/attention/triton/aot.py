@@ -6,7 +6,7 @@ register spills), so the launches are checked here the way a GPU would see them:
 of the kernels module (the dispatcher's own code picks grids and blocks; each config of warps and
 stages the kernel's autotuner may pick is one launch; nothing is computed), and ``compile_launch``
 compiles one launch with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))``; ptxas (shipped in the triton wheel) reports registers and
-spills, Triton's metadata the shared memory. ``evaluation/triton_aot.py`` runs every shipped shape;
+spills, Triton's metadata the shared memory. ``benchmarks/triton_aot.py`` runs every shipped shape;
 ``record_window_launches`` records the window hybrid's launches (``window.py``) the same way.
 """
 
@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .function import ChunkPlan, TrigMap, _plan, attention_backward, attention_forward, kernel_chunk, map_backward
+from .linear import ChunkPlan, TrigMap, _plan, attention_backward, attention_forward, kernel_chunk, map_backward
 
 # Shared memory per block (opt-in maximum) of the targets the kernels must launch on.
 SHARED_MEMORY_LIMIT = {80: 166_912, 90: 232_448}
@@ -91,10 +91,10 @@ class _Recorder:
 
 
 def _tuner(kernel: str):
-    """``kernel``'s autotuner: the linear kernels' (``kernels.py``) or the window hybrid's (``window_kernels.py``)."""
-    from . import kernels, window_kernels
+    """``kernel``'s autotuner: the linear kernels' (``linear_kernels.py``) or the window hybrid's (``window_kernels.py``)."""
+    from . import linear_kernels, window_kernels
 
-    return getattr(kernels, kernel, None) or getattr(window_kernels, kernel)
+    return getattr(linear_kernels, kernel, None) or getattr(window_kernels, kernel)
 
 
 def _jit_function(kernel: str):
@@ -154,7 +154,7 @@ def record_window_launches(
     from .window import window_backward, window_chunk, window_forward, window_plan
 
     recorder = _Recorder()
-    c = window_chunk(chunk_size)  # what the dispatcher (shared_window._chunked) passes
+    c = window_chunk(chunk_size)  # what the dispatcher (window._triton_function) passes
     t = 3 * c
     q, k = torch.zeros(bh, t, head_dim, dtype=dtype), torch.zeros(bh, t, head_dim, dtype=dtype)
     qf, kf = torch.zeros(bh, t, feat, dtype=dtype), torch.zeros(bh, t, feat, dtype=dtype)

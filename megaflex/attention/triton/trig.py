@@ -27,7 +27,7 @@ import torch
 
 from ..base import LinearAttentionState
 from ..feature_maps._trig import _feature_scale, trig_feature_map_reference
-from .function import (
+from .linear import (
     ChunkPlan,
     TrigMap,
     attention_backward,

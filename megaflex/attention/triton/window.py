@@ -1,13 +1,13 @@
 """Torch glue of the one-normaliser hybrid's Triton kernels (``window_kernels.py``): the autograd
-Function ``TritonWindowNumerator``, ``ChunkedWindowNumerator``'s contract (``shared_window_chunked.py``).
+Function ``TritonWindowNumerator``, ``ChunkedWindowNumerator``'s contract (``window/chunk.py``).
 
 Forward: the chunk stabilisers B_j (``function._plan``: B_0 = m0, B_{j+1} = the running max of the
 key log-scales at chunk j's end), the state entering every chunk (``chunk_states`` of
-``kernels.py``, run on v_aug: the ones column makes the k_sum column), then ``window_outputs``.
+``linear_kernels.py``, run on v_aug: the ones column makes the k_sum column), then ``window_outputs``.
 Saved for backward: the inputs and m [BH, T] (no states, no blocks).
 
 Backward: the states again (one O(T F Dv) scan), dL/dS from the reads by the reverse scan
-``chunk_state_grads`` of ``kernels.py``: state j is read by chunk j + L with the coefficient
+``chunk_state_grads`` of ``linear_kernels.py``: state j is read by chunk j + L with the coefficient
 exp(qls_t + B_j - m_t) = exp(B_j - (m_t - qls_t)), so the scan runs on the queries, output
 gradients and (m - qls) shifted back by L chunks; chunks 0 .. L - 1, which read S_0 too, add
 theirs to dL/dS_0 here (L C tokens, one small matmul). Then ``window_grads_q`` and
@@ -23,12 +23,12 @@ from types import ModuleType
 
 import torch
 
-from .function import _LOOP_TILE, ChunkPlan, _block, _chunk_states, _launch, _plan, check_triton_dtype, kernel_chunk, kernels_for
+from .linear import _LOOP_TILE, ChunkPlan, _block, _chunk_states, _launch, _plan, check_triton_dtype, kernel_chunk, kernels_for
 
 
 # The window kernels hold [C, C] blocks (weights, their gradients) and [C, Dv] tiles in registers:
 # at C = 64 window_grads_k spilled 448 B per thread (bf16, sm_80, the 1.3B shape), at C = 32 none
-# of them spills (evaluation/triton_aot.py). The chunk length changes nothing but rounding.
+# of them spills (benchmarks/triton_aot.py). The chunk length changes nothing but rounding.
 _WINDOW_MAX_CHUNK = 32
 
 
@@ -172,7 +172,7 @@ def window_backward(q, qf, qls, k, kf, kls, v_aug, s0, m0, m, d_numer, plan: Win
 
 
 class TritonWindowNumerator(torch.autograd.Function):
-    """``ChunkedWindowNumerator`` (``shared_window_chunked.py``) in Triton kernels: (q, qf, qls, k, kf,
+    """``ChunkedWindowNumerator`` (``window/chunk.py``) in Triton kernels: (q, qf, qls, k, kf,
     kls, v_aug [BH, T, *] key-aligned, T a multiple of C, padded keys with k = kf = v_aug = 0 and
     kls = -inf; s0 [BH, F, Dv + 1], m0 [BH]; window W >= 1, C a power of two in [16, 128])
     -> numerators [BH, T, Dv + 1] fp32. q, qf, k, kf, v_aug in one of fp16 / bf16 / fp32 (the dots'

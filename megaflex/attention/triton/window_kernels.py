@@ -1,10 +1,10 @@
-"""Triton kernels of the one-normaliser hybrid's chunked form (maths: ``shared_window.py`` and
-``shared_window_chunked.py``; glue: ``window.py``).
+"""Triton kernels of the one-normaliser hybrid's chunked form (maths: ``window/`` and
+``window/chunk.py``; glue: ``window.py``).
 
 Layout: contiguous [BH, T, *], T = NC * CHUNK (the glue pads), keys aligned with the queries.
 q, k [BH, T, D] (raw, for q.k / sqrt d), qf, kf [BH, T, F], qls, kls [BH, T] fp32, v_aug
 [BH, T, DV + 1] (the last column: ones, the denominator's), states [BH, NC, F, DV + 1] fp32
-(``chunk_states`` of ``kernels.py`` run on v_aug: state c enters chunk c, relative to MB[c]).
+(``chunk_states`` of ``linear_kernels.py`` run on v_aug: state c enters chunk c, relative to MB[c]).
 Every row-major tile with DV + 1 columns is read as BV-wide blocks of the first DV columns plus
 its last column as a vector: no power-of-two padding of DV + 1 to 2 DV.
 
@@ -36,7 +36,7 @@ import functools
 import triton
 import triton.language as tl
 
-from .kernels import _dot, _state_dot, _tile, _tuned
+from .linear_kernels import _dot, _state_dot, _tile, _tuned
 
 
 @triton.jit

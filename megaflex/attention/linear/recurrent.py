@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import LinearAttentionState, accumulation_dtype, fp32_inputs, normalize_output, reads_denominator
+from ..base import LinearAttentionState, accumulation_dtype, fp32_inputs, normalize_output, reads_denominator
 
 
 def recurrent_linear_attention(
@@ -25,6 +25,7 @@ def recurrent_linear_attention(
     v: torch.Tensor,
     *,
     normalization: str = "rms",
+    chunk_size: int = 64,  # the shared contract's (``base.LinearAttentionFn``); no chunks here
     initial_state: LinearAttentionState | None = None,
     eps: float = 1e-6,
     document_starts: torch.Tensor | None = None,
@@ -60,7 +61,7 @@ def recurrent_step(
     kf: torch.Tensor,
     kls: torch.Tensor | None,
     v: torch.Tensor,
-    state: LinearAttentionState,
+    initial_state: LinearAttentionState,
     *,
     normalization: str = "rms",
     eps: float = 1e-6,
@@ -68,10 +69,11 @@ def recurrent_step(
     """One decoding token: ``recurrent_linear_attention`` for N = 1 without autograd, in the fewest ops.
 
     qf, kf [B, H, 1, F], kls [B, H, 1] | None, v [B, H, 1, Dv], state (required) ->
-    (out [B, H, 1, Dv] in v.dtype, state). Same maths as the loop above (which is its test
+    (out [B, H, 1, Dv] in v.dtype, state). ``initial_state`` as the contract calls it. Same maths as the loop above (which is its test
     reference); per token it is op-count-bound, so S is updated by one batched matmul-add on
     [B*H] heads, and the denominator is only formed for normalization="denominator".
     """
+    state = initial_state
     batch, heads, _, feat = qf.shape
     bh, value_dim = batch * heads, v.shape[-1]
     acc = accumulation_dtype(v.dtype)

@@ -2,7 +2,7 @@
 
 ``trig_linear_attention_chunked`` is ``chunked_linear_attention(phi(q), phi(k), kls(k), v)`` with
 phi the random-Fourier map of ``feature_maps/_trig.py``, the CPU twin of ``triton/trig.py``.
-Long sequences (one head per call in ``chunked.py``'s plan) run one sweep per head over the
+Long sequences (one head per call in ``chunk.py``'s plan) run one sweep per head over the
 chunk groups: per group the features of its q and k rows are computed on the fly into
 cache-sized buffers (``trig_rows``: mm + cos/sin + pair sums; the feature scale goes to the group
 functions as q_scale, k_scale), then the group goes
@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import torch
 
-from ._heads import for_each_head
-from .base import LinearAttentionState, accumulation_dtype, normalize_output, reads_denominator
-from .chunked import (
+from .._heads import for_each_head
+from ..base import LinearAttentionState, accumulation_dtype, normalize_output, reads_denominator
+from .chunk import (
     GroupScratch, _groups, _normalize_backward, _plan, _stabiliser, chunked_linear_attention, group_backward, group_forward,
     unpack_result,
 )
-from .feature_maps._trig import _feature_scale, trig_d_proj, trig_feature_map, trig_rows
-from .validation import validate_linear_attention_inputs
+from ..feature_maps._trig import _feature_scale, trig_d_proj, trig_feature_map, trig_rows
+from ..inputs import validate_linear_attention_inputs
 
 # chunked_linear_attention's plan decides "long" (one head per block); False forces the plain path
 FUSED_TRIG_ENABLED = True
@@ -217,7 +217,7 @@ def trig_linear_attention_chunked(
     with torch.autocast(device_type=q.device.type, enabled=False):
         if initial_state is None:
             initial_state = LinearAttentionState.empty(batch, heads, feat, dv, device=q.device, dtype=acc)
-        s0 = torch.cat([initial_state.kv.to(acc), initial_state.k_sum.to(acc).unsqueeze(-1)], dim=-1)
+        s0 = initial_state.augmented().to(acc)
         out, final, log_max = _ChunkedTrigAttention.apply(
             q.to(acc).reshape(bh, n, d).contiguous(),
             k.to(acc).reshape(bh, n, d).contiguous(),

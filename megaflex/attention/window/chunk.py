@@ -1,6 +1,6 @@
 """The one-normaliser hybrid's chunked form as one autograd Function (the training path).
 
-Same maths as ``shared_window.py`` (see its module doc; ``_chunked_blocks`` there is the torch-ops
+Same maths as the package doc (``window/__init__.py``; ``chunk_blocks.py`` is the torch-ops
 reference this agrees with to rounding). Chunks of C queries; with L = ceil(W / C), chunk c attends
 to the keys of chunks c - L .. c as a [C, (L + 1) C] block (one window mask, one far mask on
 t - s, both built once) and reads S_{c - L}, the linear state of every key before chunk c - L:
@@ -30,11 +30,11 @@ carried between them:
     dw = dn v^T,  Z = dw * w:   dlogits = Z (window),  dqls_t / dkls_s = sum Z (far)
     dG = dw * exp(A - m) (far):  dqf = dG kf,  dkf = dG^T qf
     dS_{c-L} += qf^T (c_t dn_t),  dU_j = dS_{j+1},  dS_j = exp(B_j - B_{j+1}) dS_{j+1} + reads
-    dkf_s, dv_s, dkls_s from dU_j as in ``chunked.py``; m and B are detached (no gradient).
+    dkf_s, dv_s, dkls_s from dU_j as in ``linear/chunk.py``; m and B are detached (no gradient).
 
 The values are any columns: with a ones column last (and k_sum last in s0) the numerators carry
 the denominators; "rms" (which reads none) passes v and kv alone, so every value-side matmul is
-Dv wide. ``normalize_numerators`` applies the output normalisation with ``chunked.py``'s
+Dv wide. ``normalize_numerators`` applies the output normalisation with ``linear/chunk.py``'s
 hand-written backward.
 """
 
@@ -46,8 +46,8 @@ from typing import NamedTuple
 
 import torch
 
-from .base import normalize_output, reads_denominator
-from .chunked import _normalize_backward
+from ..base import normalize_output, reads_denominator
+from ..linear.chunk import _normalize_backward
 
 # elements of a group's [heads, g, C, (L + 1) C] temporaries (x 4 bytes = 4 MiB)
 _GROUP_ELEMENTS = 1 << 20
@@ -359,7 +359,7 @@ class ChunkedWindowNumerator(torch.autograd.Function):
 
 class _Normalize(torch.autograd.Function):
     """``normalize_output`` of numerators [..., Dv] ("rms") or [..., Dv + 1] (numerator, denominator)
-    with ``chunked.py``'s hand-written backward: a few passes instead of autograd's ~8 ops and their
+    with ``linear/chunk.py``'s hand-written backward: a few passes instead of autograd's ~8 ops and their
     temporaries (the plain kernel fuses the same pair)."""
 
     @staticmethod

@@ -1,4 +1,4 @@
-"""Triton kernels of chunked causal linear attention (the maths of ``core.py``; glue: ``function.py``).
+"""Triton kernels of chunked causal linear attention (the maths of ``core.py``; glue: ``linear.py``).
 
 Layout: every tensor is contiguous [BH, N, *] (batch x heads flattened). ``MB`` [BH, NC + 1]
 holds the chunk stabilisers: MB[:, 0] = the carried state's log_max, MB[:, c + 1] = m at the
@@ -40,7 +40,7 @@ default, what the dispatcher runs): projections accumulated over 32-wide head-di
 cos/sin by Cody-Waite reduction and polynomials (``_cos_shifted``, ``_sin_cos``); then
 ``trig_grads`` (parallel over (BH, frequency blocks), sequential over chunks) turns the feature
 gradients into dq, dk and per-(batch, head) domega. Every kernel is autotuned over
-``function.launch_configs`` (one config under the interpreter), TRIG launches over 8-warp
+``tuning.launch_configs`` (one config under the interpreter), TRIG launches over 8-warp
 configs only. Compiled for sm_80 / sm_90 (triton 3.9.0, bf16, docs/results/triton_aot.json):
 no spills at 247M/41M/tiny, at most 16 B (sm_90; 8 B on sm_80) at 1.3B. libdevice's cosf,
 whose Payne-Hanek path keeps a local array, and whole [C, d] x tiles had made chunk_outputs
@@ -52,7 +52,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .function import TUNING_KEY, interpreter_enabled, launch_configs, prune_launch_configs
+from .tuning import TUNING_KEY, interpreter_enabled, launch_configs, prune_launch_configs
 
 
 def _tuned(fn, reset_to_zero: list[str] | None = None):

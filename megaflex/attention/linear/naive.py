@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import LinearAttentionState, fp32_inputs, normalize_output
-from .documents import block_causal_mask, document_ids
+from ..base import LinearAttentionState, fp32_inputs, normalize_output
+from ..documents import block_causal_mask, document_ids
 
 
 def quadratic_linear_attention(
@@ -24,6 +24,7 @@ def quadratic_linear_attention(
     v: torch.Tensor,
     *,
     normalization: str = "rms",
+    chunk_size: int = 64,  # the shared contract's (``base.LinearAttentionFn``); no chunks here
     initial_state: LinearAttentionState | None = None,
     eps: float = 1e-6,
     document_starts: torch.Tensor | None = None,

@@ -13,7 +13,7 @@ d_t is the same sum with v_s := 1, so we append a ones column to v ("v_aug" [..,
 last column of the numerator is d_t and the last column of the state is k_sum. One code path
 then serves both normalisations and returns the full state.
 
-Performance design (CPU; the optional fused GPU backend is ``chunked_cuda.py``):
+Performance design (CPU; the optional fused GPU backend is ``chunk_fla.py``):
 
 * All compute in fp32 (fp64 for fp64 inputs) with autocast off, whatever the input dtype.
 * One sweep per head over *groups* of G chunks (forward in order, backward in reverse): chunk
@@ -48,7 +48,7 @@ Performance design (CPU; the optional fused GPU backend is ``chunked_cuda.py``):
   stabiliser, is a constant for autograd (as in the quadratic and recurrent forms).
 * Backward keeps only a per-head buffer of one group's states and state
   gradients (dL/dS at a group boundary is carried to the previous group).
-* One group's work is ``group_forward`` / ``group_backward``, shared with ``chunked_trig.py``,
+* One group's work is ``group_forward`` / ``group_backward``, shared with ``chunk_trig.py``,
   which feeds them trig features computed per group on the fly (nothing [B, H, N, F] is saved).
 * PyTorch's CPU allocator does not cache: with glibc defaults every > 32 MiB tensor is a fresh
   mmap that page-faults again each step. Set ``MALLOC_MMAP_MAX_=0`` and a large
@@ -62,12 +62,12 @@ import functools
 
 import torch
 
-from ._heads import for_each_head
-from .base import (
+from .._heads import for_each_head
+from ..base import (
     OUTPUT_RMS_CAP, LinearAttentionState, capped_denominator, fp32_inputs, guard_denominator, normalize_output, output_rms,
     reads_denominator,
 )
-from .validation import validate_linear_attention_inputs
+from ..inputs import validate_linear_attention_inputs
 
 # target number of elements of a group's C x C weight block (x 4 bytes = 1 MiB)
 _GROUP_ELEMENTS = 1 << 18
@@ -428,7 +428,7 @@ def unpack_result(
     -> (out [B, H, N, Dv], LinearAttentionState)."""
     dv = final.shape[-1] - 1
     final = final.view(batch, heads, final.shape[-2], dv + 1)
-    state = LinearAttentionState(kv=final[..., :dv], k_sum=final[..., dv], log_max=log_max.view(batch, heads), offset=offset)
+    state = LinearAttentionState.from_augmented(final, log_max.view(batch, heads), offset)
     return out.view(batch, heads, -1, dv), state
 
 
@@ -457,7 +457,7 @@ def chunked_linear_attention(
     dv = v.shape[-1]
     with torch.autocast(device_type=qf.device.type, enabled=False):
         q, k, lam, vv, state = fp32_inputs(qf, kf, kls, v, initial_state)
-        s0 = torch.cat([state.kv, state.k_sum.unsqueeze(-1)], dim=-1)  # [B, H, F, Dv+1]
+        s0 = state.augmented()  # [B, H, F, Dv+1]
         bh = batch * heads
         out, final, log_max = _ChunkedLinearAttention.apply(
             q.reshape(bh, n, feat).contiguous(),

@@ -3,7 +3,7 @@
 
 megaflex's own Triton kernels (``attention/triton/``) are the default GPU path ("auto" on CUDA
 tensors); "fla" is the configurable alternative with a GPU-proven kernel, and the comparison in
-``evaluation/gpu_check``'s kernel sweep. Never used on CPU tensors. The kernel itself has
+``benchmarks/gpu_check``'s kernel sweep. Never used on CPU tensors. The kernel itself has
 not been run in this repository's CI (no GPU there); the mapping below is tested on CPU against
 the quadratic reference with a plain scan standing in for the kernel
 (tests/test_attention_chunked.py).
@@ -32,8 +32,8 @@ from typing import Callable
 
 import torch
 
-from .base import LinearAttentionState, accumulation_dtype, fp32_inputs, normalize_output, reads_denominator
-from .validation import validate_linear_attention_inputs
+from ..base import LinearAttentionState, accumulation_dtype, fp32_inputs, normalize_output, reads_denominator
+from ..inputs import validate_linear_attention_inputs
 
 # (q, k, v [B, T, H, *], g [B, T, H], scale, initial_state [B, H, K, V] | None, output_final_state)
 #   -> (o [B, T, H, V], final_state [B, H, K, V]); the signature of fla.ops.simple_gla.chunk_simple_gla
@@ -80,7 +80,7 @@ def gla_linear_attention(
     keys = (k.to(acc) * torch.exp(lam - m).unsqueeze(-1)).to(io)  # exp(kls_s - m_s) kf_s, rounded once
     denominator = reads_denominator(normalization)
     values = torch.cat([vv, torch.ones_like(vv[..., :1])], dim=-1) if denominator else vv
-    s0 = torch.cat([state.kv, state.k_sum.unsqueeze(-1)], dim=-1) if denominator else state.kv
+    s0 = state.augmented() if denominator else state.kv
     s0 = torch.where(torch.isfinite(m0)[..., None, None], s0, torch.zeros_like(s0))
 
     def seq_major(t: torch.Tensor) -> torch.Tensor:  # [B, H, N, ...] -> [B, N, H, ...]
@@ -105,11 +105,21 @@ def gla_linear_attention(
 
 
 def fla_linear_attention(
-    qf: torch.Tensor, kf: torch.Tensor, kls: torch.Tensor | None, v: torch.Tensor, **options: object
+    qf: torch.Tensor,
+    kf: torch.Tensor,
+    kls: torch.Tensor | None,
+    v: torch.Tensor,
+    *,
+    normalization: str = "rms",
+    chunk_size: int = 64,
+    initial_state: LinearAttentionState | None = None,
+    eps: float = 1e-6,
 ) -> tuple[torch.Tensor, LinearAttentionState]:
-    """``gla_linear_attention`` (same signature and options) on fla's ``chunk_simple_gla``; a
-    clear RuntimeError without flash-linear-attention or on CPU tensors."""
+    """``gla_linear_attention`` (the same contract) on fla's ``chunk_simple_gla``; a clear RuntimeError
+    without flash-linear-attention or on CPU tensors."""
     gla = _fla_chunk_simple_gla()
     if not qf.is_cuda:
         raise RuntimeError("attention_backend='fla' runs on CUDA tensors only (use 'auto' or 'torch' on CPU)")
-    return gla_linear_attention(qf, kf, kls, v, gla_fn=gla, **options)  # type: ignore[arg-type]
+    return gla_linear_attention(
+        qf, kf, kls, v, normalization=normalization, chunk_size=chunk_size, initial_state=initial_state, eps=eps, gla_fn=gla
+    )

@@ -1,0 +1,241 @@
+"""THE table: which implementation runs an attention call. Decisions only, no maths.
+
+A caller describes its call as a ``Request`` (op, form, algorithm, backend, device, dtype, state,
+grad, padding, documents, ...) and ``select`` returns the first ``Row`` of ``ROWS`` whose conditions
+all hold; a request no row takes raises ``NoAttentionImplementation`` naming it. Each row names its
+implementation as "module:function" (imported on first use, so CUDA-only ones cost nothing on CPU)
+and an ``adapter``: how the calling entry point feeds it (``core.py``, ``hybrid.py``, ``window/``
+run ``adapter(row.implementation(), ...)``: one call, no further choice).
+
+Ops (the ``op`` axis):
+
+* ``softmax``:      exact softmax attention (``softmax.py``).
+* ``linear``:       causal linear attention (``AttentionCore``, ``causal_linear_attention``).
+* ``local_mixing``: the hybrid's module-level paths (``hybrid.LocalMixingCore``).
+* ``window``:       the one-normaliser window's numerator forms (``window/``).
+* ``module``:       the attention module a model builds (``hybrid.build_attention``).
+
+``form`` is "causal" today; an encoder's "bidirectional" rows go next to the causal ones.
+Nothing here imports an implementation at import time, so this module imports nothing of the package.
+"""
+
+from __future__ import annotations
+
+import importlib
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Iterator
+
+import torch
+
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "fla")
+ATTENTION_FORMS = ("causal", "bidirectional")
+# "auto" per device type: Triton kernels on CUDA, torch elsewhere
+_AUTO_BACKEND = {"cuda": "triton"}
+
+
+def check_backend(backend: str) -> None:
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend: expected one of {ATTENTION_BACKENDS}, got {backend!r}")
+
+
+def chunked_backend(backend: str, on_cuda: bool) -> str:
+    """The backend that runs the chunked forms for ``backend`` on CUDA (``on_cuda``) or CPU tensors:
+    "auto" is "triton" on CUDA and "torch" on CPU; the others are taken as given ("triton" on CPU
+    tensors needs TRITON_INTERPRET=1; "fla" needs CUDA and flash-linear-attention)."""
+    check_backend(backend)
+    if backend == "auto":
+        return _AUTO_BACKEND.get("cuda" if on_cuda else "cpu", "torch")
+    return backend
+
+
+@dataclass(frozen=True)
+class Request:
+    """One attention call, as far as choosing its implementation goes."""
+
+    op: str  # "softmax" | "linear" | "local_mixing" | "window" | "module"
+    algorithm: str = "chunked"  # the configured one: "chunked" | "recurrent" | "quadratic"
+    form: str = "causal"  # "causal" | "bidirectional"
+    backend: str = "auto"  # as requested: auto | torch | triton | fla
+    device: str = "cpu"  # torch device type of the inputs
+    dtype: torch.dtype = torch.float32
+    tokens: int = 1  # new tokens N
+    chunk_size: int = 64
+    continues_state: bool = False  # a state from an earlier call comes in
+    recurrent_max_tokens: int = 0  # a continuing call with at most this many tokens is decoding
+    grad: bool = False  # autograd records the call
+    trig: bool = False  # the feature map is a trig map the kernels can fuse (``trig_spec``)
+    padded: bool = False  # some key is padding (a key mask that masks something)
+    documents: str = "none"  # "none" | "restart" (the op restarts itself) | "restart_state" | "restart_batched"
+    mixing: str = "shared_normaliser"  # local_mixing: "shared_normaliser" | "gated"
+    window: int = 0  # local_mixing, window: W
+    segment_tokens: int = 0  # local_mixing: the segment length of long training sequences
+    conv_size: int = 0  # module: the q/k/v convolution's taps
+
+    @property
+    def mixes_locally(self) -> bool:
+        """module: a window or a convolution around the core."""
+        return self.window >= 1 or self.conv_size >= 1
+
+    @property
+    def chunk_backend(self) -> str:
+        return chunked_backend(self.backend, self.device == "cuda")
+
+    @property
+    def decoding(self) -> bool:
+        return self.continues_state and self.tokens <= self.recurrent_max_tokens
+
+    @property
+    def runs(self) -> str:
+        """The algorithm that runs: decoding continues with the recurrent one."""
+        return "recurrent" if self.decoding else self.algorithm
+
+    @property
+    def single_token(self) -> bool:
+        return self.tokens == 1
+
+    @property
+    def fp64(self) -> bool:
+        return self.dtype == torch.float64
+
+    @property
+    def has_window(self) -> bool:
+        return self.window >= 1
+
+    @property
+    def shared_window(self) -> bool:
+        """local_mixing: the one-normaliser window (else the core, with the gated window if any)."""
+        return self.window >= 1 and self.mixing == "shared_normaliser"
+
+    @property
+    def segmented(self) -> bool:
+        """Long enough to train in recomputed segments (more than two segments)."""
+        return self.tokens > 2 * max(self.segment_tokens, self.chunk_size)
+
+
+@dataclass(frozen=True)
+class Row:
+    """``target`` ("module:function") runs every request of ``op`` meeting all ``conditions``
+    (attribute of ``Request`` -> the values it may take), fed by the caller's ``adapter``."""
+
+    name: str
+    op: str
+    target: str
+    adapter: str
+    conditions: tuple[tuple[str, tuple[Any, ...]], ...] = ()
+
+    def applies(self, request: Request) -> bool:
+        return request.op == self.op and all(getattr(request, key) in allowed for key, allowed in self.conditions)
+
+    def implementation(self) -> Callable[..., Any]:
+        module, _, name = self.target.partition(":")
+        found = importlib.import_module(module)
+        for attribute in name.split("."):  # "Class.method" too
+            found = getattr(found, attribute)
+        return found
+
+    def __str__(self) -> str:
+        rule = ", ".join(f"{k} in {v}" if len(v) > 1 else f"{k}={v[0]!r}" for k, v in self.conditions)
+        return f"{self.name}: {rule or 'always'} -> {self.target} ({self.adapter})"
+
+
+def _row(name: str, target: str, adapter: str, **conditions: Any) -> Row:
+    op = name.split(".")[0]
+    pairs = tuple((k, v if isinstance(v, tuple) else (v,)) for k, v in conditions.items())
+    return Row(name, op, "megaflex.attention." + target, adapter, (("form", ("causal",)),) + pairs)
+
+
+_CORE = "core:"
+_HYBRID = "hybrid:LocalMixingCore."
+_TRITON = "triton:"
+_WINDOW = "window."
+_NO_DOCS = dict(documents="none")
+
+ROWS: tuple[Row, ...] = (
+    # the module a model layer holds: the core alone, or wrapped by the local closers
+    _row("module.local_mixing", "hybrid:LocalMixingCore", "wrap", mixes_locally=True),
+    _row("module.core", "core:AttentionCore", "as_is", mixes_locally=False),
+    # softmax: a block-causal mask for packed documents, else the KV cache and key mask
+    _row("softmax.documents", "softmax:softmax_attention", "softmax_documents",
+         documents=("restart_state", "restart_batched")),
+    _row("softmax.cached", "softmax:softmax_attention", "softmax", **_NO_DOCS),
+    # linear: packed documents first (each document runs as its own call, which comes back here)
+    _row("linear.documents.per_document", "documents:run_by_document", "by_document", documents="restart_state"),
+    _row("linear.documents.batched", "documents:run_documents_batched", "documents_batched",
+         documents="restart_batched"),
+    # decoding without autograd: q and k through the map as one batch, one token by the single step
+    _row("linear.decode.step", "linear.recurrent:recurrent_step", "decode",
+         decoding=True, grad=False, single_token=True, **_NO_DOCS),
+    _row("linear.decode.scan", "linear.recurrent:recurrent_linear_attention", "decode",
+         decoding=True, grad=False, **_NO_DOCS),
+    # the reference forms restart at document starts themselves
+    _row("linear.quadratic", "linear.naive:quadratic_linear_attention", "features",
+         runs="quadratic", documents=("none", "restart")),
+    _row("linear.recurrent", "linear.recurrent:recurrent_linear_attention", "features",
+         runs="recurrent", documents=("none", "restart")),
+    _row("linear.chunk.by_document", "documents:run_by_document", "chunks_by_document",
+         runs="chunked", documents="restart"),
+    # the chunked form: trig maps fused into the kernels (no features kept for backward) unless keys are masked
+    _row("linear.chunk.triton_trig", _TRITON + "trig_linear_attention", "trig",
+         runs="chunked", chunk_backend="triton", trig=True, padded=False, **_NO_DOCS),
+    _row("linear.chunk.triton", _TRITON + "triton_linear_attention", "features",
+         runs="chunked", chunk_backend="triton", **_NO_DOCS),
+    _row("linear.chunk.fla", "linear.chunk_fla:fla_linear_attention", "features",
+         runs="chunked", chunk_backend="fla", **_NO_DOCS),
+    _row("linear.chunk.torch_trig_cpu", "linear.chunk_trig:trig_linear_attention_chunked", "trig",
+         runs="chunked", chunk_backend="torch", trig=True, padded=False, device="cpu", **_NO_DOCS),
+    _row("linear.chunk.torch", "linear.chunk:chunked_linear_attention", "features",
+         runs="chunked", chunk_backend="torch", **_NO_DOCS),
+    # the hybrid (LocalMixingCore): the core with a convolution and/or the gated window, or the one-normaliser window
+    _row("local_mixing.core", _HYBRID + "_core_forward", "method", shared_window=False),
+    _row("local_mixing.documents", "documents:run_documents_batched", "documents_batched",
+         shared_window=True, documents=("restart_state", "restart_batched")),
+    _row("local_mixing.segments", _HYBRID + "_segmented", "shared",
+         shared_window=True, grad=True, padded=False, algorithm="chunked", segmented=True, **_NO_DOCS),
+    _row("local_mixing.shared", _HYBRID + "_shared_forward", "shared", shared_window=True, **_NO_DOCS),
+    # the one-normaliser window's numerators; padded keys: the torch-ops blocks; "fla" has no window kernel
+    _row("window.quadratic", _WINDOW + "naive:quadratic_numerators", "numerators", runs="quadratic"),
+    _row("window.recurrent", _WINDOW + "recurrent:recurrent_numerators", "numerators", runs="recurrent"),
+    _row("window.chunk.padded", _WINDOW + "chunk_blocks:blocks_numerators", "numerators", runs="chunked", padded=True),
+    _row("window.chunk.triton", _TRITON + "TritonWindowNumerator", "triton_function",
+         runs="chunked", backend="triton", has_window=True),
+    # "auto" on CUDA keeps fp64 on the torch Function (the kernels' dots are at most fp32)
+    _row("window.chunk.triton_auto", _TRITON + "TritonWindowNumerator", "triton_function",
+         runs="chunked", backend="auto", chunk_backend="triton", has_window=True, fp64=False),
+    _row("window.chunk.torch", _WINDOW + "chunk:ChunkedWindowNumerator", "torch_function", runs="chunked"),
+)
+
+
+class NoAttentionImplementation(ValueError):
+    """No row of the dispatch table takes this request."""
+
+
+_observers: list[Callable[[Request, Row], None]] = []
+
+
+def select(request: Request, rows: tuple[Row, ...] = ROWS) -> Row:
+    """The first row of ``rows`` that takes ``request``."""
+    for row in rows:
+        if row.applies(request):
+            for observe in _observers:
+                observe(request, row)
+            return row
+    described = ", ".join(f"{f.name}={getattr(request, f.name)!r}" for f in fields(request))
+    raise NoAttentionImplementation(f"no attention implementation for Request({described})")
+
+
+@contextmanager
+def recording() -> Iterator[list[tuple[Request, Row]]]:
+    """Every (request, row) ``select`` answers inside the block, in order (tests: which rows ran)."""
+    seen: list[tuple[Request, Row]] = []
+    observe = lambda request, row: seen.append((request, row))  # noqa: E731
+    _observers.append(observe)
+    try:
+        yield seen
+    finally:
+        _observers.remove(observe)
+
+
+def describe(rows: tuple[Row, ...] = ROWS) -> str:
+    """The table, one row a line."""
+    return "\n".join(str(row) for row in rows)
