@@ -82,7 +82,7 @@ def linear_layer_flops(impl: str, seq_len: int, chunk_size: int, heads: int = HE
                    performer's frozen omega: dx only) plus, for the paired flexformer_n, the
                    projection recomputed; P = projected rows: 2D = F for flexformer_n ([O1; O2])
                    and performer-positive, D = F/2 for flexformer_s.
-    ``tests/test_attention_bench.py`` checks this against torch's FLOP counter on the real layer.
+    ``tests/benchmarks/test_attention_bench.py`` checks this against torch's FLOP counter on the real layer.
     """
     f, dv, c, d = feature_dim, head_dim, min(chunk_size, seq_len), head_dim
     proj_rows = {"flexformer_n": f, "flexformer_s": f // 2, "performer": f}[impl]

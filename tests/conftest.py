@@ -41,7 +41,7 @@ def shared_data() -> Path:
 @pytest.fixture
 def forked_python(monkeypatch: pytest.MonkeyPatch) -> None:
     """This test's ``python -m`` subprocesses (and theirs) are forked from the fork server, not
-    fresh interpreters: ~7 CPU seconds less each (tests/forked_python.py)."""
+    fresh interpreters: ~7 CPU seconds less each (tests/helpers/forked_python.py)."""
     from forked_python import fork_python_modules
 
     fork_python_modules(monkeypatch)

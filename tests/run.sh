@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up the environment and run the whole test suite (slow multi-process tests included), and the
 # numerics tests (marker "numerics") a second time with other CPU kernels: another OpenBLAS core
-# type (numpy's BLAS, hence the Triton interpreter; tests/blas_core_type.py) and ATen's portable
+# type (numpy's BLAS, hence the Triton interpreter; tests/helpers/blas_core_type.py) and ATen's portable
 # (non-SIMD) kernels, which round differently, so that a tolerance tuned to one CPU family's
 # rounding fails here too. MEGAFLEX_BLAS_SECOND_PASS=0 skips it; either pass failing fails the run.
 set -euo pipefail
@@ -22,7 +22,7 @@ run_pytest() {
 # what it has not done by then it finishes at full speed. Its output follows the first pass's.
 second_pid=""
 if [ "${MEGAFLEX_BLAS_SECOND_PASS:-1}" != "0" ]; then
-  core="$(python tests/blas_core_type.py)"
+  core="$(python tests/helpers/blas_core_type.py)"
   second_dir="$(mktemp -d)"
   trap 'if [ -n "$second_pid" ]; then kill "$second_pid" 2>/dev/null || true; fi; rm -rf "$second_dir"' EXIT
   echo "[tests/run.sh] numerics tests a second time, alongside, with OPENBLAS_CORETYPE=$core ATEN_CPU_CAPABILITY=default"

@@ -30,5 +30,5 @@ itself (an ``error`` or ``passed: False`` at any depth, printed on the console);
    fp32, fp16) and both timed at the 247M / 1.3B shapes (``stages_window.py``).
 
 ``--dry-run`` runs every stage at tiny shapes on CPU (kernels under Triton's interpreter) in about
-a minute and a half in all; tests/test_eval_gpu_check.py does so.
+a minute and a half in all; tests/benchmarks/test_eval_gpu_check.py does so.
 """

@@ -3,7 +3,7 @@
 NCCL only takes CUDA tensors ("No backend type associated with device type cpu"), gloo takes CPU
 ones. Every tensor collective outside ``megaflex/parallel/`` goes through this module, which moves
 the tensor to the group's communication device and back (a no-op when it already lives there).
-``tests/test_parallel_comm.py`` enforces that rule on the sources.
+``tests/parallel/test_parallel_comm.py`` enforces that rule on the sources.
 
 Groups follow ``ParallelState``: ``None`` means "this rank alone" (no communication at all, no
 communicator built); the whole world is ``world_group()``. This is *not* torch.distributed's

@@ -17,7 +17,7 @@ real tensors. Within a block the build is therefore exactly the eager one: same 
 draws in the same order, on the CPU, in fp32, then parallelised; only then is the block cast to
 the training dtype (as ``deepspeed.initialize`` casts an eager model) and partitioned. So a
 deferred model's parameters equal the eager model's for a given seed, on any TP size
-(``tests/test_deferred_init.py``). The embeddings are held whole until the build ends.
+(``tests/parallel/test_deferred_init.py``). The embeddings are held whole until the build ends.
 
 Other differences from ``zero.Init``'s defaults, all to keep the build identical to the eager one:
 no tensor-constructor overrides (they would draw on the accelerator's RNG and in bf16), no

@@ -345,7 +345,7 @@ SECTIONS = ("model", "data", "parallel", "optimizer", "schedule", "train", "chec
 
 _POSITIVE, _NON_NEGATIVE, _FRACTION = Range(0.0, low_open=True), Range(0.0), Range(0.0, 1.0)
 # The range of every float key, checked (with finiteness) by the loader as each value is read;
-# tests/test_training_config.py fails for a float field missing here.
+# tests/training/test_training_config.py fails for a float field missing here.
 FLOAT_RANGES: dict[str, Range] = {
     "model.norm_eps": _POSITIVE, "model.hidden_dropout": _FRACTION, "model.attention_dropout": _FRACTION,
     "model.rope_theta": _POSITIVE, "model.init_std": _POSITIVE,

@@ -15,7 +15,7 @@ from megaflex.attention.core import chunked_backend
 from megaflex.model import GPT, ModelConfig
 from megaflex.training.config import load_config
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 FLA_INSTALLED = importlib.util.find_spec("fla") is not None
 FLA_ERROR = "runs on CUDA tensors only" if FLA_INSTALLED else "needs flash-linear-attention"
 

@@ -24,13 +24,13 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are first i
 from megaflex.attention import dispatch  # noqa: E402
 from megaflex.attention.base import LinearAttentionFn  # noqa: E402
 from megaflex.attention.dispatch import ROWS, NoAttentionImplementation, Request, select  # noqa: E402
-from tests import attention_dispatch_cases as cases  # noqa: E402
+import attention_dispatch_cases as cases  # noqa: E402
 
 pytest.importorskip("triton")
 
 # main before the dispatch table (issue 40): the reference every row is compared with
 BEFORE_DISPATCH = "a9f5843"
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # rows that need CUDA tensors, with the implementation the old code chose for the same request
 # (core._chunked_impl("fla", on_cuda=True); shared_window._uses_triton with "auto" on CUDA, not fp64)

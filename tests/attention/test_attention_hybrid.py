@@ -8,8 +8,8 @@ import torch
 from megaflex.attention import AttentionCore, named_kernel_parameters
 from megaflex.attention.hybrid import HybridState, LocalMixingCore
 from megaflex.model import GPT, ModelConfig
-from tests.attention_helpers import AVAILABLE_FORMS, form_steps, make_qkv
-from tests.numerics import assert_close, gpt_steps, normwise_scale
+from attention_helpers import AVAILABLE_FORMS, form_steps, make_qkv
+from numerics import assert_close, gpt_steps, normwise_scale
 
 pytestmark = pytest.mark.numerics
 

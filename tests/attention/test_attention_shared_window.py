@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 from megaflex.attention import NORMALIZATIONS, causal_linear_attention
 from megaflex.attention.window import WindowCache, windowed_linear_attention
-from tests.attention_helpers import attention_steps, log_scale_spread, make_map, make_qkv, saved_bytes
-from tests.numerics import assert_close, normwise_scale
+from attention_helpers import attention_steps, log_scale_spread, make_map, make_qkv, saved_bytes
+from numerics import assert_close, normwise_scale
 
 pytestmark = pytest.mark.numerics
 
@@ -335,7 +335,7 @@ def test_sliding_window_softmax_model_matches_a_banded_softmax_and_decodes(form)
             step = model(x[:, t : t + 1], state=state, return_state=True)
             state, outs = step.state, outs + [step.logits]
         stats = model.kernel_statistics(x)
-    from tests.numerics import gpt_steps
+    from numerics import gpt_steps
 
     assert_close(torch.cat(outs, dim=1), full, steps=gpt_steps(config, 21))
     assert stats["layer00/far_share"] == 0.0 and 1.0 <= stats["layer00/effective_keys"] <= window

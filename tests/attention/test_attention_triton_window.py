@@ -21,8 +21,8 @@ from megaflex.attention.hybrid import LocalMixingCore  # noqa: E402
 from megaflex.attention.window import WindowCache, windowed_linear_attention  # noqa: E402
 from megaflex.attention.window.chunk import ChunkedWindowNumerator  # noqa: E402
 from megaflex.attention.triton import TritonWindowNumerator  # noqa: E402
-from tests.attention_helpers import attention_steps, log_scale_spread, make_map, make_qkv  # noqa: E402
-from tests.numerics import assert_close, assert_close_to_reference, fp32_steps_in  # noqa: E402
+from attention_helpers import attention_steps, log_scale_spread, make_map, make_qkv  # noqa: E402
+from numerics import assert_close, assert_close_to_reference, fp32_steps_in  # noqa: E402
 
 pytestmark = pytest.mark.numerics
 

@@ -10,8 +10,8 @@ import torch
 from megaflex.attention import AttentionCore, LinearAttentionState, causal_linear_attention
 from megaflex.attention.documents import document_positions
 from megaflex.attention.hybrid import LocalMixingCore
-from tests.attention_helpers import form_steps
-from tests.numerics import assert_close, normwise_scale
+from attention_helpers import form_steps
+from numerics import assert_close, normwise_scale
 
 HEADS, HEAD_DIM = 2, 8
 # two rows of 32 tokens: three documents, then two (another cut, so rows restart at different places)
@@ -212,7 +212,7 @@ def packed_documents(lengths: tuple[int, ...] = ROWS[0], seed: int = 3) -> list[
 def test_model_loss_on_a_packed_batch_is_the_sum_over_its_documents(kind: str, window: int) -> None:
     from megaflex.model import GPT, ModelConfig
     from megaflex.model.gpt import Documents
-    from tests.numerics import gpt_steps
+    from numerics import gpt_steps
 
     config = ModelConfig(vocab_size=64, num_layers=2, hidden_size=32, num_heads=2, feature_dim=16, chunk_size=8,
                          max_seq_len=64, attention=kind, softmax_window=window)  # fmt: skip
@@ -303,7 +303,7 @@ def test_config_needs_an_eod_id_for_resets() -> None:
 
     from megaflex.training.config import ConfigError, load_config
 
-    tiny = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
+    tiny = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
     with pytest.raises(ConfigError, match="data.document_boundaries.*needs the EOD id"):
         load_config([tiny], ["data.source=synthetic", "data.tokenizer=null", "data.document_boundaries=reset"])
     with pytest.raises(ConfigError, match="data.reset_positions.*needs data.document_boundaries=reset"):

@@ -14,8 +14,8 @@ import torch  # noqa: E402
 pytest.importorskip("triton", reason="triton is not installed (pip install 'megaflex[dev]' installs it)")
 
 from megaflex.attention import AttentionCore  # noqa: E402
-from tests.attention_helpers import form_steps  # noqa: E402
-from tests.test_document_boundaries import (  # noqa: E402
+from attention_helpers import form_steps  # noqa: E402
+from test_document_boundaries import (  # noqa: E402
     HEADS, HEAD_DIM, core_attend, packed_vs_separate, random_inputs, some_state,
 )
 

@@ -20,8 +20,8 @@ from megaflex.model.kernel_stats import kernel_snapshot
 from megaflex.parallel.layers import mark_head_sharded_params
 from megaflex.training.metrics import flops_per_token
 from megaflex.training.optim import param_groups, set_lr
-from tests.attention_helpers import form_steps, make_qkv
-from tests.numerics import assert_close
+from attention_helpers import form_steps, make_qkv
+from numerics import assert_close
 
 D = 16
 

@@ -1,6 +1,6 @@
 """``python -m benchmarks.gpu_check --dry-run``: every stage of the one-call GPU acceptance runs at tiny
 shapes on CPU (kernels under Triton's interpreter, the real trainer as subprocesses) and writes its
-fields into the JSON report; with stand-in stages (tests/gpu_check_stubs.py): the global deadline,
+fields into the JSON report; with stand-in stages (tests/helpers/gpu_check_stubs.py): the global deadline,
 rows that survive a timeout, the exit status of caught failures, and SIGTERM taking the running
 stage's whole process group."""
 
@@ -24,7 +24,7 @@ from benchmarks.gpu_check.__main__ import STAGES  # noqa: E402
 from benchmarks.gpu_check.profile_summary import category  # noqa: E402
 from benchmarks.gpu_check.report import caught_failures  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow

@@ -24,7 +24,7 @@ from megaflex.attention.triton.tuning import SCAN_KERNELS, launch_configs  # noq
 
 KERNELS = ("chunk_states", "chunk_outputs", "chunk_state_grads", "chunk_grads_qk", "chunk_grads_v", "trig_grads")
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 SPILL_BUDGET_BF16 = {"flexformer_n_247m": 0, "flexformer_n_41m": 0, "flexformer_n_1.3b": 1024}
 
 

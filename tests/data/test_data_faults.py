@@ -1,6 +1,6 @@
 """Bad data, tokenizers and configs (issue 13, items 2, 3, 9): each is a clear error, or is repaired.
 
-Fast, single-process tests of the library and CLI layer; tests/test_training_data_faults.py runs
+Fast, single-process tests of the library and CLI layer; tests/training/test_training_data_faults.py runs
 the same faults through real training, evaluation and generation runs.
 """
 
@@ -35,6 +35,7 @@ from megaflex.data.indexed import HEADER_SIZE
 from megaflex.hashing import sha256_file
 from megaflex.training import data as training_data
 from megaflex.training.config import ConfigError, load_config
+from data_files import shift_pointers, write_docs
 from training_harness import REPO, TINY
 
 TEXT = "".join(f"line {i}: the quick brown fox {i % 7} jumps over the lazy dog number {i * 13 % 101}\n" for i in range(400))
@@ -42,25 +43,6 @@ TEXT = "".join(f"line {i}: the quick brown fox {i % 7} jumps over the lazy dog n
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", *args], cwd=REPO, capture_output=True, text=True)
-
-
-def write_docs(prefix: Path, n_docs: int, vocab: int, seed: int = 0) -> IndexedDataset:
-    rng = np.random.default_rng(seed)
-    with IndexedDatasetBuilder(prefix, dtype=np.uint16) as b:
-        for _ in range(n_docs):
-            b.add_document(rng.integers(0, vocab, int(rng.integers(5, 60))))
-    return IndexedDataset(prefix)
-
-
-def shift_pointers(prefix: Path, shift: int, which: slice) -> None:
-    """Add ``shift`` bytes to the sequence pointers ``which`` of ``prefix.idx`` in place."""
-    n = len(IndexedDataset(prefix))
-    with open(f"{prefix}.idx", "r+b") as f:
-        f.seek(HEADER_SIZE + 4 * n)
-        pointers = np.frombuffer(f.read(8 * n), np.int64).copy()
-        pointers[which] += shift
-        f.seek(HEADER_SIZE + 4 * n)
-        f.write(pointers.tobytes())
 
 
 @pytest.fixture(scope="module")

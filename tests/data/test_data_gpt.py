@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from data_files import make_dataset
 
 from megaflex.data import (
     BlendedDataset,
@@ -18,19 +19,6 @@ from megaflex.data import (
     build_datasets,
     split_ranges,
 )
-
-
-def make_dataset(prefix: Path, n_docs: int, seed: int, base: int = 0, max_len: int = 40) -> IndexedDataset:
-    """Documents of random length whose tokens are unique stream positions (base, base+1, ...),
-    so every sample identifies exactly which tokens it holds."""
-    rng = np.random.default_rng(seed)
-    pos = base
-    with IndexedDatasetBuilder(prefix, dtype=np.int32) as b:
-        for _ in range(n_docs):
-            n = int(rng.integers(1, max_len))
-            b.add_document(np.arange(pos, pos + n))
-            pos += n
-    return IndexedDataset(prefix)
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from megaflex.data.indexed import (
     optimal_dtype,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def random_docs(n: int, vocab: int, seed: int, max_len: int = 50) -> list[np.ndarray]:

@@ -16,10 +16,10 @@ import pytest
 from distributed import run_distributed
 from megaflex.data.card import TokenizerMismatchError, data_tokenizer
 from megaflex.data.tokenizer import HFTokenizer, SentencePieceTokenizer, Tokenizer
-from test_eval_cli import _train_args, _train_rank
+from training_harness import tiny_eval_train_args, train_rank
 from training_harness import tokenized_wikitext
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _train_bpe(data: Path, prefix: str, vocab: int) -> Path:
@@ -36,8 +36,8 @@ def bpe_run(tmp_path_factory: pytest.TempPathFactory, shared_data: Path) -> dict
     data = tokenized_wikitext(root / "data", shared_data, train_chars=150_000, tokenizer_type="bpe")
     tok = data / "tok.json"
     run = root / "run"
-    args = [a if not a.startswith("data.tokenizer=") else f"data.tokenizer={tok}" for a in _train_args(data, run, 0, 1)]
-    assert run_distributed(_train_rank, 1, args=(args,), init_process_group=False) == [0]
+    args = [a if not a.startswith("data.tokenizer=") else f"data.tokenizer={tok}" for a in tiny_eval_train_args(data, run, 0, 1)]
+    assert run_distributed(train_rank, 1, args=(args,), init_process_group=False) == [0]
     return {"root": root, "data": data, "tok": tok, "run": run}
 
 
@@ -111,7 +111,7 @@ def test_training_refuses_data_of_another_tokenizer(bpe_run: dict[str, Path], tm
 
     other = _train_bpe(bpe_run["data"], "other2", 400)
     args = [a if not a.startswith("data.tokenizer=") else f"data.tokenizer={other}"
-            for a in _train_args(bpe_run["data"], tmp_path / "run", 0, 1)]
+            for a in tiny_eval_train_args(bpe_run["data"], tmp_path / "run", 0, 1)]
     cfg = load_config([args[1]], args[2:])
     with pytest.raises(TokenizerMismatchError, match="tokenizer mismatch"):
         check_data_tokenizer(cfg)

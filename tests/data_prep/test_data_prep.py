@@ -18,7 +18,7 @@ from data_prep.train_tokenizer import TokenizerTrainConfig, train_tokenizer
 from megaflex.data.indexed import IndexedDataset
 from megaflex.data.tokenizer import Tokenizer, card_path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

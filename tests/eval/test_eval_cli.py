@@ -17,32 +17,11 @@ import torch
 
 from distributed import run_distributed
 from numerics import assert_params_close_after_adam
-from training_harness import adam_steps_of, tokenized_wikitext
+from training_harness import EVAL_LR, EVAL_STEPS, adam_steps_of, tiny_eval_train_args, tokenized_wikitext, train_rank
 from megaflex.eval.eval_data import count_words
 from megaflex.eval.loading import load_for_eval
 
-REPO = Path(__file__).resolve().parents[1]
-LR = 1e-6
-STEPS = 2
-
-
-def _train_args(data: Path, run_dir: Path, zero: int, tp: int) -> list[str]:
-    return [
-        "--config", str(REPO / "configs" / "tiny.yaml"),
-        f"data.train_path=[{data / 'train'}]", f"data.valid_path=[{data / 'test'}]", f"data.tokenizer={data / 'tok.model'}",
-        "data.seq_len=64", "model.vocab_size=512", "model.num_layers=2", "model.hidden_size=64",
-        "model.ffn_hidden_size=128", "model.feature_dim=32", "model.max_seq_len=256",
-        f"train.train_iters={STEPS}", f"train.lr={LR}", "schedule.warmup_iters=0", "schedule.min_lr=0",
-        "train.eval_interval=0", "train.micro_batch_size=2", "train.global_batch_size=4",
-        f"parallel.zero_stage={zero}", f"parallel.tensor_parallel_size={tp}",
-        f"logging.run_dir={run_dir}", "logging.tensorboard=false", "logging.progress_bar=false",
-    ]
-
-
-def _train_rank(rank: int, world_size: int, args: list[str]) -> int:
-    from megaflex.training.train import main
-
-    return main(args)
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _eval_rank(rank: int, world_size: int, args: list[str]) -> dict:
@@ -57,12 +36,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory, shared_data: Path) -> dict[st
     data = tokenized_wikitext(root / "data", shared_data, train_chars=150_000)
     out = {"data": data}
     out["z0"] = root / "z0"
-    assert run_distributed(_train_rank, 1, args=(_train_args(data, out["z0"], 0, 1),), init_process_group=False) == [0]
+    assert run_distributed(train_rank, 1, args=(tiny_eval_train_args(data, out["z0"], 0, 1),), init_process_group=False) == [0]
     out["z3tp2"] = root / "z3tp2"
-    assert run_distributed(_train_rank, 2, args=(_train_args(data, out["z3tp2"], 3, 2),),
+    assert run_distributed(train_rank, 2, args=(tiny_eval_train_args(data, out["z3tp2"], 3, 2),),
                            init_process_group=False) == [0, 0]
     out["z2dp2"] = root / "z2dp2"  # ZeRO-2 partitions over two data-parallel ranks
-    assert run_distributed(_train_rank, 2, args=(_train_args(data, out["z2dp2"], 2, 1),),
+    assert run_distributed(train_rank, 2, args=(tiny_eval_train_args(data, out["z2dp2"], 2, 1),),
                            init_process_group=False) == [0, 0]
     return out
 
@@ -76,7 +55,7 @@ def test_zero_and_tp_checkpoints_load_as_the_same_model(runs: dict[str, Path], o
     # both start from the same init and Adam moves each element by at most ~lr per step, whatever
     # the gradients (tests/numerics.py)
     lrs, betas, _, multiplier = adam_steps_of(ref)
-    assert len(lrs) == STEPS
+    assert len(lrs) == EVAL_STEPS
     drift = assert_params_close_after_adam(b, a, lrs=lrs, betas=betas, lr_multiplier=multiplier, name=other)
     init_scale = max(a[n].std().item() for n in a if a[n].dim() == 2)
     assert init_scale > 1000 * drift  # so a misplaced shard could not pass the check above

@@ -38,7 +38,7 @@ from typing import Any, Sequence
 
 from distributed import fork_server
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 _REAL_RUN, _REAL_POPEN = subprocess.run, subprocess.Popen
 
 

@@ -1,4 +1,4 @@
-"""Stand-in gpu_check stages for tests/test_eval_gpu_check.py (not a test module): stages that
+"""Stand-in gpu_check stages for tests/benchmarks/test_eval_gpu_check.py (not a test module): stages that
 finish, catch a failure, or write rows and then hang with a child process of their own.
 
 ``python -m tests.gpu_check_stubs ARGS``: ``python -m benchmarks.gpu_check ARGS`` with these stages

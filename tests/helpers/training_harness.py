@@ -27,7 +27,7 @@ import yaml
 from forked_python import ForkedProcess
 from megaflex.parallel.rendezvous import free_port
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
 
 # 2 layers, hidden 64, seq 64, vocab 256: a few ms per step, all code paths of the real model.
@@ -228,3 +228,28 @@ def first_step_gradients(run: Path) -> dict[str, Any]:
             grads[name] = flat[offset : offset + math.prod(shape)].view(tuple(shape))
             offset += math.prod(shape)
     return grads
+
+
+# The eval and export tests' tiny run: few steps at a tiny LR, so ZeRO/TP layouts of the same run
+# stay within the drift bound of each other.
+EVAL_LR = 1e-6
+EVAL_STEPS = 2
+
+
+def tiny_eval_train_args(data: Path, run_dir: Path, zero: int, tp: int) -> list[str]:
+    return [
+        "--config", str(REPO / "configs" / "tiny.yaml"),
+        f"data.train_path=[{data / 'train'}]", f"data.valid_path=[{data / 'test'}]", f"data.tokenizer={data / 'tok.model'}",
+        "data.seq_len=64", "model.vocab_size=512", "model.num_layers=2", "model.hidden_size=64",
+        "model.ffn_hidden_size=128", "model.feature_dim=32", "model.max_seq_len=256",
+        f"train.train_iters={EVAL_STEPS}", f"train.lr={EVAL_LR}", "schedule.warmup_iters=0", "schedule.min_lr=0",
+        "train.eval_interval=0", "train.micro_batch_size=2", "train.global_batch_size=4",
+        f"parallel.zero_stage={zero}", f"parallel.tensor_parallel_size={tp}",
+        f"logging.run_dir={run_dir}", "logging.tensorboard=false", "logging.progress_bar=false",
+    ]
+
+
+def train_rank(rank: int, world_size: int, args: list[str]) -> int:
+    from megaflex.training.train import main
+
+    return main(args)

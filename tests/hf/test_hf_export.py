@@ -24,9 +24,9 @@ from megaflex.hf.export import export_checkpoint, import_hf
 from megaflex.hf.export import main as export_main
 from megaflex.eval.loading import load_for_eval
 from numerics import assert_close, gpt_steps
-from test_eval_cli import _train_args, _train_rank
+from training_harness import tiny_eval_train_args, train_rank
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PROMPT = "The history of the"
 
 
@@ -46,7 +46,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory, shared_data: Path) -> dic
     for split in ("test.bin", "test.idx"):  # the run's valid_path: eval is off, the files only need to exist
         shutil.copyfile(data / split.replace("test", "train"), data / split)
     run = root / "z3tp2"
-    assert run_distributed(_train_rank, 2, args=(_train_args(data, run, 3, 2),), init_process_group=False) == [0, 0]
+    assert run_distributed(train_rank, 2, args=(tiny_eval_train_args(data, run, 3, 2),), init_process_group=False) == [0, 0]
     from megaflex.eval.perplexity import run_cli
 
     run_cli(["--checkpoint", str(run), "--data", str(data / "train.raw"), "--max-tokens", "400", "--context", "64",

@@ -1,7 +1,7 @@
 """The launch scripts' own decisions, with stub ``pip``/``python``/``deepspeed``/``srun`` binaries that
 record their arguments: launch/setup_env.sh (CPU and GPU installs, a failed resolution shown and
 fatal, malloc settings off GPU nodes), launch/train.sh (CUDA_VISIBLE_DEVICES respected, no silent CPU
-fallback) and launch/slurm.sbatch (srun flags, NCCL variable, log path). tests/test_launch_docs.py
+fallback) and launch/slurm.sbatch (srun flags, NCCL variable, log path). tests/launch/test_launch_docs.py
 runs the documented lines through the real launcher."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ON_GPU_NODE = any(Path("/dev").glob("nvidia[0-9]*"))
 
 

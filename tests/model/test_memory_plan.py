@@ -14,7 +14,7 @@ from megaflex.model.memory_plan import memory_plan
 from megaflex.model.summary import main as summary_main
 from megaflex.parallel import ParallelState, parallelize_gpt
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SMALL = dict(vocab_size=301, num_layers=4, hidden_size=64, num_heads=4, ffn_hidden_size=256, attention="flexformer_n",
              feature_dim=16, chunk_size=8, max_seq_len=64)
 

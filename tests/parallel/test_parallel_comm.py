@@ -18,7 +18,7 @@ import torch.distributed as dist
 from megaflex.parallel import comm
 from distributed import run_distributed
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CHECKED = ("megaflex", "benchmarks", "studies", "data_prep")
 ALLOWED = REPO / "megaflex" / "parallel"
 COLLECTIVES = frozenset({

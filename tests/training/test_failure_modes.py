@@ -116,7 +116,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     tokenizer's), its HF export, and a small indexed dataset."""
     from data_prep.train_tokenizer import TokenizerTrainConfig, train_tokenizer
     from megaflex.hf.export import export_checkpoint
-    from test_data_faults import write_docs
+    from data_files import write_docs
 
     root = tmp_path_factory.mktemp("failure_modes")
     (root / "text.txt").write_text(TEXT)
@@ -182,7 +182,7 @@ def _blend_zero(world, tmp_path, capsys):
 
 def _stale_card(world, tmp_path, capsys):
     from data_prep.inspect import main as inspect_main
-    from test_data_faults import write_docs
+    from data_files import write_docs
 
     from megaflex.data.card import write_data_card
 
@@ -344,37 +344,37 @@ CASES: dict[str, Case] = {
     "checkpoint dir not writable (or not a directory)": Case(
         _unwritable_checkpoint_dir, "is not writable: Not a directory", slow=True),
     "little free space in the checkpoint dir": Case(
-        covered_by="tests/test_checkpoint_layout.py::test_unwritable_checkpoint_dir_is_refused_and_low_space_warned"),
+        covered_by="tests/checkpoint/test_checkpoint_layout.py::test_unwritable_checkpoint_dir_is_refused_and_low_space_warned"),
     "disk full during a save": Case(
-        covered_by="tests/test_training_faults.py::test_disk_full_during_save_keeps_the_previous_checkpoint"),
+        covered_by="tests/training/test_training_faults.py::test_disk_full_during_save_keeps_the_previous_checkpoint"),
     "truncated/damaged shard, RNG file or `megaflex.json`": Case(_damaged_shard, "bytes, expected"),
     "kill -9 / power loss during a save": Case(
-        covered_by="tests/test_training_resume.py::test_kill_during_save_keeps_previous_checkpoint"),
+        covered_by="tests/training/test_training_resume.py::test_kill_during_save_keeps_previous_checkpoint"),
     "SIGTERM/SIGINT/SIGUSR1 to `launch/train.sh`": Case(
-        covered_by="tests/test_training_faults.py::test_sigterm_reaches_the_ranks_which_save_and_exit"),
+        covered_by="tests/training/test_training_faults.py::test_sigterm_reaches_the_ranks_which_save_and_exit"),
     "SIGTERM to the `deepspeed` runner itself (or `timeout deepspeed ...`)": Case(
-        covered_by="tests/test_training_faults.py::test_sigterm_reaches_the_ranks_which_save_and_exit"),
-    "Ctrl-C in a terminal": Case(covered_by="tests/test_training_resume.py::test_sigterm_saves_and_stops"),
+        covered_by="tests/training/test_training_faults.py::test_sigterm_reaches_the_ranks_which_save_and_exit"),
+    "Ctrl-C in a terminal": Case(covered_by="tests/training/test_training_resume.py::test_sigterm_saves_and_stops"),
     "Slurm preemption / time limit": Case(
-        covered_by="tests/test_launch_scripts.py::test_usr1_reaches_the_ranks_and_spares_the_deepspeed_runner"),
+        covered_by="tests/launch/test_launch_scripts.py::test_usr1_reaches_the_ranks_and_spares_the_deepspeed_runner"),
     # issue 37 (third probe)
     "SIGTERM/SIGINT/SIGUSR1 during a checkpoint save": Case(
-        covered_by="tests/test_training_hardening.py::test_sigterm_during_a_save_stops_after_it_without_another_step"),
+        covered_by="tests/training/test_training_hardening.py::test_sigterm_during_a_save_stops_after_it_without_another_step"),
     "SIGTERM/SIGINT/SIGUSR1 during start-up, before the first step": Case(
-        covered_by="tests/test_training_hardening.py::test_sigterm_during_startup_exits_143_with_one_line"),
+        covered_by="tests/training/test_training_hardening.py::test_sigterm_during_startup_exits_143_with_one_line"),
     "`srun python -m megaflex.train` with one GPU per task (`--gpus-per-task=1`)": Case(
-        covered_by="tests/test_parallel_launcher_env.py::test_the_trainer_sets_the_device_from_local_rank_and_the_visible_count"),
+        covered_by="tests/parallel/test_parallel_launcher_env.py::test_the_trainer_sets_the_device_from_local_rank_and_the_visible_count"),
     "Slurm allocates a node other GPUs than 0..slots-1 (a shared node), or another count": Case(
-        covered_by="tests/test_launch_scripts.py::test_train_sh_gives_the_ranks_slurms_gpus_not_the_hostfile_slots"),
+        covered_by="tests/launch/test_launch_scripts.py::test_train_sh_gives_the_ranks_slurms_gpus_not_the_hostfile_slots"),
     "two Slurm jobs whose first node is the same": Case(
-        covered_by="tests/test_launch_scripts.py::test_train_sh_takes_a_port_per_slurm_job"),
+        covered_by="tests/launch/test_launch_scripts.py::test_train_sh_takes_a_port_per_slurm_job"),
     "`megaflex-eval --checkpoint RUN_DIR --tag step_N`": Case(
-        covered_by="tests/test_checkpoint_layout.py::test_eval_finds_a_tag_under_a_run_dir"),
+        covered_by="tests/checkpoint/test_checkpoint_layout.py::test_eval_finds_a_tag_under_a_run_dir"),
     # --- Data and tokenizer faults
     "corrupt `.idx` (pointers shifted or inconsistent with the sizes, last pointer + size ≠ `.bin` length, bad document index)":
-        Case(covered_by="tests/test_training_data_faults.py::test_training_on_shifted_pointers_fails_at_start_naming_the_file"),
+        Case(covered_by="tests/training/test_training_data_faults.py::test_training_on_shifted_pointers_fails_at_start_naming_the_file"),
     "token ids ≥ `model.vocab_size` in the data": Case(
-        covered_by="tests/test_data_faults.py::test_token_ids_beyond_the_vocabulary_fail_on_open"),
+        covered_by="tests/data/test_data_faults.py::test_token_ids_beyond_the_vocabulary_fail_on_open"),
     "`model.vocab_size` smaller than `data.tokenizer`'s (or the data card's) vocabulary": Case(
         lambda w, t, c: train(w["config"], f"logging.run_dir={t / 'run'}", "model.vocab_size=256"),
         "is smaller than the vocabulary of", slow=True),
@@ -382,18 +382,18 @@ CASES: dict[str, Case] = {
         lambda w, t, c: train(w["config"], f"logging.run_dir={t / 'run'}", f"data.tokenizer={t / 'missing.model'}"),
         "tokenizer model", slow=True),
     "`data.tokenizer` is not the tokenizer the data was made with (data card)": Case(
-        covered_by="tests/test_data_faults.py::test_training_start_checks_tokenizer_file_vocab_and_data_cards"),
+        covered_by="tests/data/test_data_faults.py::test_training_start_checks_tokenizer_file_vocab_and_data_cards"),
     "resuming a checkpoint made with another tokenizer": Case(
-        covered_by="tests/test_training_data_faults.py::test_checkpoint_records_the_tokenizer_and_resume_refuses_another"),
+        covered_by="tests/training/test_training_data_faults.py::test_checkpoint_records_the_tokenizer_and_resume_refuses_another"),
     "`megaflex-eval` / `megaflex-generate` with another tokenizer (`--tokenizer`) or on data tokenized with another one":
-        Case(covered_by="tests/test_data_faults.py::test_eval_refuses_a_tokenizer_or_data_other_than_the_checkpoints"),
+        Case(covered_by="tests/data/test_data_faults.py::test_eval_refuses_a_tokenizer_or_data_other_than_the_checkpoints"),
     "malformed or binary YAML config": Case(_malformed_yaml, "malformed YAML (line 2, column 1)"),
     "truncated sample-index cache (`index_cache/*.npy`)": Case(
-        covered_by="tests/test_data_faults.py::test_truncated_sample_index_cache_is_rebuilt_with_a_warning"),
+        covered_by="tests/data/test_data_faults.py::test_truncated_sample_index_cache_is_rebuilt_with_a_warning"),
     "first run on a large corpus: rank 0 builds the sample indices for longer than `parallel.timeout_minutes`": Case(
-        covered_by="tests/test_training_index_build.py::test_an_index_build_longer_than_the_collective_timeout_is_waited_for"),
+        covered_by="tests/training/test_training_index_build.py::test_an_index_build_longer_than_the_collective_timeout_is_waited_for"),
     "`data.cache_dir` unset": Case(
-        covered_by="tests/test_data_faults.py::test_training_caches_sample_indices_next_to_the_data_by_default"),
+        covered_by="tests/data/test_data_faults.py::test_training_caches_sample_indices_next_to_the_data_by_default"),
     # issue 37
     "`data.tokenizer` is not a tokenizer megaflex reads (malformed `tokenizer.json`, a WordPiece file without an end-of-document token)":
         Case(_not_a_tokenizer, "tokenizer.json is not a tokenizers file", slow=True),
@@ -406,7 +406,7 @@ CASES: dict[str, Case] = {
                                   "--mode", "stateful", "--contexts", "16,32"], c),
         "--contexts: a context sweep needs --mode windows or sliding"),
     "`megaflex-eval` where bits per byte or word counts are unknown (no tokenizer; `--max-tokens`), or with `--contexts`": Case(
-        covered_by="tests/test_failure_modes.py::test_eval_prints_the_context_sweep_and_no_unknown_numbers"),
+        covered_by="tests/training/test_failure_modes.py::test_eval_prints_the_context_sweep_and_no_unknown_numbers"),
     # --- Config, run-directory, resume, export and generation faults
     "non-finite or out-of-range float in the config (`train.lr=.inf`, `optimizer.beta1=1.5`, `optimizer.eps=.nan`, any float key)":
         Case(lambda w, t, c: train_in_process(["--config", str(w["config"]), "optimizer.beta1=1.5"], c),
@@ -421,13 +421,13 @@ CASES: dict[str, Case] = {
                                           "schedule.decay_style=wsd", "schedule.wsd_decay_fraction=0.9"], c),
         "schedule.wsd_decay_fraction (from command line): the decay (9 of 10 iterations) overlaps the warmup"),
     "`logging.tensorboard` on (the default) but the `tensorboard` package not installed (a node's offline install)": Case(
-        covered_by="tests/test_training_logging.py::test_missing_tensorboard_warns_and_logs_metrics_jsonl_only"),
+        covered_by="tests/training/test_training_logging.py::test_missing_tensorboard_warns_and_logs_metrics_jsonl_only"),
     "`logging.wandb` set but the `wandb` package not installed": Case(
-        covered_by="tests/test_training_logging.py::test_missing_wandb_is_a_one_line_config_error"),
+        covered_by="tests/training/test_training_logging.py::test_missing_wandb_is_a_one_line_config_error"),
     "a second run on a run directory a live run holds": Case(
-        covered_by="tests/test_training_hardening.py::test_a_second_run_on_a_live_run_dir_exits_2_and_a_stale_lock_is_taken_over"),
+        covered_by="tests/training/test_training_hardening.py::test_a_second_run_on_a_live_run_dir_exits_2_and_a_stale_lock_is_taken_over"),
     "a stale `run.lock` (its process is gone, same host)": Case(
-        covered_by="tests/test_training_hardening.py::test_a_second_run_on_a_live_run_dir_exits_2_and_a_stale_lock_is_taken_over"),
+        covered_by="tests/training/test_training_hardening.py::test_a_second_run_on_a_live_run_dir_exits_2_and_a_stale_lock_is_taken_over"),
     "resuming with another ZeRO stage (0 <-> 1/2 <-> 3; 1 <-> 2 loads)": Case(
         _resume_other_stage, "was saved with ZeRO stage 1, this run has parallel.zero_stage=3", slow=True),
     "resuming with another `train.precision` (fp32 <-> bf16)": Case(
@@ -445,15 +445,15 @@ CASES: dict[str, Case] = {
                                           "data.eod_token_id=512"], c),
         "config error: data.eod_token_id (from command line): expected an id in [0, model.vocab_size=512), got 512"),
     "`data.eod_token_id` set without `data.document_boundaries: reset`": Case(
-        covered_by="tests/test_training_silent_settings.py::test_a_run_prints_each_warning_once"),
+        covered_by="tests/training/test_training_silent_settings.py::test_a_run_prints_each_warning_once"),
     "`model.window_mixing` set without `model.softmax_window`": Case(
-        covered_by="tests/test_training_silent_settings.py::test_a_run_prints_each_warning_once"),
+        covered_by="tests/training/test_training_silent_settings.py::test_a_run_prints_each_warning_once"),
     "`data.document_boundaries: reset` on data tokenized without EODs (data card `append_eod: false`), or with a `data.eod_token_id` other than the card's EOD":
-        Case(covered_by="tests/test_training_silent_settings.py::test_document_boundaries_are_checked_against_the_data_cards"),
+        Case(covered_by="tests/training/test_training_silent_settings.py::test_document_boundaries_are_checked_against_the_data_cards"),
     "a `logging.profile` window already past on resume": Case(
-        covered_by="tests/test_training_silent_settings.py::test_a_run_prints_each_warning_once"),
+        covered_by="tests/training/test_training_silent_settings.py::test_a_run_prints_each_warning_once"),
     "`model.window_mixing: gated`, decoding a prompt shorter than the window": Case(
-        covered_by="tests/test_attention_hybrid.py::test_decoding_prompts_shorter_than_the_window_match_the_full_forward"),
+        covered_by="tests/attention/test_attention_hybrid.py::test_decoding_prompts_shorter_than_the_window_match_the_full_forward"),
     "`latest` holds undecodable bytes": Case(_undecodable_latest, "the quick"),
     "`data.split` leaves the validation split no documents": Case(
         lambda w, t, c: train(_indexed_config(w, t, split="999,1,0", tokenizer=None)),
@@ -464,9 +464,9 @@ CASES: dict[str, Case] = {
         _stale_card, "a data card from another preprocessing run", slow=True),
     "`model.vocab_size` larger than the tokenizer's vocabulary (padded)": Case(_padded_vocab_generation, "the quick brown"),
     "one rank hung or frozen (SIGSTOP, dead NIC)": Case(
-        covered_by="tests/test_training_hardening.py::test_a_frozen_peer_makes_the_others_exit_naming_step_and_collective"),
+        covered_by="tests/training/test_training_hardening.py::test_a_frozen_peer_makes_the_others_exit_naming_step_and_collective"),
     "SIGTERM/SIGINT/SIGUSR1 during a long validation pass": Case(
-        covered_by="tests/test_training_hardening.py::test_sigterm_during_a_long_validation_saves_promptly"),
+        covered_by="tests/training/test_training_hardening.py::test_sigterm_during_a_long_validation_saves_promptly"),
     "`megaflex-export --hf-out DIR` (or `--megaflex-out DIR`) into a non-empty directory": Case(
         _non_empty_out, "the directory is not empty (holds README.md); pass --overwrite"),
     "`megaflex-export --from-hf … --megaflex-out` a training run's checkpoint folder or run directory": Case(
@@ -486,19 +486,19 @@ CASES: dict[str, Case] = {
     "`logging.run_dir` not writable (read-only file system, no write permission, a path under a regular file)": Case(
         _unwritable_run_dir, "/a_file/run is not writable: Not a directory; set logging.run_dir", slow=True),
     "`python -m megaflex.model.summary --memory` with a TP size that splits no heads, `--world`/`--micro-batch`/`--seq-len` < 1, or a `--seq-len` CP (x TP with `--sp`) cannot split": Case(
-        covered_by="tests/test_memory_plan.py::test_impossible_plans_are_refused_with_one_line"),
+        covered_by="tests/model/test_memory_plan.py::test_impossible_plans_are_refused_with_one_line"),
     "HF `generate()` on right-padded prompts (as on left-padded ones)": Case(
-        covered_by="tests/test_hf_padding.py::test_padded_batch_generates_what_each_prompt_generates_alone"),
+        covered_by="tests/hf/test_hf_padding.py::test_padded_batch_generates_what_each_prompt_generates_alone"),
     "`logging.tensorboard: false`": Case(
-        covered_by="tests/test_training_logging.py::test_last_line_names_the_tensorboard_folder_only_when_it_is_written"),
+        covered_by="tests/training/test_training_logging.py::test_last_line_names_the_tensorboard_folder_only_when_it_is_written"),
 }
 
 
 def test_every_documented_row_has_a_case_and_every_case_a_row() -> None:
     assert len(ROWS) >= 40 and {r.table for r in ROWS.values()} >= {"Launch and checkpoint faults",
                                                                      "Data and tokenizer faults"}
-    assert sorted(set(ROWS) - set(CASES)) == [], "docs/training.md rows without a case in tests/test_failure_modes.py"
-    assert sorted(set(CASES) - set(ROWS)) == [], "cases in tests/test_failure_modes.py without a docs/training.md row"
+    assert sorted(set(ROWS) - set(CASES)) == [], "docs/training.md rows without a case in tests/training/test_failure_modes.py"
+    assert sorted(set(CASES) - set(ROWS)) == [], "cases in tests/training/test_failure_modes.py without a docs/training.md row"
     for fault, case in CASES.items():
         assert (case.run is None) != (not case.covered_by), fault
         if case.covered_by:

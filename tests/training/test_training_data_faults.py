@@ -17,7 +17,7 @@ from data_prep.preprocess import PreprocessConfig, preprocess
 from data_prep.train_tokenizer import TokenizerTrainConfig, train_tokenizer
 from megaflex.data import Tokenizer
 from megaflex.training.metrics import read_metrics
-from test_data_faults import shift_pointers
+from data_files import shift_pointers
 from training_harness import TINY, launch, write_config
 
 pytestmark = pytest.mark.slow

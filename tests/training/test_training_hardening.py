@@ -76,7 +76,7 @@ def test_an_unwritable_run_dir_is_a_config_error(tmp_path: Path, monkeypatch: py
                                                  reason: str) -> None:
     """A read-only mount or a folder without write permission (simulated: chmod does not stop root,
     so os.open fails as such a mount makes it fail) is one ConfigError naming the run dir, not a
-    traceback. tests/test_failure_modes.py runs the real trainer on a path under a regular file."""
+    traceback. tests/training/test_failure_modes.py runs the real trainer on a path under a regular file."""
     from megaflex.training import run_lock
     from megaflex.training.config import ConfigError
 
@@ -104,7 +104,7 @@ def test_weights_only_checkpoint_is_not_resumed() -> None:
 @pytest.mark.slow
 def test_changing_the_zero_stage_on_resume_exits_2_naming_both_stages(tmp_path: Path) -> None:
     cfg = write_config(tmp_path / "c.yaml", SHORT)
-    # 1 -> 3 is the "resuming with another ZeRO stage" case of tests/test_failure_modes.py
+    # 1 -> 3 is the "resuming with another ZeRO stage" case of tests/training/test_failure_modes.py
     for saved, changes in ((1, (0,)), (0, (1,)), (3, (1,))):
         run = tmp_path / f"z{saved}"
         first = launch(cfg, [f"logging.run_dir={run}", f"parallel.zero_stage={saved}"])

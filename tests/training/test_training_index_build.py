@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from distributed import run_distributed
-from test_data_gpt import make_dataset
+from data_files import make_dataset
 from training_harness import TINY, write_config
 
 BUILD_S = 6.0  # rank 0's index build, twice the collective timeout below

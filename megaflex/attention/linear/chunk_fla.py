@@ -6,7 +6,7 @@ tensors); "fla" is the configurable alternative with a GPU-proven kernel, and th
 ``benchmarks/gpu_check``'s kernel sweep. Never used on CPU tensors. The kernel itself has
 not been run in this repository's CI (no GPU there); the mapping below is tested on CPU against
 the quadratic reference with a plain scan standing in for the kernel
-(tests/test_attention_chunked.py).
+(tests/attention/test_attention_chunked.py).
 
 Mapping of the log-space stabiliser onto scalar-gated linear attention (GLA): with the running
 max m_t (m_0 = state.log_max),

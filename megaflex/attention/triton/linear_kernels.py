@@ -87,7 +87,7 @@ def _dot(a, b, ELT: tl.constexpr, PREC: tl.constexpr):
 def _state_dot(a, s, ELT: tl.constexpr):
     """a @ s where s is a carried state (or state gradient), fp32 in memory. Rounding s to 10 or
     8 mantissa bits gave 2% output and 45% dq errors on ill-conditioned rms rows (fp16, key
-    scales x100; tests/test_attention_triton.py), so s is split into two half-precision parts
+    scales x100; tests/attention/test_attention_triton.py), so s is split into two half-precision parts
     s_hi + s_lo (~21 / 16 bits) and multiplied twice; fp32 inputs use 3xTF32 instead."""
     if ELT == tl.float32:
         return tl.dot(a, s, input_precision="tf32x3", out_dtype=tl.float32)

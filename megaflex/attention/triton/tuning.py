@@ -15,7 +15,7 @@ def interpreter_enabled() -> bool:
 # (num_warps, num_stages) that ``triton.autotune`` picks from on CUDA (the first: the one config
 # the interpreter runs). Only configs that fit shared memory on sm_80 and sm_90 and meet the
 # bf16 spill targets at every shipped shape are listed (benchmarks/triton_aot.py compiles each
-# one; tests/test_triton_aot.py asserts it). The chunk kernels hold C x C and C x Dv fp32 blocks:
+# one; tests/benchmarks/test_triton_aot.py asserts it). The chunk kernels hold C x C and C x Dv fp32 blocks:
 # 8 warps keep them in registers (4 warps spilled 40-720 B at the shipped shapes in bf16), and
 # the scans' 4-warp config spilled up to 144 B with 1 or 3 stages.
 _SCAN_CONFIGS = ((4, 2), (8, 2))
