@@ -129,7 +129,8 @@ class Row:
 
     def implementation(self) -> Callable[..., Any]:
         module, _, name = self.target.partition(":")
-        found = importlib.import_module(module)
+        # relative to this package, so that a bundled copy (the HF export) imports its own modules
+        found = importlib.import_module(module.replace("megaflex.attention", __package__, 1))
         for attribute in name.split("."):  # "Class.method" too
             found = getattr(found, attribute)
         return found

@@ -172,7 +172,7 @@ def test_sigterm_kills_the_running_stage_process_group(tmp_path):
     session, so no signal reaches them otherwise) are killed; the report says why; exit 143."""
     work, out = tmp_path / "work", tmp_path / "out"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.gpu_check_stubs", "--dry-run", "--out", str(out), "--work-dir", str(work),
+        [sys.executable, "-m", "tests.helpers.gpu_check_stubs", "--dry-run", "--out", str(out), "--work-dir", str(work),
          "--triton-cache", str(tmp_path / "triton"), "--stages", "hang"],
         cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )  # fmt: skip

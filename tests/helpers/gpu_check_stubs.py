@@ -1,7 +1,7 @@
 """Stand-in gpu_check stages for tests/benchmarks/test_eval_gpu_check.py (not a test module): stages that
 finish, catch a failure, or write rows and then hang with a child process of their own.
 
-``python -m tests.gpu_check_stubs ARGS``: ``python -m benchmarks.gpu_check ARGS`` with these stages
+``python -m tests.helpers.gpu_check_stubs ARGS``: ``python -m benchmarks.gpu_check ARGS`` with these stages
 in place of the real ones (for tests that signal the parent process)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 from benchmarks.gpu_check.__main__ import StageSpec
 
-HERE = "tests.gpu_check_stubs"
+HERE = "tests.helpers.gpu_check_stubs"
 
 
 def ok(stage: Any) -> dict[str, Any]:
