@@ -3,7 +3,7 @@
     python -m data_prep.preprocess --input wiki.train.raw --tokenizer tok/wt103.model \\
         --output-prefix data/wt103_train --num-proc 8
 
-Documents stream from the inputs (see ``data_prep.sources``) in batches of about
+Documents stream from the inputs (see ``megaflex.data.sources``) in batches of about
 ``--batch-chars`` characters; ``--num-proc`` workers tokenize them while at most
 ``2 * num_proc`` batches are in flight, and the writer appends tokens straight to disk, so memory
 stays bounded however large the corpus. Output order equals input order for any ``num_proc``
@@ -29,7 +29,7 @@ from typing import Iterator
 
 import numpy as np
 
-from data_prep.sources import DOC_MODES, check_inputs, input_size_bytes, iter_corpus
+from megaflex.data.sources import DOC_MODES, check_inputs, input_size_bytes, iter_corpus
 from megaflex.data.card import data_card_path, write_data_card
 from megaflex.data.indexed import IndexedDatasetBuilder, check_vocab_fits, data_file_path, index_file_path, optimal_dtype
 from megaflex.data.tokenizer import Tokenizer

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from data_prep.sources import DOC_MODES, fingerprint, iter_corpus
+from megaflex.data.sources import DOC_MODES, fingerprint, iter_corpus
 from megaflex.data.tokenizer import TokenizerCard, card_path
 
 

@@ -6,7 +6,8 @@
 * ``manager``: atomic saves and loads of a DeepSpeed engine, checksum verification, and
   ``select_checkpoint``, the one resume decision; ``save_weights_only`` for weights-only saves;
 * ``compat``: what a run checks in a checkpoint's metadata before resuming from it;
-* ``weights``: model weights out of any checkpoint (any ZeRO stage, any saved TP size);
+* ``shards``: the saved shards as plain GPT state dicts, one per saved TP rank (any ZeRO stage, PP gathered);
+* ``weights``: model weights out of any checkpoint, resharded to any TP size;
 * ``reshard``: exact conversion between TP sizes, safetensors export (``python -m
   megaflex.checkpoint.reshard``).
 

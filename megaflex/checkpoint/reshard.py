@@ -34,6 +34,7 @@ from torch import nn
 
 from megaflex.checkpoint.layout import META_FILE, MODEL_STATES, model_states_file, verify_checkpoint, write_meta
 from megaflex.checkpoint.metadata import CheckpointMeta
+from megaflex.checkpoint.shards import load_tp_state_dicts
 from megaflex.model.config import ModelConfig
 from megaflex.model.gpt import GPT
 from megaflex.model.layers import pad_vocab_size
@@ -239,8 +240,6 @@ def _read_checkpoint(tag_dir: Path) -> tuple[list[StateDict], CheckpointMeta]:
     meta = CheckpointMeta.from_dict(verify_checkpoint(tag_dir))  # names a damaged file before torch reads it
     tp = int(meta.tensor_parallel_size)
     if meta.pp_size > 1:  # per-stage files: gathered into GPT state dicts, one per TP rank
-        from megaflex.checkpoint.weights import load_tp_state_dicts
-
         num_layers = ModelConfig.from_dict(meta.model_config).num_layers
         return load_tp_state_dicts(tag_dir, tp, meta.pp_size, num_layers), meta
     shards = []

@@ -8,7 +8,7 @@ What a document is (the unit whose first token has no context):
   convention of published WikiText results, where the test split is one continuous stream;
   ``--doc-mode wikitext|line|paragraph`` cuts it into articles, lines or paragraphs instead.
 * ``.jsonl``: one document per record (``text_key``).
-* ``hf:NAME[:CONFIG[:SPLIT]]``: ``data_prep.sources`` rules (``auto``: WikiText articles, else
+* ``hf:NAME[:CONFIG[:SPLIT]]``: ``megaflex.data.sources`` rules (``auto``: WikiText articles, else
   one row per document); ``stream`` joins all rows back into one document (WikiText's rows are
   lines, so ``stream`` reproduces the raw split file).
 
@@ -82,7 +82,7 @@ def check_eval_tokenizer(checkpoint_tokenizer: dict | None, tokenizer: Any, data
 
 def text_documents(data: str, doc_mode: str | None = None, text_key: str = "text", errors: str = "strict") -> list[str]:
     """Texts of ``data`` (raw text path, ``.jsonl`` or ``hf:...``) cut by the rules above."""
-    from data_prep.sources import iter_documents, parse_spec
+    from megaflex.data.sources import iter_documents, parse_spec
 
     spec = parse_spec(data)
     if doc_mode is not None and doc_mode not in EVAL_DOC_MODES:

@@ -13,7 +13,7 @@ from megaflex.parallel.state import ParallelDims
 from megaflex.training.config_loader import ConfigError
 
 if TYPE_CHECKING:
-    from megaflex.training.config import Config
+    from megaflex.training.config_sections import Config
 
 
 def _bad(cfg: Config, key: str, message: str) -> ConfigError:

@@ -16,7 +16,7 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ContextManager, Protocol
+from typing import Any, ContextManager, Protocol
 
 import torch
 import torch.distributed as dist
@@ -26,9 +26,6 @@ from megaflex.model.kernel_stats import kernel_snapshot
 from megaflex.training.config import Config, ConfigError
 from megaflex.training.data import micro_batches
 from megaflex.training.profiling import StepProfiler
-
-if TYPE_CHECKING:
-    from megaflex.training.trainer import Trainer
 
 
 class Objective(Protocol):
@@ -44,44 +41,64 @@ class Objective(Protocol):
         """Collective, after the last save: e.g. export merged weights."""
 
 
+class TrainerView(Protocol):
+    """What a hook sees of ``megaflex.training.trainer.Trainer`` (a protocol, so that this module,
+    which the trainer imports, needs nothing from it)."""
+
+    cfg: Config
+    device: torch.device
+    rank: int
+    run_dir: Path
+    state: Any  # megaflex.parallel.state.ParallelState
+    model: Any  # the GPT, or its pipeline module
+    engine: Any  # DeepSpeed's engine
+    manager: Any  # megaflex.checkpoint.CheckpointManager
+    logger: Any  # megaflex.training.metrics.MetricsLogger
+    iteration: int
+    t_last: float
+    resume_path: Path | None
+    train_data: Any
+    valid_data: Any
+
+
 class TrainerHook(Protocol):
     """Something that attaches to ``Trainer`` (see the module docstring for when each event runs)."""
 
-    def on_model_built(self, trainer: Trainer) -> None: ...
-    def on_start(self, trainer: Trainer) -> None: ...
-    def on_step_start(self, trainer: Trainer, step: int) -> None: ...
-    def on_loss(self, trainer: Trainer, step: int, loss: torch.Tensor) -> torch.Tensor: ...
-    def on_step_applied(self, trainer: Trainer, step: int) -> None: ...
-    def on_step_end(self, trainer: Trainer, step: int) -> None: ...
-    def on_loop_end(self, trainer: Trainer) -> None: ...
-    def on_train_end(self, trainer: Trainer, stop_reason: str) -> None: ...
+    def on_model_built(self, trainer: TrainerView) -> None: ...
+    def on_start(self, trainer: TrainerView) -> None: ...
+    def on_step_start(self, trainer: TrainerView, step: int) -> None: ...
+    def on_loss(self, trainer: TrainerView, step: int, loss: torch.Tensor) -> torch.Tensor: ...
+    def on_step_applied(self, trainer: TrainerView, step: int) -> None: ...
+    def on_step_end(self, trainer: TrainerView, step: int) -> None: ...
+    def on_loop_end(self, trainer: TrainerView) -> None: ...
+    def on_train_end(self, trainer: TrainerView, stop_reason: str) -> None: ...
 
 
 class BaseHook:
     """No-op implementations of every ``TrainerHook`` event."""
 
-    def on_model_built(self, trainer: Trainer) -> None:
+    def on_model_built(self, trainer: TrainerView) -> None:
         pass
 
-    def on_start(self, trainer: Trainer) -> None:
+    def on_start(self, trainer: TrainerView) -> None:
         pass
 
-    def on_step_start(self, trainer: Trainer, step: int) -> None:
+    def on_step_start(self, trainer: TrainerView, step: int) -> None:
         pass
 
-    def on_loss(self, trainer: Trainer, step: int, loss: torch.Tensor) -> torch.Tensor:
+    def on_loss(self, trainer: TrainerView, step: int, loss: torch.Tensor) -> torch.Tensor:
         return loss
 
-    def on_step_applied(self, trainer: Trainer, step: int) -> None:
+    def on_step_applied(self, trainer: TrainerView, step: int) -> None:
         pass
 
-    def on_step_end(self, trainer: Trainer, step: int) -> None:
+    def on_step_end(self, trainer: TrainerView, step: int) -> None:
         pass
 
-    def on_loop_end(self, trainer: Trainer) -> None:
+    def on_loop_end(self, trainer: TrainerView) -> None:
         pass
 
-    def on_train_end(self, trainer: Trainer, stop_reason: str) -> None:
+    def on_train_end(self, trainer: TrainerView, stop_reason: str) -> None:
         pass
 
 
@@ -91,14 +108,14 @@ class ObjectiveHook(BaseHook):
     def __init__(self, objective: Objective) -> None:
         self.objective = objective
 
-    def on_model_built(self, trainer: Trainer) -> None:
+    def on_model_built(self, trainer: TrainerView) -> None:
         if trainer.cfg.data.document_boundaries != "none":  # the objectives' losses take no document structure yet
             raise ConfigError(
                 f"data.document_boundaries: expected 'none' with {type(self.objective).__name__}, got 'reset'"
             )
         self.objective.prepare(trainer.model, trainer.cfg)
 
-    def on_train_end(self, trainer: Trainer, stop_reason: str) -> None:
+    def on_train_end(self, trainer: TrainerView, stop_reason: str) -> None:
         if stop_reason == "done":
             self.objective.finish(trainer.engine, trainer.iteration)
 
@@ -111,7 +128,7 @@ class FaultInjectionHook(BaseHook):
         self.fault = cfg.fault
         self.nan_loss = self.inf_grad = False
 
-    def on_model_built(self, trainer: Trainer) -> None:
+    def on_model_built(self, trainer: TrainerView) -> None:
         kill_step, term_step = self.fault.sigkill_during_save_at_step, self.fault.sigterm_during_save_at_step
         if kill_step is not None:
             trainer.manager.before_commit = lambda it: _sigkill() if it == kill_step else None
@@ -121,18 +138,18 @@ class FaultInjectionHook(BaseHook):
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(60)  # the start-up guard ends the process meanwhile; after this, start-up would go on
 
-    def on_step_start(self, trainer: Trainer, step: int) -> None:
+    def on_step_start(self, trainer: TrainerView, step: int) -> None:
         self.nan_loss = step in self.fault.nan_loss_at_steps and trainer.rank == 0
         self.inf_grad = step in self.fault.inf_grad_at_steps and trainer.rank == 0
 
-    def on_loss(self, trainer: Trainer, step: int, loss: torch.Tensor) -> torch.Tensor:
+    def on_loss(self, trainer: TrainerView, step: int, loss: torch.Tensor) -> torch.Tensor:
         if self.nan_loss:
             loss = loss + float("nan")
         if self.inf_grad:
             loss = _InfiniteGradient.apply(loss)
         return loss
 
-    def on_step_end(self, trainer: Trainer, step: int) -> None:
+    def on_step_end(self, trainer: TrainerView, step: int) -> None:
         if self.fault.sigkill_after_step == step:
             dist.barrier()  # rank 0 has logged the step
             _sigkill()
@@ -148,11 +165,11 @@ class KernelStatsHook(BaseHook):
         self.reference: dict[str, torch.Tensor] = {}
         self.probe: torch.Tensor | None = None
 
-    def on_model_built(self, trainer: Trainer) -> None:
+    def on_model_built(self, trainer: TrainerView) -> None:
         with _kernel_parameters_whole(trainer.model):  # a deferred (ZeRO-3) build is partitioned already
             self.reference = kernel_snapshot(trainer.model)  # the init; replaced on resume
 
-    def on_start(self, trainer: Trainer) -> None:
+    def on_start(self, trainer: TrainerView) -> None:
         cfg = trainer.cfg
         self.reference = _kernel_reference(self.reference, trainer.run_dir, trainer.state,
                                            fresh=trainer.resume_path is None)
@@ -160,7 +177,7 @@ class KernelStatsHook(BaseHook):
         with micro_batches(data, 0, min(2, cfg.train.micro_batch_size), 1, 0, 1, trainer.device) as batches:
             self.probe = next(batches)[0]
 
-    def on_step_applied(self, trainer: Trainer, step: int) -> None:
+    def on_step_applied(self, trainer: TrainerView, step: int) -> None:
         if step % self.interval == 0:
             with _kernel_parameters_whole(trainer.engine.module):
                 kernel = trainer.engine.module.kernel_statistics(self.probe, self.reference)
@@ -173,7 +190,7 @@ class ProfilerHook(BaseHook):
     def __init__(self) -> None:
         self.profiler: StepProfiler | None = None
 
-    def on_start(self, trainer: Trainer) -> None:
+    def on_start(self, trainer: TrainerView) -> None:
         settings = trainer.cfg.logging.profile
         if settings is not None and trainer.iteration >= settings.start:  # the window opens at its first step only
             trainer.logger.print(
@@ -184,13 +201,13 @@ class ProfilerHook(BaseHook):
         self.profiler = StepProfiler(trainer.cfg.logging.profile, trainer.engine.module, trainer.run_dir / "profile",
                                      trainer.rank, trainer.device, trainer.logger.print)
 
-    def on_step_start(self, trainer: Trainer, step: int) -> None:
+    def on_step_start(self, trainer: TrainerView, step: int) -> None:
         self.profiler.step_starts(step)
 
-    def on_step_end(self, trainer: Trainer, step: int) -> None:
+    def on_step_end(self, trainer: TrainerView, step: int) -> None:
         trainer.t_last += self.profiler.step_ended(step)  # writing the trace is not training time
 
-    def on_loop_end(self, trainer: Trainer) -> None:
+    def on_loop_end(self, trainer: TrainerView) -> None:
         self.profiler.close()
 
 

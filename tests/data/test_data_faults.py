@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from data_prep.preprocess import PreprocessConfig, preprocess
-from data_prep.sources import SourceError, iter_documents
+from megaflex.data.sources import SourceError, iter_documents
 from data_prep.train_tokenizer import TokenizerTrainConfig, train_tokenizer
 from megaflex.eval.eval_data import check_eval_tokenizer, load_eval_set
 from megaflex.eval.perplexity import build_parser

@@ -13,7 +13,7 @@ import pytest
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the hf: path must work without a network
 
 from data_prep.preprocess import PreprocessConfig, preprocess
-from data_prep.sources import SourceError, is_wikitext_title, iter_corpus, iter_documents, parse_spec
+from megaflex.data.sources import SourceError, is_wikitext_title, iter_corpus, iter_documents, parse_spec
 from data_prep.train_tokenizer import TokenizerTrainConfig, train_tokenizer
 from megaflex.data.indexed import IndexedDataset
 from megaflex.data.tokenizer import Tokenizer, card_path
