@@ -417,8 +417,7 @@ class Trainer:
     def _agreed_flags(self, step: int, bad: torch.Tensor) -> tuple[bool, int]:
         """(any rank's loss non-finite, the caught signal), agreed over every rank in one read."""
         progress.at(step, "the step's flag all_reduce (non-finite loss, stop signal)")
-        signum = torch.tensor(float(self.signals.signum or 0), dtype=torch.float64, device=self.device)
-        skipped, signal_number = (int(v) for v in comm.all_reduce(torch.stack([bad, signum]), "max", comm.world_group()).tolist())
+        skipped, signal_number = agreed_max(self.device, bad, self.signals.signum or 0)
         return skipped > 0, signal_number
 
     def log_step(self, step: StepResult) -> None:
@@ -458,8 +457,7 @@ class Trainer:
         return loss
 
     def _agreed_signal(self) -> int:
-        signum = torch.tensor(float(self.signals.signum or 0), device=self.device)
-        return int(comm.all_reduce(signum, "max", comm.world_group()).item())
+        return agreed_max(self.device, self.signals.signum or 0)[0]
 
     def save(self) -> None:
         """Collective: the checkpoint of this step, committed atomically."""
@@ -546,8 +544,7 @@ def evaluate(cfg: Config, engine: Any, dataset: Any, state: Any, device: str, si
             return float(loss)
         for ids, labels, *positions in batches:
             if signals is not None:  # preempted: save promptly instead of finishing the pass
-                signum = torch.tensor(float(signals.signum or 0), device=device)
-                if comm.all_reduce(signum, "max", comm.world_group()).item() > 0:
+                if agreed_max(device, signals.signum or 0)[0] > 0:
                     engine.train()
                     return None
             documents = batch_documents((ids, labels, *positions), cfg.data.reset_positions)
@@ -555,6 +552,13 @@ def evaluate(cfg: Config, engine: Any, dataset: Any, state: Any, device: str, si
     engine.train()
     total = comm.all_reduce(total, "sum", state.dp_group)
     return total.item() / (cfg.train.eval_iters * state.dp_size)
+
+
+def agreed_max(device: torch.device, *values: float | torch.Tensor) -> list[int]:
+    """The largest of each value over every rank, in one all_reduce (collective): a flag or the
+    caught stop signal, which every rank must act on alike."""
+    stacked = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in values])
+    return [int(v) for v in comm.all_reduce(stacked, "max", comm.world_group()).tolist()]
 
 
 def shutdown(clean: bool) -> None:
