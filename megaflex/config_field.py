@@ -13,3 +13,8 @@ def opt(default: Any, doc: str) -> Any:
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata={"doc": doc})
     return field(default=default, metadata={"doc": doc})
+
+
+def required(doc: str) -> Any:
+    """A documented dataclass field without a default."""
+    return field(metadata={"doc": doc})

@@ -1,18 +1,20 @@
 """Typed configuration of the GPT model.
 
-``ModelConfig`` is the ``model:`` section of a run's YAML file. ``__post_init__`` validates
-everything that can be checked without knowing the tensor-parallel size (the model checks
-divisibility by ``tp_size`` when it is built) and every error names the offending field.
+``ModelConfig`` is the ``model:`` section of a run's YAML file; each field carries its documentation
+(``megaflex.config_field.opt``), which the reference in docs/training.md renders.
+``__post_init__`` validates everything that can be checked without knowing the tensor-parallel
+size (the model checks divisibility by ``tp_size`` when it is built); every error names the field.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 from megaflex.attention import ATTENTION_BACKENDS, ATTENTION_KINDS, NORMALIZATIONS
 from megaflex.attention.hybrid import WINDOW_MIXINGS
+from megaflex.config_field import opt, required
 
 MLP_KINDS = ("gelu", "swiglu")
 NORM_KINDS = ("rmsnorm", "layernorm")
@@ -23,46 +25,53 @@ POSITION_KINDS = ("rope", "learned", "none")
 class ModelConfig:
     """Decoder-only transformer hyper-parameters (see configs/*.yaml for the named sizes)."""
 
-    vocab_size: int
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    # None -> 4 * hidden for gelu, 8/3 * hidden rounded up to a multiple of 64 for swiglu
-    # (equal MLP parameter count).
-    ffn_hidden_size: int | None = None
-    # Attention ("softmax" or one of the linear feature-map kinds of megaflex.attention).
-    attention: str = "flexformer_n"
-    feature_dim: int = 128  # F: size of the feature axis (2 x number of frequencies for trig maps)
-    # linear attention's output normalisation (attention/base.py): "capped_denominator" (default since
-    # study v3/v4: 1.09x softmax against rms's 2.17x, docs/attention.md), "rms" (the default before;
-    # checkpoints without the field were trained with it) or "denominator"
-    normalization: str = "capped_denominator"
-    chunk_size: int = 64  # chunk length of the parallel (training) linear-attention form
-    # chunked form's implementation: "auto" (Triton kernels on CUDA, torch on CPU), "torch",
-    # "triton" (also on CPU tensors under TRITON_INTERPRET=1: slow, for tests), or "fla"
-    # (flash-linear-attention's chunk_simple_gla on CUDA; pip install 'megaflex[gpu]')
-    attention_backend: str = "auto"
-    feature_kwargs: dict[str, Any] = field(default_factory=dict)  # extra kwargs of the feature map
-    # Optional quality closers of linear attention (megaflex.attention.hybrid; 0 = off):
-    softmax_window: int = 0  # W > 0: exact softmax attention over the last W tokens (attention/hybrid.py);
-    # with attention "softmax": sliding-window softmax (no far field)
-    # how the window meets the kernel: "shared_normaliser" (exact weights for the last W keys, the
-    # kernel for older ones, one normaliser: attention/window/) or "gated" (the first
-    # design: a learned per-head blend of two separately normalised branches; an ablation arm)
-    window_mixing: str = "shared_normaliser"
-    qkv_conv_size: int = 0  # K > 0: short causal depthwise convolution of q, k, v (K taps)
-    mlp: str = "gelu"
-    norm: str = "rmsnorm"
-    norm_eps: float = 1e-5
-    bias: bool = False  # biases in the linear layers
-    tie_embeddings: bool = True
-    hidden_dropout: float = 0.0  # on embeddings and on each residual branch
-    attention_dropout: float = 0.0  # on the attention output of each head (before the out proj)
-    max_seq_len: int = 2048
-    position: str = "rope"
-    rope_theta: float = 10000.0
-    init_std: float = 0.02
-    activation_checkpointing: bool = False
+    vocab_size: int = required("tokenizer vocabulary (padded internally to a multiple of 128 x TP)")
+    num_layers: int = required("transformer blocks")
+    hidden_size: int = required("residual width")
+    num_heads: int = required("attention heads (divisible by the TP size)")
+    # equal MLP parameter count for both defaults
+    ffn_hidden_size: int | None = opt(None, "MLP width (default 4h for gelu, 8h/3 rounded up to 64 for swiglu)")
+    attention: str = opt(
+        "flexformer_n", "softmax or a linear feature map (flexformer_n, flexformer_s, performer, elu, cosformer, hedgehog)"
+    )
+    feature_dim: int = opt(128, "feature axis F of linear attention (2 x the number of frequencies for trig maps)")
+    # the default since study v3/v4: 1.09x softmax against rms's 2.17x (docs/attention.md); checkpoints
+    # without the field were trained with rms
+    normalization: str = opt(
+        "capped_denominator", "linear attention output normalisation: capped_denominator (n / max(d, rms(n)/2)), "
+        "rms or denominator (attention/base.py)",
+    )
+    chunk_size: int = opt(64, "chunk length of the chunked linear-attention training form")
+    attention_backend: str = opt(
+        "auto", "chunked linear attention implementation: auto (Triton on CUDA, torch on CPU), torch, triton (on "
+        "CPU tensors it needs TRITON_INTERPRET=1), or fla (flash-linear-attention's chunk_simple_gla; CUDA, extra gpu)",
+    )
+    feature_kwargs: dict[str, Any] = opt(
+        {}, "extra keyword arguments of the feature map (flexformer_n: omega_init paper|tied, omega_noise, "
+        "min_log_temperature)",
+    )
+    # the optional quality closers of linear attention (megaflex.attention.hybrid; 0 = off)
+    softmax_window: int = opt(
+        0, "W > 0: exact softmax attention over the last W tokens, the kernel for older ones (see window_mixing; "
+        "with attention softmax: sliding-window softmax; 0: off)",
+    )
+    window_mixing: str = opt(
+        "shared_normaliser", "with softmax_window: shared_normaliser (exact weights for the last W keys, the kernel "
+        "for older ones, one normaliser) or gated (the old learned per-head blend of two normalised branches)",
+    )
+    qkv_conv_size: int = opt(0, "K > 0: K-tap causal depthwise convolution of q, k, v before linear attention (0: off)")
+    mlp: str = opt("gelu", "gelu or swiglu")
+    norm: str = opt("rmsnorm", "rmsnorm or layernorm")
+    norm_eps: float = opt(1e-5, "epsilon of the norms")
+    bias: bool = opt(False, "biases in linear layers")
+    tie_embeddings: bool = opt(True, "share input embedding and output projection")
+    hidden_dropout: float = opt(0.0, "dropout on embeddings and residual branches")
+    attention_dropout: float = opt(0.0, "dropout on the attention output of each head (before the out projection)")
+    max_seq_len: int = opt(2048, "longest sequence (positions)")
+    position: str = opt("rope", "rope, learned or none")
+    rope_theta: float = opt(10000.0, "RoPE base")
+    init_std: float = opt(0.02, "std of the normal initialisation")
+    activation_checkpointing: bool = opt(False, "recompute each block in backward (saves activation memory)")
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "num_layers", "hidden_size", "num_heads", "feature_dim", "chunk_size", "max_seq_len"):

@@ -130,43 +130,11 @@ def reference_markdown() -> str:
                 default = f.default_factory()
             else:
                 default = "(required)"
-            doc = docs.get(f.name) or _MODEL_DOCS.get(f.name, "")
+            doc = docs.get(f.name, "")
             type_text = type_name(hints[f.name]).replace(" | ", " or ")
             lines.append(f"| `{name}.{f.name}` | {type_text} | `{default!r}` | {doc} |")
         lines.append("")
     return "\n".join(lines)
-
-
-# The model section is owned by megaflex.model; its fields are documented there as comments.
-_MODEL_DOCS = {
-    "vocab_size": "tokenizer vocabulary (padded internally to a multiple of 128 x TP)",
-    "num_layers": "transformer blocks",
-    "hidden_size": "residual width",
-    "num_heads": "attention heads (divisible by the TP size)",
-    "ffn_hidden_size": "MLP width (default 4h for gelu, 8h/3 rounded to 64 for swiglu)",
-    "attention": "softmax or a linear feature map (flexformer_n, flexformer_s, performer, elu, cosformer, hedgehog)",
-    "feature_dim": "feature axis F of linear attention",
-    "normalization": "linear attention output normalisation: capped_denominator (n / max(d, rms(n)/2)), rms or denominator (attention/base.py)",
-    "chunk_size": "chunk length of the chunked linear-attention training form",
-    "attention_backend": "chunked linear attention implementation: auto (Triton on CUDA, torch on CPU), torch, triton (on CPU tensors it needs TRITON_INTERPRET=1), or fla (flash-linear-attention's chunk_simple_gla; CUDA, extra gpu)",
-    "feature_kwargs": "extra keyword arguments of the feature map (flexformer_n: omega_init paper|tied, omega_noise, "
-    "min_log_temperature)",
-    "softmax_window": "W > 0: exact softmax attention over the last W tokens, the kernel for older ones (see window_mixing; 0: off)",
-    "window_mixing": "with softmax_window: shared_normaliser (exact weights for the last W keys, the kernel for older ones, one normaliser) or gated (the old learned per-head blend of two normalised branches)",
-    "qkv_conv_size": "K > 0: K-tap causal depthwise convolution of q, k, v before linear attention (0: off)",
-    "mlp": "gelu or swiglu",
-    "norm": "rmsnorm or layernorm",
-    "norm_eps": "epsilon of the norms",
-    "bias": "biases in linear layers",
-    "tie_embeddings": "share input embedding and output projection",
-    "hidden_dropout": "dropout on embeddings and residual branches",
-    "attention_dropout": "dropout on attention outputs",
-    "max_seq_len": "longest sequence (positions)",
-    "position": "rope, learned or none",
-    "rope_theta": "RoPE base",
-    "init_std": "std of the normal initialisation",
-    "activation_checkpointing": "recompute each block in backward (saves activation memory)",
-}
 
 
 if __name__ == "__main__":  # python -m megaflex.training.config --reference > reference.md
