@@ -40,11 +40,18 @@ import os
 import random
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator, Union
+from typing import Union
 
-from megaflex.data.lra import LISTOPS_CLOSE, LISTOPS_END, LISTOPS_OPEN, LISTOPS_OPERATORS, listops_path
+from megaflex.data.lra import (
+    LISTOPS_CLOSE,
+    LISTOPS_END,
+    LISTOPS_OPEN,
+    LISTOPS_OPERATORS,
+    listops_path,
+)
 
 OPERATOR_P = 0.25  # probability that a node above max_depth is an operator (LRA: 1 - P(digit) = 0.25)
 FORMS = ("lra", "compact")

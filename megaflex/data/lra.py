@@ -6,7 +6,8 @@ Every dataset yields dicts of tensors, unpadded but truncated to ``max_len``::
     {"input_ids_1": .., "attention_mask_1": .., "input_ids_2": .., "attention_mask_2": .., "label": ..}  # Retrieval
 
 and :func:`collate_lra` pads a list of them into a batch (to the longest item, or to ``pad_to``
-as LRA's ``padded_batch`` does). ``attention_mask`` is True on real tokens. Id 0 is padding in
+as LRA's ``padded_batch`` does). ``attention_mask`` is True on real tokens. Truncation is LRA's
+(keep the first ``max_len`` ids); ``ListOpsDataset.num_truncated`` counts the rows it cut. Id 0 is padding in
 every vocabulary, id 1 the optional leading ``<cls>`` (``add_cls=True``; it counts towards
 ``max_len``). LRA itself feeds no ``<cls>``: its "CLS" pooling reads position 0, the first real token.
 
@@ -36,8 +37,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -287,52 +289,50 @@ class TextBytesDataset(torch.utils.data.Dataset):
         _check_max_len(max_len)
         self.path, self.max_len, self.add_cls = Path(path), max_len, add_cls
         self.text_key, self.label_key = text_key, label_key
+        self._files: list[Path] = []  # aclImdb: one file per example
+        self._offsets: list[int] = []  # JSONL: one line per example
         if self.path.is_dir():
-            self._read = self._index_acl(split)
+            self._index_acl(split)
         elif self.path.is_file() and self.path.suffix == ".jsonl":
-            self._read = self._index_jsonl()
+            self._index_jsonl()
         elif self.path.is_file():
             raise LRAFormatError(f"{self.path}: expected a directory or a .jsonl file; {_IMDB_HINT}")
         else:
             raise LRAFormatError(f"{self.path}: no such file or directory; {_IMDB_HINT}")
         if not self.labels:
             raise LRAFormatError(f"{self.path}: no examples found; {_IMDB_HINT}")
+        self.labels = torch.tensor(self.labels, dtype=torch.int64)
 
-    def _index_acl(self, split: str) -> Callable[[int], bytes]:
+    def _index_acl(self, split: str) -> None:
         if split not in ("train", "test"):
             raise ValueError(f"split: aclImdb has 'train' and 'test' (LRA validates on test), got {split!r}")
-        files, self.labels = [], []
+        self.labels = []
         for name, label in (("neg", 0), ("pos", 1)):
             d = self.path / split / name
             if not d.is_dir():
                 raise LRAFormatError(f"{d}: missing; {_IMDB_HINT}")
             found = sorted(d.glob("*.txt"))  # sorted: the same order on every machine
-            files += found
+            self._files += found
             self.labels += [label] * len(found)
-        self._files = files
 
-        def read(i: int) -> bytes:
-            raw = files[i].read_bytes()
-            _decode_utf8(raw, str(files[i]))
-            return raw
-        return read
-
-    def _index_jsonl(self) -> Callable[[int], bytes]:
-        offsets, self.labels = [], []
+    def _index_jsonl(self) -> None:
+        self.labels = []
         with open(self.path, "rb") as f:
             offset = 0
             for lineno, raw in enumerate(f, 1):
                 if raw.strip():
                     obj = self._parse_jsonl(raw, lineno)
-                    offsets.append(offset)
+                    self._offsets.append(offset)
                     self.labels.append(_parse_label(str(obj[self.label_key]), 2, f"{self.path}:{lineno}"))
                 offset += len(raw)
-        lines = _LineFile(self.path)
-        self._offsets = offsets
+        self._lines = _LineFile(self.path)
 
-        def read(i: int) -> bytes:
-            return self._parse_jsonl(lines.read(offsets[i]), -1)[self.text_key].encode("utf-8")
-        return read
+    def _read(self, i: int) -> bytes:
+        if self._files:
+            raw = self._files[i].read_bytes()
+            _decode_utf8(raw, str(self._files[i]))
+            return raw
+        return self._parse_jsonl(self._lines.read(self._offsets[i]), -1)[self.text_key].encode("utf-8")
 
     def _parse_jsonl(self, raw: bytes, lineno: int) -> dict[str, Any]:
         where = f"{self.path}:{lineno}"
@@ -351,7 +351,7 @@ class TextBytesDataset(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         raw = self._read(i)[: self.max_len]  # only the bytes that survive truncation are converted
         item = _item(encode_bytes(raw), self.max_len, self.add_cls)
-        item["label"] = torch.tensor(self.labels[i], dtype=torch.int64)
+        item["label"] = self.labels[i]
         return item
 
 

@@ -32,7 +32,7 @@ def stack_eval(tokens: list[str]) -> tuple[int, int, int]:
     Checks arity >= 2 and that exactly one value remains."""
     stack: list[list] = []  # frames [op, args]
     result = None
-    depth = max_depth = max_args = 0
+    max_depth = max_args = 0
     for t in tokens:
         if t in ("(", ")"):
             continue
@@ -104,7 +104,8 @@ def paren_eval(tokens: list[str]) -> int:
 # ---- fixtures
 
 def small_cfg(out: Path, **kw) -> ListOpsConfig:
-    base = dict(out=str(out), train=40, valid=8, test=8, seed=3, min_length=40, max_length=300, progress=False)
+    base = {"out": str(out), "train": 40, "valid": 8, "test": 8, "seed": 3, "min_length": 40, "max_length": 300,
+            "progress": False}
     return ListOpsConfig(**{**base, **kw})
 
 
