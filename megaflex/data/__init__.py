@@ -23,6 +23,8 @@ Public API:
 * :class:`Tokenizer` — sentencepiece model or ``tokenizers`` file + card written by ``data_prep.train_tokenizer``.
 * :func:`read_data_card`, :func:`check_same_tokenizer` — the tokenizer identity recorded with the
   data (``PREFIX.card.json``) and with checkpoints; :class:`DataError` is the base of every data fault.
+* :mod:`megaflex.data.lra` (import it directly) — Long Range Arena classification data: ListOps TSVs,
+  byte-level IMDb Text and AAN Retrieval datasets, and their padding collate function.
 """
 
 from megaflex.data.blended import BlendedDataset, blend_indices, build_datasets
