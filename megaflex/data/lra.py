@@ -27,7 +27,8 @@ https://ai.stanford.edu/~amaas/data/sentiment/aclImdb_v1.tar.gz) or a ``.jsonl``
 
 Retrieval (AAN): LRA release ``lra_release.gz`` (https://storage.googleapis.com/long-range-arena/lra_release.gz),
 files ``new_aan_pairs.{train,eval,test}.tsv``: no header, tab-separated ``label id1 id2 text1 text2``
-with a float label (``0.0``/``1.0``) and no quoting (LRA reads them with ``use_quote_delim=False``).
+with a float label (``0.0``/``1.0``) and no quoting (LRA reads them with ``use_quote_delim=False``);
+the texts are taken as raw bytes (no UTF-8 check), aclImdb and JSONL texts must be UTF-8.
 
 Byte-level ids (Text, Retrieval): UTF-8 byte ``b`` -> ``b + BYTE_OFFSET``; LRA's defaults are
 ``max_len`` 4000 per AAN document and, per the paper, 4K for Text (its released config uses 1000).
@@ -362,10 +363,12 @@ def aan_path(directory: str | os.PathLike, split: str) -> Path:
     return Path(directory) / f"new_aan_pairs.{AAN_SPLITS[split]}.tsv"
 
 
-def _split_aan_line(raw: bytes, where: str) -> list[str]:
-    fields = _decode_utf8(raw, where).rstrip("\r\n").split("\t")
+def _split_aan_line(raw: bytes, where: str) -> list[bytes]:
+    # bytes, not str: the model sees bytes, so a stray non-UTF-8 byte in a 4000-byte abstract is data,
+    # not a reason to refuse the file
+    fields = raw.rstrip(b"\r\n").split(b"\t")
     if len(fields) != len(AAN_COLUMNS):
-        hint = " (a header line? LRA's AAN files have none)" if fields[:1] == ["label"] else ""
+        hint = " (a header line? LRA's AAN files have none)" if fields[:1] == [b"label"] else ""
         raise LRAFormatError(f"{where}: expected {len(AAN_COLUMNS)} tab-separated fields "
                              f"({' '.join(AAN_COLUMNS)}), got {len(fields)}{hint}")
     return fields
@@ -391,7 +394,7 @@ class RetrievalBytesDataset(torch.utils.data.Dataset):
                 if raw.strip():
                     where = f"{self.path}:{lineno}"
                     fields = _split_aan_line(raw, where)
-                    labels.append(_parse_label(fields[0], 2, where))
+                    labels.append(_parse_label(fields[0].decode("ascii", "replace"), 2, where))
                     self._offsets.append(offset)
                 offset += len(raw)
         if not labels:
@@ -402,14 +405,14 @@ class RetrievalBytesDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.labels)
 
-    def row(self, i: int) -> dict[str, str]:
-        """The raw columns of example ``i`` (label, id1, id2, text1, text2)."""
+    def row(self, i: int) -> dict[str, bytes]:
+        """The raw columns of example ``i`` (label, id1, id2, text1, text2), as bytes."""
         return dict(zip(AAN_COLUMNS, _split_aan_line(self._lines.read(self._offsets[i]), f"{self.path}[{i}]")))
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         r = self.row(i)
-        item = _item(encode_bytes(r["text1"].encode("utf-8")[: self.max_len]), self.max_len, self.add_cls, "_1")
-        item.update(_item(encode_bytes(r["text2"].encode("utf-8")[: self.max_len]), self.max_len, self.add_cls, "_2"))
+        item = _item(encode_bytes(r["text1"][: self.max_len]), self.max_len, self.add_cls, "_1")
+        item.update(_item(encode_bytes(r["text2"][: self.max_len]), self.max_len, self.add_cls, "_2"))
         item["label"] = self.labels[i]
         return item
 

@@ -222,7 +222,7 @@ def test_retrieval_reads_lra_format(tmp_path: Path):
     assert aan_path(tmp_path, "valid") == path == aan_path(tmp_path, "eval")
     ds = RetrievalBytesDataset(tmp_path, "valid")
     assert len(ds) == 3 and ds.labels.tolist() == [1, 0, 1]
-    assert ds.row(0)["id2"] == "W04-3201" and ds.row(0)["text2"] == "A 'quoted\" abstract"  # quotes literal
+    assert ds.row(0)["id2"] == b"W04-3201" and ds.row(0)["text2"] == b"A 'quoted\" abstract"  # quotes literal
     item = ds[0]
     assert set(item) == {"input_ids_1", "attention_mask_1", "input_ids_2", "attention_mask_2", "label"}
     assert decode_bytes(item["input_ids_1"]) == AAN_ROWS[0][3] and decode_bytes(item["input_ids_2"]) == AAN_ROWS[0][4]
@@ -247,6 +247,13 @@ def test_retrieval_malformed(tmp_path: Path, line: str, match: str):
     write(tmp_path / "new_aan_pairs.train.tsv", "\t".join(AAN_ROWS[0]) + "\n" + line + "\n")
     with pytest.raises(LRAFormatError, match=match):
         RetrievalBytesDataset(tmp_path, "train")
+
+
+def test_retrieval_keeps_raw_bytes(tmp_path: Path):
+    write(tmp_path / "new_aan_pairs.train.tsv", b"0.0\tA\tB\tcaf\xe9\tok\r\n")  # Latin-1 byte, CRLF
+    item = RetrievalBytesDataset(tmp_path, "train")[0]
+    assert item["input_ids_1"].tolist() == [b + BYTE_OFFSET for b in b"caf\xe9"]
+    assert decode_bytes(item["input_ids_2"]) == "ok"
 
 
 def test_retrieval_header_hint_and_missing(tmp_path: Path):
