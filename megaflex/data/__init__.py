@@ -25,6 +25,8 @@ Public API:
   data (``PREFIX.card.json``) and with checkpoints; :class:`DataError` is the base of every data fault.
 * ``megaflex.data.sources`` (imported on use) — documents streamed from raw text, JSONL or a
   Hugging Face dataset; ``data_prep`` and ``megaflex-eval`` read their inputs through it.
+* ``megaflex.data.lra`` (imported on use) — Long Range Arena classification data: ListOps TSVs,
+  byte-level IMDb Text and AAN Retrieval datasets, and their padding collate function.
 """
 
 from megaflex.data.blended import BlendedDataset, blend_indices, build_datasets
