@@ -51,6 +51,10 @@ class ModelConfig:
     # design: a learned per-head blend of two separately normalised branches; an ablation arm)
     window_mixing: str = "shared_normaliser"
     qkv_conv_size: int = 0  # K > 0: short causal depthwise convolution of q, k, v (K taps)
+    # False: bidirectional attention (an encoder: every token attends to every real token, attention_mask
+    # as the key padding mask; no decoding state, packed documents or q/k/v convolution). It changes what
+    # the weights compute, so a resume may not change it (checkpoint/compat.py).
+    causal: bool = True
     mlp: str = "gelu"
     norm: str = "rmsnorm"
     norm_eps: float = 1e-5
@@ -97,6 +101,8 @@ class ModelConfig:
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value!r}")
+        if not isinstance(self.causal, bool):
+            raise ValueError(f"causal must be a bool, got {self.causal!r}")
         if not isinstance(self.feature_kwargs, dict):
             raise ValueError(f"feature_kwargs must be a mapping, got {type(self.feature_kwargs).__name__}")
         for name in ("softmax_window", "qkv_conv_size"):
