@@ -1,4 +1,4 @@
-"""megaflex.attention: Flexformer and baseline causal attention (feature maps, forms, AttentionCore).
+"""megaflex.attention: Flexformer and baseline attention, causal and bidirectional (feature maps, forms, AttentionCore).
 
 All tensors are [B, H, N, d]. See ``core.py`` for the maths shared by every form and
 ``feature_maps/`` for the maps. Public API:
@@ -7,7 +7,11 @@ All tensors are [B, H, N, d]. See ``core.py`` for the maths shared by every form
 * ``causal_linear_attention(qf, kf, kls, v, *, form, normalization, chunk_size, initial_state, eps, backend)``
   (``backend``: auto | torch | triton | fla, the chunked form's implementation)
 * ``ROWS`` / ``select(Request(...))``: the one table that decides which implementation runs (``dispatch.py``)
-* ``AttentionCore(kind, num_heads, head_dim, ...)``: the module the model uses
+* ``AttentionCore(kind, num_heads, head_dim, ..., causal=True)``: the module the model uses
+  (``causal=False``: bidirectional, ``Request.form`` "bidirectional"; what it cannot do is refused
+  by ``dispatch.REFUSALS`` with ``RefusedAttention``)
+* ``bidirectional_linear_attention(qf, kf, kls, v, *, normalization, eps, key_mask)`` (global sums) and
+  its reference ``quadratic_bidirectional_linear_attention``; ``bidirectional_softmax_attention``
 * ``softmax_attention`` / ``KVCache``: exact baseline
 * ``redraw_random_features(module, step)``: Performer redraws, call once per optimiser step
 * ``named_kernel_parameters(module)``: every learnable kernel parameter with its optimisation role
@@ -28,12 +32,16 @@ from .base import (
     named_kernel_parameters,
 )
 from .core import ATTENTION_KINDS, AttentionCore, causal_linear_attention
-from .dispatch import ATTENTION_BACKENDS, ROWS, NoAttentionImplementation, Request, Row, chunked_backend, select
+from .dispatch import (
+    ATTENTION_BACKENDS, ATTENTION_FORMS, REFUSALS, ROWS, NoAttentionImplementation, RefusedAttention, Request, Row,
+    chunked_backend, select,
+)
 from .feature_maps import FEATURE_MAP_KINDS, build_feature_map, feature_dim_of
-from .linear.naive import quadratic_linear_attention
+from .linear.bidirectional import bidirectional_linear_attention
+from .linear.naive import quadratic_bidirectional_linear_attention, quadratic_linear_attention
 from .linear.recurrent import recurrent_linear_attention
 from .inputs import FORMS, mask_padded_keys, padding_mask, validate_linear_attention_inputs
-from .softmax import KVCache, softmax_attention
+from .softmax import KVCache, bidirectional_softmax_attention, softmax_attention
 
 
 def redraw_random_features(module: nn.Module, step: int) -> int:
@@ -47,6 +55,7 @@ def redraw_random_features(module: nn.Module, step: int) -> int:
 
 __all__ = [
     "ATTENTION_BACKENDS",
+    "ATTENTION_FORMS",
     "ATTENTION_KINDS",
     "FEATURE_MAP_KINDS",
     "FORMS",
@@ -59,9 +68,13 @@ __all__ = [
     "KernelParameter",
     "LinearAttentionState",
     "NoAttentionImplementation",
+    "RefusedAttention",
+    "REFUSALS",
     "ROWS",
     "Request",
     "Row",
+    "bidirectional_linear_attention",
+    "bidirectional_softmax_attention",
     "build_feature_map",
     "causal_linear_attention",
     "chunked_backend",
@@ -69,6 +82,7 @@ __all__ = [
     "mask_padded_keys",
     "named_kernel_parameters",
     "padding_mask",
+    "quadratic_bidirectional_linear_attention",
     "quadratic_linear_attention",
     "recurrent_linear_attention",
     "redraw_random_features",

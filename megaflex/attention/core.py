@@ -32,6 +32,10 @@ Mixed precision: every form accumulates in fp32 and returns ``v.dtype``.
 continuing from a state with few new tokens, the configured one otherwise) or exact softmax
 attention with a ``KVCache``.
 
+Bidirectional (``AttentionCore(causal=False)``, Request.form "bidirectional"): every query reads
+every real key, by one global sum (``linear/bidirectional.py``; its reference is
+``linear.naive.quadratic_bidirectional_linear_attention``) or non-causal SDPA; no state in or out.
+
 Padding (``key_mask``, False at padded tokens): a padded key's features are zeroed (nothing
 added to kv or k_sum) and its log-scale is lowered to the smallest real one of its row, so the
 running max m_t is the max over real keys only, as without the pads; softmax masks the keys.
@@ -156,6 +160,9 @@ class AttentionCore(nn.Module):
     initial state. Position-dependent maps (cosformer) get ``state.offset`` as their offset.
     ``feature_kwargs`` go to ``build_feature_map`` (``max_seq_len`` is passed to cosformer only).
 
+    ``causal=False``: bidirectional attention (``Request.form`` "bidirectional"): each query attends to
+    every real key of the call; no state in or out (``dispatch.REFUSALS``).
+
     ``backend`` (auto | torch | triton | fla) picks the chunked form's implementation for training,
     evaluation and prefill alike (decoding keeps the recurrent form): trig maps
     (``feature_map.trig_spec()``) go through a fused map + attention that keeps no features alive for
@@ -179,10 +186,13 @@ class AttentionCore(nn.Module):
         recurrent_max_tokens: int = 16,
         eps: float = 1e-6,
         backend: str = "auto",
+        causal: bool = True,
         **feature_kwargs: object,
     ) -> None:
         super().__init__()
         check_backend(backend)
+        if not isinstance(causal, bool):
+            raise ValueError(f"causal: expected a bool, got {causal!r}")
         if kind not in ATTENTION_KINDS:
             raise ValueError(f"kind: expected one of {ATTENTION_KINDS}, got {kind!r}")
         if normalization not in NORMALIZATIONS:
@@ -193,6 +203,7 @@ class AttentionCore(nn.Module):
         self.normalization, self.chunk_size, self.form, self.eps = normalization, chunk_size, form, eps
         self.recurrent_max_tokens = recurrent_max_tokens
         self.backend = backend
+        self.causal = causal
         self.max_seq_len = max_seq_len
         self.feature_map = None
         if kind != "softmax":
@@ -244,10 +255,16 @@ class AttentionCore(nn.Module):
         row = select(self._request(call))
         return _ADAPTERS[row.adapter](self, row.implementation(), call)
 
+    @property
+    def attention_form(self) -> str:
+        """``Request.form`` of this module's calls: "causal" or "bidirectional"."""
+        return "causal" if self.causal else "bidirectional"
+
     def _request(self, call: _Call) -> Request:
         documents = "none" if call.layout is None else ("restart_state" if call.return_state else "restart_batched")
         return Request(
-            "softmax" if self.feature_map is None else "linear", algorithm=self.form, backend=self.backend,
+            "softmax" if self.feature_map is None else "linear", algorithm=self.form, form=self.attention_form,
+            backend=self.backend, returns_state=call.return_state,
             device=call.q.device.type, dtype=call.v.dtype, tokens=call.q.shape[2], chunk_size=self.chunk_size,
             continues_state=call.state is not None, recurrent_max_tokens=self.recurrent_max_tokens,
             grad=torch.is_grad_enabled(), trig=call.trig_spec is not None, padded=call.new_keys is not None,
@@ -305,6 +322,15 @@ class AttentionCore(nn.Module):
     def _softmax(self, fn: Callable, call: _Call) -> tuple[torch.Tensor, AttentionState | None]:
         return call.kept(*fn(call.q, call.k, call.v, cache=call.state, key_mask=call.key_mask))
 
+    def _bidirectional(self, fn: Callable, call: _Call) -> tuple[torch.Tensor, None]:
+        """The global sums (or their quadratic reference) over the features, padded keys masked."""
+        qf, kf, kls = self._features(call)
+        validate_linear_attention_inputs(qf, kf, kls, call.v, form=self.form, normalization=self.normalization, eps=self.eps)
+        return fn(qf, kf, kls, call.v, normalization=self.normalization, eps=self.eps, key_mask=call.new_keys), None
+
+    def _softmax_bidirectional(self, fn: Callable, call: _Call) -> tuple[torch.Tensor, None]:
+        return fn(call.q, call.k, call.v, key_mask=call.key_mask), None
+
     def _softmax_documents(self, fn: Callable, call: _Call) -> tuple[torch.Tensor, None]:
         if call.state is not None or call.return_state:
             raise ValueError("document_starts: expected no KVCache in or out (decode one document at a time)")
@@ -323,7 +349,7 @@ class AttentionCore(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"kind={self.kind}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
-            f"normalization={self.normalization}, backend={self.backend}"
+            f"normalization={self.normalization}, backend={self.backend}" + ("" if self.causal else ", causal=False")
         )
 
 
@@ -336,4 +362,6 @@ _ADAPTERS: dict[str, Callable[[AttentionCore, Callable, _Call], tuple[torch.Tens
     "decode": AttentionCore._decode,
     "features": AttentionCore._on_features,
     "trig": AttentionCore._fused_trig,
+    "bidirectional": AttentionCore._bidirectional,
+    "softmax_bidirectional": AttentionCore._softmax_bidirectional,
 }

@@ -15,7 +15,10 @@ Ops (the ``op`` axis):
 * ``window``:       the one-normaliser window's numerator forms (``window/``).
 * ``module``:       the attention module a model builds (``hybrid.build_attention``).
 
-``form`` is "causal" today; an encoder's "bidirectional" rows go next to the causal ones.
+``form`` is "causal" or "bidirectional" (an encoder: every query reads every real key). The
+bidirectional rows sit next to the causal ones; what has no bidirectional meaning (a state carried in
+or out, packed documents, the causal q/k/v convolution, the gated window, the recurrent scan) is
+refused by ``REFUSALS`` before any row is tried, with a message naming the setting and the fix.
 Nothing here imports an implementation at import time, so this module imports nothing of the package.
 """
 
@@ -70,12 +73,17 @@ class Request:
     mixing: str = "shared_normaliser"  # local_mixing: "shared_normaliser" | "gated"
     window: int = 0  # local_mixing, window: W
     segment_tokens: int = 0  # local_mixing: the segment length of long training sequences
-    conv_size: int = 0  # module: the q/k/v convolution's taps
+    conv_size: int = 0  # module, local_mixing: the q/k/v convolution's taps
+    returns_state: bool = False  # the caller asks for the state after the call (decoding, segments)
 
     @property
     def mixes_locally(self) -> bool:
         """module: a window or a convolution around the core."""
         return self.window >= 1 or self.conv_size >= 1
+
+    @property
+    def convolves(self) -> bool:
+        return self.conv_size >= 1
 
     @property
     def chunk_backend(self) -> str:
@@ -140,10 +148,17 @@ class Row:
         return f"{self.name}: {rule or 'always'} -> {self.target} ({self.adapter})"
 
 
+def _pairs(conditions: dict[str, Any]) -> tuple[tuple[str, tuple[Any, ...]], ...]:
+    return tuple((k, v if isinstance(v, tuple) else (v,)) for k, v in conditions.items())
+
+
 def _row(name: str, target: str, adapter: str, **conditions: Any) -> Row:
+    """A row of op ``name``'s first part; causal unless ``form`` is among the conditions."""
     op = name.split(".")[0]
-    pairs = tuple((k, v if isinstance(v, tuple) else (v,)) for k, v in conditions.items())
-    return Row(name, op, "megaflex.attention." + target, adapter, (("form", ("causal",)),) + pairs)
+    return Row(name, op, "megaflex.attention." + target, adapter, _pairs({"form": "causal", **conditions}))
+
+
+_BIDI = dict(form="bidirectional")
 
 
 _CORE = "core:"
@@ -154,8 +169,8 @@ _NO_DOCS = dict(documents="none")
 
 ROWS: tuple[Row, ...] = (
     # the module a model layer holds: the core alone, or wrapped by the local closers
-    _row("module.local_mixing", "hybrid:LocalMixingCore", "wrap", mixes_locally=True),
-    _row("module.core", "core:AttentionCore", "as_is", mixes_locally=False),
+    _row("module.local_mixing", "hybrid:LocalMixingCore", "wrap", mixes_locally=True, form=ATTENTION_FORMS),
+    _row("module.core", "core:AttentionCore", "as_is", mixes_locally=False, form=ATTENTION_FORMS),
     # softmax: a block-causal mask for packed documents, else the KV cache and key mask
     _row("softmax.documents", "softmax:softmax_attention", "softmax_documents",
          documents=("restart_state", "restart_batched")),
@@ -204,6 +219,52 @@ ROWS: tuple[Row, ...] = (
     _row("window.chunk.triton_auto", _TRITON + "TritonWindowNumerator", "triton_function",
          runs="chunked", backend="auto", chunk_backend="triton", has_window=True, fp64=False),
     _row("window.chunk.torch", _WINDOW + "chunk:ChunkedWindowNumerator", "torch_function", runs="chunked"),
+    # bidirectional (after ``REFUSALS``: no state, documents, convolution, gated window or recurrent scan)
+    _row("softmax.bidirectional", "softmax:bidirectional_softmax_attention", "softmax_bidirectional", **_BIDI),
+    _row("linear.bidirectional.quadratic", "linear.naive:quadratic_bidirectional_linear_attention", "bidirectional",
+         runs="quadratic", **_BIDI),
+    _row("linear.bidirectional.global", "linear.bidirectional:bidirectional_linear_attention", "bidirectional",
+         runs="chunked", **_BIDI),
+    _row("local_mixing.bidirectional", _HYBRID + "_bidirectional_forward", "method", shared_window=True, **_BIDI),
+    _row("window.bidirectional.quadratic", _WINDOW + "naive:quadratic_bidirectional_numerators", "bidirectional",
+         runs="quadratic", **_BIDI),
+    _row("window.bidirectional.blocks", _WINDOW + "bidirectional:banded_numerators", "bidirectional",
+         runs="chunked", **_BIDI),
+)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A request that no implementation can serve as asked: ``select`` raises ``message`` for it."""
+
+    name: str
+    conditions: tuple[tuple[str, tuple[Any, ...]], ...]
+    message: str
+
+    def applies(self, request: Request) -> bool:
+        return all(getattr(request, key) in allowed for key, allowed in self.conditions)
+
+
+def _refusal(name: str, message: str, **conditions: Any) -> Refusal:
+    return Refusal(name, _pairs({"form": "bidirectional", **conditions}), message)
+
+
+_FIX = "or build the model causal (ModelConfig.causal=True, AttentionCore(causal=True))"
+REFUSALS: tuple[Refusal, ...] = (
+    _refusal("bidirectional.state_in", "state: bidirectional attention reads the whole sequence in one call, so "
+             "nothing continues from a state (no decoding, KV cache or segments): pass state=None, " + _FIX,
+             continues_state=True),
+    _refusal("bidirectional.state_out", "return_state: bidirectional attention has no state to continue from "
+             "(no decoding or KV cache): pass return_state=False, " + _FIX, returns_state=True),
+    _refusal("bidirectional.documents", "document_starts: packed documents do not restart bidirectional attention: "
+             "put one document per row (padding with attention_mask / key_mask), " + _FIX,
+             documents=("restart", "restart_state", "restart_batched")),
+    _refusal("bidirectional.convolution", "qkv_conv_size: the q/k/v convolution is causal (it reads only earlier "
+             "tokens): set qkv_conv_size=0 (conv_size=0) with causal=False, " + _FIX, convolves=True),
+    _refusal("bidirectional.gated_window", "window_mixing: the 'gated' window is causal only: use window_mixing="
+             "'shared_normaliser' with causal=False, " + _FIX, op="local_mixing", has_window=True, mixing="gated"),
+    _refusal("bidirectional.recurrent", "form: 'recurrent' is the causal token-by-token scan: bidirectional attention "
+             "runs form 'chunked' (global sums) or 'quadratic' (the reference), " + _FIX, algorithm="recurrent"),
 )
 
 
@@ -211,11 +272,18 @@ class NoAttentionImplementation(ValueError):
     """No row of the dispatch table takes this request."""
 
 
+class RefusedAttention(ValueError):
+    """The request asks for something its form cannot mean (``REFUSALS``); the message says the fix."""
+
+
 _observers: list[Callable[[Request, Row], None]] = []
 
 
 def select(request: Request, rows: tuple[Row, ...] = ROWS) -> Row:
-    """The first row of ``rows`` that takes ``request``."""
+    """The first row of ``rows`` that takes ``request``; ``RefusedAttention`` for a refused one."""
+    for refusal in REFUSALS:
+        if refusal.applies(request):
+            raise RefusedAttention(refusal.message)
     for row in rows:
         if row.applies(request):
             for observe in _observers:

@@ -22,6 +22,10 @@
     branch covers every token (near ones twice). The window branch materialises an [N, W + N]
     band mask (O(N^2) memory). Decoding keeps the last W - 1 keys and values.
 
+With a bidirectional core (``AttentionCore(causal=False)``) only the one-normaliser window applies: exact
+softmax for the keys with |t - s| < W, the kernel for every other key (``window/bidirectional.py``); the
+convolution and the gated window are causal and refused (``dispatch.REFUSALS``).
+
 Both are position-local and causal, so the result is the same for any linear form (chunked,
 recurrent, quadratic) and for decoding token by token from a ``HybridState`` as for the full
 sequence.
@@ -42,7 +46,7 @@ from .dispatch import Request, select
 from .documents import DocumentLayout, document_layout
 from .inputs import mask_padded_keys, padding_mask, restarting
 from .softmax import padded_causal_mask
-from .window import WindowCache, windowed_linear_attention
+from .window import WindowCache, bidirectional_windowed_attention, windowed_linear_attention
 from .window.segments import run_segments
 
 WINDOW_MIXINGS = ("shared_normaliser", "gated")
@@ -145,10 +149,11 @@ class LocalMixingCore(nn.Module):
         core = self.core
         documents = "none" if layout is None else ("restart_state" if return_state else "restart_batched")
         request = Request(
-            "local_mixing", algorithm=core.form, backend=core.backend, device=q.device.type, dtype=v.dtype,
-            tokens=q.shape[2], chunk_size=core.chunk_size, continues_state=state is not None,
+            "local_mixing", algorithm=core.form, form=core.attention_form, backend=core.backend, device=q.device.type,
+            dtype=v.dtype, tokens=q.shape[2], chunk_size=core.chunk_size, continues_state=state is not None,
             recurrent_max_tokens=core.recurrent_max_tokens, grad=torch.is_grad_enabled(), padded=key_mask is not None,
             documents=documents, mixing=self.mixing, window=self.window, segment_tokens=self.segment_tokens,
+            conv_size=self.conv_size, returns_state=return_state,
         )  # fmt: skip
         row = select(request)
         return _ADAPTERS[row.adapter](self, row.implementation(), request, q, k, v, state, return_state, key_mask, layout)
@@ -224,6 +229,21 @@ class LocalMixingCore(nn.Module):
             chunk_size=self.core.chunk_size, far_state=None if state is None else state.linear, cache=cache,
             eps=self.core.eps, key_valid=key_valid, return_state=return_state, backend=self.core.backend,
         )  # fmt: skip
+
+    def _bidirectional_forward(
+        self, request: Request, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: None, return_state: bool,
+        key_mask: torch.Tensor | None, layout: None,
+    ) -> tuple[torch.Tensor, None]:
+        """The bidirectional one-normaliser window over the whole call (no convolution, no state: ``REFUSALS``)."""
+        self.core._check_qkv(q, k, v)
+        qf, qls, kf, kls = self.window_features(q, k, 0)
+        if key_mask is not None and self.core.feature_map is not None:
+            kf, kls = mask_padded_keys(kf, kls, key_mask)
+        out = bidirectional_windowed_attention(
+            q, qf, qls, k, kf, kls, v, window=self.window, form=request.runs, normalization=self.core.normalization,
+            chunk_size=self.core.chunk_size, eps=self.core.eps, key_valid=key_mask, backend=self.core.backend,
+        )  # fmt: skip
+        return out, None
 
     def _segmented(
         self, request: Request, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: HybridState | None,
@@ -331,7 +351,7 @@ _ADAPTERS: dict[str, Callable[..., tuple[torch.Tensor, HybridState | None]]] = {
 def build_attention(core: AttentionCore, *, window: int = 0, conv_size: int = 0, mixing: str = "shared_normaliser") -> AttentionCore | LocalMixingCore:
     """The attention module of a model layer: ``core``, wrapped in a ``LocalMixingCore`` when a ``window``
     or a convolution (``conv_size``) is asked for (``dispatch.ROWS``, op "module")."""
-    row = select(Request("module", window=window, conv_size=conv_size))
+    row = select(Request("module", form=core.attention_form, window=window, conv_size=conv_size))
     return _MODULE_ADAPTERS[row.adapter](row.implementation(), core, window=window, conv_size=conv_size, mixing=mixing)
 
 

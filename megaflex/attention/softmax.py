@@ -9,6 +9,7 @@ that the softmax baseline would pay an extra O(T) copy per token. Caches stay va
 to a cache that is not the newest of its buffers (a fork: two continuations of one prefix)
 copies the prefix first, so no cache ever sees another's tokens. Under autograd the cache falls
 back to concatenation, because in-place writes would invalidate tensors saved for backward.
+``bidirectional_softmax_attention`` is the non-causal form (an encoder's: no cache, key padding only).
 """
 
 from __future__ import annotations
@@ -124,3 +125,15 @@ def padded_causal_mask(queries: torch.Tensor, keys: torch.Tensor, key_mask: torc
     allowed = keys <= queries if visible is None else visible
     allowed = allowed.unsqueeze(0) & key_mask[:, None, :]
     return (allowed | (keys == queries).unsqueeze(0)).unsqueeze(1)
+
+
+def bidirectional_softmax_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Non-causal softmax attention: every query of q [B, H, N, d] over every real key of k, v
+    [B, H, N, *] -> out [B, H, N, Dv]. ``key_mask`` [B, N] (bool, False = padding): padded keys are never
+    attended to; a row without any real key attends to all of its keys (finite, unused)."""
+    if key_mask is None:
+        return F.scaled_dot_product_attention(q, k, v)
+    allowed = key_mask | ~key_mask.any(dim=-1, keepdim=True)  # [B, N]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None, None, :])

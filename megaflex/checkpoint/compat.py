@@ -37,7 +37,8 @@ _STAGE_FAMILIES = ({0}, {1, 2}, {3})
 #   max_seq_len: bounds positions only (RoPE computes them; a learned table's length is a shape,
 #     checked as one), except for cosformer, whose angles pi t / (2 max_seq_len) depend on it.
 # Every other field changes the maths of weights that may keep every shape (norm, position,
-# attention kind, normalization, rope_theta, norm_eps, softmax_window, window_mixing, ...).
+# attention kind, normalization, rope_theta, norm_eps, softmax_window, window_mixing, causal, ...);
+# a checkpoint without ``causal`` was trained causal (its default).
 RESUMABLE_MODEL_FIELDS = frozenset({
     "attention_backend", "chunk_size", "activation_checkpointing", "hidden_dropout", "attention_dropout", "init_std",
     "max_seq_len",

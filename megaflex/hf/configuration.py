@@ -52,6 +52,7 @@ class FlexformerConfig(PreTrainedConfig):
     softmax_window: int = 0  # the hybrid's sliding softmax window (0: off)
     window_mixing: str = "shared_normaliser"  # how the window meets the kernel (one normaliser | gated)
     qkv_conv_size: int = 0  # the hybrid's causal q/k/v convolution (0: off)
+    causal: bool = True  # False: a bidirectional encoder (no decoding state: generate() refuses it)
     mlp: str = "gelu"
     norm: str = "rmsnorm"
     norm_eps: float = 1e-5

@@ -60,6 +60,11 @@ class ModelConfig:
         "for older ones, one normaliser) or gated (the old learned per-head blend of two normalised branches)",
     )
     qkv_conv_size: int = opt(0, "K > 0: K-tap causal depthwise convolution of q, k, v before linear attention (0: off)")
+    # a resume may not change it: it changes what the weights compute (checkpoint/compat.py)
+    causal: bool = opt(
+        True, "false: bidirectional attention (an encoder, megaflex.model.encoder; attention_mask is the key "
+        "padding mask): no decoding state, packed documents or q/k/v convolution",
+    )
     mlp: str = opt("gelu", "gelu or swiglu")
     norm: str = opt("rmsnorm", "rmsnorm or layernorm")
     norm_eps: float = opt(1e-5, "epsilon of the norms")
@@ -106,6 +111,8 @@ class ModelConfig:
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value!r}")
+        if not isinstance(self.causal, bool):
+            raise ValueError(f"causal must be a bool, got {self.causal!r}")
         if not isinstance(self.feature_kwargs, dict):
             raise ValueError(f"feature_kwargs must be a mapping, got {type(self.feature_kwargs).__name__}")
         for name in ("softmax_window", "qkv_conv_size"):

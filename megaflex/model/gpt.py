@@ -130,6 +130,7 @@ class Attention(nn.Module):
         self.qkv = linear(h, 3 * h, bias=config.bias, init_method=normal_init(config.init_std))
         self.rope = RotaryEmbedding(d, config.rope_theta) if config.position == "rope" else None
         self.core = build_attention_core(config, config.num_heads)
+        self.causal = config.causal
         # The core's "rms" normalisation is parameter-free; this per-head, per-channel gain is its
         # learnable scale. Flat [heads * d], head-major: a contiguous 1/tp shard is whole heads,
         # and being 1-D it is exempt from weight decay like every other norm gain.
@@ -156,6 +157,9 @@ class Attention(nn.Module):
         kwargs = {}
         if documents is not None:
             kwargs["document_starts"] = documents.starts if documents.layout is None else documents.layout
+        if attend is not self.core and not self.causal:
+            raise ValueError("causal=False: context parallelism passes causal prefix states between ranks; "
+                             "set parallel.context_parallel_size=1 for bidirectional attention")
         if padding is not None:
             if attend is not self.core:
                 raise ValueError("attention_mask: padding is not supported under context parallelism")
@@ -440,6 +444,7 @@ def build_attention_core(config: ModelConfig, num_heads: int) -> AttentionCore |
         chunk_size=config.chunk_size,
         max_seq_len=config.max_seq_len,
         backend=config.attention_backend,
+        causal=config.causal,
         **config.feature_kwargs,
     )
     # the closers' init is deterministic: no RNG drawn there

@@ -3,7 +3,9 @@
 Every row of ``ROWS`` is reached by a case of the grid (``attention_dispatch_cases.py``) and gives
 bit-identical outputs and gradients to the package at ``BEFORE_DISPATCH`` (extracted from git and run
 in a subprocess), or, for the rows that only run on CUDA, is checked by selection: a CUDA request picks
-the implementation the old code picked there.
+the implementation the old code picked there. The bidirectional rows (issue 41), which that package did
+not have, are reached by ``cases.bidirectional_cases()`` and checked against their reference forms within
+rounding (tests/numerics.py) instead.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from megaflex.attention import dispatch  # noqa: E402
 from megaflex.attention.base import LinearAttentionFn  # noqa: E402
 from megaflex.attention.dispatch import ROWS, NoAttentionImplementation, Request, select  # noqa: E402
 import attention_dispatch_cases as cases  # noqa: E402
+from attention_helpers import form_steps  # noqa: E402
+from numerics import assert_close, normwise_scale  # noqa: E402
 
 pytest.importorskip("triton")
 
@@ -96,9 +100,21 @@ def after() -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, set[str]]]:
     return results, rows
 
 
-def test_every_row_is_reached_by_the_grid_or_checked_by_selection(after) -> None:
+@pytest.fixture(scope="module")
+def bidirectional() -> tuple[dict, dict[str, tuple[dict, dict | None]], dict[str, set[str]]]:
+    """The bidirectional cases, their results and their references' results, and the rows each selected."""
+    found = cases.bidirectional_cases()
+    results, rows = {}, {}
+    for name, (_, fn, reference, _) in found.items():
+        with dispatch.recording() as seen:
+            results[name] = (fn(), None if reference is None else reference())
+        rows[name] = {row.name for _, row in seen}
+    return found, results, rows
+
+
+def test_every_row_is_reached_by_the_grid_or_checked_by_selection(after, bidirectional) -> None:
     _, rows = after
-    reached = set().union(*rows.values())
+    reached = set().union(*rows.values(), *bidirectional[2].values())
     names = [row.name for row in ROWS]
     assert len(names) == len(set(names)), "row names are unique"
     missing = set(names) - reached - set(SELECTION_ONLY)
@@ -136,9 +152,32 @@ def test_auto_on_cuda_picks_the_old_implementation(request_: Request, row_name: 
     assert (row.name, row.target.rsplit(":", 1)[1]) == (row_name, old_name)
 
 
+def test_bidirectional_cases_reach_their_rows_and_match_their_references(bidirectional) -> None:
+    found, results, rows = bidirectional
+    for name, (expected, _, _, module) in found.items():
+        assert set(expected) <= rows[name], (name, sorted(rows[name]))
+        got, want = results[name]
+        assert all(torch.isfinite(t).all() for t in got.values()), name
+        if want is None:
+            continue
+        # the error growth of the kernel (if any) plus the window's / softmax's exact part, and the
+        # weighted sum of every output the gradients are taken of (``cases._result``)
+        q, k, v = cases._qkv(12, 1)
+        scores = (q.double() @ k.double().transpose(-1, -2)).abs().max().item() / cases.D ** 0.5
+        steps = 2 * (12 + cases.D + 2 * scores + 4) + 2 * v[0, 0].numel()
+        feature_map = getattr(module, "feature_map", None)
+        if feature_map is not None:
+            steps += form_steps(feature_map, q, k, v)
+        assert sorted(got) == sorted(want), name
+        terms = max(normwise_scale(t) for key, t in want.items() if key.startswith("grad"))
+        for key in want:
+            floor = terms if key.startswith("grad") else 0.0
+            assert_close(got[key], want[key], steps=2 * steps if floor else steps, floor=floor, name=f"{name} {key}")
+
+
 def test_no_row_raises_naming_the_request() -> None:
     with pytest.raises(NoAttentionImplementation, match="op='linear'.*form='bidirectional'"):
-        select(Request("linear", form="bidirectional"))
+        select(Request("linear", form="bidirectional", algorithm="unknown"))
 
 
 def test_feature_rows_meet_the_one_contract() -> None:

@@ -213,6 +213,59 @@ CASES: dict[str, tuple[tuple[str, ...], Callable[[], dict[str, torch.Tensor]]]] 
 }
 
 
+def _bidirectional(module, reference_form: str | None = "quadratic", **kwargs) -> Callable[[], dict[str, torch.Tensor]]:
+    """A bidirectional call of ``module`` and, with ``reference_form``, the same module run in that form."""
+
+    def run(form: str | None = None) -> dict[str, torch.Tensor]:
+        core = getattr(module, "core", module)
+        configured = core.form
+        if form is not None:
+            core.form = form
+        try:
+            return _module_call(module, **kwargs)
+        finally:
+            core.form = configured
+
+    run.reference = (lambda: run(reference_form)) if reference_form else None
+    return run
+
+
+def _bidirectional_softmax_reference() -> dict[str, torch.Tensor]:
+    """SDPA over every real key, written out: the reference of the "softmax.bidirectional" row."""
+    import math
+
+    q, k, v = _qkv(12, 1)
+    scores = (q @ k.transpose(-1, -2) / math.sqrt(D)).masked_fill(~_mask(12)[:, None, None, :], float("-inf"))
+    return _result(torch.softmax(scores, dim=-1) @ v, [q, k, v])
+
+
+def bidirectional_cases() -> dict[str, tuple[tuple[str, ...], Callable, Callable | None, object]]:
+    """name -> (rows, computation, its reference or None, the module): the bidirectional rows, which the
+    commit before the dispatch table did not have, are checked against their references (within rounding)
+    instead. Called in-process only (the old package has no ``causal``)."""
+    padded = dict(key_mask=_mask(12))
+    modules = {
+        "bidi_fn": (("linear.bidirectional.global",), _core("flexformer_n", causal=False), "quadratic", padded),
+        "bidi_elu_quadratic": (("linear.bidirectional.quadratic",), _core("elu", causal=False, form="quadratic"),
+                               "chunked", padded),
+        "bidi_hybrid": (("local_mixing.bidirectional", "window.bidirectional.blocks"), _hybrid(causal=False),
+                        "quadratic", padded),
+        "bidi_hybrid_quadratic": (("window.bidirectional.quadratic",), _hybrid(causal=False, form="quadratic"),
+                                  "chunked", {}),
+    }
+    out = {}
+    for name, (rows, module, reference, kwargs) in modules.items():
+        fn = _bidirectional(module, reference, **kwargs)
+        out[name] = (rows, fn, fn.reference, module)
+    softmax = _core("softmax", causal=False)
+    out["bidi_softmax"] = (("softmax.bidirectional",), lambda: _module_call(softmax, **padded),
+                           _bidirectional_softmax_reference, softmax)
+    out["bidi_built"] = (("module.core",), lambda: _built(causal=False), None, None)
+    out["bidi_built_hybrid"] = (("module.local_mixing", "local_mixing.bidirectional"),
+                                lambda: _built(causal=False, softmax_window=4), None, None)
+    return out
+
+
 def run_all() -> dict[str, dict[str, torch.Tensor]]:
     torch.set_num_threads(1)
     return {name: fn() for name, (_, fn) in CASES.items()}

@@ -160,7 +160,7 @@ def test_ids_beyond_tokenizer_vocab_size_are_masked(tmp_path: Path) -> None:
 NON_DEFAULTS = dict(
     vocab_size=VOCAB, num_layers=3, hidden_size=64, num_heads=4, ffn_hidden_size=96, attention="flexformer_n",
     feature_dim=24, normalization="denominator", chunk_size=16, attention_backend="torch",
-    feature_kwargs={"omega_init": "tied"}, softmax_window=5, window_mixing="gated", qkv_conv_size=2, mlp="swiglu",
+    feature_kwargs={"omega_init": "tied"}, softmax_window=5, window_mixing="gated", qkv_conv_size=2, causal=False, mlp="swiglu",
     norm="layernorm", norm_eps=1e-6, bias=True, tie_embeddings=False, hidden_dropout=0.1, attention_dropout=0.05,
     max_seq_len=96, position="learned", rope_theta=500.0, init_std=0.05, activation_checkpointing=True,
 )

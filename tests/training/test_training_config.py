@@ -310,6 +310,7 @@ def _resume(meta: CheckpointMeta, model: ModelConfig) -> None:
     ("normalization", "denominator", True), ("position", "none", True), ("rope_theta", 500.0, True),
     ("norm_eps", 1e-6, True), ("vocab_size", 250, True), ("mlp", "swiglu", False), ("norm", "layernorm", False),
     ("attention", "flexformer_s", False), ("softmax_window", 8, False), ("normalization", "rms", False),
+    ("causal", False, True),
 ])
 def test_resume_refuses_a_changed_model_field(field: str, value: object, same_shapes: bool) -> None:
     """Other maths: refused naming both values and the way out, also where every shape is the same
@@ -356,6 +357,14 @@ def test_resume_of_a_checkpoint_without_normalization_says_how_to_continue() -> 
     # an old softmax checkpoint (no normalisation acts) resumes under the new default
     softmax = {**TINY["model"], "attention": "softmax"}
     _resume(_saved(ModelConfig(**softmax), drop=("normalization",)), ModelConfig(**softmax))
+
+
+def test_a_checkpoint_without_causal_was_causal() -> None:
+    """Checkpoints from before model.causal were causal: they resume causal, and refuse causal=False."""
+    old = _saved(ModelConfig(**TINY["model"]), drop=("causal",))
+    _resume(old, ModelConfig(**TINY["model"]))
+    with pytest.raises(CheckpointError, match="trained with model.causal=True, this run has model.causal=False"):
+        _resume(old, ModelConfig(**TINY["model"], causal=False))
 
 
 @pytest.mark.usefixtures("forked_python")

@@ -15,6 +15,7 @@ import torch
 
 from ..base import LinearAttentionState, fp32_inputs, normalize_output
 from ..documents import block_causal_mask, document_ids
+from ..window.common import finite_stabiliser
 
 
 def quadratic_linear_attention(
@@ -67,3 +68,22 @@ def quadratic_linear_attention(
     k_sum = state.k_sum * decay[..., None] + torch.einsum("bhn,bhnf->bhf", w_last, k)
     new_state = LinearAttentionState(kv=kv, k_sum=k_sum, log_max=m_last, offset=state.offset + n)
     return out.to(v.dtype), new_state
+
+
+def quadratic_bidirectional_linear_attention(
+    qf: torch.Tensor, kf: torch.Tensor, kls: torch.Tensor | None, v: torch.Tensor, *,
+    normalization: str = "rms", eps: float = 1e-6, key_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The bidirectional form's reference (``linear/bidirectional.py``): the full masked weights
+
+        w_ij = (qf_i . kf_j) exp(kls_j - M)  over real keys j,   M = max over real keys of kls (detached)
+
+    -> out [B, H, N, Dv] in v.dtype. ``key_mask`` [B, N] bool (False: padding) masks the weights
+    themselves (no key is zeroed beforehand), so it also checks the global form's padding."""
+    q, k, ls, vv, _ = fp32_inputs(qf, kf, kls, v, None)
+    real = torch.ones_like(ls, dtype=torch.bool) if key_mask is None else key_mask[:, None, :].expand_as(ls)
+    m = finite_stabiliser(ls.detach().masked_fill(~real, float("-inf")).amax(-1, keepdim=True))  # [B, H, 1]
+    exponent = (ls - m).masked_fill(~real, float("-inf"))  # masked before exp: a pad's kls may exceed M
+    weights = (q @ k.transpose(-1, -2)) * torch.exp(exponent).unsqueeze(-2)  # [B, H, N(i), N(j)]
+    out = normalize_output(weights @ vv, weights.sum(dim=-1), normalization, eps)
+    return out.to(v.dtype)

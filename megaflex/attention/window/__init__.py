@@ -41,6 +41,10 @@ Three forms that agree to rounding (``dispatch.py`` picks one: the rows ``window
   CUDA tensors) the same contract runs in Triton kernels (``triton/window.py``, ``TritonWindowNumerator``:
   C x C sub-blocks of the window and far-in-block keys, the linear state by the plain kernels' scans).
 
+Bidirectional (``bidirectional_windowed_attention``): the window |t - s| < W around each query, the
+kernel for every other key, the same one normaliser (``bidirectional.py``: maths and the blocked form;
+``naive.quadratic_bidirectional_numerators``: its reference). Rows ``window.bidirectional.*``.
+
 Files: ``common.py`` (inputs, cache, state updates), ``naive.py``, ``recurrent.py``, ``chunk.py``,
 ``chunk_blocks.py``, ``segments.py`` (long sequences in recomputed segments; ``hybrid.py`` uses it).
 """
@@ -55,7 +59,10 @@ from .chunk import normalize_numerators
 from .common import WINDOW_FORMS, WindowCache, WindowInputs, absorb, aligned_queries, pad_keys, prepare_inputs
 from .naive import quadratic_weights
 
-__all__ = ["WINDOW_FORMS", "WindowCache", "absorb", "quadratic_weights", "windowed_linear_attention"]
+__all__ = [
+    "WINDOW_FORMS", "WindowCache", "absorb", "bidirectional_windowed_attention", "quadratic_weights",
+    "windowed_linear_attention",
+]
 
 
 def _function_numerators(
@@ -104,6 +111,7 @@ def _triton_function(numerator: type, x: WindowInputs, window: int, chunk_size: 
 # the linear state the recurrent loop absorbed, or None)
 _ADAPTERS = {
     "numerators": lambda fn, x, window, chunk_size, denominators: fn(x, window, chunk_size),
+    "bidirectional": lambda fn, x, window, chunk_size, denominators: (fn(x, window, chunk_size), None),
     "torch_function": _torch_function,
     "triton_function": _triton_function,
 }
@@ -161,3 +169,30 @@ def windowed_linear_attention(
         # copies: a view would keep the whole sequence's keys and features alive with the cache
         kept = WindowCache(*(t[:, :, first_kept:].clone() for t in (x.k, x.kf, x.kls, x.v_aug[..., :dv])))
     return out, state, kept
+
+
+def bidirectional_windowed_attention(
+    q: torch.Tensor, qf: torch.Tensor, qls: torch.Tensor | None,
+    k: torch.Tensor, kf: torch.Tensor, kls: torch.Tensor | None, v: torch.Tensor,
+    *, window: int, form: str = "chunked", normalization: str = "rms", chunk_size: int = 64, eps: float = 1e-6,
+    key_valid: torch.Tensor | None = None, backend: str = "auto",
+) -> torch.Tensor:
+    """The bidirectional one-normaliser hybrid (``bidirectional.py``): exact softmax over the keys with
+    |t - s| < ``window``, the kernel for the others. Inputs as ``windowed_linear_attention``'s without a
+    cache or far state; ``key_valid`` [B, N] bool (False: padding, kept out of both parts). ``form``:
+    "chunked" (the blocked form) or "quadratic" (the reference). Returns out [B, H, N, Dv] in v.dtype."""
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"window: expected an int >= 0, got {window!r}")
+    if form not in WINDOW_FORMS:
+        raise ValueError(f"form: expected one of {WINDOW_FORMS}, got {form!r}")
+    check_backend(backend)
+    x = prepare_inputs(q, qf, qls, k, kf, kls, v, None, None, key_valid)
+    request = Request(
+        "window", algorithm=form, form="bidirectional", backend=backend, device=q.device.type, dtype=x.q.dtype,
+        tokens=q.shape[2], chunk_size=chunk_size, padded=key_valid is not None, window=window,
+    )  # fmt: skip
+    row = select(request)
+    dv = v.shape[-1]
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        numer, _ = _ADAPTERS[row.adapter](row.implementation(), x, window, chunk_size, True)
+        return normalize_output(numer[..., :dv], numer[..., dv], normalization, eps).to(v.dtype)

@@ -78,8 +78,10 @@ def absorb(state: LinearAttentionState, kf: torch.Tensor, kls: torch.Tensor, v_a
     if kf.shape[2] == 0:
         return state
     log_max = torch.maximum(state.log_max, kls.detach().amax(-1))
-    decay = torch.exp(state.log_max - log_max)  # 0 for the empty state
-    scaled = kf * torch.exp(kls - log_max.unsqueeze(-1)).unsqueeze(-1)
+    # -inf while no real key came (padded keys at -inf, bidirectional blocks): scale by 0 instead of nan
+    safe = finite_stabiliser(log_max)
+    decay = torch.exp(state.log_max - safe)  # 0 for the empty state
+    scaled = kf * torch.exp(kls - safe.unsqueeze(-1)).unsqueeze(-1)
     s = state.augmented() * decay[..., None, None] + scaled.transpose(-1, -2) @ v_aug
     return LinearAttentionState.from_augmented(s, log_max, state.offset)
 

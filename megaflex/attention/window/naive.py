@@ -12,15 +12,23 @@ from .common import WindowInputs, finite_stabiliser
 def quadratic_weights(
     q: torch.Tensor, qf: torch.Tensor, qls: torch.Tensor, k: torch.Tensor, kf: torch.Tensor, kls: torch.Tensor,
     window: int, far_log_max: torch.Tensor | None = None, key_valid: torch.Tensor | None = None,
+    bidirectional: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The materialised weights w_ts [B, H, N, P + N] (zero outside s <= t) of N queries over P + N keys
     (the queries are the last N), and the stabiliser m_t [B, H, N]; ``far_log_max`` [B, H]: the
-    log_max of a carried linear state (the far field before the keys)."""
+    log_max of a carried linear state (the far field before the keys). ``bidirectional`` (P = 0): the
+    window is |t - s| < W, every other key is far, and invalid keys are masked out of both parts."""
     n, p = q.shape[2], k.shape[2] - q.shape[2]
     t = torch.arange(p, p + n, device=q.device).unsqueeze(1)  # query positions among the keys
     s = torch.arange(p + n, device=q.device).unsqueeze(0)
-    near = (s <= t) & (s > t - window)  # [N, P + N]
-    far = s <= t - window
+    if bidirectional:
+        near = (s - t).abs() < window
+        far = ~near
+        if key_valid is not None:
+            far = far & key_valid[:, None, None, :]
+    else:
+        near = (s <= t) & (s > t - window)  # [N, P + N]
+        far = s <= t - window
     if key_valid is not None:
         near = near & key_valid[:, None, None, :]  # [B, 1, N, P + N]
     logits = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
@@ -40,3 +48,9 @@ def quadratic_numerators(x: WindowInputs, window: int, chunk_size: int) -> tuple
     carried = torch.exp(x.qls + x.far.log_max.unsqueeze(-1) - m).unsqueeze(-1) * (x.qf @ x.far.augmented())
     return weights @ x.v_aug + carried, None
 
+
+
+def quadratic_bidirectional_numerators(x: WindowInputs, window: int, chunk_size: int) -> torch.Tensor:
+    """The bidirectional window's numerators [B, H, N, Dv + 1] from the materialised weights (its reference)."""
+    weights, _ = quadratic_weights(x.q, x.qf, x.qls, x.k, x.kf, x.kls, window, None, x.key_valid, bidirectional=True)
+    return weights @ x.v_aug
