@@ -5,6 +5,9 @@
     python -m benchmarks.model --seq-lens 256,512 --batch-size 8 --hidden-size 128 \
         --vocab-size 4096 --steps 5 --rounds 3 --threads 1 \
         --out docs/results/model_kernel_shape                      # the kernel-study shape
+    python -m benchmarks.model --encoder-towers 2 --kinds softmax,flexformer_n_capped --seq-lens 4000 \
+        --batch-size 1 --vocab-size 260 --hidden-size 128 --num-heads 4 --feature-dim 128 --steps 2 \
+        --rounds 2 --threads 2 --out docs/results/lra_retrieval_speed   # LRA Retrieval's shape
 
 Each (kind, sequence length) runs in a fresh subprocess (so peak memory is its own): one
 training step (forward, backward, AdamW) untimed, then ``--steps`` timed ones of ``--batch-size``
@@ -24,6 +27,7 @@ recorded as such. Writes ``model.json``, ``model_throughput.png`` and ``model_me
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -52,13 +56,23 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
     config = model_config(args, args.kind, max_seq_len=args.seq_len)
-    model = GPT(config).to(args.device).train()
+    towers = args.encoder_towers
+    if towers:  # the encoder classifier (bidirectional) over one sequence or a pair of documents
+        from megaflex.model.encoder import EncoderClassifier
+
+        model = EncoderClassifier(dataclasses.replace(config, causal=False), 2, "mean", towers).to(args.device).train()
+        docs = torch.randint(0, config.vocab_size, (towers, args.batch_size, args.seq_len), device=args.device)
+        labels = torch.randint(0, 2, (args.batch_size,), device=args.device)
+        forward = lambda: model(docs[0], labels=labels, pair_ids=docs[1] if towers == 2 else None).loss  # noqa: E731
+    else:
+        model = GPT(config).to(args.device).train()
+        ids = torch.randint(0, config.vocab_size, (args.batch_size, args.seq_len + 1), device=args.device)
+        forward = lambda: model(ids[:, :-1], labels=ids[:, 1:]).loss  # noqa: E731
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    ids = torch.randint(0, config.vocab_size, (args.batch_size, args.seq_len + 1), device=args.device)
     cuda = args.device.startswith("cuda")
 
     def step() -> None:
-        loss = model(ids[:, :-1], labels=ids[:, 1:]).loss
+        loss = forward()
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -76,9 +90,9 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         times.append(time.perf_counter() - t0)
     seconds = min(times)
     return {
-        "kind": args.kind, "seq_len": args.seq_len, "batch_size": args.batch_size,
-        "tokens_per_s": args.batch_size * args.seq_len / seconds,
-        "step_seconds": seconds, "num_parameters": model.num_parameters(),
+        "kind": args.kind, "seq_len": args.seq_len, "batch_size": args.batch_size, "encoder_towers": towers,
+        "tokens_per_s": args.batch_size * args.seq_len * max(1, towers) / seconds,
+        "step_seconds": seconds, "num_parameters": sum(p.numel() for p in model.parameters()),
         "peak_memory_mb": torch.cuda.max_memory_allocated() / 2**20 if cuda else _rss_mb() - base,
         "memory_kind": "cuda max_memory_allocated" if cuda else "peak RSS growth over model+optimizer",
     }
@@ -86,7 +100,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_one(args: argparse.Namespace, kind: str, seq_len: int) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "benchmarks.model", "--worker", "--kind", kind, "--seq-len", str(seq_len)]
-    for name in ("steps", "batch_size", "vocab_size", "num_layers", "hidden_size", "num_heads", "feature_dim", "threads"):
+    for name in ("steps", "batch_size", "vocab_size", "num_layers", "hidden_size", "num_heads", "feature_dim", "threads",
+                 "encoder_towers"):
         cmd += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     cmd += ["--device", args.device]
     try:
@@ -105,7 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-lens", default=DEFAULT_SEQ_LENS)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--rounds", type=int, default=1, help="alternations of the kinds per length; best round kept")
-    p.add_argument("--batch-size", type=int, default=1, help="sequences per step (8 at the kernel-study shape)")
+    p.add_argument("--batch-size", type=int, default=1, help="sequences (pairs with 2 towers) per step (8 at the kernel-study shape)")
+    p.add_argument("--encoder-towers", type=int, default=0, choices=(0, 1, 2),
+                   help="0: the causal LM; 1 or 2: the bidirectional encoder classifier over one sequence or a pair "
+                        "of documents (LRA Text / Retrieval; megaflex.model.encoder)")
     add_model_arguments(p)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per (kind, seq_len) run")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -282,13 +282,23 @@ class AttentionCore(nn.Module):
 
     def _features(self, call: _Call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(qf, kf, kls) of the new tokens, padded keys taken out of the sums (``mask_padded_keys``)."""
-        if call.new_keys is not None and self.kind == "cosformer":
-            raise ValueError("key_mask: padding is not supported by the position-dependent 'cosformer' map")
+        self._check_positions(call)
         q_map, k_map = self.feature_map(call.q, call.offset), self.feature_map(call.k, call.offset)
         kf, kls = k_map.features, k_map.log_scale
         if call.new_keys is not None:
             kf, kls = mask_padded_keys(kf, kls, call.new_keys)
         return q_map.features, kf, kls
+
+    def _check_positions(self, call: _Call) -> None:
+        """The position-dependent cosformer map sees positions from the row's start: padding before
+        (or between) real tokens would move them; padding after them does not, in the bidirectional
+        form (an encoder's batch), where no later token continues the row."""
+        mask = call.new_keys
+        if mask is None or self.kind != "cosformer":
+            return
+        if self.attention_form == "causal" or bool((mask[:, 1:] > mask[:, :-1]).any()):
+            raise ValueError("key_mask: padding is not supported by the position-dependent 'cosformer' map, "
+                             "except after the real tokens in the bidirectional form (causal=False)")
 
     def _on_features(self, fn: Callable, call: _Call) -> tuple[torch.Tensor, AttentionState | None]:
         qf, kf, kls = self._features(call)
@@ -306,8 +316,7 @@ class AttentionCore(nn.Module):
         """Inference continuing from the state with a few tokens: the recurrent form in fewer ops
         (decoding is bound by per-op overhead, not FLOPs): q and k go through the feature map as one
         batch; ``fn`` is ``recurrent_step`` for one token."""
-        if call.new_keys is not None and self.kind == "cosformer":
-            raise ValueError("key_mask: padding is not supported by the position-dependent 'cosformer' map")
+        self._check_positions(call)
         batch = call.q.shape[0]
         both = self.feature_map(torch.cat([call.q, call.k]), call.offset)  # [2B, H, N, F]: queries then keys
         qf, kf = both.features[:batch], both.features[batch:]

@@ -287,6 +287,18 @@ class GPT(nn.Module):
         state_out = GPTState(layers=new_states, offset=offset + N) if return_state else None
         return ModelOutput(logits, loss, per_token_loss, state_out)
 
+    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [B, N] -> the final norm's output [B, N, h], no logits: an encoder's features
+        (``megaflex.model.encoder``; bidirectional when ``config.causal`` is false). ``attention_mask``
+        [B, N] as in ``forward``: padded keys are invisible, padded rows' outputs are meaningless."""
+        self._check_inputs(input_ids, None, None)
+        padding = Padding.from_attention_mask(attention_mask, *input_ids.shape)
+        x = self.embed_tokens(input_ids, 0, _row_positions(padding, None))
+        checkpointing = self.activation_checkpointing and self.training and torch.is_grad_enabled()
+        context = self.layer_factory.checkpoint_context if checkpointing else None
+        x, _ = run_blocks(self.blocks, x, None, False, 0, padding, None, checkpoint_context=context)
+        return self.final_norm(x)
+
     # ------------------------------------------------------------------ stage parts
     # Megatron's pre_process / post_process split: a pipeline stage runs ``embed_tokens`` (first
     # stage), ``run_blocks`` over its contiguous range (``stage_layers``) and ``output_logits`` +

@@ -104,6 +104,23 @@ def test_padded_keys_change_nothing_and_the_first_query_sees_the_last_key(kind, 
     assert not torch.equal(moved[1, :, 0], out[1, :, 0])
 
 
+@pytest.mark.parametrize("form", ["chunked", "quadratic"])
+def test_cosformer_takes_right_padding_in_the_bidirectional_form_only(form):
+    """Right padding leaves the real tokens' positions (hence cosformer's features) as they are: each
+    row computes what it computes alone. Padding before real tokens would shift them: refused, and
+    so is any padding in the causal form (a later call would continue the padded row)."""
+    module = _module("cosformer", form)
+    q, k, v = make_qkv(B, H, N, D, seed=8)
+    mask = key_mask("right")
+    out, _ = module(q, k, v, key_mask=mask)
+    n = int(mask[1].sum())
+    alone, _ = module(q[1:, :, :n], k[1:, :, :n], v[1:, :, :n])
+    assert_close(out[1:, :, :n], alone, steps=attention_steps(N, F, D, head_dim=D), name="right-padded row")
+    for refused, causal in ((key_mask("left"), False), (mask, True)):
+        with pytest.raises(ValueError, match="padding is not supported by the position-dependent 'cosformer' map"):
+            _module("cosformer", form, causal=causal)(q, k, v, key_mask=refused)
+
+
 def _module(kind: str, form: str, causal: bool = False, window: int = 3, normalization: str = "capped_denominator"):
     torch.manual_seed(0)
     feature = {} if kind == "softmax" else dict(feature_dim=F)
