@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "tests" / "helpers"))
 
-from training_harness import launch  # noqa: E402  (tests/ helper: local multi-process launch)
+from training_harness import launch  # noqa: E402  (tests/helpers: local multi-process launch)
 
 from megaflex.model.memory_plan import memory_plan  # noqa: E402
 from megaflex.model.summary import load_model_config  # noqa: E402

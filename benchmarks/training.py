@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "tests" / "helpers"))
 
-from training_harness import launch  # noqa: E402  (tests/ helper: local multi-process launch)
+from training_harness import launch  # noqa: E402  (tests/helpers: local multi-process launch)
 
 CONFIGS = {"tiny": "configs/tiny.yaml", "41m": "configs/flexformer_n_41m.yaml"}
 

@@ -144,3 +144,22 @@ def test_the_wheel_ships_megaflex_and_data_prep_only(tmp_path):
     (wheel,) = tmp_path.glob("megaflex-*.whl")
     tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist() if not name.startswith("megaflex-")}
     assert tops == {"megaflex", "data_prep"}, tops
+
+
+def _entry_points() -> list[str]:
+    """The benchmark and study modules run as ``python -m``, and data_prep's."""
+    names = []
+    for pkg in ("benchmarks", "studies", "data_prep"):
+        for path in sorted((REPO / pkg).rglob("*.py")):
+            text = path.read_text(encoding="utf-8")
+            if '__name__ == "__main__"' in text or path.name == "__main__.py":
+                names.append(_module_name(path).removesuffix(".__main__"))
+    return names
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module", _entry_points())
+def test_every_entry_point_starts(module):
+    """``python -m MODULE --help`` from a checkout: its imports resolve (e.g. a helper that moved)."""
+    proc = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "usage" in proc.stdout.lower(), proc.stderr[-3000:]

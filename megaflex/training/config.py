@@ -138,8 +138,9 @@ def reference_markdown() -> str:
 
 
 if __name__ == "__main__":  # python -m megaflex.training.config --reference > reference.md
-    import sys
+    import argparse
 
-    if sys.argv[1:] != ["--reference"]:
-        sys.exit("usage: python -m megaflex.training.config --reference")
+    parser = argparse.ArgumentParser(prog="python -m megaflex.training.config", description="the run config's reference")
+    parser.add_argument("--reference", action="store_true", required=True, help="print the Markdown reference")
+    parser.parse_args()
     print(reference_markdown())

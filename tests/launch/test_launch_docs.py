@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import sys
 import subprocess
 from pathlib import Path
 
@@ -151,3 +152,29 @@ def test_documented_launch_line_runs(tmp_path: Path, doc: str, command: str) -> 
 def test_every_kind_of_launch_line_is_found() -> None:
     assert {_launcher(c) for _, c in ALL_LINES} == set(LAUNCHERS), ALL_LINES
     assert {doc for doc, _ in ALL_LINES} >= {"README.md", "training.md"}
+
+
+MODULE_RE = re.compile(r"python -m ([A-Za-z_][\w.]*)((?:[ \t]+[^ \t\n`|#;]+)*)")  # to the line's end, a comment or a pipe
+
+
+def module_lines() -> dict[str, set[str]]:
+    """``python -m MODULE`` commands of README.md and docs/*.md (continued lines joined): module ->
+    the ``--flags`` the docs give it."""
+    found: dict[str, set[str]] = {}
+    for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "docs" / "results" / "README.md"]:
+        for module, rest in MODULE_RE.findall(doc.read_text().replace("\\\n", " ")):
+            flags = {w.split("=")[0] for w in rest.split() if re.fullmatch(r"--[a-z][a-z0-9-]*(=.*)?", w)}
+            found.setdefault(module, set()).update(flags)
+    return found
+
+
+MODULES = module_lines()
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m != "pytest"))
+def test_documented_python_modules_exist_and_take_their_flags(module: str) -> None:
+    """Every module the docs run exists and its ``--help`` lists every flag the docs pass it."""
+    out = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, f"python -m {module} --help\n{out.stderr[-3000:]}"
+    missing = sorted(f for f in MODULES[module] if f not in out.stdout)
+    assert not missing, f"python -m {module}: the docs pass {missing}, its --help does not list them"
