@@ -5,10 +5,12 @@
     python -m benchmarks.model --seq-lens 256,512 --batch-size 8 --hidden-size 128 \
         --vocab-size 4096 --steps 5 --rounds 3 --threads 1 \
         --out docs/results/model_kernel_shape                      # the kernel-study shape
-    python -m benchmarks.model --encoder-towers 2 --kinds softmax,flexformer_n_capped --seq-lens 4000 \
+    python -m benchmarks.model --encoder-towers 2 --kinds softmax,softmax_math,flexformer_n_capped --seq-lens 4000 \
         --batch-size 1 --vocab-size 260 --hidden-size 128 --num-heads 4 --feature-dim 128 --steps 2 \
         --rounds 2 --threads 2 --out docs/results/lra_retrieval_speed   # LRA Retrieval's shape
 
+A kind is an attention kind (``benchmarks.common.model_config``'s suffixes apply), or ``softmax_math``:
+softmax through SDPA's math kernel, which holds the N x N weights as the vanilla Transformer does.
 Each (kind, sequence length) runs in a fresh subprocess (so peak memory is its own): one
 training step (forward, backward, AdamW) untimed, then ``--steps`` timed ones of ``--batch-size``
 sequences (default 1). The kinds alternate per length, ``--rounds`` times; each row keeps its
@@ -27,6 +29,7 @@ recorded as such. Writes ``model.json``, ``model_throughput.png`` and ``model_me
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import subprocess
@@ -36,6 +39,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.common import MALLOC_TUNING, add_model_arguments, model_config, worker_env
 from megaflex.training.metrics import peak_rss_kib
@@ -55,7 +59,10 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(0)
     if args.threads:
         torch.set_num_threads(args.threads)
-    config = model_config(args, args.kind, max_seq_len=args.seq_len)
+    # "softmax_math": softmax through SDPA's math kernel, which materialises the N x N weights like
+    # the vanilla Transformer (the default kernels never hold them)
+    kind, math_kernel = (args.kind.removesuffix("_math"), True) if args.kind.endswith("_math") else (args.kind, False)
+    config = model_config(args, kind, max_seq_len=args.seq_len)
     towers = args.encoder_towers
     if towers:  # the encoder classifier (bidirectional) over one sequence or a pair of documents
         from megaflex.model.encoder import EncoderClassifier
@@ -72,8 +79,9 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     cuda = args.device.startswith("cuda")
 
     def step() -> None:
-        loss = forward()
-        loss.backward()
+        with sdpa_kernel([SDPBackend.MATH]) if math_kernel else contextlib.nullcontext():
+            loss = forward()
+            loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if cuda:
