@@ -25,7 +25,7 @@ import math
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +104,18 @@ class StepResult:
     skipped: bool
     skipped_loss: bool
     stop_signal: int
+
+
+@dataclass
+class StepSums:
+    """What a step's micro-batches add up (on the device) and what every rank agreed on."""
+
+    loss_sum: torch.Tensor
+    bad: torch.Tensor  # non-finite losses seen
+    extra_sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    skipped_loss: bool = False
+    stop_signal: int = 0
+    own_grad_norm: Any = None  # plain fp32: measured before DeepSpeed clips
 
 
 class Trainer:
@@ -362,49 +374,17 @@ class Trainer:
         engine.train()
         lr = lr_at(cfg, self.iteration)
         set_lr(engine.optimizer, lr)
-        loss_sum, bad = self.zero.clone(), self.zero.clone()
-        extra_sums: dict[str, torch.Tensor] = {}
-        skipped_before, stop_signal, skipped_loss, own_grad_norm = engine_skipped_steps(engine), 0, False, None
+        skipped_before = engine_skipped_steps(engine)
         progress.at(step, "forward/backward (ZeRO gradient reduction) and optimizer step")
-        if self.state.pp_size > 1:
-            # DeepSpeed's pipeline engine runs the grad_accum micro-batches (1F1B), the reductions and
-            # the update; its loss is the step's mean, averaged over DP, on every stage.
-            loss = engine.train_batch(self.pipeline_batches).detach()
-            finite = torch.isfinite(loss)
-            bad += (~finite).double()
-            loss_sum += torch.where(finite, loss, 0.0).double() * self.grad_accum
-            skipped_loss, stop_signal = self._agreed_flags(step, bad)
-        own_micro_batches = self.grad_accum if self.state.pp_size == 1 else 0  # else train_batch ran them
-        for _ in range(own_micro_batches):
-            loss, extras = self.micro_batch_loss(next(self.train_batches))
-            for key, value in extras.items():
-                extra_sums[key] = extra_sums.get(key, self.zero) + value.detach().double()
-            for hook in self.hooks:
-                loss = hook.on_loss(self, step, loss)
-            finite = torch.isfinite(loss.detach())
-            bad += (~finite).double()
-            loss_sum += torch.where(finite, loss.detach(), 0.0).double()
-            # Masked, not dropped: every rank must run the same backward/step sequence. The loss is the
-            # whole sequence's but each CP rank differentiates its own slice's share; DeepSpeed averages
-            # gradients over DP x CP, so x CP turns that average into the sum over the slices.
-            engine.backward(torch.where(finite, loss, torch.zeros_like(loss)) * self.state.cp_size)
-            if engine.is_gradient_accumulation_boundary():
-                # Decided on every rank alike before the update (the last micro-batch is the boundary);
-                # a caught signal travels in the same read and stops the run after this step.
-                skipped_loss, stop_signal = self._agreed_flags(step, bad)
-                progress.at(step, "optimizer step (ZeRO gradient reduction)")
-                if hasattr(optimizer, "skip"):
-                    optimizer.skip = skipped_loss
-                if self.plain_fp32:  # DeepSpeed clips here without keeping the norm: measure it before the step
-                    own_grad_norm = unclipped_grad_norm(engine)
-            engine.step()
+        pipelined = self.state.pp_size > 1
+        sums = self._pipeline_micro_batches(step) if pipelined else self._micro_batches(step)
         if hasattr(optimizer, "skip"):
             optimizer.skip = False
-        grad_norm = own_grad_norm if self.plain_fp32 and self.state.pp_size == 1 else engine.get_global_grad_norm()
+        grad_norm = sums.own_grad_norm if self.plain_fp32 and not pipelined else engine.get_global_grad_norm()
         engine_skipped = engine_skipped_steps(engine) > skipped_before  # overflow: DeepSpeed discarded the step
         # DeepSpeed checks bf16/fp16 gradients itself (a skip above); in fp32 only the norm tells.
         grad_bad = cfg.train.precision == "fp32" and grad_norm is not None and not math.isfinite(float(grad_norm))
-        reason = skip_reason(skipped_loss, engine_skipped, grad_bad or getattr(optimizer, "skipped_nonfinite_grad", False))
+        reason = skip_reason(sums.skipped_loss, engine_skipped, grad_bad or getattr(optimizer, "skipped_nonfinite_grad", False))
         self.iteration += 1
         self.consumed += self.gbs
         redraw_random_features(engine.module, self.iteration)  # Performer redraws (deterministic in the step)
@@ -412,7 +392,47 @@ class Trainer:
         if reason is not None:
             self.logger.print(line)
         self.nonfinite_total = self.guard.total
-        return StepResult(lr, loss_sum, extra_sums, grad_norm, reason is not None, skipped_loss, stop_signal)
+        return StepResult(lr, sums.loss_sum, sums.extra_sums, grad_norm, reason is not None, sums.skipped_loss, sums.stop_signal)
+
+    def _pipeline_micro_batches(self, step: int) -> StepSums:
+        """DeepSpeed's pipeline engine runs the grad_accum micro-batches (1F1B), the reductions and
+        the update; its loss is the step's mean, averaged over DP, on every stage."""
+        sums = StepSums(self.zero.clone(), self.zero.clone())
+        loss = self.engine.train_batch(self.pipeline_batches).detach()
+        finite = torch.isfinite(loss)
+        sums.bad += (~finite).double()
+        sums.loss_sum += torch.where(finite, loss, 0.0).double() * self.grad_accum
+        sums.skipped_loss, sums.stop_signal = self._agreed_flags(step, sums.bad)
+        return sums
+
+    def _micro_batches(self, step: int) -> StepSums:
+        """The grad_accum micro-batches' forward and backward, then the update (one device's engine)."""
+        engine, optimizer = self.engine, self.optimizer
+        sums = StepSums(self.zero.clone(), self.zero.clone())
+        for _ in range(self.grad_accum):
+            loss, extras = self.micro_batch_loss(next(self.train_batches))
+            for key, value in extras.items():
+                sums.extra_sums[key] = sums.extra_sums.get(key, self.zero) + value.detach().double()
+            for hook in self.hooks:
+                loss = hook.on_loss(self, step, loss)
+            finite = torch.isfinite(loss.detach())
+            sums.bad += (~finite).double()
+            sums.loss_sum += torch.where(finite, loss.detach(), 0.0).double()
+            # Masked, not dropped: every rank must run the same backward/step sequence. The loss is the
+            # whole sequence's but each CP rank differentiates its own slice's share; DeepSpeed averages
+            # gradients over DP x CP, so x CP turns that average into the sum over the slices.
+            engine.backward(torch.where(finite, loss, torch.zeros_like(loss)) * self.state.cp_size)
+            if engine.is_gradient_accumulation_boundary():
+                # Decided on every rank alike before the update (the last micro-batch is the boundary);
+                # a caught signal travels in the same read and stops the run after this step.
+                sums.skipped_loss, sums.stop_signal = self._agreed_flags(step, sums.bad)
+                progress.at(step, "optimizer step (ZeRO gradient reduction)")
+                if hasattr(optimizer, "skip"):
+                    optimizer.skip = sums.skipped_loss
+                if self.plain_fp32:  # DeepSpeed clips here without keeping the norm: measure it before the step
+                    sums.own_grad_norm = unclipped_grad_norm(engine)
+            engine.step()
+        return sums
 
     def _agreed_flags(self, step: int, bad: torch.Tensor) -> tuple[bool, int]:
         """(any rank's loss non-finite, the caught signal), agreed over every rank in one read."""
