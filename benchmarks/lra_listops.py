@@ -61,7 +61,11 @@ def write_report(out: Path, rows: list[dict[str, Any]], kinds: Sequence[str], ar
     config = {k: v for k, v in vars(args).items() if k != "fresh"}
     (out / "results.json").write_text(json.dumps({"config": config, "summary": summary, "lra_anchors": LRA_ANCHORS,
                                                   "majority_test_accuracy": majority, "runs": rows}, indent=1) + "\n")  # fmt: skip
-    lines = ["# LRA ListOps, generated locally (`python -m benchmarks.lra_listops`)", "",
+    meta_path = Path(args.data) / "basic_meta.json"  # written by data_prep.listops
+    lengths = json.loads(meta_path.read_text())["lra_length"]["test"] if meta_path.is_file() else None
+    data = f"Data: `{args.data}`" + (f", test lengths {lengths['min']}-{lengths['max']} (mean {lengths['mean']:.0f}) "
+                                    "in LRA's count (operators 2, digits 1)" if lengths else "") + "."  # fmt: skip
+    lines = ["# LRA ListOps, generated locally (`python -m benchmarks.lra_listops`)", "", data, "",
              f"Recipe: {args.num_layers} layers, width {args.hidden_size}, {args.num_heads} heads, MLP {args.ffn_hidden_size}, "
              f"F = {args.feature_dim}, batch {args.batch_size}, {args.steps} steps (lr {args.lr}), mean pooling; "
              f"test accuracy (2,000 examples) at the best valid step. Always answering the most frequent label "
