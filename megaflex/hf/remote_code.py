@@ -41,7 +41,7 @@ from .megaflex_bundle import load
 def bundled_sources() -> dict[str, str]:
     """``{"megaflex/<path>.py": source}`` of the modules the modelling code needs at run time."""
     root = Path(megaflex.__file__).resolve().parent
-    files = [root / "__init__.py"]
+    files = [root / "__init__.py", root / "config_field.py"]  # config_field: the model config's documented fields
     for package in _PACKAGES:
         files += sorted(p for p in (root / package).rglob("*.py") if "__pycache__" not in p.parts)
     files += [root / "hf" / name for name in _HF_MODULES]
