@@ -335,7 +335,8 @@ class AttentionCore(nn.Module):
         """The global sums (or their quadratic reference) over the features, padded keys masked."""
         qf, kf, kls = self._features(call)
         validate_linear_attention_inputs(qf, kf, kls, call.v, form=self.form, normalization=self.normalization, eps=self.eps)
-        return fn(qf, kf, kls, call.v, normalization=self.normalization, eps=self.eps, key_mask=call.new_keys), None
+        # the features already hold no padded key (``_features``): no key_mask to apply again
+        return fn(qf, kf, kls, call.v, normalization=self.normalization, eps=self.eps), None
 
     def _softmax_bidirectional(self, fn: Callable, call: _Call) -> tuple[torch.Tensor, None]:
         return fn(call.q, call.k, call.v, key_mask=call.key_mask), None

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import sys
 import time
@@ -36,6 +35,7 @@ from megaflex.data.lra import (
 )
 from megaflex.model.config import ModelConfig
 from megaflex.model.encoder import POOLINGS, EncoderClassifier
+from megaflex.training.optim import decay_factor, param_groups
 
 Dataset = torch.utils.data.Dataset
 
@@ -122,16 +122,7 @@ def lr_at(cfg: ClassifyConfig, step: int) -> float:
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
     progress = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
-
-
-def _optimizer(model: torch.nn.Module, cfg: ClassifyConfig) -> torch.optim.Optimizer:
-    """AdamW; matrices decay, vectors (norm gains, biases) and the kernel's frequencies do not."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        (decay if p.dim() >= 2 and "omega" not in name.lower() else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.98), eps=1e-8)
+    return cfg.min_lr + decay_factor("cosine", progress) * (cfg.lr - cfg.min_lr)
 
 
 @torch.no_grad()
@@ -167,7 +158,8 @@ def train(cfg: ClassifyConfig, log: Any = print) -> dict[str, Any]:
         splits["valid"] = torch.utils.data.Subset(splits["valid"], range(min(cfg.eval_examples, len(splits["valid"]))))
     log(f"[classify] {cfg.task}: " + ", ".join(f"{k} {len(v)}" for k, v in splits.items()) + f" examples, max_len {max_len}")
     model = EncoderClassifier(cfg.model_config(task, max_len), task.num_classes, cfg.pooling, task.towers).to(device)
-    optimizer = _optimizer(model, cfg)
+    # the trainer's groups: matrices decay; vectors and the kernel's parameters do not
+    optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.98), eps=1e-8)
     order = torch.Generator().manual_seed(cfg.seed)
     train_set, position, permutation = splits["train"], 0, torch.randperm(len(splits["train"]), generator=order)
     history, best = [], (-1.0, 0, None)
@@ -175,8 +167,9 @@ def train(cfg: ClassifyConfig, log: Any = print) -> dict[str, Any]:
     for step in range(cfg.steps):
         if position + cfg.batch_size > len(train_set):  # a new epoch: a new order
             position, permutation = 0, torch.randperm(len(train_set), generator=order)
-        inputs = model_inputs(collate_lra([train_set[int(i)] for i in permutation[position : position + cfg.batch_size]]),
-                              device)  # fmt: skip
+        batch = collate_lra([train_set[int(i)] for i in permutation[position : position + cfg.batch_size]])
+        tokens += int(sum(m.sum() for k, m in batch.items() if k.startswith("attention_mask")))  # host tensors: no sync
+        inputs = model_inputs(batch, device)
         position += cfg.batch_size
         for group in optimizer.param_groups:
             group["lr"] = lr_at(cfg, step)
@@ -185,7 +178,6 @@ def train(cfg: ClassifyConfig, log: Any = print) -> dict[str, Any]:
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip) if cfg.grad_clip else None
         optimizer.step()
-        tokens += int(sum(m.sum() for k, m in inputs.items() if k in ("attention_mask", "pair_mask")))
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             valid = accuracy(model, splits["valid"], cfg.batch_size, device)
             elapsed = time.perf_counter() - t0
