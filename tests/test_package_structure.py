@@ -21,7 +21,7 @@ PACKAGES = ("megaflex", "data_prep", "benchmarks", "studies")
 # Lowest first; a module may import its own floor and the ones below. Keys are module prefixes
 # (the longest match wins); entry points sit on the top floor.
 FLOORS: dict[str, int] = {
-    "megaflex.config_field": 0, "megaflex.hashing": 0,
+    "megaflex.config_field": 0, "megaflex.hashing": 0, "megaflex.cli_args": 0,
     "megaflex.attention": 1,
     "megaflex.model": 2, "megaflex.data": 2,
     "megaflex.parallel": 3,

@@ -32,6 +32,7 @@ from typing import Any, Sequence
 
 import torch
 
+from megaflex.cli_args import positive_int
 from megaflex.eval.eval_data import EVAL_DOC_MODES, check_eval_tokenizer, load_eval_set
 from megaflex.eval.scoring import MODES, evaluate
 
@@ -40,17 +41,6 @@ COUNTING = (
     "context token for text inputs, is not a target); bits_per_byte = sum NLL / (ln2 * UTF-8 bytes "
     "of the targets); word_ppl = exp(sum NLL / words), words = whitespace words + 1 per line"
 )
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (0 is an error, not "use the default")."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,97 @@
+"""argparse types shared by every entry point: a value that cannot work is refused while the
+arguments are parsed (one line, exit 2), before any data is read or any process group exists.
+
+Imports nothing of megaflex, so every floor may use it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from pathlib import Path
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (0 is an error, not "use the default")."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def nonnegative_int(text: str) -> int:
+    """An integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def finite_float(text: str) -> float:
+    """A finite number (``nan`` and ``inf`` are refused: a limit set to them is never enforced)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0."""
+    value = finite_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def unit_interval(text: str) -> float:
+    """A finite number in [0, 1]."""
+    value = finite_float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
+    return value
+
+
+def writable_file(text: str) -> Path:
+    """An output file path whose folder exists or can be created, and that is not a directory.
+    Checked (the folder is created) while parsing, so a finished run is never lost to its path."""
+    path = Path(text).expanduser()
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: is a directory, expected a file path")
+    _ensure_dir(path.parent, text)
+    return path
+
+
+def writable_dir(text: str) -> Path:
+    """An output directory that exists or can be created (it is created now), and is writable."""
+    path = Path(text).expanduser()
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: exists and is not a directory")
+    _ensure_dir(path, text)
+    return path
+
+
+def existing_file(text: str) -> Path:
+    """An input file that exists (resolved against the current directory)."""
+    path = Path(text).expanduser()
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{text}: no such file (from {os.getcwd()})")
+    return path
+
+
+def _ensure_dir(path: Path, shown: str) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise argparse.ArgumentTypeError(f"{shown}: cannot create {path} ({err.strerror or err})") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{shown}: {path} is not writable")
