@@ -55,6 +55,8 @@ ARMS: dict[str, tuple[list[str], str]] = {
 # the kind an arm changes (default: flexformer_n)
 ARM_KINDS = {"softmax_rms": "softmax", **{f"performer_window{w}{c}": "performer" for w in (16, 64) for c in ("", "_capped")},
              **{f"softmax_window{w}": "softmax" for w in (16, 64)}}
+# the run an arm is one change away from, where it is not its kind's default recipe (``control_of``)
+ARM_CONTROLS: dict[str, str] = {}
 # study v3's arms: with --kinds softmax,flexformer_n,cosformer (docs/studies.md "The kernel study")
 V3_ARMS = ("softmax_rms",) + tuple(f"{arm}{w}" for w in (16, 64)
                                    for arm in ("softmax_window", "fn_window", "fn_gated", "performer_window"))  # fmt: skip
@@ -78,6 +80,14 @@ PRESETS: dict[str, dict[str, Any]] = {
                 micro_batch_size=16, global_batch_size=64, steps=2000, lr=6e-4, min_lr=6e-5, warmup=200,
                 eval_tokens=0, eval_batch_size=16, tokenizer_sentences=1_000_000),
 }
+
+
+def control_of(label: str) -> str | None:
+    """The control an arm is compared with (its kind's default recipe unless ``ARM_CONTROLS`` names
+    another run); None for a kind itself."""
+    if label in KINDS:
+        return None
+    return ARM_CONTROLS.get(label, ARM_KINDS.get(label, "flexformer_n"))
 
 
 @dataclass

@@ -14,7 +14,8 @@ from dataclasses import replace
 from studies.kernel_study import main, plan, run_study
 from studies.kernel_study_config import RunSpec, StudyConfig
 from studies.runner import load_row, run_fingerprint, save_row
-from studies.kernel_study_report import aggregate, beats, chi_density, window_targets
+from studies.kernel_study_report import aggregate, arm_comparisons, chi_density, window_targets
+from studies.paired_stats import compare_runs
 
 
 TINY = ["--steps", "3", "--kinds", "flexformer_n", "--arms", "fn_hybrid", "--seeds", "2",
@@ -108,37 +109,61 @@ def test_fingerprint_covers_settings_overrides_and_seed_not_selection(tmp_path: 
     assert load_row(cfg, run, 1235) is None
 
 
-def test_aggregate_and_the_seed_noise_rule() -> None:
-    rows = [{"label": "a", "kind": "elu", "english_docs_valid_ppl": v, "wikitext2_test_ppl": v + 1} for v in (10, 12, 14)]
-    rows += [{"label": "b", "kind": "elu", "english_docs_valid_ppl": v, "wikitext2_test_ppl": v} for v in (20, 21, 22)]
+def test_aggregate_and_the_paired_seed_rule() -> None:
+    rows = [{"label": "a", "kind": "elu", "seed": s, "english_docs_valid_ppl": v, "wikitext2_test_ppl": v + 1}
+            for s, v in enumerate((10, 12, 14))]
+    rows += [{"label": "b", "kind": "elu", "seed": s, "english_docs_valid_ppl": v, "wikitext2_test_ppl": v}
+             for s, v in enumerate((20, 21, 22))]
     a, b = aggregate(rows)
     assert a["english_docs_valid_ppl_mean"] == pytest.approx(12.0) and a["english_docs_valid_ppl_std"] == pytest.approx(2.0)
-    assert beats(a, b, "english_docs_valid_ppl") is True and beats(b, a, "english_docs_valid_ppl") is False
-    close = aggregate([{**r, "label": "c", "english_docs_valid_ppl": r["english_docs_valid_ppl"] - 7} for r in rows[3:]])[0]
-    assert beats(a, close, "english_docs_valid_ppl") is None  # 12 +- 2 vs 14 +- 1 over 3 seeds: noise
+    assert compare_runs(rows, "a", "b", "english_docs_valid_ppl").a_better is True
+    assert compare_runs(rows, "b", "a", "english_docs_valid_ppl").a_better is False
+    # 12 +- 2 vs 13 +- 1: the means are 1.3 SE apart (noise for an unpaired test), but c is 1-3 ppl
+    # above a on every seed in the same order: paired, the log-ratios 0.47, 0.08, -0.07 (%) do not separate
+    close = [{**r, "label": "c", "english_docs_valid_ppl": r["english_docs_valid_ppl"] + d}
+             for r, d in zip(rows[:3], (3.0, 1.0, -1.0))]
+    assert compare_runs(rows + close, "a", "c", "english_docs_valid_ppl").a_better is None
     single = aggregate(rows[:1])[0]
-    assert single["english_docs_valid_ppl_std"] is None and beats(single, b, "english_docs_valid_ppl") is None
+    assert single["english_docs_valid_ppl_std"] is None
+    assert compare_runs(rows[:1] + rows[3:], "a", "b", "english_docs_valid_ppl").method == "none"
 
 
 def test_window_targets_compare_each_hybrid_with_its_own_controls() -> None:
     def runs(label: str, kind: str, valid: tuple[float, ...]) -> list[dict]:
-        return [{"label": label, "kind": kind, "english_docs_valid_ppl": v, "wikitext2_test_ppl": 2 * v} for v in valid]
+        return [{"label": label, "kind": kind, "seed": s, "english_docs_valid_ppl": v, "wikitext2_test_ppl": 2 * v}
+                for s, v in enumerate(valid)]
 
     rows = runs("softmax", "softmax", (100, 101, 102)) + runs("fn_window64", "flexformer_n", (108, 109, 110))
     rows += runs("softmax_window64", "softmax", (120, 121, 122)) + runs("performer_window64", "performer", (100, 110, 120))
     rows += runs("fn_window16", "flexformer_n", (130, 131, 132)) + runs("softmax_window16", "softmax", (125, 126, 127))
     rows += runs("fn_window16_capped", "flexformer_n", (103, 104, 105)) + runs("performer_window16_capped", "performer", (150, 151, 152))
-    lines = window_targets(aggregate(rows))
+    lines = window_targets(aggregate(rows), rows)
     assert len(lines) == 6  # three hybrids (by W, then name) x two eval sets
     w16, w16_wiki, capped, _, w64, _ = lines
-    assert w16.startswith("- english-docs valid, fn_window16 (W=16) 131.0: 1.30x softmax (target <= 1.10: missed)")
-    assert capped.startswith("- english-docs valid, fn_window16_capped (W=16) 104.0: 1.03x softmax (target <= 1.10: met)")
-    assert "better than performer_window16_capped (151.0)" in capped and "better than fn_window16 (131.0)" in capped
-    assert "worse than softmax_window16 (126.0)" in w16 and "performer_window16" not in w16 and "fn_gated16" not in w16
+    assert w16.startswith("- english-docs valid, fn_window16 (W=16) 131.0: 1.30x softmax (target <= 1.10: missed; worse than softmax (")
+    assert capped.startswith("- english-docs valid, fn_window16_capped (W=16) 104.0: 1.03x softmax (target <= 1.10: met")
+    assert "better than performer_window16_capped (" in capped and "better than fn_window16 (" in capped
+    assert "worse than softmax_window16 (" in w16 and "performer_window16" not in w16 and "fn_gated16" not in w16
     assert "WikiText-2 test" in w16_wiki
-    assert "1.08x softmax (target <= 1.10: met)" in w64 and "better than softmax_window64 (121.0)" in w64
-    assert "not separated from performer_window64 (110.0)" in w64  # 109 +- 1 vs 110 +- 10 over 3 seeds
-    assert window_targets(aggregate(runs("softmax", "softmax", (1, 2)))) == []
+    assert "1.08x softmax (target <= 1.10: met" in w64 and "better than softmax_window64 (" in w64
+    # 109 +- 1 vs 110 +- 10 over 3 seeds: the per-seed log-ratios (+8.6%, -0.9%, -8.7%) do not separate
+    assert "not separated from performer_window64 (" in w64 and "paired n=3" in w64
+    assert window_targets(aggregate(runs("softmax", "softmax", (1, 2))), runs("softmax", "softmax", (1, 2))) == []
+
+
+def test_remedy_arms_are_compared_with_their_control_and_the_window_alone() -> None:
+    def runs(label: str, kind: str, valid: tuple[float, ...]) -> list[dict]:
+        return [{"label": label, "kind": kind, "seed": s, "english_docs_valid_ppl": v, "wikitext2_test_ppl": v}
+                for s, v in enumerate(valid)]
+
+    rows = (runs("flexformer_n", "flexformer_n", (240, 230, 250)) + runs("fn_tied_eta0.5", "flexformer_n", (236, 226, 246))
+            + runs("fn_window64_capped", "flexformer_n", (222, 215, 228)) + runs("softmax_window64", "softmax", (217, 212, 224)))
+    table = {r["arm"]: r for r in arm_comparisons(aggregate(rows), rows)}
+    assert table["fn_tied_eta0.5"]["control"] == "flexformer_n"
+    assert table["fn_tied_eta0.5"]["english-docs valid"].endswith(": better than control")  # ~1.7% below on every seed
+    assert "softmax_window64" not in table and "flexformer_n" not in table  # a kind, and a control of the kind softmax absent
+    w64 = window_targets(aggregate(rows), rows)[0]
+    assert "worse than softmax_window64 (" in w64  # the window alone, 1.2-2.3% below the hybrid on every seed
 
 
 def test_chi_density_integrates_to_one_with_the_right_mean() -> None:
@@ -327,11 +352,11 @@ def test_v4_verdict_asks_whether_each_learned_kernel_beats_every_fixed_one_and_t
 
     all_rows = (rows("softmax", "softmax", (200, 202, 204), long=220.0) + rows("flexformer_n", "flexformer_n", (230, 231, 232), long=230.0)
                 + rows("performer", "performer", (260, 262, 264)) + rows("elu", "elu", (229, 233, 237)))
-    lines = learned_against_fixed(aggregate(all_rows))
-    assert lines[0] == ("- english-docs valid: does flexformer_n (231.0) beat every fixed kernel beyond 2 SE? no "
-                        "(not separated from elu (233.0)).")
+    lines = learned_against_fixed(aggregate(all_rows), all_rows)
+    assert lines[0].startswith("- english-docs valid: does flexformer_n (231.0) beat every fixed kernel (paired t)? no "
+                               "(not separated from elu (") and "performer" not in lines[0]
     without_elu = [r for r in all_rows if r["label"] != "elu"]
-    assert learned_against_fixed(aggregate(without_elu))[0].endswith("beyond 2 SE? yes.")
+    assert learned_against_fixed(aggregate(without_elu), without_elu)[0].endswith("(paired t)? yes.")
     metrics = long_context_metrics(all_rows)
     assert metrics == ["english_docs_valid_ppl_windows1024", "english_docs_valid_ppl_stateful1024"]
     table = {r["run"]: r for r in long_context_table(all_rows, metrics, "english_docs_valid_ppl")}
