@@ -90,6 +90,28 @@ def test_run_order_and_only() -> None:
         main(["--order", "random"])
 
 
+def test_report_only_rewrites_the_report_from_stored_rows_without_training(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import studies.kernel_study as study
+
+    monkeypatch.setattr(study, "prepare_data", lambda cfg: pytest.fail("--report-only must not prepare data"))
+    argv = ["--kinds", "softmax,elu", "--arms", "", "--seeds", "2", "--out", str(tmp_path)]
+    cfg = study.config_from_args(study.build_parser().parse_args(argv))
+    for label, base in (("softmax", 200.0), ("elu", 230.0)):
+        for seed, jitter in ((1234, 0.0), (1235, 9.0)):
+            row = {"label": label, "kind": label, "seed": seed, "english_docs_valid_ppl": base + jitter,
+                   "wikitext2_test_ppl": 2 * base + jitter, "loss_curve": [(5, 6.0), (10, 5.0)]}
+            save_row(cfg, RunSpec(label, label), seed, row, "training command")
+    rows = main([*argv, "--report-only"])
+    assert len(rows) == 4
+    md = (tmp_path / "results.md").read_text()
+    assert "All runs of the study are in." in md and "--report-only" not in md
+    assert f"Command (latest session): `python -m studies.kernel_study --kinds softmax,elu --arms '' --seeds 2 --out {tmp_path}`" in md
+    with pytest.raises(ValueError, match="--report-only: expected neither --fresh nor --reuse-from"):
+        main([*argv, "--report-only", "--fresh"])
+
+
 def test_fingerprint_covers_settings_overrides_and_seed_not_selection(tmp_path: Path) -> None:
     cfg = StudyConfig(out=str(tmp_path))
     run = RunSpec("fn_hybrid", "flexformer_n", ["model.softmax_window=64"])
