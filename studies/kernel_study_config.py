@@ -51,6 +51,13 @@ ARMS: dict[str, tuple[list[str], str]] = {
        for w in (16, 64)},
     "softmax_rms": (["model.softmax_window=1048576"],
                     "full softmax with the hybrids' output normalisation (rms): a window beyond every sequence"),
+    # issue 46, remedy (a): inits without the paper init's uniform floor (feature_maps/flexformer_n.py)
+    **{f"fn_tied_eta{eta}": ([f"model.feature_kwargs={{omega_init: tied, omega_noise: {eta}}}"],
+                             f"Omega2 = Omega1 + {eta} x noise: every term estimates the softmax kernel, damped by "
+                             f"exp(-{eta}^2 ||.||^2 / (2 sqrt d)) factors; no floor") for eta in ("0.3", "0.5", "1.0")},
+    **{f"fn_corr_rho{rho}": ([f"model.feature_kwargs={{omega_init: correlated, omega_correlation: {rho}}}"],
+                             f"Omega2 = {rho} Omega1 + sqrt(1 - {rho}^2) noise: E kernel = (exp(s) + exp({rho} s)) / 2, "
+                             "no floor") for rho in ("0.5", "0.8")},
 }
 # the kind an arm changes (default: flexformer_n)
 ARM_KINDS = {"softmax_rms": "softmax", **{f"performer_window{w}{c}": "performer" for w in (16, 64) for c in ("", "_capped")},

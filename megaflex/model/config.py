@@ -47,8 +47,11 @@ class ModelConfig:
         "CPU tensors it needs TRITON_INTERPRET=1), or fla (flash-linear-attention's chunk_simple_gla; CUDA, extra gpu)",
     )
     feature_kwargs: dict[str, Any] = opt(
-        {}, "extra keyword arguments of the feature map (flexformer_n: omega_init paper|tied, omega_noise, "
-        "min_log_temperature)",
+        {}, "extra keyword arguments of the feature map (flexformer_n: omega_init paper|tied|correlated (paper: "
+        "independent Omega1, Omega2, whose expected kernel has a uniform floor; tied: Omega2 = Omega1 + omega_noise x "
+        "noise; correlated: correlation omega_correlation in (0, 1), the same marginal; both without the floor), "
+        "omega_noise (default 0.1), omega_correlation (default 0.5), min_log_temperature; "
+        "attention/feature_maps/flexformer_n.py)",
     )
     # the optional quality closers of linear attention (megaflex.attention.hybrid; 0 = off)
     softmax_window: int = opt(

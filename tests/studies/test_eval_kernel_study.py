@@ -252,6 +252,28 @@ def test_v3_arms_build_valid_models_and_report_the_far_share_per_layer() -> None
     assert summary["far_share_per_layer"] == pytest.approx([0.15, 0.5]) and summary["far_share_mean"] == pytest.approx(0.325)
 
 
+def test_every_arm_is_a_valid_run_config_whose_model_runs() -> None:
+    """Each arm's overrides, as the runner passes them to megaflex-train (configs/tiny.yaml first), load
+    as a valid config, and the model they build runs a probe batch with finite logits."""
+    import torch
+
+    from megaflex.model import GPT
+    from megaflex.training.config import load_config
+    from studies.kernel_study_config import ARMS, REPO
+    from studies.runner import train_overrides
+
+    cfg = StudyConfig(vocab_size=64, num_layers=1, hidden_size=32, num_heads=2, feature_dim=8, seq_len=80, arms=list(ARMS))
+    data = {"train": Path("unused/train"), "valid": Path("unused/valid"), "tokenizer": Path("unused/tok.model")}
+    ids = torch.randint(0, 64, (1, 80), generator=torch.Generator().manual_seed(0))
+    for run in cfg.runs():
+        if run.label not in ARMS:
+            continue
+        config = load_config([REPO / "configs" / "tiny.yaml"], train_overrides(cfg, run, 1234, data, Path("unused/run")))
+        torch.manual_seed(0)
+        logits = GPT(config.model).eval()(ids).logits
+        assert torch.isfinite(logits).all(), run.label
+
+
 def test_the_base_normalisation_is_fingerprinted_only_where_it_changes_the_run(tmp_path: Path) -> None:
     from studies.kernel_study_config import REPO
     from studies.runner import train_overrides

@@ -10,18 +10,33 @@ with ``omega1``, ``omega2``: [H, D, d] and ``tau``: [H]. The kernel is
 Design choices:
 
 * Init (``omega_init``). Were O1 and O2 exactly equal they would receive equal gradients and stay
-  equal forever (the map is symmetric in O1 <-> O2), collapsing to Flexformer-S.
-  - ``"paper"``: O1, O2 ~ N(0, I) * d^-1/4 *independently*. With tau = log(2 sqrt d) the kernel is an
-    unbiased estimate of (exp(q.k / sqrt d) + 1) / 2: the two "diagonal" terms estimate the softmax
-    kernel, the cross terms estimate exp(-(||q||^2 + ||k||^2) / (2 sqrt d)), which the magnitude
-    cancels to 1. Half of the initial kernel is that uniform floor, and tau cannot remove it.
-  - ``"tied"``: O1 ~ N(0, I) * d^-1/4 and O2 = O1 + ``omega_noise`` * N(0, I) * d^-1/4. Every
-    cross term then also estimates the softmax kernel (up to the small noise), so the map starts at
-    the softmax estimator without the floor, and the noise breaks the O1 <-> O2 symmetry.
-  Both draw the same number of random values, so the rest of the model's init is unchanged.
-  Default ``"paper"``: in the single-seed pilot (docs/results/kernel_pilot) ``"tied"`` was
-  better on english-docs valid but worse on WikiText-2 test, so the default stays until the
-  kernel study's ``fn_tied_init`` arm settles it over seeds.
+  equal forever (the map is symmetric in O1 <-> O2), collapsing to Flexformer-S. Write s = q.k / sqrt d
+  and, at the init tau = log(2 sqrt d), the magnitude exp((||q||^2 + ||k||^2) / (2 sqrt d)); a Gaussian
+  argument g has E cos g = exp(-Var g / 2), so each of the four terms has a closed-form expectation:
+  - ``"paper"``: O1, O2 ~ N(0, I) * d^-1/4 *independently*. The two "diagonal" terms estimate the
+    softmax kernel exp(s); the cross terms cos(O1 q - O2 k) have Var = (||q||^2 + ||k||^2) / sqrt d, which
+    the magnitude cancels to 1: E kernel = (exp(s) + 1) / 2. Half of the initial kernel is that uniform
+    floor: no key weighs less than half a neutral key's (s = 0), and tau cannot remove it.
+  - ``"tied"``: O1 ~ N(0, I) * d^-1/4 and O2 = O1 + eta * N(0, I) * d^-1/4 (eta = ``omega_noise``). Then
+    O1 q - O2 k = O1 (q - k) - eta eps k and
+        E kernel = (1/4) exp(s) [1 + exp(-eta^2 ||q - k||^2 / (2 sqrt d)) + exp(-eta^2 ||k||^2 / (2 sqrt d))
+                                 + exp(-eta^2 ||q||^2 / (2 sqrt d))],
+    the softmax kernel times a factor in (0, 1]: no floor for any eta, the extra factors damping keys
+    far from q and large norms. eta -> 0 is the softmax estimator but starts O1 ~ O2 (at eta = 0.1 as
+    Flexformer-S, the weakest kind of study v4); the arms ``fn_tied_eta*`` try eta = 0.3 - 1.
+  - ``"correlated"``: O2 = rho O1 + sqrt(1 - rho^2) eps with eps ~ N(0, I) * d^-1/4 (rho =
+    ``omega_correlation`` in (0, 1)): both sets keep the marginal N(0, I) * d^-1/4, so both diagonal
+    terms estimate exp(s) exactly, and the cross terms have Var = (||q||^2 + ||k||^2 - 2 rho q.k) / sqrt d:
+        E kernel = (exp(s) + exp(rho s)) / 2,
+    the mean of the softmax kernel and a softer one (temperature sqrt d / rho): no floor (it falls to 0
+    as s -> -inf for every rho > 0), no norm-dependent damping, and the pairs differ by as much as
+    rho allows (the tied init at eta has correlation 1 / sqrt(1 + eta^2)). rho -> 0 is the paper's init.
+  All three draw the same random values (O1's, then O2's, reused as the noise), so the rest of the
+  model's init is unchanged. Default ``"paper"`` (the recipe changes only after the issue-46 study):
+  in the single-seed pilot (docs/results/kernel_pilot) ``"tied"`` at eta = 0.1 was better on
+  english-docs valid but worse on WikiText-2 test. To change the default, set it in
+  ``ModelConfig.feature_kwargs``' default, not here: a checkpoint records the feature_kwargs it was
+  trained with, and an empty mapping must keep meaning these constructor defaults.
 * tau init log(2 sqrt d): the softmax temperature.
 * Temperature floor: a learnable tau could run to -inf (e^tau -> 0 makes ||x||^2 / e^tau explode and
   the kernel a near-delta on the largest key). The effective temperature is
@@ -36,6 +51,8 @@ Design choices:
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -44,7 +61,7 @@ from ..base import FeatureMap, FeatureMapOutput, KernelParameter
 from ._common import check_even_feature_dim, fp32_region, log_sqrt_scale, quarter_root, upcast
 from ._trig import trig_feature_map
 
-OMEGA_INITS = ("paper", "tied")
+OMEGA_INITS = ("paper", "tied", "correlated")
 # softplus sharpness for the tau floor; identity above floor + _THRESHOLD / _BETA = floor + 2
 _BETA = 10.0
 _THRESHOLD = 20.0
@@ -63,13 +80,17 @@ class FlexformerNFeatureMap(FeatureMap):
         min_log_temperature: float | None = None,
         omega_init: str = "paper",
         omega_noise: float = 0.1,
+        omega_correlation: float = 0.5,
     ) -> None:
         super().__init__()
         if omega_init not in OMEGA_INITS:
             raise ValueError(f"omega_init: expected one of {OMEGA_INITS}, got {omega_init!r}")
         if not omega_noise > 0:
             raise ValueError(f"omega_noise: expected > 0 (0 would tie O1 and O2 forever), got {omega_noise!r}")
-        self.omega_init, self.omega_noise = omega_init, float(omega_noise)
+        if not 0 < omega_correlation < 1:
+            raise ValueError(f"omega_correlation: expected in (0, 1) (1 ties O1 and O2 forever, 0 is omega_init "
+                             f"'paper'), got {omega_correlation!r}")
+        self.omega_init, self.omega_noise, self.omega_correlation = omega_init, float(omega_noise), float(omega_correlation)
         self.num_heads, self.head_dim, self.feature_dim = num_heads, head_dim, feature_dim
         self.num_frequencies = check_even_feature_dim("flexformer_n", feature_dim)
         if min_log_temperature is None:
@@ -84,9 +105,12 @@ class FlexformerNFeatureMap(FeatureMap):
         std = quarter_root(self.head_dim)
         nn.init.normal_(self.omega1, std=std)
         nn.init.normal_(self.omega2, std=std)
-        if self.omega_init == "tied":  # O2 = O1 + small noise: the draw above is reused as the noise
-            with torch.no_grad():
+        with torch.no_grad():  # the O2 draw above is reused as the noise
+            if self.omega_init == "tied":  # O2 = O1 + eta * noise
                 self.omega2.mul_(self.omega_noise).add_(self.omega1)
+            elif self.omega_init == "correlated":  # O2 = rho O1 + sqrt(1 - rho^2) noise: the same marginal
+                rho = self.omega_correlation
+                self.omega2.mul_(math.sqrt(1.0 - rho * rho)).add_(self.omega1, alpha=rho)
         nn.init.constant_(self.tau, log_sqrt_scale(self.head_dim))
 
     def kernel_parameters(self) -> list[KernelParameter]:
