@@ -8,10 +8,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megaflex.attention.feature_maps._common import log_sqrt_scale
 from megaflex.training.config import OptimizerConfig
 
 REPO = Path(__file__).resolve().parents[1]
 _PROJECT_OPTIMIZER = OptimizerConfig()
+# the head dim of the cpu and cpu4x presets (128 / 4, 160 / 5): arms that set an absolute temperature use it
+STUDY_HEAD_DIM = 32
+_TAU_INIT = log_sqrt_scale(STUDY_HEAD_DIM)  # log(2 sqrt d) = 2.426
 KINDS = ("softmax", "flexformer_n", "flexformer_s", "performer", "elu", "cosformer", "hedgehog")
 LEARNED_SPECTRUM = {"flexformer_n": ("omega1", "omega2"), "flexformer_s": ("omega",)}
 # Flexformer-N arms: (overrides of the default recipe, what they test)
@@ -58,7 +62,15 @@ ARMS: dict[str, tuple[list[str], str]] = {
     **{f"fn_corr_rho{rho}": ([f"model.feature_kwargs={{omega_init: correlated, omega_correlation: {rho}}}"],
                              f"Omega2 = {rho} Omega1 + sqrt(1 - {rho}^2) noise: E kernel = (exp(s) + exp({rho} s)) / 2, "
                              "no floor") for rho in ("0.5", "0.8")},
+    # remedy (b): a bounded kernel temperature, and the x10 temperature LR over long schedules
+    **{f"fn_tau_max{margin}": ([f"model.feature_kwargs={{max_log_temperature: {_TAU_INIT + float(margin):.4f}}}"],
+                               f"tau capped at log(2 sqrt d) + {margin} = {_TAU_INIT + float(margin):.4f} (d = "
+                               f"{STUDY_HEAD_DIM}; a soft ceiling, the identity below it - 0.4)") for margin in ("0.5", "1.0")},
+    **{f"fn_tau_lr{m}": ([f"optimizer.kernel_temperature_lr_multiplier={m}"],
+                         f"tau's LR multiplier {m} instead of 10 (Omega's stays 10)") for m in ("1", "3")},
 }
+# arms whose overrides hold values computed for the study's head dim (``StudyConfig.runs`` checks it)
+HEAD_DIM_ARMS = {f"fn_tau_max{margin}": STUDY_HEAD_DIM for margin in ("0.5", "1.0")}
 # the kind an arm changes (default: flexformer_n)
 ARM_KINDS = {"softmax_rms": "softmax", **{f"performer_window{w}{c}": "performer" for w in (16, 64) for c in ("", "_capped")},
              **{f"softmax_window{w}": "softmax" for w in (16, 64)}}
@@ -164,5 +176,10 @@ class StudyConfig:
 
     def runs(self) -> list[RunSpec]:
         """The kinds with the default recipe, then the arms."""
+        head_dim = self.hidden_size // self.num_heads
+        wrong = [a for a in self.arms if HEAD_DIM_ARMS.get(a, head_dim) != head_dim]
+        if wrong:
+            raise ValueError(f"--arms: {wrong} set temperatures computed for head dim {STUDY_HEAD_DIM} (the cpu and "
+                             f"cpu4x presets), this study has {head_dim}; leave them out")
         return [RunSpec(k, k) for k in self.kinds] + [RunSpec(a, ARM_KINDS.get(a, "flexformer_n"), list(ARMS[a][0]))
                                                       for a in self.arms]  # fmt: skip

@@ -50,7 +50,8 @@ class ModelConfig:
         {}, "extra keyword arguments of the feature map (flexformer_n: omega_init paper|tied|correlated (paper: "
         "independent Omega1, Omega2, whose expected kernel has a uniform floor; tied: Omega2 = Omega1 + omega_noise x "
         "noise; correlated: correlation omega_correlation in (0, 1), the same marginal; both without the floor), "
-        "omega_noise (default 0.1), omega_correlation (default 0.5), min_log_temperature; "
+        "omega_noise (default 0.1), omega_correlation (default 0.5), min_log_temperature (tau's soft floor, default "
+        "log(2 sqrt d) - 3), max_log_temperature (tau's soft ceiling, default null: none; >= floor + 2.4); "
         "attention/feature_maps/flexformer_n.py)",
     )
     # the optional quality closers of linear attention (megaflex.attention.hybrid; 0 = off)

@@ -262,7 +262,7 @@ def test_every_arm_is_a_valid_run_config_whose_model_runs() -> None:
     from studies.kernel_study_config import ARMS, REPO
     from studies.runner import train_overrides
 
-    cfg = StudyConfig(vocab_size=64, num_layers=1, hidden_size=32, num_heads=2, feature_dim=8, seq_len=80, arms=list(ARMS))
+    cfg = StudyConfig(vocab_size=64, num_layers=1, hidden_size=64, num_heads=2, feature_dim=8, seq_len=80, arms=list(ARMS))
     data = {"train": Path("unused/train"), "valid": Path("unused/valid"), "tokenizer": Path("unused/tok.model")}
     ids = torch.randint(0, 64, (1, 80), generator=torch.Generator().manual_seed(0))
     for run in cfg.runs():
@@ -272,6 +272,8 @@ def test_every_arm_is_a_valid_run_config_whose_model_runs() -> None:
         torch.manual_seed(0)
         logits = GPT(config.model).eval()(ids).logits
         assert torch.isfinite(logits).all(), run.label
+    with pytest.raises(ValueError, match=r"--arms: \['fn_tau_max0.5'\] set temperatures computed for head dim 32"):
+        replace(cfg, hidden_size=32, arms=["fn_tau_max0.5", "fn_tied_eta0.5"]).runs()
 
 
 def test_the_base_normalisation_is_fingerprinted_only_where_it_changes_the_run(tmp_path: Path) -> None:

@@ -45,6 +45,22 @@ Design choices:
   with a non-zero gradient so tau can recover. The floor defaults
   to ``log(2 sqrt d) - 3`` (temperature may shrink ~20x below the softmax one), and can be set
   with ``min_log_temperature``.
+* Temperature ceiling (``max_log_temperature``, default None: none; issue 46). A larger tau softens
+  the kernel toward uniform weights: the magnitude exp(||x||^2 / e^tau) stops cancelling the decay
+  of the cos terms, and every key's weight moves toward the same value. tau has no weight decay and
+  rides on the kernel LR group (x10 by default), and it drifts up with training length (2.43 at
+  init, 2.68 after 300 steps, 3.28 after 600 at the cpu4x size): over a 100k-step schedule nothing
+  bounds it. The ceiling is the floor's mirror, applied after it:
+  ``tau_eff = ceiling - softplus_gamma(ceiling - tau')``, exactly ``tau'`` once tau' < ceiling - 0.4
+  (gamma = 50: the two differ by < 1e-10 there) and saturating at the ceiling above, with a gradient
+  sigmoid(gamma (ceiling - tau')) that is ~1 below the ceiling and never 0, so tau can come back
+  down. It is sharper than the floor because it is meant to sit close to the init (the drift it
+  bounds is 0.3-0.9): with beta = 10 the identity region would end 2 below it, above the init only
+  for a ceiling >= log(2 sqrt d) + 2, which bounds nothing that matters. A reparametrisation
+  (e.g. tau = lo + (hi - lo) sigmoid(u)) would bound it too, but changes tau's meaning, its Adam
+  step scale and every checkpoint's parameter; the ceiling keeps all three and is the identity
+  wherever it does not act. It must lie at least 2.4 above the floor (the two soft regions apart).
+  Set it in absolute units (log(2 sqrt d) = 2.43 at d = 32, 2.77 at d = 64), like the floor.
 * Fused (``_trig.py``): one projection onto the stacked [O1 ; O2], cos/sin once, the pair sums,
   scale and log-scale in one autograd.Function with a hand-written, cache-blocked backward.
 """
@@ -65,6 +81,8 @@ OMEGA_INITS = ("paper", "tied", "correlated")
 # softplus sharpness for the tau floor; identity above floor + _THRESHOLD / _BETA = floor + 2
 _BETA = 10.0
 _THRESHOLD = 20.0
+# ... and for the ceiling: identity below ceiling - _THRESHOLD / _CEILING_BETA = ceiling - 0.4
+_CEILING_BETA = 50.0
 DEFAULT_FLOOR_MARGIN = 3.0  # default floor = log(2 sqrt d) - this
 
 
@@ -78,6 +96,7 @@ class FlexformerNFeatureMap(FeatureMap):
         feature_dim: int,
         *,
         min_log_temperature: float | None = None,
+        max_log_temperature: float | None = None,
         omega_init: str = "paper",
         omega_noise: float = 0.1,
         omega_correlation: float = 0.5,
@@ -96,6 +115,14 @@ class FlexformerNFeatureMap(FeatureMap):
         if min_log_temperature is None:
             min_log_temperature = log_sqrt_scale(head_dim) - DEFAULT_FLOOR_MARGIN
         self.min_log_temperature = float(min_log_temperature)
+        if max_log_temperature is not None:
+            gap = _THRESHOLD / _BETA + _THRESHOLD / _CEILING_BETA
+            if isinstance(max_log_temperature, bool) or not isinstance(max_log_temperature, (int, float)) \
+                    or not math.isfinite(max_log_temperature) or max_log_temperature < self.min_log_temperature + gap:
+                raise ValueError(f"max_log_temperature: expected a number >= min_log_temperature + {gap:g} = "
+                                 f"{self.min_log_temperature + gap:.4g} (or null: no ceiling), got {max_log_temperature!r}")
+            max_log_temperature = float(max_log_temperature)
+        self.max_log_temperature = max_log_temperature
         self.omega1 = nn.Parameter(torch.empty(num_heads, self.num_frequencies, head_dim))
         self.omega2 = nn.Parameter(torch.empty(num_heads, self.num_frequencies, head_dim))
         self.tau = nn.Parameter(torch.empty(num_heads))
@@ -121,11 +148,17 @@ class FlexformerNFeatureMap(FeatureMap):
         ]
 
     def log_temperature(self) -> torch.Tensor:
-        """Effective tau [H] after the soft floor (equals ``tau`` whenever tau > floor + 2)."""
+        """Effective tau [H] after the soft floor and the optional soft ceiling (equals ``tau`` whenever
+        floor + 2 < tau < ceiling - 0.4)."""
         floor, tau = self.min_log_temperature, upcast(self.tau)
         soft = floor + F.softplus(tau - floor, beta=_BETA)
         # select tau itself above floor + 2 so the effective value is bit-exact there
-        return torch.where(tau > floor + _THRESHOLD / _BETA, tau, soft)
+        tau = torch.where(tau > floor + _THRESHOLD / _BETA, tau, soft)
+        ceiling = self.max_log_temperature
+        if ceiling is None:
+            return tau
+        soft = ceiling - F.softplus(ceiling - tau, beta=_CEILING_BETA)
+        return torch.where(tau < ceiling - _THRESHOLD / _CEILING_BETA, tau, soft)
 
     def trig_spec(self) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """(omega [H, 2D, d] = [O1 ; O2], inv_temperature [H], paired=True), differentiable in the
@@ -141,4 +174,5 @@ class FlexformerNFeatureMap(FeatureMap):
         return FeatureMapOutput(features, log_scale)  # [B, H, N, 2D] in x.dtype, [B, H, N] fp32
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, omega_init={self.omega_init}"
+        ceiling = "" if self.max_log_temperature is None else f", max_log_temperature={self.max_log_temperature:g}"
+        return f"{super().extra_repr()}, omega_init={self.omega_init}{ceiling}"
