@@ -68,6 +68,9 @@ ARMS: dict[str, tuple[list[str], str]] = {
                                f"{STUDY_HEAD_DIM}; a soft ceiling, the identity below it - 0.4)") for margin in ("0.5", "1.0")},
     **{f"fn_tau_lr{m}": ([f"optimizer.kernel_temperature_lr_multiplier={m}"],
                          f"tau's LR multiplier {m} instead of 10 (Omega's stays 10)") for m in ("1", "3")},
+    # remedy (c): norm control of q and k before the feature map (attention/qk_norm.py)
+    "fn_qk_rms": (["model.qk_norm=rms"], "q, k <- g_h x / rms(x) before RoPE and the map, a learned per-head gain g_h"),
+    "fn_qk_affine": (["model.qk_norm=affine_rms"], "q, k <- w * x / rms(x) + b (ReBased), per head and channel"),
 }
 # arms whose overrides hold values computed for the study's head dim (``StudyConfig.runs`` checks it)
 HEAD_DIM_ARMS = {f"fn_tau_max{margin}": STUDY_HEAD_DIM for margin in ("0.5", "1.0")}

@@ -52,6 +52,8 @@ class FlexformerConfig(PreTrainedConfig):
     softmax_window: int = 0  # the hybrid's sliding softmax window (0: off)
     window_mixing: str = "shared_normaliser"  # how the window meets the kernel (one normaliser | gated)
     qkv_conv_size: int = 0  # the hybrid's causal q/k/v convolution (0: off)
+    # the value before the field existed (a config.json without it was exported then), not ModelConfig's default
+    qk_norm: str = "none"  # norm control of q and k before the feature map (none | rms | affine_rms)
     causal: bool = True  # False: a bidirectional encoder (no decoding state: generate() refuses it)
     mlp: str = "gelu"
     norm: str = "rmsnorm"

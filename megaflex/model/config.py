@@ -14,6 +14,7 @@ from typing import Any, Mapping
 
 from megaflex.attention import ATTENTION_BACKENDS, ATTENTION_KINDS, NORMALIZATIONS
 from megaflex.attention.hybrid import WINDOW_MIXINGS
+from megaflex.attention.qk_norm import QK_NORMS
 from megaflex.config_field import opt, required
 
 MLP_KINDS = ("gelu", "swiglu")
@@ -64,6 +65,13 @@ class ModelConfig:
         "for older ones, one normaliser) or gated (the old learned per-head blend of two normalised branches)",
     )
     qkv_conv_size: int = opt(0, "K > 0: K-tap causal depthwise convolution of q, k, v before linear attention (0: off)")
+    # issue 46, remedy (c); checkpoints without the field were trained with "none" (checkpoint/metadata.py)
+    qk_norm: str = opt(
+        "none", "norm control of q and k in the attention layer, before RoPE and the feature map (every form sees "
+        "it): none; rms (q, k <- g_h x / rms(x), a learned per-head gain g_h = e^s_h shared by q and k, init 1: "
+        "||q|| = ||k|| = sqrt(head dim)); affine_rms (ReBased: w * x / rms(x) + b, per head and channel, q and k "
+        "apart, init w = 1, b = 0) (attention/qk_norm.py)",
+    )
     # a resume may not change it: it changes what the weights compute (checkpoint/compat.py)
     causal: bool = opt(
         True, "false: bidirectional attention (an encoder, megaflex.model.encoder; attention_mask is the key "
@@ -102,6 +110,7 @@ class ModelConfig:
         _check_choice("normalization", self.normalization, NORMALIZATIONS)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("window_mixing", self.window_mixing, WINDOW_MIXINGS)
+        _check_choice("qk_norm", self.qk_norm, QK_NORMS)
         _check_choice("mlp", self.mlp, MLP_KINDS)
         _check_choice("norm", self.norm, NORM_KINDS)
         _check_choice("position", self.position, POSITION_KINDS)

@@ -208,6 +208,8 @@ PARALLELIZE_CONFIGS = {
     # gated window mixing and a q/k/v convolution: per-head core tensors besides the feature map
     "flex_window_gated_conv": dict(CONFIGS["flex_window"], window_mixing="gated", qkv_conv_size=3),
     "hedgehog_untied": CONFIGS["hedgehog_untied"],
+    # per-head tensors of the attention layer besides the core: the q/k norm's gains and biases
+    "flex_qk_norm": dict(CONFIGS["flex_tied"], qk_norm="affine_rms"),
 }
 
 
@@ -222,8 +224,8 @@ def _expected_shard(full: dict[str, torch.Tensor], config: ModelConfig, tp: int,
             out[name] = table.chunk(tp)[rank]
         elif name.endswith(("qkv.weight", "qkv.bias", "fc_in.weight", "fc_in.bias", "out_gain")):
             out[name] = t.chunk(tp)[rank]  # column-parallel outputs, per-head gains
-        elif ".core." in name:
-            assert t.shape[0] == config.num_heads, name  # every core tensor is per head (dim 0)
+        elif ".core." in name or ".qk_norm." in name:
+            assert t.shape[0] == config.num_heads, name  # every core and q/k-norm tensor is per head (dim 0)
             out[name] = t.chunk(tp)[rank]
         elif name.endswith(("proj.weight", "fc_out.weight")):
             out[name] = t.chunk(tp, dim=1)[rank]  # row-parallel inputs
@@ -253,7 +255,7 @@ def test_parallelize_gpt_holds_the_plain_models_slices(name: str) -> None:
         assert factories == {id(model.layer_factory)} and isinstance(model.layer_factory, TensorParallelLayers)
         assert all(block.attn.local_heads == config.num_heads // 2 for block in model.blocks)
         for key, p in model.named_parameters():
-            if ".core." in key or key.endswith("out_gain"):
+            if ".core." in key or ".qk_norm." in key or key.endswith("out_gain"):
                 assert p.tensor_model_parallel and p.partition_dim == 0, key
 
 
