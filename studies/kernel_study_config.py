@@ -71,6 +71,11 @@ ARMS: dict[str, tuple[list[str], str]] = {
     # remedy (c): norm control of q and k before the feature map (attention/qk_norm.py)
     "fn_qk_rms": (["model.qk_norm=rms"], "q, k <- g_h x / rms(x) before RoPE and the map, a learned per-head gain g_h"),
     "fn_qk_affine": (["model.qk_norm=affine_rms"], "q, k <- w * x / rms(x) + b (ReBased), per head and channel"),
+    # remedy (e): the hybrid's learned per-head balance between the window and the far field (attention/hybrid.py)
+    **{f"fn_window{w}_capped_far_gain": ([f"model.softmax_window={w}", "model.window_mixing=shared_normaliser",
+                                           "model.normalization=capped_denominator", "model.window_far_gain=true"],
+                                          f"fn_window{w}_capped with a learned per-head gain e^b_h (init 1) on the far "
+                                          "field's weights against the window's") for w in (16, 64)},
 }
 # arms whose overrides hold values computed for the study's head dim (``StudyConfig.runs`` checks it)
 HEAD_DIM_ARMS = {f"fn_tau_max{margin}": STUDY_HEAD_DIM for margin in ("0.5", "1.0")}
@@ -78,7 +83,7 @@ HEAD_DIM_ARMS = {f"fn_tau_max{margin}": STUDY_HEAD_DIM for margin in ("0.5", "1.
 ARM_KINDS = {"softmax_rms": "softmax", **{f"performer_window{w}{c}": "performer" for w in (16, 64) for c in ("", "_capped")},
              **{f"softmax_window{w}": "softmax" for w in (16, 64)}}
 # the run an arm is one change away from, where it is not its kind's default recipe (``control_of``)
-ARM_CONTROLS: dict[str, str] = {}
+ARM_CONTROLS: dict[str, str] = {f"fn_window{w}_capped_far_gain": f"fn_window{w}_capped" for w in (16, 64)}
 # study v3's arms: with --kinds softmax,flexformer_n,cosformer (docs/studies.md "The kernel study")
 V3_ARMS = ("softmax_rms",) + tuple(f"{arm}{w}" for w in (16, 64)
                                    for arm in ("softmax_window", "fn_window", "fn_gated", "performer_window"))  # fmt: skip

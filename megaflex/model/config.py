@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from megaflex.attention import ATTENTION_BACKENDS, ATTENTION_KINDS, NORMALIZATIONS
-from megaflex.attention.hybrid import WINDOW_MIXINGS
+from megaflex.attention.hybrid import WINDOW_MIXINGS, check_far_gain
 from megaflex.attention.qk_norm import QK_NORMS
 from megaflex.config_field import opt, required
 
@@ -63,6 +63,11 @@ class ModelConfig:
     window_mixing: str = opt(
         "shared_normaliser", "with softmax_window: shared_normaliser (exact weights for the last W keys, the kernel "
         "for older ones, one normaliser) or gated (the old learned per-head blend of two normalised branches)",
+    )
+    # issue 46, remedy (e); checkpoints without the field were trained without it (checkpoint/metadata.py)
+    window_far_gain: bool = opt(
+        False, "with softmax_window and window_mixing shared_normaliser: a learned per-head gain e^b_h on the far "
+        "field's weights against the window's (LoLCATs), init 1 (b_h = 0): the hybrid without it (attention/hybrid.py)",
     )
     qkv_conv_size: int = opt(0, "K > 0: K-tap causal depthwise convolution of q, k, v before linear attention (0: off)")
     # issue 46, remedy (c); checkpoints without the field were trained with "none" (checkpoint/metadata.py)
@@ -124,8 +129,10 @@ class ModelConfig:
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value!r}")
-        if not isinstance(self.causal, bool):
-            raise ValueError(f"causal must be a bool, got {self.causal!r}")
+        for name in ("causal", "window_far_gain"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        check_far_gain(self.window_far_gain, self.softmax_window, self.window_mixing, self.is_linear_attention)
         if not isinstance(self.feature_kwargs, dict):
             raise ValueError(f"feature_kwargs must be a mapping, got {type(self.feature_kwargs).__name__}")
         for name in ("softmax_window", "qkv_conv_size"):

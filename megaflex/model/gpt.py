@@ -465,4 +465,5 @@ def build_attention_core(config: ModelConfig, num_heads: int) -> AttentionCore |
         **config.feature_kwargs,
     )
     # the closers' init is deterministic: no RNG drawn there
-    return build_attention(core, window=config.softmax_window, conv_size=config.qkv_conv_size, mixing=config.window_mixing)
+    return build_attention(core, window=config.softmax_window, conv_size=config.qkv_conv_size, mixing=config.window_mixing,
+                           far_gain=config.window_far_gain)

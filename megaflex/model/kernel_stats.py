@@ -95,7 +95,7 @@ def _probe_statistics(model: nn.Module, probe_ids: torch.Tensor) -> dict[str, fl
         q, k = captured[i] if i in captured else mapped[i][:2]
         window = _shared_window(model.blocks[i].attn.core)
         if window:
-            weights = window_causal_weights(q, k, core.feature_map, window)
+            weights = window_causal_weights(q, k, core.feature_map, window, model.blocks[i].attn.core.far_log_gain)
             if q.shape[2] > window:  # else there is no far field to measure (and no NaN in the logs)
                 stats[f"layer{i:02d}/far_share"] = far_share(weights, window)
         else:

@@ -45,6 +45,10 @@ CONFIGS = {
     # Flexformer-N with the one-normaliser softmax window (CP: a halo from the previous rank)
     "flex_window": dict(vocab_size=VOCAB, num_layers=2, hidden_size=32, num_heads=4, attention="flexformer_n",
                         feature_dim=16, chunk_size=8, max_seq_len=64, softmax_window=6),
+    # the window hybrid with issue 46's options: q/k norm before the forms, the learned far-field gain
+    "flex_window_remedies": dict(vocab_size=VOCAB, num_layers=2, hidden_size=32, num_heads=4, attention="flexformer_n",
+                                 feature_dim=16, chunk_size=8, max_seq_len=64, softmax_window=6, qk_norm="rms",
+                                 window_far_gain=True),
     # exact softmax attention with learned positions
     "softmax": dict(vocab_size=VOCAB, num_layers=1, hidden_size=32, num_heads=4, attention="softmax",
                     max_seq_len=64, position="learned"),
@@ -58,7 +62,7 @@ def _reference(name: str, seq: int = SEQ) -> dict:
     model = GPT(config)
     with torch.no_grad():  # perturb the gains/biases that are initialised to constants
         for pname, p in model.named_parameters():
-            if pname.endswith(("bias", "out_gain", "norm.weight")):
+            if pname.endswith(("bias", "out_gain", "norm.weight", "log_gain")):
                 p.add_(0.1 * torch.randn_like(p))
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (2, seq), generator=gen)
@@ -132,7 +136,7 @@ def _check_against_reference(refs: list[dict], per_rank: list[list[dict]], tp: i
 @pytest.mark.slow
 @pytest.mark.numerics
 def test_gpt_tp2_dp2_equals_tp1() -> None:
-    refs = [_reference(name) for name in ("flex_tied", "hedgehog_untied")]
+    refs = [_reference(name) for name in ("flex_tied", "hedgehog_untied", "flex_window_remedies")]
     _check_against_reference(refs, run_distributed(_tp_worker, 4, args=(2, refs)), tp=2)
 
 
@@ -210,6 +214,7 @@ PARALLELIZE_CONFIGS = {
     "hedgehog_untied": CONFIGS["hedgehog_untied"],
     # per-head tensors of the attention layer besides the core: the q/k norm's gains and biases
     "flex_qk_norm": dict(CONFIGS["flex_tied"], qk_norm="affine_rms"),
+    "flex_window_far_gain": dict(CONFIGS["flex_window"], window_far_gain=True),
 }
 
 

@@ -179,13 +179,17 @@ def test_remedy_arms_are_compared_with_their_control_and_the_window_alone() -> N
                 for s, v in enumerate(valid)]
 
     rows = (runs("flexformer_n", "flexformer_n", (240, 230, 250)) + runs("fn_tied_eta0.5", "flexformer_n", (236, 226, 246))
-            + runs("fn_window64_capped", "flexformer_n", (222, 215, 228)) + runs("softmax_window64", "softmax", (217, 212, 224)))
+            + runs("fn_window64_capped", "flexformer_n", (222, 215, 228)) + runs("softmax_window64", "softmax", (217, 212, 224))
+            + runs("fn_window64_capped_far_gain", "flexformer_n", (220, 214, 226)))
     table = {r["arm"]: r for r in arm_comparisons(aggregate(rows), rows)}
     assert table["fn_tied_eta0.5"]["control"] == "flexformer_n"
     assert table["fn_tied_eta0.5"]["english-docs valid"].endswith(": better than control")  # ~1.7% below on every seed
+    assert table["fn_window64_capped_far_gain"]["control"] == "fn_window64_capped"  # the hybrid it changes
     assert "softmax_window64" not in table and "flexformer_n" not in table  # a kind, and a control of the kind softmax absent
     w64 = window_targets(aggregate(rows), rows)[0]
     assert "worse than softmax_window64 (" in w64  # the window alone, 1.2-2.3% below the hybrid on every seed
+    gain = [line for line in window_targets(aggregate(rows), rows) if "fn_window64_capped_far_gain (W=64)" in line][0]
+    assert "softmax_window64 (" in gain and "fn_window64_capped (" in gain and "performer_window64_capped" not in gain
 
 
 def test_chi_density_integrates_to_one_with_the_right_mean() -> None:
