@@ -28,7 +28,10 @@ from studies.paired_stats import RULE, Comparison, compare_runs
 
 METRICS = ("english_docs_valid_ppl", "wikitext2_test_ppl")
 EVAL_SETS = {"english_docs_valid_ppl": "english-docs valid", "wikitext2_test_ppl": "WikiText-2 test"}
-PER_LAYER = ("omega_rel_change", "negative_fraction", "effective_keys", "tau_per_layer", "far_share")
+PER_LAYER = ("omega_rel_change", "negative_fraction", "effective_keys", "tau_per_layer", "far_share",
+             "q_norm_mean", "q_norm_p90", "k_norm_mean", "k_norm_p90")
+# probe statistics tabulated per layer (``per_layer_table``)
+PROBE_PER_LAYER = ("effective_keys", "q_norm_mean", "q_norm_p90", "k_norm_mean", "k_norm_p90")
 LEARNED_KINDS = ("flexformer_n", "flexformer_s")
 FIXED_KINDS = ("performer", "cosformer", "elu", "hedgehog")
 LONG_CONTEXT = re.compile(r"english_docs_valid_ppl_(windows|stateful)(\d+)")
@@ -61,8 +64,9 @@ def aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for key in PER_LAYER:
             values = [statistics.fmean(r[key]) for r in runs if r.get(key)]
             agg[f"{key}_mean"] = statistics.fmean(values) if values else None
-        shares = [r["far_share"] for r in runs if r.get("far_share")]
-        agg["far_share_per_layer"] = [statistics.fmean(layer) for layer in zip(*shares)] if shares else None
+        for key in ("far_share", *PROBE_PER_LAYER):  # per layer, mean over seeds
+            lists = [r[key] for r in runs if r.get(key)]
+            agg[f"{key}_per_layer"] = [statistics.fmean(layer) for layer in zip(*lists)] if lists else None
         out.append(agg)
     return out
 
@@ -173,6 +177,21 @@ def long_context_table(rows: list[dict[str, Any]], metrics: list[str], train_met
     return table
 
 
+def per_layer_table(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per run: effective keys per layer and the mean (90th percentile) of ||q|| and ||k|| entering the
+    feature map per layer, mean over seeds; runs without the norms (stored before they were logged) show -."""
+
+    def layers(values: list[float] | None, digits: int = 1) -> str:
+        return " / ".join(f"{v:.{digits}f}" for v in values) if values else "-"
+
+    def with_p90(s: dict[str, Any], name: str) -> str:
+        mean, p90 = s.get(f"{name}_norm_mean_per_layer"), s.get(f"{name}_norm_p90_per_layer")
+        return " / ".join(f"{m:.2f} ({p:.2f})" for m, p in zip(mean, p90)) if mean and p90 else "-"
+
+    return [{"run": s["label"], "effective keys": layers(s.get("effective_keys_per_layer")),
+             "‖q‖ mean (p90)": with_p90(s, "q"), "‖k‖ mean (p90)": with_p90(s, "k")} for s in summary]
+
+
 def window_only(label: str) -> str | None:
     """``softmax_window<W>`` of a window hybrid ``fn_window<W>...`` / ``performer_window<W>...``, else None."""
     match = re.fullmatch(r"(?:fn|performer)_window(\d+)(_\w+)?", label)
@@ -274,6 +293,13 @@ def write_report(
         "Arms (one change to the default recipe of the kind in brackets):\n\n" + (arms or "- none\n"),
         markdown_table(table, columns), "\n", verdict(summary, rows),
     ]
+    layer_table = per_layer_table(summary)
+    md += ["## Per layer (probe batch, last logged values, mean over seeds)\n",
+           f"Effective keys per query (uniform attention over the probe's {cfg.seq_len}-token sequences: "
+           f"{(cfg.seq_len + 1) / 2:g}) and the norms of the queries "
+           "and keys entering the feature map, per head over the head dim: mean (90th percentile) over heads and tokens; "
+           "layers first to last.\n",
+           markdown_table(layer_table, list(layer_table[0])), "\n"]
     arms_table = arm_comparisons(summary, rows)
     if arms_table:
         md += ["## Each arm against its control\n",

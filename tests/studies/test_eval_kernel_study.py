@@ -56,6 +56,7 @@ def test_kernel_study_resumes_across_sessions_and_writes_seed_aggregates(shared_
         # an untrained model over a 512-token vocabulary is near-uniform, never better than ~e^4
         assert 50 < run["english_docs_valid_ppl"] < 5000
         assert len(run["effective_keys"]) == 2  # the trainer's probe statistics, per layer
+        assert len(run["q_norm_mean"]) == len(run["k_norm_p90"]) == 2 and min(run["q_norm_p90"]) > 0
     by_label = {s["label"]: s for s in results["summary"]}
     assert by_label["fn_hybrid"]["seeds"] == 2 and by_label["fn_hybrid"]["english_docs_valid_ppl_std"] > 0
     runs = {(r["label"], r["seed"]): r for r in results["runs"]}
@@ -64,6 +65,7 @@ def test_kernel_study_resumes_across_sessions_and_writes_seed_aggregates(shared_
     assert "model.softmax_window=64" in runs["fn_hybrid", 1234]["overrides"]
     md = (out / "results.md").read_text()
     assert "All runs of the study are in" in md and "| fn_hybrid | 2 |" in md and "± " in md and "## Verdict" in md
+    assert "## Per layer" in md and "## Each arm against its control" in md
     for png in ("loss_curves.png", "spectrum.png", "tau.png"):
         assert (out / png).stat().st_size > 5000
 
@@ -190,6 +192,27 @@ def test_remedy_arms_are_compared_with_their_control_and_the_window_alone() -> N
     assert "worse than softmax_window64 (" in w64  # the window alone, 1.2-2.3% below the hybrid on every seed
     gain = [line for line in window_targets(aggregate(rows), rows) if "fn_window64_capped_far_gain (W=64)" in line][0]
     assert "softmax_window64 (" in gain and "fn_window64_capped (" in gain and "performer_window64_capped" not in gain
+
+
+def test_probe_norms_are_carried_per_layer_into_rows_and_the_report() -> None:
+    from studies.kernel_study_report import per_layer_table
+    from studies.runner import kernel_summary
+
+    records = {10: {f"layer0{i}/{key}": value + i for i in (0, 1) for key, value in
+                    (("effective_keys", 100.0), ("q_norm_mean", 5.0), ("q_norm_p90", 7.0), ("k_norm_mean", 3.0),
+                     ("k_norm_p90", 4.0))}}
+    summary = kernel_summary(records, 2)
+    assert summary["q_norm_mean"] == [5.0, 6.0] and summary["k_norm_p90"] == [4.0, 5.0]
+    assert kernel_summary({}, 2)["q_norm_p90"] is None
+    rows = [{"label": "a", "kind": "elu", "seed": s, "english_docs_valid_ppl": 10.0, "wikitext2_test_ppl": 10.0,
+             **{k: [v + s for v in values] for k, values in summary.items() if k != "tau_curve" and values}}
+            for s in (0, 2)]
+    rows.append({"label": "old", "kind": "elu", "seed": 0, "english_docs_valid_ppl": 10.0, "wikitext2_test_ppl": 10.0,
+                 "effective_keys": [50.0, 60.0]})  # stored before the norms were logged
+    table = {r["run"]: r for r in per_layer_table(aggregate(rows))}
+    assert table["a"] == {"run": "a", "effective keys": "101.0 / 102.0", "‖q‖ mean (p90)": "6.00 (8.00) / 7.00 (9.00)",
+                          "‖k‖ mean (p90)": "4.00 (5.00) / 5.00 (6.00)"}  # mean over the seeds 0 and 2: +1
+    assert table["old"]["effective keys"] == "50.0 / 60.0" and table["old"]["‖q‖ mean (p90)"] == "-"
 
 
 def test_chi_density_integrates_to_one_with_the_right_mean() -> None:
