@@ -3,6 +3,7 @@ does it come to softmax? Version 2: several seeds, mean +- std, and arms of the 
 
     python -m studies.kernel_study                         # 7 kinds + 4 arms x 3 seeds (CPU preset)
     python -m studies.kernel_study --device cuda --preset 41m   # the paper's 41M shape on a GPU
+    python -m studies.kernel_study --arms v5_controls,v5_remedies --seeds 1   # named arm sets (ARM_SETS)
 
 trains one small GPT per run: every attention kind with the project's default recipe, plus the
 *arms*, Flexformer-N variants that change one thing of that recipe (``ARMS``: the tied init,
@@ -47,7 +48,7 @@ from typing import Any, Sequence
 import torch
 
 from megaflex.attention import NORMALIZATIONS
-from studies.kernel_study_config import ARMS, KINDS, ORDERS, PRESETS, RunSpec, StudyConfig
+from studies.kernel_study_config import ARM_SETS, ARMS, KINDS, ORDERS, PRESETS, RunSpec, StudyConfig
 from studies.kernel_study_report import write_report
 from studies.runner import evaluate_run, load_row, prepare_data, reuse_rows, save_row, train_run
 
@@ -114,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m studies.kernel_study", description=__doc__.split("\n\n")[0])
     defaults = StudyConfig()
     p.add_argument("--kinds", default=",".join(defaults.kinds), help="comma-separated attention kinds")
-    p.add_argument("--arms", default=",".join(defaults.arms), help=f"comma-separated Flexformer-N arms of {list(ARMS)}")
+    p.add_argument("--arms", default=",".join(defaults.arms),
+                   help=f"comma-separated arms of {list(ARMS)}, or named sets of them: {list(ARM_SETS)}")
     p.add_argument("--preset", default="cpu", choices=list(PRESETS), help="model/training shape (41m: the paper's)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     for name in ("data_root", "work_dir", "out"):
@@ -149,7 +151,7 @@ def config_from_args(args: argparse.Namespace) -> StudyConfig:
     selection = ("order", "only", "fresh", "reuse_from", "report_only")  # how this session runs the study, not what the study is
     values = {**PRESETS[args.preset], **{k: v for k, v in vars(args).items() if v is not None and k not in selection}}
     values["kinds"] = [k for k in args.kinds.split(",") if k]
-    values["arms"] = [a for a in args.arms.split(",") if a]
+    values["arms"] = list(dict.fromkeys(arm for a in args.arms.split(",") if a for arm in ARM_SETS.get(a, (a,))))
     if args.long_contexts is not None:
         try:
             values["long_contexts"] = [int(c) for c in args.long_contexts.split(",") if c]

@@ -89,6 +89,19 @@ V3_ARMS = ("softmax_rms",) + tuple(f"{arm}{w}" for w in (16, 64)
                                    for arm in ("softmax_window", "fn_window", "fn_gated", "performer_window"))  # fmt: skip
 # ... and the capped denominator (attention/base.py), added in the study's third session
 V3_ARMS += tuple(f"{arm}{w}_capped" for arm in ("fn_window", "performer_window") for w in (16, 64)) + ("fn_capped",)
+# study v5 (issue 46): the controls (the window alone at today's code, the hybrids and Performer with the
+# window) and the remedies of the learned kernel, each one change to the default recipe or to a hybrid
+V5_KINDS = ("softmax", "flexformer_n", "performer")
+V5_CONTROLS = tuple(f"softmax_window{w}" for w in (16, 64)) + tuple(
+    f"{arm}{w}_capped" for w in (16, 64) for arm in ("fn_window", "performer_window"))
+V5_REMEDIES = (
+    "fn_tied_eta0.3", "fn_tied_eta0.5", "fn_tied_eta1.0", "fn_corr_rho0.5", "fn_corr_rho0.8",  # (a) no floor
+    "fn_tau_max0.5", "fn_tau_max1.0", "fn_tau_lr1", "fn_tau_lr3",  # (b) a bounded temperature
+    "fn_qk_rms", "fn_qk_affine",  # (c) norm control of q and k
+    "fn_window16_capped_far_gain", "fn_window64_capped_far_gain",  # (e) the hybrid's window / far-field balance
+)
+# named arm sets: ``--arms`` expands these names (e.g. --arms v5_controls,v5_remedies)
+ARM_SETS: dict[str, tuple[str, ...]] = {"v3": V3_ARMS, "v5_controls": V5_CONTROLS, "v5_remedies": V5_REMEDIES}
 ORDERS = ("seeds", "kinds")  # seed-major (a stopped study still has whole seeds) or kind-major
 # StudyConfig fields that select runs or name places, not what a run computes: not fingerprinted
 NOT_FINGERPRINTED = ("kinds", "arms", "seeds", "data_root", "work_dir", "out", "long_contexts")
@@ -103,6 +116,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     # and ~4x the compute. The issue's example, 8 layers x 256, is 5.6x the parameters: ~31x the compute
     # at the same tokens per parameter, beyond a CPU session.
     "cpu4x": dict(num_layers=6, hidden_size=160, num_heads=5, steps=600, warmup=100),
+    # the cpu preset at 1,024-token sequences with the same tokens per run and per step (4 x 1,024 =
+    # 16 x 256): a W = 64 window covers 6% of each sequence's keys instead of 25% (issue 46)
+    "cpu1024": dict(seq_len=1024, micro_batch_size=4, global_batch_size=4),
     "41m": dict(vocab_size=32000, num_layers=8, hidden_size=512, num_heads=8, feature_dim=128, seq_len=1024,
                 micro_batch_size=16, global_batch_size=64, steps=2000, lr=6e-4, min_lr=6e-5, warmup=200,
                 eval_tokens=0, eval_batch_size=16, tokenizer_sentences=1_000_000),

@@ -6,7 +6,8 @@ Parameter statistics come from the feature maps' declared kernel parameters
 * ``layerXX/tau_{mean,min,max}`` for "temperature" parameters (over heads);
 * ``layerXX/{name}_norm_{mean,min,max}`` over the frequency rows of "frequencies" parameters;
 * ``layerXX/{name}_rel_change`` = ||P - P_init|| / ||P_init|| for every kernel parameter, given a
-  ``reference`` snapshot (``kernel_snapshot`` at step 0).
+  ``reference`` snapshot (``kernel_snapshot`` at step 0); ``layerXX/{name}_change`` = ||P - P_init||
+  instead for one initialised to zeros (a log-gain, a mix logit), where a ratio means nothing.
 
 Probe statistics (given ``probe_ids``: a fixed batch, so values are comparable over training)
 from the explicit causal weights of every layer (``megaflex.attention.diagnostics``), softmax
@@ -52,7 +53,11 @@ def kernel_statistics(
             full = f"blocks.{i}.attn.{name}"
             if reference is not None and full in reference:
                 init = reference[full].to(values.device)
-                stats[f"{prefix}/{kp.name}_rel_change"] = ((values - init).norm() / init.norm().clamp_min(1e-12)).item()
+                change, size = (values - init).norm().item(), init.norm().item()
+                if size > 0:
+                    stats[f"{prefix}/{kp.name}_rel_change"] = change / size
+                else:
+                    stats[f"{prefix}/{kp.name}_change"] = change
     if probe_ids is not None:
         stats.update(_probe_statistics(model, probe_ids))
     return stats

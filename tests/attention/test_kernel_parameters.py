@@ -207,6 +207,10 @@ def test_kernel_statistics_report_the_norms_of_q_and_k_entering_the_feature_map(
     assert stats["layer01/q_norm_mean"] == pytest.approx(2.0 * math.sqrt(D), rel=1e-4)
     assert stats["layer01/k_norm_p90"] == pytest.approx(2.0 * math.sqrt(D), rel=1e-4)
     assert stats["layer01/log_gain_mean"] == pytest.approx(math.log(2.0)) and stats["layer00/log_gain_mean"] == 0.0
+    # a zero-initialised parameter's change is absolute (a ratio to a zero norm means nothing)
+    changed = normed.kernel_statistics(None, {**kernel_snapshot(normed), "blocks.1.attn.qk_norm.log_gain": torch.zeros(2, 1, 1)})
+    assert changed["layer01/log_gain_change"] == pytest.approx(math.sqrt(2) * math.log(2.0))  # ||ln 2 x 1_[2 heads]||
+    assert "layer01/log_gain_rel_change" not in changed and changed["layer01/tau_rel_change"] == 0.0
 
 
 def test_core_declares_nothing_itself():

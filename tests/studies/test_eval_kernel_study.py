@@ -114,6 +114,20 @@ def test_report_only_rewrites_the_report_from_stored_rows_without_training(
         main([*argv, "--report-only", "--fresh"])
 
 
+def test_v5_arm_sets_and_the_1024_token_preset() -> None:
+    from studies.kernel_study import build_parser, config_from_args
+    from studies.kernel_study_config import ARM_SETS, ARMS, PRESETS
+
+    assert all(arm in ARMS for arms in ARM_SETS.values() for arm in arms)
+    cfg = config_from_args(build_parser().parse_args(["--arms", "v5_controls,fn_qk_rms,v5_remedies"]))
+    assert cfg.arms[:2] == ["softmax_window16", "softmax_window64"] and cfg.arms.count("fn_qk_rms") == 1
+    assert set(cfg.arms) == set(ARM_SETS["v5_controls"]) | set(ARM_SETS["v5_remedies"])
+    long = config_from_args(build_parser().parse_args(["--preset", "cpu1024"]))
+    assert long.seq_len == 1024 and long.tokens_per_run == StudyConfig().tokens_per_run  # the same tokens per run
+    assert long.global_batch_size * long.seq_len == StudyConfig().global_batch_size * StudyConfig().seq_len
+    assert set(PRESETS["cpu1024"]) == {"seq_len", "micro_batch_size", "global_batch_size"}  # the model is the cpu one
+
+
 def test_fingerprint_covers_settings_overrides_and_seed_not_selection(tmp_path: Path) -> None:
     cfg = StudyConfig(out=str(tmp_path))
     run = RunSpec("fn_hybrid", "flexformer_n", ["model.softmax_window=64"])
