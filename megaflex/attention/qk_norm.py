@@ -13,8 +13,9 @@ instead of through the norms of the token vectors.
   it cancels in the normaliser, the kernel depends on the angle only, and the estimator's error is
   bounded by the sphere's radius. s_h is declared a "temperature" (the kernel temperature LR group).
 * ``"affine_rms"`` (ReBased's affine + norm, with an RMS norm): x <- w ⊙ x / rms(x) + b with a learned
-  per-head, per-channel gain w (init 1) and bias b (init 0), separate for q and k: at init the same as
-  ``"rms"``; the bias lets the norm vary again, in learned directions. Both "map_weight" (main LR).
+  per-head, per-channel gain w (``channel_gain``, init 1) and bias b (``channel_bias``, init 0),
+  separate for q and k: at init the same as ``"rms"``; the bias lets the norm vary again, in learned
+  directions. Both "map_weight" (main LR).
 
 It runs in the attention layer on q and k before RoPE (the norm of a vector is unchanged by the
 rotation, the affine channels are the head's own) and before any attention form, so every form
@@ -44,14 +45,16 @@ class QKNorm(nn.Module):
         if kind == "rms":
             self.log_gain = nn.Parameter(torch.zeros(num_heads, 1, 1))  # [H, 1, 1]: broadcasts over [B, H, N, d]
         else:
-            self.weight = nn.Parameter(torch.ones(num_heads, 2, head_dim))  # [H, {q, k}, d]
-            self.bias = nn.Parameter(torch.zeros(num_heads, 2, head_dim))
+            # [H, {q, k}, d]; not named weight / bias: "norm.weight" names a replicated norm gain elsewhere
+            self.channel_gain = nn.Parameter(torch.ones(num_heads, 2, head_dim))
+            self.channel_bias = nn.Parameter(torch.zeros(num_heads, 2, head_dim))
 
     def kernel_parameters(self) -> list[KernelParameter]:
         """No weight decay for either: decay would pull the gain to 1 / the channel gains to 0."""
         if self.kind == "rms":
             return [KernelParameter("log_gain", self.log_gain, "temperature")]
-        return [KernelParameter("weight", self.weight, "map_weight"), KernelParameter("bias", self.bias, "map_weight")]
+        return [KernelParameter("channel_gain", self.channel_gain, "map_weight"),
+                KernelParameter("channel_bias", self.channel_bias, "map_weight")]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._normalise(q, 0), self._normalise(k, 1)
@@ -62,7 +65,8 @@ class QKNorm(nn.Module):
         if self.kind == "rms":
             acc = acc * torch.exp(self.log_gain.to(acc.dtype))
         else:
-            acc = acc * self.weight[:, which, None].to(acc.dtype) + self.bias[:, which, None].to(acc.dtype)
+            gain, bias = self.channel_gain[:, which, None], self.channel_bias[:, which, None]  # [H, 1, d]
+            acc = acc * gain.to(acc.dtype) + bias.to(acc.dtype)
         return acc.to(x.dtype)
 
     def extra_repr(self) -> str:

@@ -66,8 +66,11 @@ class OptimizerConfig:
     )
     kernel_temperature_lr_multiplier: float = opt(
         10.0,
-        "LR of the kernel temperature (Flexformer-N's tau; role 'temperature') = this x the scheduled LR. "
-        "Default 10 for both (single-seed pilot, docs/results/kernel_pilot: 10 beat 1 on both eval sets with both inits; 30 was much worse)",
+        "LR of the kernel temperature (Flexformer-N's tau; role 'temperature', also the per-head scalars declared "
+        "so: the gated window's mix, the window's far_log_gain, the q/k norm's log_gain) = this x the scheduled LR. "
+        "Default 10 for both (single-seed pilot, docs/results/kernel_pilot: 10 beat 1 on both eval sets with both inits; "
+        "30 was much worse). tau has no weight decay and drifts up over long schedules (toward a flatter kernel): "
+        "model.feature_kwargs.max_log_temperature bounds it; study v5 tries 1 and 3 (issue 46)",
     )
     freeze_kernel: bool = opt(
         False,

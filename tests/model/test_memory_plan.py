@@ -19,7 +19,8 @@ SMALL = dict(vocab_size=301, num_layers=4, hidden_size=64, num_heads=4, ffn_hidd
              feature_dim=16, chunk_size=8, max_seq_len=64)
 
 
-@pytest.mark.parametrize("extra", [{}, {"tie_embeddings": False, "mlp": "swiglu", "bias": True}])
+@pytest.mark.parametrize("extra", [{}, {"tie_embeddings": False, "mlp": "swiglu", "bias": True},
+                                   {"qk_norm": "affine_rms", "softmax_window": 8, "window_far_gain": True}])
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_rank_parameters_equal_a_tensor_parallel_build(tp: int, extra: dict) -> None:
     config = ModelConfig(**SMALL, **extra)

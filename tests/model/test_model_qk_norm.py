@@ -38,7 +38,7 @@ def test_q_and_k_enter_the_core_with_the_learned_norm(kind: str) -> None:
         if kind == "rms":
             norm.log_gain.copy_(gains.log().view(4, 1, 1))
         else:  # a uniform channel gain and no bias: the same norm as "rms" with that gain
-            norm.weight.copy_(gains.view(4, 1, 1).expand_as(norm.weight))
+            norm.channel_gain.copy_(gains.view(4, 1, 1).expand_as(norm.channel_gain))
     q, k = captured_core_inputs(model, ids(2, 9))[0]
     d = model.config.head_dim
     for x in (q, k):  # RoPE rotates after the norm: ||x|| = g_h sqrt(d) (up to eps / mean(x^2), ~1e-5 here)
@@ -51,7 +51,7 @@ def test_affine_rms_treats_q_and_k_apart_and_starts_as_rms() -> None:
     rms, affine = QKNorm("rms", 3, 8), QKNorm("affine_rms", 3, 8)
     assert all(torch.equal(a, b) for a, b in zip(rms(q, k), affine(q, k)))  # at init: x / rms(x)
     with torch.no_grad():
-        affine.bias[:, 1].fill_(1.0)  # k's bias only
+        affine.channel_bias[:, 1].fill_(1.0)  # k's bias only
     q2, k2 = affine(q, k)
     assert torch.equal(q2, rms(q, k)[0]) and torch.allclose(k2, rms(q, k)[1] + 1.0)
     # bf16 in, bf16 out, normalised in fp32
