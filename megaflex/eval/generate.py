@@ -184,9 +184,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _generate_cli(args: argparse.Namespace) -> None:
     from megaflex.eval.eval_data import check_eval_tokenizer
-    from megaflex.eval.loading import load_for_eval  # late import: keeps the library part light
+    from megaflex.eval.loading import load_for_eval, refuse_bidirectional  # late import: keeps the library part light
 
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
+    refuse_bidirectional(args.checkpoint, args.tag, "generation")
     loaded = load_for_eval(args.checkpoint, tag=args.tag, tokenizer=args.tokenizer, device=args.device)
     if loaded.tokenizer is None:
         raise ValueError("--tokenizer: the checkpoint config names no tokenizer; pass --tokenizer PATH")

@@ -146,10 +146,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run_cli(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """``megaflex-eval`` with its arguments; returns the results dict (also printed / written)."""
-    from megaflex.eval.loading import load_for_eval
+    from megaflex.eval.loading import load_for_eval, refuse_bidirectional
     from megaflex.eval.plotting import write_json
 
     args = build_parser().parse_args(argv)
+    refuse_bidirectional(args.checkpoint, args.tag, "perplexity")  # before any process group
     state, tracker = _distributed(args.tensor_parallel_size)
     loaded = load_for_eval(args.checkpoint, tag=args.tag, tokenizer=args.tokenizer, device=args.device,
                            parallel=state, rng_tracker=tracker)

@@ -153,10 +153,12 @@ def model_card(run_config: dict[str, Any], meta: CheckpointMeta, path: Path, dty
                evals: Sequence[dict[str, Any]]) -> str:
     """README.md of an export: what the model is, how it was trained, how to load and evaluate it."""
     m = run_config["model"]
+    causal = m.get("causal", True)
+    kind = "decoder-only LM" if causal else "bidirectional encoder (`model.causal: false`)"
     lines = [
         "---", "library_name: transformers", "tags: [megaflex, flexformer, linear-attention]", "---", "",
         f"# Flexformer ({m['attention']}) exported by megaflex", "",
-        f"A {m['num_layers']}-layer, {m['hidden_size']}-wide decoder-only LM with `{m['attention']}` attention, "
+        f"A {m['num_layers']}-layer, {m['hidden_size']}-wide {kind} with `{m['attention']}` attention, "
         f"trained with megaflex for {meta.iteration} iterations "
         f"(tensor parallel {meta.tensor_parallel_size}, ZeRO stage {'?' if meta.zero_stage is None else meta.zero_stage}); "
         f"weights in {dtype}. Source checkpoint: `{path}`.", "",
@@ -165,7 +167,9 @@ def model_card(run_config: dict[str, Any], meta: CheckpointMeta, path: Path, dty
         "model = AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)  # or `import megaflex.hf` first",
         "tok = AutoTokenizer.from_pretrained(DIR)",
         "```", "",
-        "Decoding carries megaflex's recurrent state as the cache (constant memory per token for linear kinds).",
+        "Decoding carries megaflex's recurrent state as the cache (constant memory per token for linear kinds)."
+        if causal else "Every position reads every token, so it is no language model: `model(ids)` returns its "
+        "logits, `generate()` and a cache are refused.",
         "Left padding is not supported; pad on the right.", "",
         "## Evaluation", "",
     ]

@@ -8,6 +8,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Iterator
 
+from megaflex.attention.dispatch import refused_setting
 from megaflex.parallel import config as parallel_config
 from megaflex.parallel.state import ParallelDims
 from megaflex.training.config_loader import ConfigError
@@ -74,6 +75,11 @@ def validate(cfg: Config) -> None:
     _validate_wsd(cfg, decay_first, decay_iters)
     if s.min_lr > t.lr:
         raise _bad(cfg, "schedule.min_lr", f"expected <= train.lr ({t.lr}), got {s.min_lr}")
+    _check_attention_settings(cfg)
+    if not cfg.model.causal:
+        raise _bad(cfg, "model.causal", "false builds a bidirectional encoder, which sees every token it is asked to "
+                   "predict (its loss and perplexity mean nothing): language-model training needs model.causal=true; "
+                   "train an encoder with python -m megaflex.training.classify")
     with _named_source(cfg):
         parallel_config.check_parallel(cfg)
     dc = cfg.distill
@@ -90,6 +96,21 @@ def validate(cfg: Config) -> None:
         )
     if d.train_weights and not any(w > 0 for w in d.train_weights):
         raise _bad(cfg, "data.train_weights", f"expected at least one weight > 0 (they are >= 0), got {d.train_weights}")
+
+
+def _check_attention_settings(cfg: Config) -> None:
+    """What the attention dispatch table refuses for this run's settings beyond the model's own
+    (``ModelConfig`` checks those when it is built): document resets and context parallelism of a
+    bidirectional model. One ConfigError naming the key, before any process group exists."""
+    model = cfg.model.attention_settings()
+    run_settings = {
+        "data.document_boundaries": dict(documents="restart_batched" if cfg.data.document_boundaries == "reset" else "none"),
+        "parallel.context_parallel_size": dict(context_parallel=cfg.parallel.context_parallel_size > 1),
+    }
+    for key, setting in run_settings.items():
+        refusal = refused_setting(**model, **setting)
+        if refusal is not None:
+            raise _bad(cfg, key, refusal.message)
 
 
 def config_warnings(cfg: Config) -> list[str]:
