@@ -37,13 +37,23 @@ def validate(cfg: Config) -> None:
         "train.train_iters": t.train_iters, "train.micro_batch_size": t.micro_batch_size,
         "train.max_nonfinite_in_a_row": t.max_nonfinite_in_a_row,
         "data.seq_len": d.seq_len, "checkpoint.keep_last": c.keep_last, "logging.log_interval": lg.log_interval,
+        "train.fp16_loss_scale_window": t.fp16_loss_scale_window, "train.fp16_hysteresis": t.fp16_hysteresis,
     }
+    f = cfg.fault
+    unset_or_positive = {  # null is "the default" (or off); 0 was taken as null, or trained at min_lr throughout
+        "train.global_batch_size": t.global_batch_size, "schedule.decay_iters": s.decay_iters,
+        "fault.sigkill_after_step": f.sigkill_after_step, "fault.sigstop_last_rank_after_step": f.sigstop_last_rank_after_step,
+        "fault.sigkill_during_save_at_step": f.sigkill_during_save_at_step,
+        "fault.sigterm_during_save_at_step": f.sigterm_during_save_at_step,
+    }
+    positive.update({key: value for key, value in unset_or_positive.items() if value is not None})
     for key, value in positive.items():
         if value < 1:
             raise _bad(cfg, key, f"expected a positive integer, got {value}")
     non_negative = {
         "train.eval_interval": t.eval_interval, "train.eval_iters": t.eval_iters, "checkpoint.save_interval": c.save_interval,
         "schedule.warmup_iters": s.warmup_iters, "logging.kernel_stats_interval": lg.kernel_stats_interval,
+        "train.fp16_initial_scale_power": t.fp16_initial_scale_power,
     }
     for key, value in non_negative.items():
         if value < 0:

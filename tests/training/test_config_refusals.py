@@ -102,3 +102,21 @@ def test_a_config_error_is_printed_by_rank_0_only(tiny: Path, rank_env: dict, pr
         assert err.startswith("megaflex-train: config error: model.qkv_conv_size (from command line): qkv_conv_size: ")
     assert distill_main(["--config", str(tiny)]) == 2  # no teacher
     assert ("megaflex-distill: config error: distill.teacher" in capsys.readouterr().err) == printed
+
+
+@pytest.mark.parametrize("override,message", [
+    ("train.global_batch_size=0", "train.global_batch_size (from command line): expected a positive integer, got 0"),
+    ("schedule.decay_iters=0", "schedule.decay_iters (from command line): expected a positive integer, got 0"),
+    ("train.fp16_loss_scale_window=0", "train.fp16_loss_scale_window (from command line): expected a positive integer"),
+    ("train.fp16_hysteresis=-1", "train.fp16_hysteresis (from command line): expected a positive integer, got -1"),
+    ("train.fp16_initial_scale_power=-2", "train.fp16_initial_scale_power (from command line): expected >= 0, got -2"),
+    ("fault.sigkill_after_step=0", "fault.sigkill_after_step (from command line): expected a positive integer, got 0"),
+])  # fmt: skip
+def test_counts_no_one_checked_are_refused(tiny: Path, override: str, message: str) -> None:
+    """Issue 45: train.global_batch_size=0 was taken as unset (micro x DP), schedule.decay_iters=0
+    trained at min_lr from step 1; null keeps its meaning."""
+    with pytest.raises(ConfigError) as err:
+        load_config([tiny], [override])
+    assert str(err.value).startswith(message)
+    key = override.split("=")[0]
+    load_config([tiny], [f"{key}=null"] if key in ("train.global_batch_size", "schedule.decay_iters") else [])
