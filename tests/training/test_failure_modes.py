@@ -437,7 +437,7 @@ CASES: dict[str, Case] = {
                                         "asked to predict: perplexity needs a causal language model"),
     "`model.causal: false` with a setting the attention dispatch table refuses for it (`model.qkv_conv_size`, a gated `model.softmax_window`, `data.document_boundaries: reset`, `parallel.context_parallel_size` > 1)":
         Case(covered_by="tests/training/test_config_refusals.py::test_every_refusal_the_settings_decide_is_a_config_error"),
-    "a count of 0 or less, `nan`/`inf`, a device this machine lacks or that does not exist (`--device cuda` on a CPU machine, `--device foo`), an output path that is an existing file or cannot be created, given to `megaflex-eval`/`-generate`/`-export`, `python -m benchmarks.*` or `python -m studies.*`; or as a config key (`train.global_batch_size=0`, `schedule.decay_iters=0`)":
+    "a count of 0 or less, `nan`/`inf`, a device this machine lacks or that does not exist (`--device cuda` on a CPU machine, `--device foo`), an output path that is an existing file or cannot be created, given to `megaflex-eval`/`-generate`/`-export`, the commands of `benchmarks/` or `studies/`; or as a config key (`train.global_batch_size=0`, `schedule.decay_iters=0`)":
         Case(covered_by="tests/test_entry_point_arguments.py::test_a_value_that_cannot_work_is_refused_while_parsing"),
     "HF `FlexformerForCausalLM` of a bidirectional model (`causal: false`): plain `model(ids)`": Case(
         covered_by="tests/hf/test_hf_model.py::test_a_bidirectional_model_answers_a_plain_call_and_refuses_to_generate"),
