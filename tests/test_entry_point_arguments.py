@@ -30,6 +30,8 @@ CASES = [
     ("megaflex.eval.generate", ["--checkpoint", ABSENT, "--prompt", "a"], "--top-k", "0"),
     ("megaflex.eval.generate", ["--checkpoint", ABSENT, "--prompt", "a"], "--device", NO_DEVICE),
     ("megaflex.hf.export", ["--checkpoint", ABSENT, "--hf-out", "{dir}/hf"], "--eval-json", "{dir}/missing.json"),
+    ("megaflex.hf.lm_eval_tasks", ["--out", "{dir}/task"], "--max-docs", "0"),
+    ("megaflex.checkpoint.reshard", ["{dir}", "{dir}/out"], "--tp", "0"),
     ("benchmarks.attention", [], "--repeats", "0"),
     ("benchmarks.attention", [], "--timeout", "nan"),
     ("benchmarks.attention", [], "--json", "{file}/below.json"),
