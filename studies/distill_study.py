@@ -228,12 +228,17 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return summary
 
 
-def check_targets(cfg: DistillStudyConfig, summary: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def check_targets(
+    cfg: DistillStudyConfig, summary: list[dict[str, Any]], rows: list[dict[str, Any]]
+) -> dict[str, dict[str, Any]]:
     """The issue's targets per evaluation set, for Flexformer-N after stage 2: within 10% of the
     teacher's ppl on <= 10% of its tokens; better than scratch; better than distilled Performer.
-    Comparisons use the kernel study's seed-noise rule (None: not separated by the seeds); the
-    Performer comparison is ``NOT_RUN`` when the study had no Performer student."""
-    from studies.kernel_study_report import beats
+    Comparisons are paired by seed (``studies.paired_stats``: None = not separated by the seeds);
+    the Performer comparison is ``NOT_RUN`` when the study had no Performer student."""
+    from studies.paired_stats import compare_runs
+
+    def beats(a: str, b: str, metric: str) -> bool | None:
+        return compare_runs(rows, a, b, metric).a_better
 
     by = {s["label"]: s for s in summary}
     fn = by.get("flexformer_n_stage2")
@@ -245,8 +250,8 @@ def check_targets(cfg: DistillStudyConfig, summary: list[dict[str, Any]]) -> dic
             "ppl_ratio_to_teacher": fn[f"{metric}_ratio"], "token_fraction": fn["token_fraction"],
             "within_10pct_on_10pct_tokens": fn[f"{metric}_ratio"] <= TARGET_PPL_RATIO
             and fn["token_fraction"] <= cfg.max_token_fraction + 1e-9,  # a mean over seeds: rounding
-            "beats_scratch": beats(fn, by[SCRATCH.label], metric),
-            "beats_distilled_performer": beats(fn, by["performer_stage2"], metric) if "performer_stage2" in by else NOT_RUN,
+            "beats_scratch": beats(fn["label"], SCRATCH.label, metric),
+            "beats_distilled_performer": beats(fn["label"], "performer_stage2", metric) if "performer_stage2" in by else NOT_RUN,
         }
     return out
 
@@ -261,7 +266,7 @@ def targets_markdown(targets: dict[str, dict[str, Any]], seeds: int) -> str:
             f"{100 * t['token_fraction']:.1f}% of its tokens; within 10% on <= 10% tokens: "
             f"{word[t['within_10pct_on_10pct_tokens']]}; better than scratch at equal tokens: {word[t['beats_scratch']]}; "
             f"better than distilled Performer: {word[t['beats_distilled_performer']]}.")
-    rule = "better = gap of the means > 2 standard errors over seeds (kernel_study_report.beats)"
+    rule = "better = paired by seed, |t| of the per-seed log-ratios above the 95% t quantile (studies.paired_stats)"
     return f"## Targets (computed from the means; {rule})\n\n" + "\n".join(lines) + "\n"
 
 
@@ -300,7 +305,7 @@ def write_report(cfg: DistillStudyConfig, rows: list[dict[str, Any]], command: s
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     summary = summarize(rows)
-    targets = check_targets(cfg, summary)
+    targets = check_targets(cfg, summary, rows)
     plot_ppl_vs_tokens(out / "ppl_vs_tokens.png", summary)
     runs = [{k: v for k, v in r.items() if k not in ("loss_curve", "spectrum", "tau_curve")} for r in rows]
     write_json(out / "results.json", {"command": command, "config": dataclasses.asdict(cfg), "seconds": seconds,

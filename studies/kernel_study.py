@@ -26,6 +26,8 @@ result, the run's kind and overrides, its seed) is skipped (``--fresh`` retrains
 rewritten after every run from every stored row of the study and names the runs still missing.
 ``--order kinds`` trains all seeds of one kind/arm before the next (default ``seeds``: seed-major),
 ``--only LABEL[,..]`` trains just those kinds/arms. Per-run checkpoints stay in ``--work-dir``.
+``--report-only`` trains nothing: it rewrites the report from the stored rows (give the training
+command's flags, so that the fingerprints match); the report names that command without the flag.
 
 Training uses the project's trainer (``megaflex-train``, DeepSpeed ZeRO-0, one process, one
 subprocess per run). Data: a sentencepiece BPE tokenizer trained on the english-docs train shards,
@@ -64,10 +66,11 @@ def plan(cfg: StudyConfig, runs: list[RunSpec], order: str = "seeds") -> list[tu
 # ------------------------------------------------------------------------------- driver and CLI
 def run_study(
     cfg: StudyConfig, runs: list[RunSpec], command: str, order: str = "seeds",
-    only: Sequence[str] | None = None, fresh: bool = False,
+    only: Sequence[str] | None = None, fresh: bool = False, report_only: bool = False,
 ) -> list[dict[str, Any]]:
     """Train and evaluate the runs not stored yet (``only``: just these labels; ``fresh``: retrain
-    stored ones too), rewriting the report after each; returns every available row, seed-major."""
+    stored ones too), rewriting the report after each; returns every available row, seed-major.
+    ``report_only``: train nothing, rewrite the report from the stored rows."""
     labels = [r.label for r in runs]
     unknown = sorted(set(only or ()) - set(labels))
     if unknown:
@@ -89,7 +92,7 @@ def run_study(
             write_report(cfg, available, command, time.perf_counter() - start, missing)
         return available
 
-    todo = [(run, seed) for run, seed in todo if (run.label, seed) not in rows]
+    todo = [] if report_only else [(run, seed) for run, seed in todo if (run.label, seed) not in rows]
     print(f"[kernel_study] {len(rows)} of {len(report_order)} runs stored; training {len(todo)} now", flush=True)
     data = prepare_data(cfg) if todo else {}
     available = []
@@ -131,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seeds: every kind/arm of one seed, then the next seed; kinds: all seeds of one kind/arm, then the next")
     p.add_argument("--only", default=None, help="comma-separated kinds/arms to train now (the report still covers all)")
     p.add_argument("--fresh", action="store_true", help="retrain runs whose row is stored with the same fingerprint")
+    p.add_argument("--report-only", action="store_true",
+                   help="train nothing: rewrite the report from the stored rows (give the training command's flags)")
     p.add_argument("--normalization", default=None, choices=list(NORMALIZATIONS),
                    help=f"model.normalization of every run whose arm does not set it (default {defaults.normalization})")
     p.add_argument("--long-contexts", type=positive_int_list, default=None,
@@ -143,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> StudyConfig:
     """StudyConfig from parsed arguments: defaults < preset < explicit flags."""
-    selection = ("order", "only", "fresh", "reuse_from")  # how this session runs the study, not what the study is
+    selection = ("order", "only", "fresh", "reuse_from", "report_only")  # how this session runs the study, not what the study is
     values = {**PRESETS[args.preset], **{k: v for k, v in vars(args).items() if v is not None and k not in selection}}
     values["kinds"] = [k for k in args.kinds.split(",") if k]
     values["arms"] = [a for a in args.arms.split(",") if a]
@@ -157,15 +162,24 @@ def config_from_args(args: argparse.Namespace) -> StudyConfig:
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     args = build_parser().parse_args(argv)
     cfg = config_from_args(args)
-    command = "python -m studies.kernel_study " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    command = command_of(argv if argv is not None else sys.argv[1:])
     only = [label for label in args.only.split(",") if label] if args.only is not None else None
+    if args.report_only:
+        if args.fresh or args.reuse_from:
+            raise ValueError("--report-only: expected neither --fresh nor --reuse-from (it trains and copies nothing)")
+        command = command_of([a for a in (argv if argv is not None else sys.argv[1:]) if a != "--report-only"])
     if args.reuse_from:
         source = Path(args.reuse_from)
         if not (source / "runs").is_dir():
             raise ValueError(f"--reuse-from: {source} holds no runs/ folder of a study")
         copied = reuse_rows(cfg, cfg.runs(), source)
         print(f"[kernel_study] reused {len(copied)} rows of {source}: {', '.join(copied) or 'none'}", flush=True)
-    return run_study(cfg, cfg.runs(), command.strip(), order=args.order, only=only, fresh=args.fresh)
+    return run_study(cfg, cfg.runs(), command.strip(), order=args.order, only=only, fresh=args.fresh,
+                     report_only=args.report_only)
+
+
+def command_of(argv: Sequence[str]) -> str:
+    return "python -m studies.kernel_study " + " ".join(shlex.quote(a) for a in argv)
 
 
 if __name__ == "__main__":

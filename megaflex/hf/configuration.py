@@ -51,7 +51,10 @@ class FlexformerConfig(PreTrainedConfig):
     feature_kwargs: dict | None = None
     softmax_window: int = 0  # the hybrid's sliding softmax window (0: off)
     window_mixing: str = "shared_normaliser"  # how the window meets the kernel (one normaliser | gated)
+    window_far_gain: bool = False  # the window's learned per-head far-field gain (absent: exported before it existed)
     qkv_conv_size: int = 0  # the hybrid's causal q/k/v convolution (0: off)
+    # the value before the field existed (a config.json without it was exported then), not ModelConfig's default
+    qk_norm: str = "none"  # norm control of q and k before the feature map (none | rms | affine_rms)
     causal: bool = True  # False: a bidirectional encoder (no decoding state: generate() refuses it)
     mlp: str = "gelu"
     norm: str = "rmsnorm"

@@ -239,3 +239,21 @@ def test_map_in_workers_returns_every_item_and_a_dead_worker_as_an_error():
     assert set(got) == {0, 1} and "worker failed" in got[1]["error"]
     # a pool that broke may take a neighbour still running along: then that one is an error too
     assert got[0] == {"x": 4} or "worker failed" in got[0]["error"]
+
+
+def test_an_error_raised_inside_fla_is_its_refusal_not_a_megaflex_failure(tmp_path):
+    from benchmarks.gpu_check.stages_kernels import raised_inside_package
+
+    fake = tmp_path / "fla" / "ops.py"
+    fake.parent.mkdir()
+    fake.write_text("def run():\n    raise RuntimeError('Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs ...')\n")
+    namespace: dict = {}
+    exec(compile(fake.read_text(), str(fake), "exec"), namespace)
+    try:
+        namespace["run"]()
+    except RuntimeError as err:
+        assert raised_inside_package(err, "fla")
+    try:
+        raise ValueError("megaflex's own")
+    except ValueError as err:
+        assert not raised_inside_package(err, "fla")

@@ -161,11 +161,12 @@ def test_ids_beyond_tokenizer_vocab_size_are_masked(tmp_path: Path) -> None:
 NON_DEFAULTS = dict(
     vocab_size=VOCAB, num_layers=3, hidden_size=64, num_heads=4, ffn_hidden_size=96, attention="flexformer_n",
     feature_dim=24, normalization="denominator", chunk_size=16, attention_backend="torch",
-    feature_kwargs={"omega_init": "tied"}, softmax_window=5, window_mixing="gated", qkv_conv_size=2, causal=True, mlp="swiglu",
+    feature_kwargs={"omega_init": "tied"}, softmax_window=5, window_mixing="gated", qkv_conv_size=2, qk_norm="affine_rms", causal=True, mlp="swiglu",
+    window_far_gain=False,  # needs the one-normaliser window, not the gated one: set in BIDIRECTIONAL below
     norm="layernorm", norm_eps=1e-6, bias=True, tie_embeddings=False, hidden_dropout=0.1, attention_dropout=0.05,
     max_seq_len=96, position="learned", rope_theta=500.0, init_std=0.05, activation_checkpointing=True,
 )
-BIDIRECTIONAL = dict(NON_DEFAULTS, causal=False, window_mixing="shared_normaliser", qkv_conv_size=0)
+BIDIRECTIONAL = dict(NON_DEFAULTS, causal=False, window_mixing="shared_normaliser", qkv_conv_size=0, window_far_gain=True)
 
 
 def test_every_model_config_field_is_exported(tmp_path: Path) -> None:
@@ -179,8 +180,8 @@ def test_every_model_config_field_is_exported(tmp_path: Path) -> None:
         differ.append([f.name for f in dataclasses.fields(ModelConfig) if getattr(mc, f.name) == getattr(defaults, f.name)])
         FlexformerConfig.from_model_config(mc).save_pretrained(tmp_path)
         assert AutoConfig.from_pretrained(tmp_path).to_model_config() == mc
-    assert differ[0] == ["vocab_size", "num_layers", "hidden_size", "num_heads", "attention", "causal"], differ
-    assert "causal" not in differ[1], differ
+    assert differ[0] == ["vocab_size", "num_layers", "hidden_size", "num_heads", "attention", "causal", "window_far_gain"], differ
+    assert "causal" not in differ[1] and "window_far_gain" not in differ[1], differ
 
 
 def test_a_fresh_config_has_model_config_defaults(tmp_path: Path) -> None:
@@ -231,11 +232,12 @@ def test_a_bidirectional_model_answers_a_plain_call_and_refuses_to_generate(tmp_
 def test_hybrid_export_loads_and_gives_megaflex_loss(mixing: str, tmp_path: Path) -> None:
     torch.manual_seed(0)
     mc = ModelConfig(vocab_size=VOCAB, num_layers=2, hidden_size=48, num_heads=3, feature_dim=16, chunk_size=8,
-                     max_seq_len=64, init_std=0.2, softmax_window=6, qkv_conv_size=3, window_mixing=mixing)
+                     max_seq_len=64, init_std=0.2, softmax_window=6, qkv_conv_size=3, window_mixing=mixing, qk_norm="rms",
+                     window_far_gain=mixing == "shared_normaliser")
     model = FlexformerForCausalLM(FlexformerConfig.from_model_config(mc, bos_token_id=2, eos_token_id=2)).eval()
-    with torch.no_grad():  # the hybrid's own parameters away from their init
+    with torch.no_grad():  # the hybrid's own parameters (and the q/k norm's gains) away from their init
         for name, p in model.named_parameters():
-            if name.endswith(("window_mix", "conv_weight")):
+            if name.endswith(("window_mix", "conv_weight", "log_gain", "far_log_gain")):
                 p.add_(0.5 * torch.randn_like(p))
     model.save_pretrained(tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()

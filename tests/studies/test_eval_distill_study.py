@@ -116,23 +116,24 @@ def test_targets_follow_the_means_and_the_seed_noise_rule() -> None:
     summary = summarize(good)
     assert summary[1]["english_docs_valid_ppl_ratio"] == pytest.approx(106 / 100)
     assert summary[1]["wikitext2_test_ppl_ratio"] == pytest.approx(106 / 100)
-    for t in check_targets(cfg, summary).values():
+    for t in check_targets(cfg, summary, good).values():
         assert t["within_10pct_on_10pct_tokens"] is True
         assert t["beats_scratch"] is True and t["beats_distilled_performer"] is True
-    # 12% worse than the teacher, scratch within seed noise, performer better
+    # 12% worse than the teacher, scratch within seed noise, performer better: 20-25% below on every seed,
+    # tracking the student's seeds (paired log-ratios 0.219, 0.223, 0.215: t ~ 90)
     bad = _rows({"softmax": [100, 101, 99], "flexformer_n_stage2": [112, 100, 124],
-                 "performer_stage2": [90, 91, 89], "flexformer_n_scratch": [113, 111, 115]}, fractions)
-    for t in check_targets(cfg, summarize(bad)).values():
+                 "performer_stage2": [90, 80, 100], "flexformer_n_scratch": [113, 111, 115]}, fractions)
+    for t in check_targets(cfg, summarize(bad), bad).values():
         assert t["ppl_ratio_to_teacher"] == pytest.approx(1.12)
         assert t["within_10pct_on_10pct_tokens"] is False
         assert t["beats_scratch"] is None and t["beats_distilled_performer"] is False
     # within 10% of the ppl but on more than 10% of the tokens
     over = _rows({"softmax": [100], "flexformer_n_stage2": [101], "flexformer_n_scratch": [150]},
                  {**fractions, "flexformer_n_stage2": 0.2})
-    for t in check_targets(cfg, summarize(over)).values():
+    for t in check_targets(cfg, summarize(over), over).values():
         assert t["within_10pct_on_10pct_tokens"] is False and t["beats_distilled_performer"] == "not run"
     assert "better than distilled Performer: not run (no performer student)" in targets_markdown(
-        check_targets(cfg, summarize(over)), seeds=1)
+        check_targets(cfg, summarize(over), over), seeds=1)
 
 
 def test_bad_settings_fail_before_any_training(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
