@@ -11,13 +11,15 @@
 # stage_logs.tar.gz (every stage's and trainer's log and metrics.jsonl). The work folder with the
 # 247M checkpoints stays outside OUT (MEGAFLEX_GPU_CHECK_WORK, default a temporary folder): gigabytes
 # that no caller wants back. --dry-run: the same steps on CPU (Triton's interpreter, tiny shapes),
-# for testing this script where there is no GPU. Other flags go to `python -m benchmarks.gpu_check`
-# (default --deadline 480).
+# for testing this script where there is no GPU. MEGAFLEX_WARM_TRITON_CACHE=DIR: a Triton cache built
+# ahead on CPU for this commit (python -m benchmarks.gpu_check.warm_cache; docs/design.md#gpu), copied
+# to the run's cache and relocated there, so the stages skip their compiles. Other flags go to
+# `python -m benchmarks.gpu_check` (default --deadline 540).
 # Exit status: gpu_check's (0 passed, 1 failed, 3 incomplete: a stage not run for time, 2 no usable
 # GPU), or 4 when the wheels do not install, 5 when the node's packages do not fit.
 set -uo pipefail
 if [ $# -lt 2 ] || [ "$1" = "--help" ] || [ "$1" = "-h" ]; then
-  sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'
   [ $# -ge 1 ] && { [ "$1" = "--help" ] || [ "$1" = "-h" ]; } && exit 0
   exit 2
 fi
@@ -50,9 +52,17 @@ export PYTHONUNBUFFERED=1
   || { stamp "error: megaflex's dependencies do not import (error above; carry the missing wheels)"; exit 4; }
 "$python_bin" -m pip check 2>&1 | sed 's/^/[pip check] /' || true
 
+cache_args=()
+if [ -n "${MEGAFLEX_WARM_TRITON_CACHE:-}" ]; then
+  cache="${TRITON_CACHE_DIR:-$work/triton_cache}"
+  mkdir -p "$cache" && cp -r "$MEGAFLEX_WARM_TRITON_CACHE"/. "$cache"/ \
+    && "$python_bin" "$repo/benchmarks/gpu_check/warm_cache.py" --relocate "$cache" \
+    || { stamp "error: the warmed Triton cache $MEGAFLEX_WARM_TRITON_CACHE could not be put in place"; exit 4; }
+  cache_args=(--triton-cache "$cache")
+fi
 stamp "gpu_check (work folder $work)"
 cd "$repo"
-"$python_bin" -m benchmarks.gpu_check --out "$out" --work-dir "$work" "$@"
+"$python_bin" -m benchmarks.gpu_check --out "$out" --work-dir "$work" "${cache_args[@]}" "$@"
 status=$?
 bundle_logs
 stamp "gpu_check exit status $status; in $out: $(cd "$out" && ls | tr '\n' ' ')"

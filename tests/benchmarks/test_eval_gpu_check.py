@@ -257,3 +257,21 @@ def test_an_error_raised_inside_fla_is_its_refusal_not_a_megaflex_failure(tmp_pa
         raise ValueError("megaflex's own")
     except ValueError as err:
         assert not raised_inside_package(err, "fla")
+
+
+def test_profile_summary_counts_kernels_not_the_ranges_around_them(tmp_path):
+    """megaflex.* record_function ranges carry their kernels' device time again: not counted."""
+    import json as _json
+
+    from benchmarks.gpu_check.profile_summary import summarize
+
+    def op(name: str, device_us: float) -> dict:
+        return {"name": name, "count": 2, "self_cpu_us": 1.0, "self_device_us": device_us, "device_type": "DeviceType.CUDA"}
+
+    ops = [op("megaflex.attention", 900.0), op("megaflex.attention.flexformer_n", 700.0), op("chunk_outputs", 600.0),
+           op("nvjet_sm90_tst_gemm", 200.0), op("elementwise_kernel", 200.0)]  # fmt: skip
+    path = tmp_path / "rank0.steps1-2.ops.json"
+    path.write_text(_json.dumps({"steps": 2, "device": "cuda", "ops": ops}))
+    summary = summarize(path)
+    assert summary["ms_per_step"] == {"gemm": 0.1, "attention": 0.3, "feature_maps": 0.0, "other": 0.1}
+    assert summary["share"]["attention"] == 0.6
