@@ -35,7 +35,8 @@ from typing import Any, Sequence
 from megaflex.attention.base import NORMALIZATIONS
 from megaflex.checkpoint.layout import run_checkpoint_dir
 
-from studies.kernel_study_config import RunSpec, StudyConfig
+from megaflex.cli_args import available_device
+from studies.kernel_study_config import RunSpec, StudyConfig, number_type, output_dir_option, path_option
 from studies.runner import evaluate_run, prepare_data, reused_run_data, train_run
 
 DISTILL_ENTRY = "megaflex.distill"  # megaflex-distill's module, run with python -m
@@ -356,15 +357,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--students", default=None,
                    help=f"comma-separated student attention kinds (default {','.join(defaults.students)}, less those with "
                         "nothing to train in stage 1 under --normalization: a fixed map has only the rms gains)")
-    p.add_argument("--teacher-runs", default=None, help="a kernel study's runs/ folder: reuse its softmax_s{seed} runs")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--teacher-runs", type=path_option, default=None,
+                   help="a kernel study's runs/ folder: reuse its softmax_s{seed} runs")
+    p.add_argument("--device", type=available_device, default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--normalization", default=defaults.normalization, choices=list(NORMALIZATIONS),
                    help="the students' (and scratch's) output normalisation (model.normalization)")
-    for name in ("data_root", "work_dir", "out"):
-        p.add_argument("--" + name.replace("_", "-"), default=getattr(defaults, name))
-    for names, kind in ((INT_FLAGS, int), (FLOAT_FLAGS, float)):
-        for name in names:
-            p.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=f"default {getattr(defaults, name)}")
+    p.add_argument("--data-root", type=path_option, default=defaults.data_root)
+    for name in ("work_dir", "out"):
+        p.add_argument("--" + name.replace("_", "-"), type=output_dir_option, default=getattr(defaults, name))
+    for name in INT_FLAGS + FLOAT_FLAGS:
+        p.add_argument("--" + name.replace("_", "-"), type=number_type(name), default=None,
+                       help=f"default {getattr(defaults, name)}")
     return p
 
 
@@ -401,13 +404,6 @@ def config_from_args(args: argparse.Namespace) -> DistillStudyConfig:
         print(f"[distill_study] students {idle} left out: nothing to train in stage 1 with model.normalization "
               f"{normalization} (pass --normalization rms to distill them)", flush=True)
         values["students"] = [s for s in values["students"] if s not in idle]
-    for name in ("seeds", "stage1_steps", "stage2_steps"):
-        if values.get(name, 1) < 1:
-            raise ValueError(f"--{name.replace('_', '-')}: expected >= 1, got {values[name]}")
-    if values.get("lora_rank", 0) < 0:
-        raise ValueError(f"--lora-rank: expected >= 0 (0: full finetune), got {values['lora_rank']}")
-    if values.get("softmax_window", 0) < 0:
-        raise ValueError(f"--softmax-window: expected >= 0 (0: none), got {values['softmax_window']}")
     if values.get("softmax_window", 0) > 0 and values.get("weights_ce_weight", DistillStudyConfig.weights_ce_weight) > 0:
         raise ValueError("--softmax-window: the attention-weights loss (--weights-ce-weight) needs students without a "
                          "window; set one of them to 0")

@@ -45,10 +45,11 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-import torch
-
 from megaflex.attention import NORMALIZATIONS
-from studies.kernel_study_config import ARM_SETS, ARMS, KINDS, ORDERS, PRESETS, RunSpec, StudyConfig
+from megaflex.cli_args import available_device, positive_int, positive_int_list
+from studies.kernel_study_config import (
+    ARM_SETS, ARMS, KINDS, ORDERS, PRESETS, RunSpec, StudyConfig, number_type, output_dir_option, path_option,
+)
 from studies.kernel_study_report import write_report
 from studies.runner import evaluate_run, load_row, prepare_data, reuse_rows, save_row, train_run
 
@@ -118,16 +119,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arms", default=",".join(defaults.arms),
                    help=f"comma-separated arms of {list(ARMS)}, or named sets of them: {list(ARM_SETS)}")
     p.add_argument("--preset", default="cpu", choices=list(PRESETS), help="model/training shape (41m: the paper's)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    for name in ("data_root", "work_dir", "out"):
-        p.add_argument("--" + name.replace("_", "-"), default=getattr(defaults, name))
+    p.add_argument("--device", type=available_device, default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--data-root", type=path_option, default=defaults.data_root)
+    for name in ("work_dir", "out"):
+        p.add_argument("--" + name.replace("_", "-"), type=output_dir_option, default=getattr(defaults, name))
     for name in ("vocab_size", "num_layers", "hidden_size", "num_heads", "feature_dim", "steps", "seq_len",
                  "micro_batch_size", "global_batch_size", "warmup", "seed", "seeds", "tokenizer_sentences",
-                 "eval_batch_size", "eval_tokens"):
-        p.add_argument("--" + name.replace("_", "-"), type=int, default=None, help=f"default {getattr(defaults, name)}")
-    for name in ("lr", "min_lr", "kernel_frequency_lr_multiplier", "kernel_temperature_lr_multiplier"):
-        p.add_argument("--" + name.replace("_", "-"), type=float, default=None, help=f"default {getattr(defaults, name)}")
-    p.add_argument("--max-train-docs", type=int, default=None, help="use only the first N train-00 documents")
+                 "eval_batch_size", "eval_tokens", "lr", "min_lr", "kernel_frequency_lr_multiplier",
+                 "kernel_temperature_lr_multiplier"):
+        p.add_argument("--" + name.replace("_", "-"), type=number_type(name), default=None,
+                       help=f"default {getattr(defaults, name)}")
+    p.add_argument("--max-train-docs", type=positive_int, default=None, help="use only the first N train-00 documents")
     p.add_argument("--document-boundaries", default=None, choices=["none", "reset"],
                    help="data.document_boundaries of every run (default none: packed documents attend to each other)")
     p.add_argument("--order", default="seeds", choices=ORDERS,
@@ -138,9 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train nothing: rewrite the report from the stored rows (give the training command's flags)")
     p.add_argument("--normalization", default=None, choices=list(NORMALIZATIONS),
                    help=f"model.normalization of every run whose arm does not set it (default {defaults.normalization})")
-    p.add_argument("--long-contexts", default=None,
+    p.add_argument("--long-contexts", type=positive_int_list, default=None,
                    help="comma-separated context lengths at which english-docs valid is also scored (windows and stateful)")
-    p.add_argument("--reuse-from", default=None, metavar="STUDY_DIR",
+    p.add_argument("--reuse-from", type=path_option, default=None, metavar="STUDY_DIR",
                    help="first copy rows of another study folder (e.g. docs/results/kernel_study_v3) whose training "
                         "recipe equals a run of this one (same settings, kind, overrides and effective normalisation)")
     return p
@@ -152,21 +154,10 @@ def config_from_args(args: argparse.Namespace) -> StudyConfig:
     values = {**PRESETS[args.preset], **{k: v for k, v in vars(args).items() if v is not None and k not in selection}}
     values["kinds"] = [k for k in args.kinds.split(",") if k]
     values["arms"] = list(dict.fromkeys(arm for a in args.arms.split(",") if a for arm in ARM_SETS.get(a, (a,))))
-    if args.long_contexts is not None:
-        try:
-            values["long_contexts"] = [int(c) for c in args.long_contexts.split(",") if c]
-        except ValueError:
-            raise ValueError(f"--long-contexts: expected comma-separated ints, got {args.long_contexts!r}") from None
-        if any(c < 1 for c in values["long_contexts"]):
-            raise ValueError(f"--long-contexts: expected positive lengths, got {args.long_contexts!r}")
     for name, given, known in (("--kinds", values["kinds"], KINDS), ("--arms", values["arms"], tuple(ARMS))):
         unknown = sorted(set(given) - set(known))
         if unknown:
             raise ValueError(f"{name}: expected a subset of {list(known)}, got unknown {unknown}")
-    if values.get("seeds", 1) < 1:
-        raise ValueError(f"--seeds: expected >= 1, got {values['seeds']}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device is available here")
     return StudyConfig(**values)
 
 

@@ -6,9 +6,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from megaflex.attention.feature_maps._common import log_sqrt_scale
+from megaflex.cli_args import (
+    creatable_dir, nonnegative_float, nonnegative_int, positive_float, positive_int, unit_interval,
+)
 from megaflex.training.config import OptimizerConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -207,3 +210,34 @@ class StudyConfig:
                              f"cpu4x presets), this study has {head_dim}; leave them out")
         return [RunSpec(k, k) for k in self.kinds] + [RunSpec(a, ARM_KINDS.get(a, "flexformer_n"), list(ARMS[a][0]))
                                                       for a in self.arms]  # fmt: skip
+
+
+# ------------------------------------------------------------------------------- option types
+# What each numeric option of the studies accepts, checked while the arguments are parsed: a count
+# >= 1 unless listed (0 or a negative count failed after the data was prepared, or never).
+_NUMBER_TYPES: dict[str, Callable[[str], Any]] = {
+    "seed": int, "warmup": nonnegative_int, "eval_tokens": nonnegative_int, "lora_rank": nonnegative_int,
+    "softmax_window": nonnegative_int,
+    "lr": positive_float, "stage1_lr": positive_float, "stage2_lr": positive_float, "lora_alpha": positive_float,
+    "min_lr": nonnegative_float, "kernel_frequency_lr_multiplier": nonnegative_float,
+    "kernel_temperature_lr_multiplier": nonnegative_float, "stage_kernel_lr_multiplier": nonnegative_float,
+    "output_mse_weight": nonnegative_float, "weights_ce_weight": nonnegative_float, "kl_weight": nonnegative_float,
+    "max_token_fraction": unit_interval,
+}
+
+
+def number_type(name: str) -> Callable[[str], Any]:
+    """The argparse type of the studies' numeric option ``name`` (a StudyConfig-style field name)."""
+    return _NUMBER_TYPES.get(name, positive_int)
+
+
+def path_option(text: str) -> str:
+    """A path option, absolute: the studies train in subprocesses started in the repository, where a
+    path relative to the caller's folder would name another one."""
+    return str(Path(text).expanduser().absolute())
+
+
+def output_dir_option(text: str) -> str:
+    """An output folder (absolute) that exists or can be created: refused before any run if it
+    cannot; created only when there is something to put there."""
+    return str(creatable_dir(text))

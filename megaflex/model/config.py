@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from megaflex.attention import ATTENTION_BACKENDS, ATTENTION_KINDS, NORMALIZATIONS
+from megaflex.attention.dispatch import RefusedAttention, refused_setting
 from megaflex.attention.hybrid import WINDOW_MIXINGS, check_far_gain
 from megaflex.attention.qk_norm import QK_NORMS
 from megaflex.config_field import opt, required
@@ -144,6 +145,11 @@ class ModelConfig:
                                  f"softmax_window with window_mixing 'shared_normaliser' is sliding-window softmax), got {value}")
         if self.attention == "softmax" and self.feature_kwargs:
             raise ValueError(f"feature_kwargs must be empty for attention='softmax', got {sorted(self.feature_kwargs)}")
+        # what the attention dispatch table refuses for these settings (e.g. the causal q/k/v convolution
+        # of a bidirectional model), here rather than at the first forward
+        refusal = refused_setting(**self.attention_settings())
+        if refusal is not None:
+            raise RefusedAttention(refusal.message)
         self._check_feature_map()
 
     def _check_feature_map(self) -> None:
@@ -165,6 +171,12 @@ class ModelConfig:
                 message = message[len("kwargs: "):]
             key = "feature_dim" if message.startswith("feature_dim") else "feature_kwargs"
             raise ValueError(f"{key} of attention={self.attention!r}: {message.removeprefix(key + ': ')}") from None
+
+    def attention_settings(self) -> dict[str, Any]:
+        """The settings of this model that the attention dispatch table decides on before any call
+        (``dispatch.SETTING_FIELDS``; a run adds its document resets and context parallelism)."""
+        return dict(form="causal" if self.causal else "bidirectional", conv_size=self.qkv_conv_size,
+                    window=self.softmax_window, mixing=self.window_mixing)
 
     @property
     def head_dim(self) -> int:

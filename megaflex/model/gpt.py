@@ -32,6 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megaflex.attention import AttentionCore, KVCache, LinearAttentionState, padding_mask
 from megaflex.attention.documents import DocumentLayout
+from megaflex.attention.dispatch import RefusedAttention, refused_setting
 from megaflex.attention.hybrid import HybridState, LocalMixingCore, build_attention
 from megaflex.attention.inputs import refuse_padded_documents
 from megaflex.attention.qk_norm import QKNorm
@@ -162,9 +163,10 @@ class Attention(nn.Module):
         kwargs = {}
         if documents is not None:
             kwargs["document_starts"] = documents.starts if documents.layout is None else documents.layout
-        if attend is not self.core and not self.causal:
-            raise ValueError("causal=False: context parallelism passes causal prefix states between ranks; "
-                             "set parallel.context_parallel_size=1 for bidirectional attention")
+        if attend is not self.core:  # the context-parallel stand-in: what the dispatch table refuses for it
+            refusal = refused_setting(form="causal" if self.causal else "bidirectional", context_parallel=True)
+            if refusal is not None:
+                raise RefusedAttention(refusal.message)
         if padding is not None:
             if attend is not self.core:
                 raise ValueError("attention_mask: padding is not supported under context parallelism")
