@@ -4,7 +4,8 @@
 - ``standin_of``: a stand-in of a distribution installed here, with its real name, version and
   dependencies, so that pip resolves and ``pip check`` checks the real dependency graph;
 - ``repack``: a pure-Python distribution installed here as a real wheel (setuptools, packaging, ...:
-  what a build backend imports, where an empty stand-in would not do);
+  what a build backend imports, where an empty stand-in would not do; ``build_tool`` also takes
+  setuptools' vendored copy of one that is not installed);
 - ``closure``: the installed distributions a list of requirements needs, transitively.
 """
 
@@ -71,15 +72,18 @@ def standin_of(folder: Path, name: str, version: str | None = None) -> Path:
     return write_wheel(folder, dist.metadata["Name"], version or dist.version, dist.requires or [], top_level(dist))
 
 
-def repack(folder: Path, name: str, version: str | None = None) -> Path:
-    """The installed pure-Python distribution ``name`` as a wheel, its files as installed here
-    (``version`` overrides the version it declares: a stand-in of an older release)."""
-    dist = md.distribution(name)
+def repack(folder: Path, name: str, version: str | None = None, path: list[str] | None = None) -> Path:
+    """The installed pure-Python distribution ``name`` (found on ``path``, default sys.path) as a
+    wheel, its files as installed (``version`` overrides the version it declares: a stand-in of an
+    older release)."""
+    dist = next(iter(md.distributions(name=name, path=path))) if path else md.distribution(name)
     files, skip = {}, ("INSTALLER", "REQUESTED", "RECORD", "direct_url.json", "METADATA", "WHEEL")
     for f in dist.files or ():
         if f.parts[0] == ".." or "__pycache__" in f.parts or (f.parts[0].endswith(".dist-info") and f.name in skip):
             continue
-        files[str(f)] = Path(dist.locate_file(f)).read_bytes()
+        located = Path(dist.locate_file(f))
+        if located.is_file():  # a vendored copy's RECORD names scripts it does not hold
+            files[str(f)] = located.read_bytes()
     metadata = dist.read_text("METADATA")
     if version:
         metadata = re.sub(r"^Version: .*$", f"Version: {version}", metadata, count=1, flags=re.M)
@@ -105,3 +109,34 @@ def closure(requirements: list[str], skip: set[str] = frozenset()) -> list[str]:
         dist = md.distribution(name)
         todo += [(Requirement(r), e) for r in dist.requires or () for e in ("", *req.extras)]
     return sorted(found)
+
+
+def write_sdist(folder: Path, name: str, version: str, requires: list[str]) -> Path:
+    """A stand-in source distribution built by setuptools (one empty package ``name``)."""
+    import io
+    import tarfile
+
+    root = f"{name}-{version}"
+    pyproject = (f'[build-system]\nrequires = ["setuptools>=68"]\nbuild-backend = "setuptools.build_meta"\n\n'
+                 f'[project]\nname = "{name}"\nversion = "{version}"\ndependencies = {list(requires)!r}\n\n'
+                 f'[tool.setuptools]\npackages = ["{name}"]\n')  # fmt: skip
+    files = {f"{root}/pyproject.toml": pyproject, f"{root}/{name}/__init__.py": "",
+             f"{root}/PKG-INFO": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"}
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{root}.tar.gz"
+    with tarfile.open(path, "w:gz") as tar:
+        for arcname, text in files.items():
+            data = text.encode()
+            info = tarfile.TarInfo(arcname)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def build_tool(folder: Path, name: str) -> Path:
+    """A real wheel of the build tool ``name`` (``wheel``, ...): the installed one, else setuptools' vendored copy."""
+    try:
+        return repack(folder, name)
+    except md.PackageNotFoundError:
+        vendored = Path(md.distribution("setuptools").locate_file("setuptools/_vendor"))
+        return repack(folder, name, path=[str(vendored)])
