@@ -81,9 +81,9 @@ def test_an_offline_build_from_a_copy_leaves_the_checkout_clean_and_prints_the_s
     proc = _run(["--out", str(out)], cwd=tmp_path, script=checkout / "launch" / "wheelhouse.sh", PIP_NO_INDEX="1",
                 PIP_FIND_LINKS=str(index), PIP_CONFIG_FILE=os.devnull)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert subprocess.run(status, cwd=checkout, capture_output=True, text=True, check=True).stdout == ""  # untouched
     wheels = sorted(out.glob("*.whl"))
     names = {re.sub(r"[-_.]+", "-", p.name.split("-")[0]).lower() for p in wheels}
     assert names == set(needed) | {"setuptools", "wheel"}, names ^ (set(needed) | {"setuptools", "wheel"})
     size = sum(p.stat().st_size for p in wheels)
     assert f"[wheelhouse] {out}: {len(wheels)} wheels, {size / 2**20:.1f} MiB ({size} bytes) in all" in proc.stdout
-    assert subprocess.run(status, cwd=checkout, capture_output=True, text=True, check=True).stdout == ""
