@@ -14,11 +14,11 @@
 #   suitable torch (>= 2.11; a CUDA build with its triton >= 3.6; launch/check_node_packages.py):
 #   .venv is a layer on top of that environment. It is made from that Python without pip and a .pth
 #   file adds the environment's site-packages (with their own .pth files) after the layer's own, so
-#   its torch, triton, numpy and pip are seen and used but never changed: pip installs megaflex and
-#   what is missing into the layer only (pip refuses to touch files outside the layer). This works
-#   for a read-only environment, a system Python pip may not write to, and a Python that is itself
-#   a venv (a venv made with --system-site-packages from a venv sees the *base* interpreter's
-#   packages, not the parent venv's).
+#   its torch, triton, numpy and pip are seen and used but never changed: pip (the layer's `pip`
+#   runs that pip with the layer's Python) installs megaflex and what is missing into the layer
+#   only, and refuses to touch files outside it. This works for a read-only environment, a system
+#   Python pip may not write to, and a Python that is itself a venv (a venv made with
+#   --system-site-packages from a venv sees the *base* interpreter's packages, not the parent's).
 # - otherwise: a fresh .venv with torch==2.13.0 (MEGAFLEX_TORCH) installed first and pinned, so no
 #   other package can pull a different (multi-GB) build.
 # MEGAFLEX_VENV naming an existing environment (the node's own venv or conda env) installs into it.
@@ -41,16 +41,10 @@
 # Sourced, it leaves the caller's shell options (set -e/-u/-o pipefail) as they were and returns its
 # status (0, 1 install failed, 2 bad input); it never exits the caller's shell.
 
-# pip of the venv: its own, or (a layer made without pip) the parent environment's pip run by the
-# layer's Python, which installs into the layer.
-_megaflex_pip() {
-  if [ -x "$venv/bin/pip" ]; then "$venv/bin/pip" "$@"; else "$venv/bin/python" -m pip "$@"; fi
-}
-
 # pip install with its output shown; only the "Location ... is ignored" notices of an unreachable
 # local index are dropped. The status is pip's: a failed resolution stops here, its error visible.
 _megaflex_pip_install() {
-  _megaflex_pip install -q "$@" 2>&1 | { grep -v "is ignored" || true; }
+  "$venv/bin/pip" install -q "$@" 2>&1 | { grep -v "is ignored" || true; }
   [ "${PIPESTATUS[0]}" -eq 0 ] && return 0
   echo "[setup] pip install $* failed: pip's error is above" >&2
   return 1
@@ -65,9 +59,15 @@ _megaflex_interpreter() {
 
 # Make $venv a layer on the environment of $python_bin (see the header).
 _megaflex_make_layer() {
-  local without_pip=--without-pip purelib
+  local without_pip=--without-pip purelib name
   "$python_bin" -c "import pip" 2>/dev/null || without_pip=""   # no pip to borrow: the layer gets its own
   "$python_bin" -m venv $without_pip "$venv" || return 1
+  if [ -n "$without_pip" ]; then
+    # `pip` on PATH installs into the layer, as `python -m pip` does: the parent's pip, the layer's Python
+    for name in pip pip3; do
+      printf '#!/bin/sh\nexec "$(dirname "$0")/python" -m pip "$@"\n' > "$venv/bin/$name" && chmod +x "$venv/bin/$name" || return 1
+    done
+  fi
   purelib="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" || return 1
   "$python_bin" - "$purelib/_megaflex_parent_env.pth" <<'EOF' || return 1
 import os, site, sys
@@ -249,7 +249,7 @@ _megaflex_install() {
 }
 
 if _megaflex_setup "$@"; then _megaflex_status=0; else _megaflex_status=$?; fi
-unset -f _megaflex_setup _megaflex_install _megaflex_make_layer _megaflex_interpreter _megaflex_pip_install _megaflex_pip
+unset -f _megaflex_setup _megaflex_install _megaflex_make_layer _megaflex_interpreter _megaflex_pip_install
 if [ "${BASH_SOURCE[0]}" != "$0" ]; then
   eval "unset _megaflex_status; return $_megaflex_status"
 fi

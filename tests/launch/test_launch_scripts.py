@@ -214,17 +214,18 @@ def test_setup_sourced_keeps_the_callers_shell_options_and_never_exits_it(tmp_pa
     """Issue 45 class 7: `set -euo pipefail` stayed on in the caller's (interactive) shell, and an
     error closed it."""
     check = 'before="$-$(shopt -qo pipefail && echo P)"; source launch/setup_env.sh; status=$?; ' \
-            'echo "status=$status before=$before after=$-$(shopt -qo pipefail && echo P)"'  # fmt: skip
+            'echo "status=$status before=$before after=$-$(shopt -qo pipefail && echo P) ' \
+            'left=${venv+venv}${stamp+stamp}${kind+kind}${name+name}${_megaflex_status+status}"'  # fmt: skip
     for options in ("set +euo pipefail", "set -u"):
         ok, _ = run_setup(tmp_path, STUB_SCRIPT=f"{options}; {check}")
         (line,) = [x for x in ok.stdout.splitlines() if x.startswith("status=")]
-        status, before, after = (part.split("=", 1)[1] for part in line.split())
-        assert (status, after) == ("0", before), ok.stdout + ok.stderr
+        status, before, after, left = (part.split("=", 1)[1] for part in line.split())
+        assert (status, after, left) == ("0", before, ""), ok.stdout + ok.stderr  # no variable of the script left
         failed, _ = run_setup(tmp_path, MEGAFLEX_OFFLINE_WHEELS=str(tmp_path / "nowhere"), STUB_SCRIPT=f"{options}; {check}")
         (line,) = [x for x in failed.stdout.splitlines() if x.startswith("status=")]  # the shell went on
-        status, before, after = (part.split("=", 1)[1] for part in line.split())
-        assert (status, after) == ("2", before) and "no wheels there" in failed.stderr, failed.stdout + failed.stderr
-        assert failed.returncode == 0
+        status, before, after, left = (part.split("=", 1)[1] for part in line.split())
+        assert (status, after, left) == ("2", before, ""), failed.stdout + failed.stderr
+        assert "no wheels there" in failed.stderr and failed.returncode == 0
 
 
 def test_node_packages_check_names_what_is_missing_or_too_old():
