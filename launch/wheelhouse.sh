@@ -14,7 +14,7 @@
 # 2.11.0 / 2.2.0: dependencies are resolved as if those were installed; neither is downloaded),
 # --extra NAME (repeatable: megaflex[NAME] too, e.g. `--extra tensorboard`: 40.6 MB in all).
 # By default only megaflex's core dependencies (pyproject.toml `dependencies`: what megaflex-train
-# and `python -m benchmarks.gpu_check` import; 19.8 MB for Python 3.12) and setuptools + wheel (for
+# and `python -m benchmarks.gpu_check` import; 18.8 MiB for Python 3.12) and setuptools + wheel (for
 # the editable install) are included; not the extras (`tensorboard`: without it a run warns and
 # writes metrics.jsonl only; `tools`: datasets, matplotlib; `hf`, `wandb`, `gpu`).
 # Prints the wheelhouse's size; exits non-zero if any wheel cannot be had for the target. The
