@@ -149,19 +149,26 @@ def test_setup_offline_refuses_a_missing_wheelhouse_or_node_torch(tmp_path):
 
 
 # The Python the caller is in (PYTHON), for a venv not made yet: STUB_PROBE is what
-# check_node_packages.py --probe answers (0: a suitable torch, 1: none); `-m venv DIR` makes DIR with a
-# recording python (and pip, unless --without-pip) whose torch is STUB_TORCH, a CUDA build unless
-# STUB_CUDA=1.
+# check_node_packages.py --probe answers (0: a suitable torch, 1: none); `-m venv DIR` makes DIR with
+# a recording python (VENV_PYTHON; and pip, unless --without-pip) whose torch is STUB_TORCH, a CUDA
+# build unless STUB_CUDA=1.
 BASE_PYTHON = r"""echo "base $(printf "%q " "$@")" >> "$STUB_LOG"
 case "$*" in
   *"os.path.join"*) echo "$STUB_BASE/bin/python3.12" ;;
   *check_node_packages.py*) exit "${STUB_PROBE:-1}" ;;
   "-m venv"*)
     dir="${@: -1}"; mkdir -p "$dir/bin"
-    printf '#!/usr/bin/env bash\necho "python $(printf "%%q " "$@")" >> "$STUB_LOG"\ncase "$*" in\n  *sysconfig*) echo "%s/lib" ;;\n  *importlib.metadata*) echo "$STUB_TORCH" ;;\n  *torch.version.cuda*) exit "${STUB_CUDA:-0}" ;;\nesac\nexit 0\n' "$dir" > "$dir/bin/python"
-    [[ "$*" == *--without-pip* ]] || printf '#!/usr/bin/env bash\necho "pip $(printf "%%q " "$@")" >> "$STUB_LOG"\n' > "$dir/bin/pip"
-    chmod +x "$dir"/bin/* ;;
+    cp "$STUB_BASE/bin/venv-python" "$dir/bin/python"
+    [[ "$*" == *--without-pip* ]] || cp "$STUB_BASE/bin/venv-pip" "$dir/bin/pip" ;;
   "- "*) cat > "$2" ;;
+esac
+exit 0
+"""
+VENV_PYTHON = r"""echo "python $(printf "%q " "$@")" >> "$STUB_LOG"
+case "$*" in
+  *sysconfig*) echo "$(dirname "$0")/../lib" ;;
+  *importlib.metadata*) echo "$STUB_TORCH" ;;
+  *torch.version.cuda*) exit "${STUB_CUDA:-0}" ;;
 esac
 exit 0
 """
@@ -169,7 +176,7 @@ exit 0
 
 def run_setup_from(tmp_path: Path, probe: int, **env: str) -> tuple[subprocess.CompletedProcess, Path]:
     """setup_env.sh with no venv yet, PYTHON a stub (``BASE_PYTHON``) whose torch check answers ``probe``."""
-    write_stubs(tmp_path / "base" / "bin", {"python3": BASE_PYTHON})
+    write_stubs(tmp_path / "base" / "bin", {"python3": BASE_PYTHON, "venv-python": VENV_PYTHON, "venv-pip": PIP})
     log = tmp_path / "stub.log"
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "MEGAFLEX_", "PYTHON"))}
     clean.update(MEGAFLEX_VENV=str(tmp_path / "venv"), STUB_LOG=str(log), STUB_BASE=str(tmp_path / "base"),
@@ -201,7 +208,7 @@ def test_setup_layers_over_the_callers_torch_and_keeps_it(tmp_path, cuda):
     assert f"[setup] using the environment of {base}: megaflex goes into {venv}, a layer on top of it that sees its " \
            "packages and leaves them untouched" in proc.stdout.splitlines()  # fmt: skip
     assert ["-m", "venv", "--without-pip", str(venv)] in calls(log, "base")  # the parent's pip installs into the layer
-    assert ["-", str(venv / "lib" / "_megaflex_parent_env.pth")] in calls(log, "base")  # into the layer's site-packages
+    assert ["-", f"{venv}/bin/../lib/_megaflex_parent_env.pth"] in calls(log, "base")  # into the layer's site-packages
     assert not calls(log, "pip")  # no torch installed
     installs = [c for c in calls(log, "python") if c[:2] == ["-m", "pip"]]
     assert installs == [["-m", "pip", "install", "-q", "-e", f"{REPO}[{'gpu' if cuda else 'dev'}]", "torch==2.12.0+cu128"]]
