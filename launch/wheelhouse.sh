@@ -14,30 +14,46 @@
 # 2.11.0 / 2.2.0: dependencies are resolved as if those were installed; neither is downloaded),
 # --extra NAME (repeatable: megaflex[NAME] too, e.g. `--extra tensorboard`: 40.6 MB in all).
 # By default only megaflex's core dependencies (pyproject.toml `dependencies`: what megaflex-train
-# and `python -m benchmarks.gpu_check` import; 19.8 MB for Python 3.12) and setuptools + wheel (for
+# and `python -m benchmarks.gpu_check` import; 18.8 MiB for Python 3.12) and setuptools + wheel (for
 # the editable install) are included; not the extras (`tensorboard`: without it a run warns and
 # writes metrics.jsonl only; `tools`: datasets, matplotlib; `hf`, `wandb`, `gpu`).
-# Prints the wheelhouse's size; exits non-zero if any wheel cannot be had for the target.
+# Prints the wheelhouse's size; exits non-zero if any wheel cannot be had for the target. The
+# checkout is only read: megaflex's wheel is built from a temporary copy of it (a read-only checkout
+# works, and no build/ or megaflex.egg-info is left in it). `--help`: this text.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 python_bin="${PYTHON:-python3}"
-py_version="$("$python_bin" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"; }
 platforms=()
 out=""
+py_version=""
 torch_version=2.11.0
 numpy_version=2.2.0
 extras=""
 while [ $# -gt 0 ]; do
   case "$1" in
-    --python) py_version="$2"; shift 2 ;;
-    --platform) platforms+=("$2"); shift 2 ;;
-    --out) out="$2"; shift 2 ;;
-    --torch) torch_version="$2"; shift 2 ;;
-    --numpy) numpy_version="$2"; shift 2 ;;
-    --extra) extras="${extras:+$extras,}$2"; shift 2 ;;
-    *) echo "error: launch/wheelhouse.sh: unknown argument '$1' (see the header of the script)" >&2; exit 2 ;;
+    -h|--help) usage; exit 0 ;;
+    --python|--platform|--out|--torch|--numpy|--extra)
+      if [ $# -lt 2 ] || [[ "$2" == --* ]]; then
+        echo "error: launch/wheelhouse.sh: $1 needs a value (--help for usage)" >&2
+        exit 2
+      fi
+      case "$1" in
+        --python) py_version="$2" ;;
+        --platform) platforms+=("$2") ;;
+        --out) out="$2" ;;
+        --torch) torch_version="$2" ;;
+        --numpy) numpy_version="$2" ;;
+        --extra) extras="${extras:+$extras,}$2" ;;
+      esac
+      shift 2 ;;
+    *) echo "error: launch/wheelhouse.sh: unknown argument '$1' (--help for usage)" >&2; exit 2 ;;
   esac
 done
+if [ -z "$py_version" ]; then
+  py_version="$("$python_bin" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')" \
+    || { echo "error: PYTHON=$python_bin does not run; name one with PYTHON= or give --python X.Y" >&2; exit 2; }
+fi
 [[ "$py_version" =~ ^3\.[0-9]+$ ]] || { echo "error: --python: expected 3.X, got '$py_version'" >&2; exit 2; }
 [ ${#platforms[@]} -gt 0 ] || platforms=(manylinux_2_28_x86_64 manylinux2014_x86_64)
 abi="cp${py_version/./}"
@@ -56,7 +72,18 @@ target=(--only-binary=:all: --python-version "$py_version" --implementation cp -
 for p in "${platforms[@]}"; do target+=(--platform "$p"); done
 
 echo "[wheelhouse] megaflex's own wheel (for its dependency list only; the node installs the repository)"
-pip wheel -q --no-deps "$repo" -w "$work/local"
+# From a copy of the checkout's files (git's view when it is a git checkout: no .venv, build outputs or
+# data), made writable: building in place would write build/ and megaflex.egg-info into the checkout.
+mkdir -p "$work/src"
+if git -C "$repo" rev-parse --git-dir > /dev/null 2>&1; then
+  (cd "$repo" && git ls-files -z --cached --others --exclude-standard | while IFS= read -r -d '' f; do
+    [ ! -e "$f" ] || printf '%s\0' "$f"   # a file deleted in the working tree is not copied
+  done | tar --null -T - -cf -) | tar -C "$work/src" -xf -
+else
+  tar -C "$repo" --exclude=./.venv --exclude=./.git --exclude=./build --exclude='*.egg-info' -cf - . | tar -C "$work/src" -xf -
+fi
+chmod -R u+w "$work/src"
+pip wheel -q --no-deps "$work/src" -w "$work/local"
 # Stand-ins for what the node already has: empty wheels with a local version no index holds, so the
 # resolver takes them (their versions satisfy every requirement on them) and downloads nothing real.
 "$python_bin" - "$work/local" "torch==$torch_version+node" "numpy==$numpy_version+node" <<'EOF'
@@ -91,5 +118,5 @@ pip download -q -d "$out" "${target[@]}" --find-links "$work/local" -c "$work/pr
   "megaflex${extras:+[$extras]}==$version" "setuptools>=68" wheel
 rm -f "$out"/megaflex-*.whl "$out"/torch-*+node-*.whl "$out"/numpy-*+node-*.whl
 count="$(ls "$out"/*.whl | wc -l)"
-size="$(du -sk "$out" | cut -f1)"
-echo "[wheelhouse] $out: $count wheels, $(( (size + 512) / 1024 )) MB"
+size="$(cat "$out"/*.whl | wc -c)"
+echo "[wheelhouse] $out: $count wheels, $(awk -v b="$size" 'BEGIN { printf "%.1f MiB (%d bytes)", b / 1048576, b }') in all"

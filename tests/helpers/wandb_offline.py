@@ -4,12 +4,17 @@ The .wandb file is a LevelDB-style log (W&B's "datastore"): a 7-byte header (``:
 0xBEE1, version 0), then 32 KiB blocks of chunks, each ``<crc32: u32><length: u16><type: u8>`` +
 data (type 1: a whole record, 2/3/4: first/middle/last piece); a block tail shorter than a chunk
 header is padding. Every record is a ``wandb_internal_pb2.Record`` protobuf.
+
+W&B's writer flushes the file after ``run.finish()`` returns: right after it the file may hold its
+7-byte header only (seen under load). ``finished`` waits, with a deadline, for the run's last record
+(``exit``); ``records`` reads a file still being written up to its last complete record.
 """
 
 from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -32,6 +37,8 @@ def records(path: Path) -> Iterator[Any]:
             pos += BLOCK - pos % BLOCK
             continue
         _, length, kind = CHUNK.unpack_from(data, pos)
+        if pos + CHUNK.size + length > len(data):  # the writer has not finished this chunk
+            return
         pos += CHUNK.size
         chunk, pos = data[pos : pos + length], pos + length
         if kind == 0 and length == 0:
@@ -41,6 +48,18 @@ def records(path: Path) -> Iterator[Any]:
             record = wandb_internal_pb2.Record()
             record.ParseFromString(pieces)
             yield record
+
+
+def finished(path: Path, timeout: float = 120.0) -> Path:
+    """``path`` once its exit record (W&B's last) is on disk; AssertionError after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        kinds = [record.WhichOneof("record_type") for record in records(path)]
+        if "exit" in kinds:
+            return path
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{path}: no exit record {timeout:.0f} s after the run finished (records: {kinds})")
+        time.sleep(0.1)
 
 
 def run_files(wandb_dir: Path) -> list[Path]:

@@ -52,9 +52,9 @@ def run_setup(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess, 
     venv = tmp_path / "venv"
     write_stubs(venv / "bin", {"pip": PIP, "python": PYTHON})
     log = tmp_path / "stub.log"
+    script = env.pop("STUB_SCRIPT", 'source launch/setup_env.sh && echo "MALLOC_MMAP_MAX_=${MALLOC_MMAP_MAX_:-unset}"')
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "MEGAFLEX_"))}
     clean.update(MEGAFLEX_VENV=str(venv), STUB_LOG=str(log), **env)
-    script = 'source launch/setup_env.sh; echo "MALLOC_MMAP_MAX_=${MALLOC_MMAP_MAX_:-unset}"'
     proc = subprocess.run(["bash", "-c", script], cwd=REPO, env=clean, capture_output=True, text=True, timeout=60)
     return proc, log
 
@@ -91,7 +91,7 @@ def test_setup_shows_a_failed_resolution_and_stops(tmp_path):
     assert proc.returncode == 1
     assert "ResolutionImpossible: torch 2.13.0 depends on triton==3.7.1" in proc.stdout + proc.stderr
     assert "pip's error is above" in proc.stderr
-    assert "MALLOC_MMAP_MAX_" not in proc.stdout  # the sourcing shell stopped too
+    assert "MALLOC_MMAP_MAX_" not in proc.stdout  # `source` failed: nothing exported, the caller decides
     assert not (tmp_path / "venv" / ".megaflex-installed").exists()
 
 
@@ -106,11 +106,12 @@ def test_setup_offline_installs_from_the_wheelhouse_only_and_stays_offline(tmp_p
     wheels = tmp_path / "wheels"
     wheels.mkdir()
     (wheels / "hjson-3.1.0-py3-none-any.whl").write_bytes(b"")
+    (wheels / "setuptools-80.9.0-py3-none-any.whl").write_bytes(b"")  # launch/wheelhouse.sh's: isolated build
     proc, log = run_setup(tmp_path, MEGAFLEX_OFFLINE_WHEELS=str(wheels))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # no torch pin, no index: the node's torch and triton stay; megaflex and the wheelhouse from disk
     assert calls(log, "pip") == [["install", "-q", "--no-index", "--find-links", str(wheels), "-e", str(REPO)]]
-    assert any("launch/check_node_packages.py" in " ".join(c) for c in calls(log, "python"))
+    assert [c[0] for c in calls(log, "python") if "check_node_packages.py" in " ".join(c)] == [f"{REPO}/launch/check_node_packages.py"]
     again, _ = run_setup(tmp_path)  # train.sh's `source`: the venv stays offline, nothing installed
     assert "environment up to date" in again.stdout and len(calls(log, "pip")) == 1
     (wheels / "hjson-3.1.0-py3-none-any.whl").rename(tmp_path / "moved.whl")
@@ -120,6 +121,21 @@ def test_setup_offline_installs_from_the_wheelhouse_only_and_stays_offline(tmp_p
     (tmp_path / "venv" / ".megaflex-installed").write_text("an older install offline:" + str(wheels))
     stale, _ = run_setup(tmp_path)  # pyproject.toml changed since: reinstalled from the same wheelhouse, never an index
     assert stale.returncode == 0 and calls(log, "pip")[-1][:5] == ["install", "-q", "--no-index", "--find-links", str(wheels)]
+
+
+def test_setup_offline_without_setuptools_in_the_wheelhouse_builds_with_the_nodes_own(tmp_path):
+    """Issue 47: the lent image's carry list is the 7 wheels it lacks, no setuptools: megaflex's
+    editable install is built with the node's setuptools (checked first), not in an isolated
+    environment pip could not fill without an index."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "hjson-3.1.0-py3-none-any.whl").write_bytes(b"")
+    proc, log = run_setup(tmp_path, MEGAFLEX_OFFLINE_WHEELS=str(wheels))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert calls(log, "pip") == [["install", "-q", "--no-index", "--find-links", str(wheels), "--no-build-isolation",
+                                  "-e", str(REPO)]]  # fmt: skip
+    assert [c for c in calls(log, "python") if "check_node_packages.py" in " ".join(c)] == [
+        [f"{REPO}/launch/check_node_packages.py", "--own-setuptools"]]
 
 
 def test_setup_offline_refuses_a_missing_wheelhouse_or_node_torch(tmp_path):
@@ -132,12 +148,95 @@ def test_setup_offline_refuses_a_missing_wheelhouse_or_node_torch(tmp_path):
     assert proc.returncode == 2 and not calls(log, "pip")
 
 
-def test_node_packages_check_names_what_is_missing_or_too_old():
-    import importlib.util
+# The Python the caller is in (PYTHON), for a venv not made yet: STUB_PROBE is what
+# check_node_packages.py --probe answers (0: a suitable torch, 1: none); `-m venv DIR` makes DIR with
+# a recording python (VENV_PYTHON; and pip, unless --without-pip) whose torch is STUB_TORCH, a CUDA
+# build unless STUB_CUDA=1.
+BASE_PYTHON = r"""echo "base $(printf "%q " "$@")" >> "$STUB_LOG"
+case "$*" in
+  *"os.path.join"*) echo "$STUB_BASE/bin/python3.12" ;;
+  *check_node_packages.py*) exit "${STUB_PROBE:-1}" ;;
+  "-m venv"*)
+    dir="${@: -1}"; mkdir -p "$dir/bin"
+    cp "$STUB_BASE/bin/venv-python" "$dir/bin/python"
+    [[ "$*" == *--without-pip* ]] || cp "$STUB_BASE/bin/venv-pip" "$dir/bin/pip" ;;
+  "- "*) cat > "$2" ;;
+esac
+exit 0
+"""
+VENV_PYTHON = r"""echo "python $(printf "%q " "$@")" >> "$STUB_LOG"
+case "$*" in
+  *sysconfig*) echo "$(dirname "$0")/../lib" ;;
+  *importlib.metadata*) echo "$STUB_TORCH" ;;
+  *torch.version.cuda*) exit "${STUB_CUDA:-0}" ;;
+esac
+exit 0
+"""
 
-    spec = importlib.util.spec_from_file_location("check_node_packages", REPO / "launch" / "check_node_packages.py")
-    check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(check)
+
+def run_setup_from(tmp_path: Path, probe: int, **env: str) -> tuple[subprocess.CompletedProcess, Path]:
+    """setup_env.sh with no venv yet, PYTHON a stub (``BASE_PYTHON``) whose torch check answers ``probe``."""
+    write_stubs(tmp_path / "base" / "bin", {"python3": BASE_PYTHON, "venv-python": VENV_PYTHON, "venv-pip": PIP})
+    log = tmp_path / "stub.log"
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "MEGAFLEX_", "PYTHON"))}
+    clean.update(MEGAFLEX_VENV=str(tmp_path / "venv"), STUB_LOG=str(log), STUB_BASE=str(tmp_path / "base"),
+                 STUB_PROBE=str(probe), STUB_TORCH="2.12.0+cu128", PYTHON=str(tmp_path / "base" / "bin" / "python3"), **env)  # fmt: skip
+    proc = subprocess.run(["bash", "-c", "source launch/setup_env.sh"], cwd=REPO, env=clean, capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    return proc, log
+
+
+def test_setup_without_torch_in_the_callers_python_makes_a_fresh_venv_as_before(tmp_path):
+    proc, log = run_setup_from(tmp_path, probe=1)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    base = tmp_path / "base" / "bin" / "python3.12"
+    assert f"[setup] {base} has no torch: creating a fresh virtual environment at {tmp_path / 'venv'} with torch==2.13.0" \
+        in proc.stdout.splitlines()  # fmt: skip
+    assert calls(log, "base")[-1] == ["-m", "venv", str(tmp_path / "venv")]  # no --system-site-packages
+    assert calls(log, "pip") == [["install", "-q", "torch==2.13.0"], ["install", "-q", "-e", f"{REPO}[dev]", "torch==2.13.0"]]
+    assert (tmp_path / "venv" / ".megaflex-made-from").read_text() == f"fresh {base}\n"
+
+
+@pytest.mark.parametrize("cuda", [True, False])
+def test_setup_layers_over_the_callers_torch_and_keeps_it(tmp_path, cuda):
+    """Issue 47: a Python that already holds a suitable torch (a venv, a conda env, a system Python)
+    gets megaflex in a layer that sees its packages, never a venv that hides them; its torch is pinned
+    (no dependency may pull another build), a CUDA one takes the gpu extra (its own triton)."""
+    proc, log = run_setup_from(tmp_path, probe=0, STUB_CUDA="0" if cuda else "1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    base, venv = tmp_path / "base" / "bin" / "python3.12", tmp_path / "venv"
+    assert f"[setup] using the environment of {base}: megaflex goes into {venv}, a layer on top of it that sees its " \
+           "packages and leaves them untouched" in proc.stdout.splitlines()  # fmt: skip
+    assert ["-m", "venv", "--without-pip", str(venv)] in calls(log, "base")  # the parent's pip installs into the layer
+    assert ["-", f"{venv}/bin/../lib/_megaflex_parent_env.pth"] in calls(log, "base")  # into the layer's site-packages
+    assert not calls(log, "pip")  # no torch installed
+    installs = [c for c in calls(log, "python") if c[:2] == ["-m", "pip"]]
+    assert installs == [["-m", "pip", "install", "-q", "-e", f"{REPO}[{'gpu' if cuda else 'dev'}]", "torch==2.12.0+cu128"]]
+    assert (venv / ".megaflex-made-from").read_text() == f"layer {base}\n"
+    again, _ = run_setup_from(tmp_path, probe=0)
+    assert again.returncode == 0 and f"[setup] environment up to date ({venv}, layer {base})" in again.stdout
+
+
+def test_setup_sourced_keeps_the_callers_shell_options_and_never_exits_it(tmp_path):
+    """Issue 45 class 7: `set -euo pipefail` stayed on in the caller's (interactive) shell, and an
+    error closed it."""
+    check = 'before="$-$(shopt -qo pipefail && echo P)"; source launch/setup_env.sh; status=$?; ' \
+            'echo "status=$status before=$before after=$-$(shopt -qo pipefail && echo P) ' \
+            'left=${venv+venv}${stamp+stamp}${kind+kind}${name+name}${_megaflex_status+status}"'  # fmt: skip
+    for options in ("set +euo pipefail", "set -u"):
+        ok, _ = run_setup(tmp_path, STUB_SCRIPT=f"{options}; {check}")
+        (line,) = [x for x in ok.stdout.splitlines() if x.startswith("status=")]
+        status, before, after, left = (part.split("=", 1)[1] for part in line.split())
+        assert (status, after, left) == ("0", before, ""), ok.stdout + ok.stderr  # no variable of the script left
+        failed, _ = run_setup(tmp_path, MEGAFLEX_OFFLINE_WHEELS=str(tmp_path / "nowhere"), STUB_SCRIPT=f"{options}; {check}")
+        (line,) = [x for x in failed.stdout.splitlines() if x.startswith("status=")]  # the shell went on
+        status, before, after, left = (part.split("=", 1)[1] for part in line.split())
+        assert (status, after, left) == ("2", before, ""), failed.stdout + failed.stderr
+        assert "no wheels there" in failed.stderr and failed.returncode == 0
+
+
+def test_node_packages_check_names_what_is_missing_or_too_old():
+    check = _node_check_module()
     assert check.problems({"torch": "2.11.0+cu128", "triton": "3.6.0", "numpy": "2.2.6"}) == []
     assert check.problems({"torch": "2.13.0+cpu", "triton": None, "numpy": "1.26.4"}) == []  # CPU torch: no triton
     (old_torch,) = check.problems({"torch": "2.10.1+cu126", "triton": "3.6.0", "numpy": "2.2.6"})
@@ -145,7 +244,32 @@ def test_node_packages_check_names_what_is_missing_or_too_old():
     (old_triton,) = check.problems({"torch": "2.11.0", "triton": "3.5.1", "numpy": "2.2.6"})
     assert "triton 3.5.1 is older than the lowest supported 3.6" in old_triton
     (no_numpy,) = check.problems({"torch": "2.11.0", "triton": "3.6.0", "numpy": None})
-    assert no_numpy.startswith("numpy is not installed in this Python") and "--system-site-packages" in no_numpy
+    assert no_numpy.startswith("numpy is not installed in this Python") and "PYTHON=" in no_numpy
+    # issue 45 class 7: a CUDA torch without triton passed; a CPU-only one may have none (above)
+    (no_triton,) = check.problems({"torch": "2.11.0", "triton": None, "numpy": "2.2.6"}, torch_cuda="12.8")
+    assert no_triton.startswith("torch 2.11.0 is a CUDA build (CUDA 12.8) but triton is not installed")
+
+
+def test_node_packages_check_refuses_a_cuda_torch_without_triton(monkeypatch, capsys):
+    check = _node_check_module()
+    monkeypatch.setattr(check, "installed", {"torch": "2.11.0+cu130", "numpy": "2.2.6"}.get)
+    monkeypatch.setattr(check, "cuda_of_torch", lambda: "13.0")
+    assert check.main([]) == 2
+    assert "[setup] error: torch 2.11.0+cu130 is a CUDA build (CUDA 13.0) but triton is not installed" in capsys.readouterr().err
+    assert check.main(["--probe"]) == 2  # not used for a layer either
+    monkeypatch.setattr(check, "cuda_of_torch", lambda: None)  # the same versions, a CPU-only build
+    assert check.main([]) == 0 and capsys.readouterr().out == "[setup] node packages: torch 2.11.0+cu130, numpy 2.2.6\n"
+    monkeypatch.setattr(check, "installed", {}.get)
+    assert check.main(["--probe"]) == 1 and capsys.readouterr() == ("", "")  # no torch: silent, a fresh venv
+
+
+def _node_check_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("check_node_packages", REPO / "launch" / "check_node_packages.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    return check
 
 
 def test_pyproject_gpu_extra_leaves_triton_to_torch():

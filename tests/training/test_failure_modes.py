@@ -383,6 +383,16 @@ CASES: dict[str, Case] = {
         covered_by="tests/launch/test_launch_scripts.py::test_train_sh_takes_a_port_per_slurm_job"),
     "`megaflex-eval --checkpoint RUN_DIR --tag step_N`": Case(
         covered_by="tests/checkpoint/test_checkpoint_layout.py::test_eval_finds_a_tag_under_a_run_dir"),
+    "`source launch/setup_env.sh` fails (offline: no wheels, or no suitable torch in `PYTHON`; a failed pip install)": Case(
+        covered_by="tests/launch/test_launch_scripts.py::test_setup_sourced_keeps_the_callers_shell_options_and_never_exits_it"),
+    "a retry after a failed `launch/setup_env.sh` attempt, or with another `PYTHON=`": Case(
+        covered_by="tests/launch/test_setup_standin_image.py::test_a_failed_offline_attempt_leaves_nothing_and_the_recommended_python_is_honoured"),
+    "a CUDA torch without triton in the node's Python": Case(
+        covered_by="tests/launch/test_launch_scripts.py::test_node_packages_check_refuses_a_cuda_torch_without_triton"),
+    "`launch/setup_env.sh` in a venv, conda env or system Python that already holds torch >= 2.11 (e.g. a GPU image whose `python3` is a virtualenv)": Case(
+        covered_by="tests/launch/test_setup_standin_image.py::test_offline_setup_installs_into_a_layer_over_the_image_and_passes_pip_check"),
+    "`launch/wheelhouse.sh --out` (a flag without its value)": Case(
+        covered_by="tests/launch/test_wheelhouse.py::test_help_prints_the_usage_and_a_flag_without_its_value_is_one_line"),
     # --- Data and tokenizer faults
     "corrupt `.idx` (pointers shifted or inconsistent with the sizes, last pointer + size ≠ `.bin` length, bad document index)":
         Case(covered_by="tests/training/test_training_data_faults.py::test_training_on_shifted_pointers_fails_at_start_naming_the_file"),

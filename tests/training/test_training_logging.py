@@ -11,6 +11,7 @@ import copy
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,7 @@ import pytest
 from megaflex.training.metrics import read_metrics
 from megaflex.training.profiling import read_ops
 from training_harness import PYTHON, REPO, TINY, base_env, launch, write_config
-from wandb_offline import history, run_config, run_files, run_id
+from wandb_offline import CHUNK, FULL, HEADER, finished, history, records, run_config, run_files, run_id
 
 
 def _tiny(tmp_path: Path, train_iters: int) -> Path:
@@ -74,7 +75,7 @@ def test_wandb_offline_logs_the_scalars_and_a_resume_continues_the_run(tmp_path:
     resumed = launch(cfg, common + ["train.train_iters=6"])  # continues from the step-4 checkpoint
     assert resumed.returncodes == [0] and "at step 4" in resumed.outputs[0], resumed.output
 
-    files = run_files(wandb_env)
+    files = [finished(f) for f in run_files(wandb_env)]
     assert len(files) == 2  # one offline folder per process, both of one W&B run
     saved_id = (run_dir / "wandb_run_id").read_text().strip()
     assert run_id(files[0]) == run_id(files[1]) == saved_id
@@ -155,7 +156,30 @@ def test_wandb_run_id_is_reused_by_a_resume_only(tmp_path: Path, wandb_env: Path
         sink.close()
         assert (run_dir / RUN_ID_FILE).read_text().strip() == ids[-1]
     assert ids[0] == ids[1] != ids[2]
-    assert sorted(run_id(f) for f in run_files(wandb_env)) == sorted(ids)  # folder names may share a second
+    # W&B flushes a file after finish() returns: wait for it (it failed under load reading too early)
+    assert sorted(run_id(finished(f)) for f in run_files(wandb_env)) == sorted(ids)  # folder names may share a second
+
+
+def test_the_wandb_reader_waits_for_a_file_still_being_written(tmp_path: Path) -> None:
+    """Issue 45 class 9: right after finish() a .wandb file may hold its header only, or end in a
+    partly written chunk; the reader reads what is complete and ``finished`` waits for the exit record."""
+    pb2 = pytest.importorskip("wandb.proto.wandb_internal_pb2")
+    run, exit_ = pb2.Record(), pb2.Record()
+    run.run.run_id = "abc123"
+    exit_.exit.exit_code = 0
+    chunks = b"".join(CHUNK.pack(0, len(r.SerializeToString()), FULL) + r.SerializeToString() for r in (run, exit_))
+    path, whole = tmp_path / "run-abc123.wandb", HEADER.pack(b":W&B", 0xBEE1, 0) + chunks
+    path.write_bytes(whole[:-3])  # the exit record cut short
+    assert [r.WhichOneof("record_type") for r in records(path)] == ["run"]
+    writer = threading.Timer(0.5, path.write_bytes, [whole])
+    writer.start()
+    try:
+        assert run_id(finished(path, timeout=60)) == "abc123"
+    finally:
+        writer.join()
+    path.write_bytes(whole[:HEADER.size])
+    with pytest.raises(AssertionError, match="no exit record"):
+        finished(path, timeout=0.2)
 
 
 @pytest.mark.slow
