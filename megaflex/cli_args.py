@@ -53,6 +53,14 @@ def positive_float(text: str) -> float:
     return value
 
 
+def nonnegative_float(text: str) -> float:
+    """A finite number >= 0."""
+    value = finite_float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
 def unit_interval(text: str) -> float:
     """A finite number in [0, 1]."""
     value = finite_float(text)
@@ -86,6 +94,30 @@ def existing_file(text: str) -> Path:
     if not path.is_file():
         raise argparse.ArgumentTypeError(f"{text}: no such file (from {os.getcwd()})")
     return path
+
+
+def available_device(text: str) -> str:
+    """A torch device this machine has: ``cpu``, or ``cuda`` / ``cuda:N`` with a usable GPU N (a CUDA
+    device on a CPU-only machine is refused here, not after the data is loaded)."""
+    import torch  # here, not at the top: most parsers never need it
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"expected a device such as cpu, cuda or cuda:1, got {text!r}") from None
+    if device.type == "cpu":
+        return text
+    backend = getattr(torch, device.type, None)
+    if device.type == "meta" or backend is None or not hasattr(backend, "is_available"):
+        raise argparse.ArgumentTypeError(f"{text}: not a device to compute on (expected cpu, cuda or cuda:N)")
+    if not backend.is_available():
+        build = "" if device.type != "cuda" or torch.version.cuda else f" (torch {torch.__version__} is a CPU-only build)"
+        raise argparse.ArgumentTypeError(f"{text}: no {device.type.upper()} device is available on this machine{build}")
+    count = backend.device_count()
+    if device.index is not None and device.index >= count:
+        raise argparse.ArgumentTypeError(f"{text}: this machine has {count} {device.type.upper()} device(s), "
+                                         f"numbered from 0")
+    return text
 
 
 def _ensure_dir(path: Path, shown: str) -> None:
