@@ -42,9 +42,9 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import MALLOC_TUNING, worker_env
+from megaflex.cli_args import scratch_results
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_JSON = REPO / "docs" / "results" / "bench_attention.json"
 IMPLS = ("softmax", "flexformer_n", "flexformer_s", "performer")
 # the one-normaliser window hybrid (attention/window/) over flexformer_n: impl "flexformer_n_window<W>"
 WINDOW_IMPLS = ("flexformer_n_window16", "flexformer_n_window64")
@@ -191,7 +191,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
     parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS + WINDOW_IMPLS)
-    parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write the results")
+    parser.add_argument("--json", type=Path, default=scratch_results("bench_attention.json"),
+                        help="where to write the results (docs/results/bench_attention.json: the committed ones)")
     parser.add_argument("--chunk-size", type=int, default=64, help="chunk size of the linear kinds")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--segment-tokens", type=int, default=0,

@@ -24,6 +24,8 @@ sys.path.insert(0, str(REPO / "tests" / "helpers"))
 
 from training_harness import launch  # noqa: E402  (tests/helpers: local multi-process launch)
 
+from megaflex.cli_args import scratch_results  # noqa: E402
+
 CONFIGS = {"tiny": "configs/tiny.yaml", "41m": "configs/flexformer_n_41m.yaml"}
 
 
@@ -64,7 +66,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--micro-batch", type=int, default=4)
-    ap.add_argument("--out", default=str(REPO / "docs" / "results" / "bench_training.json"))
+    ap.add_argument("--out", default=str(scratch_results("bench_training.json")))
     args = ap.parse_args()
 
     rows = []

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megaflex.cli_args import scratch_results
 from megaflex.training.config import OptimizerConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -98,7 +99,7 @@ class StudyConfig:
     seeds: int = 3  # seeds seed, seed + 1, ...
     data_root: str = os.environ.get("MEGAFLEX_DATA", str(REPO.parent / "shared" / "data"))
     work_dir: str = "work_data/kernel_study"
-    out: str = "docs/results/kernel_study"
+    out: str = field(default_factory=lambda: str(scratch_results("kernel_study")))  # docs/results/...: only when named
     device: str = "cpu"
     preset: str = "cpu"
     # model (equal for every kind; linear kinds add their small feature-map parameters)

@@ -21,6 +21,7 @@ from typing import Any
 
 from benchmarks.gpu_check.common import REPO, Stage, log_tail
 from benchmarks.gpu_check.report import stage_failures
+from megaflex.cli_args import scratch_results
 
 
 @dataclass(frozen=True)
@@ -129,8 +130,7 @@ def _stage_env(args: argparse.Namespace, cache: Path) -> dict[str, str]:
 
 def default_out() -> Path:
     """A new folder outside the repository: $XDG_CACHE_HOME (or ~/.cache)/megaflex/gpu_check/<time>."""
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "megaflex" / "gpu_check" / time.strftime("%Y%m%d-%H%M%S")
+    return scratch_results("gpu_check") / time.strftime("%Y%m%d-%H%M%S")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:

@@ -279,16 +279,17 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
-# what each option accepts, checked while parsing (a count >= 1, a finite learning rate, ...)
-_TYPES: dict[str, Callable[[str], Any]] = {
+# what each option accepts, checked while parsing (a count >= 1, a finite learning rate, ...); the
+# benchmarks built on classify (benchmarks.lra_listops) type their flags with these too
+OPTION_TYPES: dict[str, Callable[[str], Any]] = {
     "out": writable_dir, "device": available_device, "seed": int,
     **dict.fromkeys(("softmax_window", "max_len", "warmup", "eval_examples", "max_train_examples"), nonnegative_int),
     **dict.fromkeys(("num_layers", "hidden_size", "num_heads", "ffn_hidden_size", "feature_dim", "steps", "batch_size",
                      "eval_every", "log_interval"), positive_int),
     "lr": positive_float, **dict.fromkeys(("min_lr", "weight_decay", "grad_clip"), nonnegative_float),
 }  # fmt: skip
-_CHOICES = {"task": tuple(TASKS), "attention": ATTENTION_KINDS, "normalization": NORMALIZATIONS,
-            "position": POSITION_KINDS, "pooling": POOLINGS}  # fmt: skip
+OPTION_CHOICES = {"task": tuple(TASKS), "attention": ATTENTION_KINDS, "normalization": NORMALIZATIONS,
+                  "position": POSITION_KINDS, "pooling": POOLINGS}  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -298,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
         if f.name == "feature_kwargs":
             continue
         flag, default = "--" + f.name.replace("_", "-"), getattr(defaults, f.name)
-        p.add_argument(flag, type=_TYPES.get(f.name, type(default)), choices=_CHOICES.get(f.name), default=default,
+        p.add_argument(flag, type=OPTION_TYPES.get(f.name, type(default)), choices=OPTION_CHOICES.get(f.name), default=default,
                        help=f"default {default!r}")  # fmt: skip
     p.add_argument("--feature-kwargs", type=_json_object, default={}, help="JSON object of feature-map kwargs")
     return p
