@@ -22,7 +22,8 @@ Reported per rank:
   (forward state + backward state gradient), counted at the collective; it must not depend on N.
 
 Then one step of a ``--long-length`` (1,048,576) token sequence on ``--long-cp`` ranks of a smaller
-model with activation checkpointing. Results go to ``--out`` (``--out docs/results/bench_context_parallel.json``: the committed ones).
+model with activation checkpointing. Results go to ``--out`` (``--out docs/results/bench_context_parallel.json``:
+the committed ones).
 CPU timings on a shared machine are noisy: compare CP=1 and CP=2 measured in the same run.
 """
 

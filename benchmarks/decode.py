@@ -17,7 +17,8 @@ bounded by about 1 + (KV cache bytes) / (weight bytes) on a memory-bound machine
 shares one read of the weights across sequences while each sequence reads its own KV cache, which
 is where a constant-size state pays off most.
 
-Writes ``decode.json`` and ``decode.png`` under ``--out`` (default ``$XDG_CACHE_HOME/megaflex/decode``; ``docs/results``: the committed ones).
+Writes ``decode.json`` and ``decode.png`` under ``--out`` (default ``$XDG_CACHE_HOME/megaflex/decode``;
+``docs/results``: the committed ones).
 Not a test: timings depend on the machine.
 """
 

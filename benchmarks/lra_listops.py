@@ -168,7 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out = out
     missing = [str(listops_path(args.data, s)) for s in SPLITS if not listops_path(args.data, s).is_file()]
     if missing:
-        print(f"lra_listops: --data {args.data}: missing {', '.join(missing)}; generate it with "
+        print(f"lra_listops: error: --data {args.data}: missing {', '.join(missing)}; generate it with "
               "`python -m data_prep.listops --out DIR` or use LRA's listops_*/basic_*.tsv", file=sys.stderr)  # fmt: skip
         return 2
     torch.set_num_threads(args.threads)
@@ -193,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "resumes); exit 130", file=sys.stderr)  # fmt: skip
         return 130
     except (ValueError, FileNotFoundError) as error:  # a setting or data file classify refuses: one line
-        print(f"lra_listops: {error}", file=sys.stderr)
+        print(f"lra_listops: error: {error}", file=sys.stderr)
         return 2
     print(f"[lra_listops] {len(rows)} runs; results in {out}")
     return 0

@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"classify: interrupted before the first step, nothing written; exit {INTERRUPTED}", file=sys.stderr)
         return INTERRUPTED
     except (ValueError, FileNotFoundError) as error:  # bad settings or data: one line, exit 2
-        print(f"classify: {error}", file=sys.stderr)
+        print(f"classify: error: {error}", file=sys.stderr)
         return 2
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"[classify] wrote {path}")

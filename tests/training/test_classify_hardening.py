@@ -54,7 +54,7 @@ def test_one_file_is_refused_not_used_as_train_valid_and_test(tmp_path, capsys):
     for task, data in (("text", folder / "train.jsonl"), ("retrieval", aan)):
         assert main(["--task", task, "--data", str(data), "--out", str(tmp_path / "out"), *TINY_FLAGS]) == 2
         line = one_line(capsys)
-        assert line.startswith("classify: --data") and "one file would serve as train, valid and test" in line
+        assert line.startswith("classify: error: --data") and "one file would serve as train, valid and test" in line
     assert not (tmp_path / "out" / "result.json").exists()
 
 
