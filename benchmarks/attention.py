@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import MALLOC_TUNING, worker_env
-from megaflex.cli_args import scratch_results
+from megaflex.cli_args import nonnegative_int, positive_float, positive_int, scratch_results, writable_file
 
 REPO = Path(__file__).resolve().parents[1]
 IMPLS = ("softmax", "flexformer_n", "flexformer_s", "performer")
@@ -189,18 +189,18 @@ def run_subprocess(impl: str, seq_len: int, chunk_size: int, repeats: int, warmu
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
+    parser.add_argument("--seq-lens", type=positive_int, nargs="+", default=[1024, 4096, 16384, 65536])
     parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS + WINDOW_IMPLS)
-    parser.add_argument("--json", type=Path, default=scratch_results("bench_attention.json"),
+    parser.add_argument("--json", type=writable_file, default=str(scratch_results("bench_attention.json")),
                         help="where to write the results (docs/results/bench_attention.json: the committed ones)")
-    parser.add_argument("--chunk-size", type=int, default=64, help="chunk size of the linear kinds")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--segment-tokens", type=int, default=0,
+    parser.add_argument("--chunk-size", type=positive_int, default=64, help="chunk size of the linear kinds")
+    parser.add_argument("--repeats", type=positive_int, default=3)
+    parser.add_argument("--segment-tokens", type=nonnegative_int, default=0,
                         help="window hybrids: LocalMixingCore.segment_tokens (0: its default, 512)")
-    parser.add_argument("--processes", type=int, default=1,
+    parser.add_argument("--processes", type=positive_int, default=1,
                         help="fresh processes per (impl, length): best time, median peak memory")
-    parser.add_argument("--sdpa-max-seq", type=int, default=65536, help="longer SDPA runs are estimated, not run")
-    parser.add_argument("--timeout", type=float, default=1800.0, help="per-config subprocess timeout (s)")
+    parser.add_argument("--sdpa-max-seq", type=positive_int, default=65536, help="longer SDPA runs are estimated, not run")
+    parser.add_argument("--timeout", type=positive_float, default=1800.0, help="per-config subprocess timeout (s)")
     parser.add_argument("--no-malloc-tuning", action="store_true", help="run workers with glibc malloc defaults")
     parser.add_argument("--worker", nargs=2, metavar=("IMPL", "SEQ_LEN"), help=argparse.SUPPRESS)
     parser.add_argument("--no-warmup", action="store_true", help=argparse.SUPPRESS)

@@ -6,17 +6,18 @@ from __future__ import annotations
 import argparse
 import os
 
+from megaflex.cli_args import nonnegative_int, positive_int
 from megaflex.model.config import ModelConfig
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags for the benchmarked GPT's shape (small defaults that run on a 2-core CPU)."""
-    parser.add_argument("--vocab-size", type=int, default=8000)
-    parser.add_argument("--num-layers", type=int, default=4)
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--num-heads", type=int, default=4)
-    parser.add_argument("--feature-dim", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    parser.add_argument("--vocab-size", type=positive_int, default=8000)
+    parser.add_argument("--num-layers", type=positive_int, default=4)
+    parser.add_argument("--hidden-size", type=positive_int, default=256)
+    parser.add_argument("--num-heads", type=positive_int, default=4)
+    parser.add_argument("--feature-dim", type=positive_int, default=64)
+    parser.add_argument("--threads", type=nonnegative_int, default=0, help="torch threads (0: torch default)")
 
 
 def model_config(args: argparse.Namespace, kind: str, max_seq_len: int) -> ModelConfig:

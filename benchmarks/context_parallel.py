@@ -38,8 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from megaflex.cli_args import scratch_results
-
+from megaflex.cli_args import positive_int, scratch_results, writable_file
 
 
 def _rss_mib() -> float:
@@ -206,7 +205,7 @@ MODEL_ARGUMENTS = dict(vocab_size=256, num_layers=2, hidden_size=32, num_heads=2
 def add_model_arguments(parser: argparse.ArgumentParser, **defaults: int) -> None:
     """--vocab-size, --num-layers, ... of the benchmarked Flexformer-N GPT (``MODEL_ARGUMENTS``, or ``defaults``)."""
     for name, default in {**MODEL_ARGUMENTS, **defaults}.items():
-        parser.add_argument("--" + name.replace("_", "-"), type=int, default=default)
+        parser.add_argument("--" + name.replace("_", "-"), type=positive_int, default=default)
 
 
 def model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -216,15 +215,15 @@ def model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[32768, 65536, 131072, 262144])
-    parser.add_argument("--cp", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--lengths", type=positive_int, nargs="+", default=[32768, 65536, 131072, 262144])
+    parser.add_argument("--cp", type=positive_int, nargs="+", default=[1, 2])
+    parser.add_argument("--steps", type=positive_int, default=2)
     add_model_arguments(parser)
     parser.add_argument("--activation-checkpointing", action="store_true", help="recompute blocks in backward")
     parser.add_argument("--no-long", action="store_true", help="skip the long-sequence step")
-    parser.add_argument("--long-length", type=int, default=1 << 20)
-    parser.add_argument("--long-cp", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=scratch_results("bench_context_parallel.json"))
+    parser.add_argument("--long-length", type=positive_int, default=1 << 20)
+    parser.add_argument("--long-cp", type=positive_int, default=2)
+    parser.add_argument("--out", type=writable_file, default=str(scratch_results("bench_context_parallel.json")))
     args = parser.parse_args()
 
     model_kw = dict(model_kwargs(args), activation_checkpointing=args.activation_checkpointing)

@@ -33,7 +33,9 @@ from typing import Any, Sequence
 import torch
 
 from benchmarks.common import add_model_arguments, model_config
-from megaflex.cli_args import scratch_results
+from megaflex.cli_args import (
+    available_device, nonnegative_int, positive_int, positive_int_list, scratch_results, writable_dir,
+)
 from megaflex.attention.softmax import KVCache
 from megaflex.model.gpt import GPT, GPTState
 
@@ -129,15 +131,15 @@ def speedups(rows: list[dict[str, Any]], baseline: str = "softmax", kind: str = 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.decode", description=__doc__.split("\n\n")[0])
     p.add_argument("--kinds", default="flexformer_n,softmax")
-    p.add_argument("--contexts", default=DEFAULT_CONTEXTS)
-    p.add_argument("--batch-sizes", default="1,8", help="sequences decoded together (1: latency; more: serving)")
-    p.add_argument("--steps", type=int, default=16, help="timed decode steps per context")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--prefill", type=int, default=64, help="real tokens before the synthetic jump to the context")
+    p.add_argument("--contexts", type=positive_int_list, default=DEFAULT_CONTEXTS)
+    p.add_argument("--batch-sizes", type=positive_int_list, default="1,8", help="sequences decoded together (1: latency; more: serving)")
+    p.add_argument("--steps", type=positive_int, default=16, help="timed decode steps per context")
+    p.add_argument("--warmup", type=nonnegative_int, default=3)
+    p.add_argument("--prefill", type=positive_int, default=64, help="real tokens before the synthetic jump to the context")
     p.add_argument("--real-prefill", action="store_true", help="prefill all context tokens for real (slow)")
     add_model_arguments(p)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--out", default=str(scratch_results("decode")))
+    p.add_argument("--device", type=available_device, default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", type=writable_dir, default=str(scratch_results("decode")))
     return p
 
 
@@ -146,12 +148,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     args = build_parser().parse_args(argv)
     args.kinds = [k for k in args.kinds.split(",") if k]
-    args.contexts = [int(c) for c in args.contexts.split(",") if c]
-    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = run(args)
-    result = {"config": {k: v for k, v in vars(args).items()}, "rows": rows, "speedup_vs_softmax": speedups(rows),
+    result = {"config": {k: v for k, v in vars(args).items() if k != "out"}, "rows": rows, "speedup_vs_softmax": speedups(rows),
               "torch_threads": torch.get_num_threads()}
     write_json(f"{args.out}/decode.json", result)
     series = {

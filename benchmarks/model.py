@@ -42,7 +42,9 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.common import MALLOC_TUNING, add_model_arguments, model_config, worker_env
-from megaflex.cli_args import scratch_results
+from megaflex.cli_args import (
+    available_device, positive_float, positive_int, positive_int_list, scratch_results, writable_dir,
+)
 from megaflex.training.metrics import peak_rss_kib
 
 REPO = Path(__file__).resolve().parents[1]
@@ -126,21 +128,21 @@ def run_one(args: argparse.Namespace, kind: str, seq_len: int) -> dict[str, Any]
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.model", description=__doc__.split("\n\n")[0])
     p.add_argument("--kinds", default="flexformer_n,softmax")
-    p.add_argument("--seq-lens", default=DEFAULT_SEQ_LENS)
-    p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=1, help="alternations of the kinds per length; best round kept")
-    p.add_argument("--batch-size", type=int, default=1, help="sequences (pairs with 2 towers) per step (8 at the kernel-study shape)")
+    p.add_argument("--seq-lens", type=positive_int_list, default=DEFAULT_SEQ_LENS)
+    p.add_argument("--steps", type=positive_int, default=2)
+    p.add_argument("--rounds", type=positive_int, default=1, help="alternations of the kinds per length; best round kept")
+    p.add_argument("--batch-size", type=positive_int, default=1, help="sequences (pairs with 2 towers) per step (8 at the kernel-study shape)")
     p.add_argument("--encoder-towers", type=int, default=0, choices=(0, 1, 2),
                    help="0: the causal LM; 1 or 2: the bidirectional encoder classifier over one sequence or a pair "
                         "of documents (LRA Text / Retrieval; megaflex.model.encoder)")
     add_model_arguments(p)
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds per (kind, seq_len) run")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--out", default=str(scratch_results("model")))
+    p.add_argument("--timeout", type=positive_float, default=900.0, help="seconds per (kind, seq_len) run")
+    p.add_argument("--device", type=available_device, default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", type=writable_dir, default=str(scratch_results("model")))
     p.add_argument("--no-malloc-tuning", action="store_true", help="run workers with glibc malloc defaults")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--kind", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--seq-len", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--seq-len", type=positive_int, default=None, help=argparse.SUPPRESS)
     return p
 
 
@@ -155,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     rows = []
     # kinds alternate per length (and per round), so each ratio compares runs taken close together
     # on a shared machine; a row keeps the best round's tokens/s (the least disturbed one)
-    for seq_len in [int(s) for s in args.seq_lens.split(",") if s]:
+    for seq_len in args.seq_lens:
         best: dict[str, dict[str, Any]] = {}
         for _ in range(args.rounds):
             for kind in kinds:
@@ -165,7 +167,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
                 if kind not in best or "error" in best[kind] or r.get("tokens_per_s", 0) > best[kind]["tokens_per_s"]:
                     best[kind] = r
         rows += [best[kind] for kind in kinds]
-    config = {k: v for k, v in vars(args).items() if k not in ("worker", "kind", "seq_len")}
+    config = {k: v for k, v in vars(args).items() if k not in ("worker", "kind", "seq_len", "out")}
     config["malloc_env"] = {} if args.no_malloc_tuning else MALLOC_TUNING
     result = {"config": config, "rows": rows}
     write_json(f"{args.out}/model.json", result)

@@ -28,8 +28,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from megaflex.cli_args import scratch_results
-
+from megaflex.cli_args import positive_int, scratch_results, writable_file
 
 
 def _saved_mib(model: Any, step: Any) -> float:
@@ -103,12 +102,12 @@ def main() -> None:
     from megaflex.eval.plotting import write_json
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--tp", type=positive_int, default=2)
+    parser.add_argument("--batch", type=positive_int, default=1)
+    parser.add_argument("--seq-len", type=positive_int, default=2048)
+    parser.add_argument("--steps", type=positive_int, default=2)
     add_model_arguments(parser, vocab_size=1024, hidden_size=512, num_heads=8, feature_dim=32)
-    parser.add_argument("--out", type=Path, default=scratch_results("bench_sequence_parallel.json"))
+    parser.add_argument("--out", type=writable_file, default=str(scratch_results("bench_sequence_parallel.json")))
     args = parser.parse_args()
 
     model_kw = model_kwargs(args)

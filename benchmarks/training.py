@@ -23,8 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "helpers"))
 
 from training_harness import launch  # noqa: E402  (tests/helpers: local multi-process launch)
-
-from megaflex.cli_args import scratch_results  # noqa: E402
+from megaflex.cli_args import positive_int, scratch_results, writable_file  # noqa: E402
 
 CONFIGS = {"tiny": "configs/tiny.yaml", "41m": "configs/flexformer_n_41m.yaml"}
 
@@ -62,11 +61,11 @@ def main() -> None:
     ap.add_argument("--configs", nargs="+", default=["tiny", "41m"], choices=sorted(CONFIGS))
     ap.add_argument("--zero", nargs="+", type=int, default=[0, 1, 2, 3])
     ap.add_argument("--precision", nargs="+", default=["fp32", "bf16"])
-    ap.add_argument("--world-size", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--micro-batch", type=int, default=4)
-    ap.add_argument("--out", default=str(scratch_results("bench_training.json")))
+    ap.add_argument("--world-size", type=positive_int, default=2)
+    ap.add_argument("--steps", type=positive_int, default=6)
+    ap.add_argument("--seq-len", type=positive_int, default=128)
+    ap.add_argument("--micro-batch", type=positive_int, default=4)
+    ap.add_argument("--out", type=writable_file, default=str(scratch_results("bench_training.json")))
     args = ap.parse_args()
 
     rows = []

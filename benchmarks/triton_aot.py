@@ -44,7 +44,7 @@ from megaflex.attention.triton.aot import (
 )  # fmt: skip
 from megaflex.attention import AttentionCore
 from megaflex.attention.base import NORMALIZATIONS
-from megaflex.cli_args import scratch_results
+from megaflex.cli_args import existing_file, positive_int, scratch_results, writable_file
 from megaflex.model.config import ModelConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -152,7 +152,7 @@ def _compile_one(job: tuple[Launch, int]) -> Compiled:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=scratch_results("triton_aot.json"))
+    parser.add_argument("--out", type=writable_file, default=str(scratch_results("triton_aot.json")))
     parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["bf16", "fp16", "fp32"])
     parser.add_argument("--archs", nargs="+", type=int, choices=ARCHS, default=list(ARCHS))
     parser.add_argument(
@@ -162,8 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window-only", action="store_true", help="compile the window hybrid's launches only")
     parser.add_argument("--normalization", choices=NORMALIZATIONS,
                         help="compile every linear config with this output normalisation instead of its own")
-    parser.add_argument("--table", type=Path, help="print the docs/design.md table of this report (JSON) and exit")
-    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiles in parallel (default: one per CPU)")
+    parser.add_argument("--table", type=existing_file, help="print the docs/design.md table of this report (JSON) and exit")
+    parser.add_argument("--jobs", type=positive_int, default=os.cpu_count() or 1, help="compiles in parallel (default: one per CPU)")
     args = parser.parse_args(argv)
     if args.table:
         print(markdown_table(json.loads(args.table.read_text())))

@@ -24,6 +24,14 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_int_list(text: str) -> list[int]:
+    """Comma-separated integers >= 1, e.g. ``512,1024`` (at least one)."""
+    values = [positive_int(part.strip()) for part in text.split(",") if part.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return values
+
+
 def nonnegative_int(text: str) -> int:
     """An integer >= 0."""
     try:
@@ -70,10 +78,14 @@ def unit_interval(text: str) -> float:
     return value
 
 
+# The path types return absolute paths: a relative one is taken from the directory the command
+# was started in, once, here, so a subprocess run elsewhere (e.g. ``cwd=REPO``) means the same file.
+
+
 def writable_file(text: str) -> Path:
     """An output file path whose folder exists or can be created, and that is not a directory.
     Checked (the folder is created) while parsing, so a finished run is never lost to its path."""
-    path = Path(text).expanduser()
+    path = Path(text).expanduser().absolute()
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text}: is a directory, expected a file path")
     _ensure_dir(path.parent, text)
@@ -82,18 +94,37 @@ def writable_file(text: str) -> Path:
 
 def writable_dir(text: str) -> Path:
     """An output directory that exists or can be created (it is created now), and is writable."""
-    path = Path(text).expanduser()
+    path = creatable_dir(text)
+    _ensure_dir(path, text)
+    return path
+
+
+def creatable_dir(text: str) -> Path:
+    """An output directory that exists, or that its nearest existing parent lets this user create;
+    nothing is created now (for commands that make their folders only once they have work to put there)."""
+    path = Path(text).expanduser().absolute()
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text}: exists and is not a directory")
-    _ensure_dir(path, text)
+    parent = next(d for d in (path, *path.parents) if d.exists())
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        what = "is not a directory" if not parent.is_dir() else "is not writable"
+        raise argparse.ArgumentTypeError(f"{text}: cannot be created here ({parent} {what})")
     return path
 
 
 def existing_file(text: str) -> Path:
     """An input file that exists (resolved against the current directory)."""
-    path = Path(text).expanduser()
+    path = Path(text).expanduser().absolute()
     if not path.is_file():
         raise argparse.ArgumentTypeError(f"{text}: no such file (from {os.getcwd()})")
+    return path
+
+
+def existing_dir(text: str) -> Path:
+    """An input directory that exists (resolved against the current directory)."""
+    path = Path(text).expanduser().absolute()
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: no such directory (from {os.getcwd()})")
     return path
 
 

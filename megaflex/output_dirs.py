@@ -2,15 +2,17 @@
 (``--overwrite``), never into a training run's checkpoint folder (only the trainer writes there),
 and with the user's umask.
 
-Used by ``megaflex-export`` (both directions); imports only ``megaflex.checkpoint``.
+Used by ``megaflex-export`` (both directions); imports only ``megaflex.checkpoint`` and ``megaflex.cli_args``.
 """
 
 from __future__ import annotations
 
 import os
+from argparse import ArgumentTypeError
 from pathlib import Path
 
 from megaflex.checkpoint import CheckpointMeta, layout
+from megaflex.cli_args import creatable_dir
 
 # Files the trainer leaves in a run directory (megaflex.training.trainer / metrics).
 _RUN_DIR_MARKERS = ("metrics.jsonl", "ds_config.json", "run.lock")
@@ -20,9 +22,9 @@ class OutputDirError(ValueError):
     """An output directory a command must not write into."""
 
 
-def claim_output_dir(path: str | os.PathLike, option: str, overwrite: bool) -> Path:
-    """Create ``path`` or accept it when it is empty (or ``overwrite``); ``OutputDirError`` naming
-    ``option`` and a few of the files it holds otherwise."""
+def check_output_dir(path: str | os.PathLike, option: str, overwrite: bool) -> None:
+    """``OutputDirError`` when ``claim_output_dir`` would refuse ``path``: checked before the work
+    starts, so a finished export is never lost to its output path. Creates nothing."""
     out = Path(path)
     if out.exists() and not out.is_dir():
         raise OutputDirError(f"{option} {out}: exists and is not a directory")
@@ -34,6 +36,17 @@ def claim_output_dir(path: str | os.PathLike, option: str, overwrite: bool) -> P
                 f"{option} {out}: the directory is not empty (holds {shown}); pass --overwrite to replace "
                 "files in it, or choose a new directory"
             )
+    try:
+        creatable_dir(str(out))
+    except ArgumentTypeError as err:
+        raise OutputDirError(f"{option} {err}") from None
+
+
+def claim_output_dir(path: str | os.PathLike, option: str, overwrite: bool) -> Path:
+    """Create ``path`` or accept it when it is empty (or ``overwrite``); ``OutputDirError`` naming
+    ``option`` and a few of the files it holds otherwise."""
+    check_output_dir(path, option, overwrite)
+    out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     return out
 

@@ -36,7 +36,8 @@ from megaflex.attention.base import NORMALIZATIONS
 from megaflex.checkpoint.layout import run_checkpoint_dir
 from megaflex.cli_args import scratch_results
 
-from studies.kernel_study_config import RunSpec, StudyConfig
+from megaflex.cli_args import available_device
+from studies.kernel_study_config import RunSpec, StudyConfig, number_type, output_dir_option, path_option
 from studies.runner import evaluate_run, prepare_data, reused_run_data, train_run
 
 DISTILL_ENTRY = "megaflex.distill"  # megaflex-distill's module, run with python -m
@@ -228,12 +229,17 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return summary
 
 
-def check_targets(cfg: DistillStudyConfig, summary: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def check_targets(
+    cfg: DistillStudyConfig, summary: list[dict[str, Any]], rows: list[dict[str, Any]]
+) -> dict[str, dict[str, Any]]:
     """The issue's targets per evaluation set, for Flexformer-N after stage 2: within 10% of the
     teacher's ppl on <= 10% of its tokens; better than scratch; better than distilled Performer.
-    Comparisons use the kernel study's seed-noise rule (None: not separated by the seeds); the
-    Performer comparison is ``NOT_RUN`` when the study had no Performer student."""
-    from studies.kernel_study_report import beats
+    Comparisons are paired by seed (``studies.paired_stats``: None = not separated by the seeds);
+    the Performer comparison is ``NOT_RUN`` when the study had no Performer student."""
+    from studies.paired_stats import compare_runs
+
+    def beats(a: str, b: str, metric: str) -> bool | None:
+        return compare_runs(rows, a, b, metric).a_better
 
     by = {s["label"]: s for s in summary}
     fn = by.get("flexformer_n_stage2")
@@ -245,8 +251,8 @@ def check_targets(cfg: DistillStudyConfig, summary: list[dict[str, Any]]) -> dic
             "ppl_ratio_to_teacher": fn[f"{metric}_ratio"], "token_fraction": fn["token_fraction"],
             "within_10pct_on_10pct_tokens": fn[f"{metric}_ratio"] <= TARGET_PPL_RATIO
             and fn["token_fraction"] <= cfg.max_token_fraction + 1e-9,  # a mean over seeds: rounding
-            "beats_scratch": beats(fn, by[SCRATCH.label], metric),
-            "beats_distilled_performer": beats(fn, by["performer_stage2"], metric) if "performer_stage2" in by else NOT_RUN,
+            "beats_scratch": beats(fn["label"], SCRATCH.label, metric),
+            "beats_distilled_performer": beats(fn["label"], "performer_stage2", metric) if "performer_stage2" in by else NOT_RUN,
         }
     return out
 
@@ -261,7 +267,7 @@ def targets_markdown(targets: dict[str, dict[str, Any]], seeds: int) -> str:
             f"{100 * t['token_fraction']:.1f}% of its tokens; within 10% on <= 10% tokens: "
             f"{word[t['within_10pct_on_10pct_tokens']]}; better than scratch at equal tokens: {word[t['beats_scratch']]}; "
             f"better than distilled Performer: {word[t['beats_distilled_performer']]}.")
-    rule = "better = gap of the means > 2 standard errors over seeds (kernel_study_report.beats)"
+    rule = "better = paired by seed, |t| of the per-seed log-ratios above the 95% t quantile (studies.paired_stats)"
     return f"## Targets (computed from the means; {rule})\n\n" + "\n".join(lines) + "\n"
 
 
@@ -300,7 +306,7 @@ def write_report(cfg: DistillStudyConfig, rows: list[dict[str, Any]], command: s
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     summary = summarize(rows)
-    targets = check_targets(cfg, summary)
+    targets = check_targets(cfg, summary, rows)
     plot_ppl_vs_tokens(out / "ppl_vs_tokens.png", summary)
     runs = [{k: v for k, v in r.items() if k not in ("loss_curve", "spectrum", "tau_curve")} for r in rows]
     write_json(out / "results.json", {"command": command, "config": dataclasses.asdict(cfg), "seconds": seconds,
@@ -352,15 +358,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--students", default=None,
                    help=f"comma-separated student attention kinds (default {','.join(defaults.students)}, less those with "
                         "nothing to train in stage 1 under --normalization: a fixed map has only the rms gains)")
-    p.add_argument("--teacher-runs", default=None, help="a kernel study's runs/ folder: reuse its softmax_s{seed} runs")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--teacher-runs", type=path_option, default=None,
+                   help="a kernel study's runs/ folder: reuse its softmax_s{seed} runs")
+    p.add_argument("--device", type=available_device, default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--normalization", default=defaults.normalization, choices=list(NORMALIZATIONS),
                    help="the students' (and scratch's) output normalisation (model.normalization)")
-    for name in ("data_root", "work_dir", "out"):
-        p.add_argument("--" + name.replace("_", "-"), default=getattr(defaults, name))
-    for names, kind in ((INT_FLAGS, int), (FLOAT_FLAGS, float)):
-        for name in names:
-            p.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=f"default {getattr(defaults, name)}")
+    p.add_argument("--data-root", type=path_option, default=defaults.data_root)
+    for name in ("work_dir", "out"):
+        p.add_argument("--" + name.replace("_", "-"), type=output_dir_option, default=getattr(defaults, name))
+    for name in INT_FLAGS + FLOAT_FLAGS:
+        p.add_argument("--" + name.replace("_", "-"), type=number_type(name), default=None,
+                       help=f"default {getattr(defaults, name)}")
     return p
 
 
@@ -397,13 +405,6 @@ def config_from_args(args: argparse.Namespace) -> DistillStudyConfig:
         print(f"[distill_study] students {idle} left out: nothing to train in stage 1 with model.normalization "
               f"{normalization} (pass --normalization rms to distill them)", flush=True)
         values["students"] = [s for s in values["students"] if s not in idle]
-    for name in ("seeds", "stage1_steps", "stage2_steps"):
-        if values.get(name, 1) < 1:
-            raise ValueError(f"--{name.replace('_', '-')}: expected >= 1, got {values[name]}")
-    if values.get("lora_rank", 0) < 0:
-        raise ValueError(f"--lora-rank: expected >= 0 (0: full finetune), got {values['lora_rank']}")
-    if values.get("softmax_window", 0) < 0:
-        raise ValueError(f"--softmax-window: expected >= 0 (0: none), got {values['softmax_window']}")
     if values.get("softmax_window", 0) > 0 and values.get("weights_ce_weight", DistillStudyConfig.weights_ce_weight) > 0:
         raise ValueError("--softmax-window: the attention-weights loss (--weights-ce-weight) needs students without a "
                          "window; set one of them to 0")

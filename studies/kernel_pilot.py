@@ -20,8 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
 
-from megaflex.cli_args import scratch_results
-from studies.kernel_study_config import RunSpec, StudyConfig
+from megaflex.cli_args import nonnegative_int, positive_int, scratch_results
+from studies.kernel_study_config import RunSpec, StudyConfig, output_dir_option
 from studies.runner import evaluate_run, prepare_data, train_run
 
 
@@ -56,12 +56,12 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     p = argparse.ArgumentParser(prog="python -m studies.kernel_pilot", description=__doc__.split("\n\n")[0])
     p.add_argument("--grid", default="paper:1,10 tied:1,10,30", help="'INIT:LR_MULTIPLIERS ...' runs")
-    p.add_argument("--steps", type=int, default=120)
-    p.add_argument("--max-train-docs", type=int, default=1500)
-    p.add_argument("--eval-tokens", type=int, default=100_000)
-    p.add_argument("--parallel", type=int, default=2, help="training processes at once")
-    p.add_argument("--work-dir", default="work_data/kernel_pilot")
-    p.add_argument("--out", default=str(scratch_results("kernel_pilot")))
+    p.add_argument("--steps", type=positive_int, default=120)
+    p.add_argument("--max-train-docs", type=positive_int, default=1500)
+    p.add_argument("--eval-tokens", type=nonnegative_int, default=100_000, help="0: the whole evaluation set")
+    p.add_argument("--parallel", type=positive_int, default=2, help="training processes at once")
+    p.add_argument("--work-dir", type=output_dir_option, default="work_data/kernel_pilot")
+    p.add_argument("--out", type=output_dir_option, default=str(scratch_results("kernel_pilot")))
     args = p.parse_args(argv)
     cfg = StudyConfig(kinds=["flexformer_n"], arms=[], seeds=1, steps=args.steps, max_train_docs=args.max_train_docs,
                       tokenizer_sentences=100_000, eval_tokens=args.eval_tokens, work_dir=args.work_dir, out=args.out)

@@ -27,6 +27,8 @@ result, the run's kind and overrides, its seed) is skipped (``--fresh`` retrains
 rewritten after every run from every stored row of the study and names the runs still missing.
 ``--order kinds`` trains all seeds of one kind/arm before the next (default ``seeds``: seed-major),
 ``--only LABEL[,..]`` trains just those kinds/arms. Per-run checkpoints stay in ``--work-dir``.
+``--report-only`` trains nothing: it rewrites the report from the stored rows (give the training
+command's flags, so that the fingerprints match); the report names that command without the flag.
 
 Training uses the project's trainer (``megaflex-train``, DeepSpeed ZeRO-0, one process, one
 subprocess per run). Data: a sentencepiece BPE tokenizer trained on the english-docs train shards,
@@ -43,10 +45,11 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-import torch
-
 from megaflex.attention import NORMALIZATIONS
-from studies.kernel_study_config import ARMS, KINDS, ORDERS, PRESETS, RunSpec, StudyConfig
+from megaflex.cli_args import available_device, positive_int, positive_int_list
+from studies.kernel_study_config import (
+    ARMS, KINDS, ORDERS, PRESETS, RunSpec, StudyConfig, number_type, output_dir_option, path_option,
+)
 from studies.kernel_study_report import write_report
 from studies.runner import evaluate_run, load_row, prepare_data, reuse_rows, save_row, train_run
 
@@ -64,10 +67,11 @@ def plan(cfg: StudyConfig, runs: list[RunSpec], order: str = "seeds") -> list[tu
 # ------------------------------------------------------------------------------- driver and CLI
 def run_study(
     cfg: StudyConfig, runs: list[RunSpec], command: str, order: str = "seeds",
-    only: Sequence[str] | None = None, fresh: bool = False,
+    only: Sequence[str] | None = None, fresh: bool = False, report_only: bool = False,
 ) -> list[dict[str, Any]]:
     """Train and evaluate the runs not stored yet (``only``: just these labels; ``fresh``: retrain
-    stored ones too), rewriting the report after each; returns every available row, seed-major."""
+    stored ones too), rewriting the report after each; returns every available row, seed-major.
+    ``report_only``: train nothing, rewrite the report from the stored rows."""
     labels = [r.label for r in runs]
     unknown = sorted(set(only or ()) - set(labels))
     if unknown:
@@ -89,7 +93,7 @@ def run_study(
             write_report(cfg, available, command, time.perf_counter() - start, missing)
         return available
 
-    todo = [(run, seed) for run, seed in todo if (run.label, seed) not in rows]
+    todo = [] if report_only else [(run, seed) for run, seed in todo if (run.label, seed) not in rows]
     print(f"[kernel_study] {len(rows)} of {len(report_order)} runs stored; training {len(todo)} now", flush=True)
     data = prepare_data(cfg) if todo else {}
     available = []
@@ -114,27 +118,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kinds", default=",".join(defaults.kinds), help="comma-separated attention kinds")
     p.add_argument("--arms", default=",".join(defaults.arms), help=f"comma-separated Flexformer-N arms of {list(ARMS)}")
     p.add_argument("--preset", default="cpu", choices=list(PRESETS), help="model/training shape (41m: the paper's)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    for name in ("data_root", "work_dir", "out"):
-        p.add_argument("--" + name.replace("_", "-"), default=getattr(defaults, name))
+    p.add_argument("--device", type=available_device, default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--data-root", type=path_option, default=defaults.data_root)
+    for name in ("work_dir", "out"):
+        p.add_argument("--" + name.replace("_", "-"), type=output_dir_option, default=getattr(defaults, name))
     for name in ("vocab_size", "num_layers", "hidden_size", "num_heads", "feature_dim", "steps", "seq_len",
                  "micro_batch_size", "global_batch_size", "warmup", "seed", "seeds", "tokenizer_sentences",
-                 "eval_batch_size", "eval_tokens"):
-        p.add_argument("--" + name.replace("_", "-"), type=int, default=None, help=f"default {getattr(defaults, name)}")
-    for name in ("lr", "min_lr", "kernel_frequency_lr_multiplier", "kernel_temperature_lr_multiplier"):
-        p.add_argument("--" + name.replace("_", "-"), type=float, default=None, help=f"default {getattr(defaults, name)}")
-    p.add_argument("--max-train-docs", type=int, default=None, help="use only the first N train-00 documents")
+                 "eval_batch_size", "eval_tokens", "lr", "min_lr", "kernel_frequency_lr_multiplier",
+                 "kernel_temperature_lr_multiplier"):
+        p.add_argument("--" + name.replace("_", "-"), type=number_type(name), default=None,
+                       help=f"default {getattr(defaults, name)}")
+    p.add_argument("--max-train-docs", type=positive_int, default=None, help="use only the first N train-00 documents")
     p.add_argument("--document-boundaries", default=None, choices=["none", "reset"],
                    help="data.document_boundaries of every run (default none: packed documents attend to each other)")
     p.add_argument("--order", default="seeds", choices=ORDERS,
                    help="seeds: every kind/arm of one seed, then the next seed; kinds: all seeds of one kind/arm, then the next")
     p.add_argument("--only", default=None, help="comma-separated kinds/arms to train now (the report still covers all)")
     p.add_argument("--fresh", action="store_true", help="retrain runs whose row is stored with the same fingerprint")
+    p.add_argument("--report-only", action="store_true",
+                   help="train nothing: rewrite the report from the stored rows (give the training command's flags)")
     p.add_argument("--normalization", default=None, choices=list(NORMALIZATIONS),
                    help=f"model.normalization of every run whose arm does not set it (default {defaults.normalization})")
-    p.add_argument("--long-contexts", default=None,
+    p.add_argument("--long-contexts", type=positive_int_list, default=None,
                    help="comma-separated context lengths at which english-docs valid is also scored (windows and stateful)")
-    p.add_argument("--reuse-from", default=None, metavar="STUDY_DIR",
+    p.add_argument("--reuse-from", type=path_option, default=None, metavar="STUDY_DIR",
                    help="first copy rows of another study folder (e.g. docs/results/kernel_study_v3) whose training "
                         "recipe equals a run of this one (same settings, kind, overrides and effective normalisation)")
     return p
@@ -142,40 +149,38 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> StudyConfig:
     """StudyConfig from parsed arguments: defaults < preset < explicit flags."""
-    selection = ("order", "only", "fresh", "reuse_from")  # how this session runs the study, not what the study is
+    selection = ("order", "only", "fresh", "reuse_from", "report_only")  # how this session runs the study, not what the study is
     values = {**PRESETS[args.preset], **{k: v for k, v in vars(args).items() if v is not None and k not in selection}}
     values["kinds"] = [k for k in args.kinds.split(",") if k]
     values["arms"] = [a for a in args.arms.split(",") if a]
-    if args.long_contexts is not None:
-        try:
-            values["long_contexts"] = [int(c) for c in args.long_contexts.split(",") if c]
-        except ValueError:
-            raise ValueError(f"--long-contexts: expected comma-separated ints, got {args.long_contexts!r}") from None
-        if any(c < 1 for c in values["long_contexts"]):
-            raise ValueError(f"--long-contexts: expected positive lengths, got {args.long_contexts!r}")
     for name, given, known in (("--kinds", values["kinds"], KINDS), ("--arms", values["arms"], tuple(ARMS))):
         unknown = sorted(set(given) - set(known))
         if unknown:
             raise ValueError(f"{name}: expected a subset of {list(known)}, got unknown {unknown}")
-    if values.get("seeds", 1) < 1:
-        raise ValueError(f"--seeds: expected >= 1, got {values['seeds']}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device is available here")
     return StudyConfig(**values)
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     args = build_parser().parse_args(argv)
     cfg = config_from_args(args)
-    command = "python -m studies.kernel_study " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    command = command_of(argv if argv is not None else sys.argv[1:])
     only = [label for label in args.only.split(",") if label] if args.only is not None else None
+    if args.report_only:
+        if args.fresh or args.reuse_from:
+            raise ValueError("--report-only: expected neither --fresh nor --reuse-from (it trains and copies nothing)")
+        command = command_of([a for a in (argv if argv is not None else sys.argv[1:]) if a != "--report-only"])
     if args.reuse_from:
         source = Path(args.reuse_from)
         if not (source / "runs").is_dir():
             raise ValueError(f"--reuse-from: {source} holds no runs/ folder of a study")
         copied = reuse_rows(cfg, cfg.runs(), source)
         print(f"[kernel_study] reused {len(copied)} rows of {source}: {', '.join(copied) or 'none'}", flush=True)
-    return run_study(cfg, cfg.runs(), command.strip(), order=args.order, only=only, fresh=args.fresh)
+    return run_study(cfg, cfg.runs(), command.strip(), order=args.order, only=only, fresh=args.fresh,
+                     report_only=args.report_only)
+
+
+def command_of(argv: Sequence[str]) -> str:
+    return "python -m studies.kernel_study " + " ".join(shlex.quote(a) for a in argv)
 
 
 if __name__ == "__main__":

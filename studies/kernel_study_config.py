@@ -6,13 +6,19 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from megaflex.cli_args import scratch_results
+from megaflex.attention.feature_maps._common import log_sqrt_scale
+from megaflex.cli_args import (
+    creatable_dir, nonnegative_float, nonnegative_int, positive_float, positive_int, scratch_results, unit_interval,
+)
 from megaflex.training.config import OptimizerConfig
 
 REPO = Path(__file__).resolve().parents[1]
 _PROJECT_OPTIMIZER = OptimizerConfig()
+# the head dim of the cpu and cpu4x presets (128 / 4, 160 / 5): arms that set an absolute temperature use it
+STUDY_HEAD_DIM = 32
+_TAU_INIT = log_sqrt_scale(STUDY_HEAD_DIM)  # log(2 sqrt d) = 2.426
 KINDS = ("softmax", "flexformer_n", "flexformer_s", "performer", "elu", "cosformer", "hedgehog")
 LEARNED_SPECTRUM = {"flexformer_n": ("omega1", "omega2"), "flexformer_s": ("omega",)}
 # Flexformer-N arms: (overrides of the default recipe, what they test)
@@ -52,10 +58,35 @@ ARMS: dict[str, tuple[list[str], str]] = {
        for w in (16, 64)},
     "softmax_rms": (["model.softmax_window=1048576"],
                     "full softmax with the hybrids' output normalisation (rms): a window beyond every sequence"),
+    # issue 46, remedy (a): inits without the paper init's uniform floor (feature_maps/flexformer_n.py)
+    **{f"fn_tied_eta{eta}": ([f"model.feature_kwargs={{omega_init: tied, omega_noise: {eta}}}"],
+                             f"Omega2 = Omega1 + {eta} x noise: every term estimates the softmax kernel, damped by "
+                             f"exp(-{eta}^2 ||.||^2 / (2 sqrt d)) factors; no floor") for eta in ("0.3", "0.5", "1.0")},
+    **{f"fn_corr_rho{rho}": ([f"model.feature_kwargs={{omega_init: correlated, omega_correlation: {rho}}}"],
+                             f"Omega2 = {rho} Omega1 + sqrt(1 - {rho}^2) noise: E kernel = (exp(s) + exp({rho} s)) / 2, "
+                             "no floor") for rho in ("0.5", "0.8")},
+    # remedy (b): a bounded kernel temperature, and the x10 temperature LR over long schedules
+    **{f"fn_tau_max{margin}": ([f"model.feature_kwargs={{max_log_temperature: {_TAU_INIT + float(margin):.4f}}}"],
+                               f"tau capped at log(2 sqrt d) + {margin} = {_TAU_INIT + float(margin):.4f} (d = "
+                               f"{STUDY_HEAD_DIM}; a soft ceiling, the identity below it - 0.4)") for margin in ("0.5", "1.0")},
+    **{f"fn_tau_lr{m}": ([f"optimizer.kernel_temperature_lr_multiplier={m}"],
+                         f"tau's LR multiplier {m} instead of 10 (Omega's stays 10)") for m in ("1", "3")},
+    # remedy (c): norm control of q and k before the feature map (attention/qk_norm.py)
+    "fn_qk_rms": (["model.qk_norm=rms"], "q, k <- g_h x / rms(x) before RoPE and the map, a learned per-head gain g_h"),
+    "fn_qk_affine": (["model.qk_norm=affine_rms"], "q, k <- w * x / rms(x) + b (ReBased), per head and channel"),
+    # remedy (e): the hybrid's learned per-head balance between the window and the far field (attention/hybrid.py)
+    **{f"fn_window{w}_capped_far_gain": ([f"model.softmax_window={w}", "model.window_mixing=shared_normaliser",
+                                           "model.normalization=capped_denominator", "model.window_far_gain=true"],
+                                          f"fn_window{w}_capped with a learned per-head gain e^b_h (init 1) on the far "
+                                          "field's weights against the window's") for w in (16, 64)},
 }
+# arms whose overrides hold values computed for the study's head dim (``StudyConfig.runs`` checks it)
+HEAD_DIM_ARMS = {f"fn_tau_max{margin}": STUDY_HEAD_DIM for margin in ("0.5", "1.0")}
 # the kind an arm changes (default: flexformer_n)
 ARM_KINDS = {"softmax_rms": "softmax", **{f"performer_window{w}{c}": "performer" for w in (16, 64) for c in ("", "_capped")},
              **{f"softmax_window{w}": "softmax" for w in (16, 64)}}
+# the run an arm is one change away from, where it is not its kind's default recipe (``control_of``)
+ARM_CONTROLS: dict[str, str] = {f"fn_window{w}_capped_far_gain": f"fn_window{w}_capped" for w in (16, 64)}
 # study v3's arms: with --kinds softmax,flexformer_n,cosformer (docs/studies.md "The kernel study")
 V3_ARMS = ("softmax_rms",) + tuple(f"{arm}{w}" for w in (16, 64)
                                    for arm in ("softmax_window", "fn_window", "fn_gated", "performer_window"))  # fmt: skip
@@ -79,6 +110,14 @@ PRESETS: dict[str, dict[str, Any]] = {
                 micro_batch_size=16, global_batch_size=64, steps=2000, lr=6e-4, min_lr=6e-5, warmup=200,
                 eval_tokens=0, eval_batch_size=16, tokenizer_sentences=1_000_000),
 }
+
+
+def control_of(label: str) -> str | None:
+    """The control an arm is compared with (its kind's default recipe unless ``ARM_CONTROLS`` names
+    another run); None for a kind itself."""
+    if label in KINDS:
+        return None
+    return ARM_CONTROLS.get(label, ARM_KINDS.get(label, "flexformer_n"))
 
 
 @dataclass
@@ -148,5 +187,41 @@ class StudyConfig:
 
     def runs(self) -> list[RunSpec]:
         """The kinds with the default recipe, then the arms."""
+        head_dim = self.hidden_size // self.num_heads
+        wrong = [a for a in self.arms if HEAD_DIM_ARMS.get(a, head_dim) != head_dim]
+        if wrong:
+            raise ValueError(f"--arms: {wrong} set temperatures computed for head dim {STUDY_HEAD_DIM} (the cpu and "
+                             f"cpu4x presets), this study has {head_dim}; leave them out")
         return [RunSpec(k, k) for k in self.kinds] + [RunSpec(a, ARM_KINDS.get(a, "flexformer_n"), list(ARMS[a][0]))
                                                       for a in self.arms]  # fmt: skip
+
+
+# ------------------------------------------------------------------------------- option types
+# What each numeric option of the studies accepts, checked while the arguments are parsed: a count
+# >= 1 unless listed (0 or a negative count failed after the data was prepared, or never).
+_NUMBER_TYPES: dict[str, Callable[[str], Any]] = {
+    "seed": int, "warmup": nonnegative_int, "eval_tokens": nonnegative_int, "lora_rank": nonnegative_int,
+    "softmax_window": nonnegative_int,
+    "lr": positive_float, "stage1_lr": positive_float, "stage2_lr": positive_float, "lora_alpha": positive_float,
+    "min_lr": nonnegative_float, "kernel_frequency_lr_multiplier": nonnegative_float,
+    "kernel_temperature_lr_multiplier": nonnegative_float, "stage_kernel_lr_multiplier": nonnegative_float,
+    "output_mse_weight": nonnegative_float, "weights_ce_weight": nonnegative_float, "kl_weight": nonnegative_float,
+    "max_token_fraction": unit_interval,
+}
+
+
+def number_type(name: str) -> Callable[[str], Any]:
+    """The argparse type of the studies' numeric option ``name`` (a StudyConfig-style field name)."""
+    return _NUMBER_TYPES.get(name, positive_int)
+
+
+def path_option(text: str) -> str:
+    """A path option, absolute: the studies train in subprocesses started in the repository, where a
+    path relative to the caller's folder would name another one."""
+    return str(Path(text).expanduser().absolute())
+
+
+def output_dir_option(text: str) -> str:
+    """An output folder (absolute) that exists or can be created: refused before any run if it
+    cannot; created only when there is something to put there."""
+    return str(creatable_dir(text))

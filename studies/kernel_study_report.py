@@ -1,12 +1,16 @@
-"""Report of the kernel study: mean +- std over seeds, a verdict the seeds support, and plots.
+"""Report of the kernel study: mean +- std over seeds, verdicts the seeds support, and plots.
 
 ``write_report(cfg, rows, command, seconds, missing)`` writes ``results.json`` (every available
 run and the aggregates), ``results.md`` (a partial report first lists the ``missing`` runs), ``loss_curves.png`` (mean over seeds, +-1 std band), ``spectrum.png``
 (learned ||omega|| vs init, first seed) and ``tau.png`` (tau over training, mean over seeds).
 
-Verdict rule: "A beats B" only when the gap of the means exceeds twice the standard error of
-that gap, sqrt(std_A^2 / n_A + std_B^2 / n_B); otherwise the pair is called "within seed noise".
-With one seed there is no std, so nothing is claimed beyond the single numbers.
+Verdict rule (``studies.paired_stats``): two runs are compared by their per-seed log-ratios of
+perplexity (every run with one seed shares its data order and initialisation), mean +- SE, and
+called separated only when |t| exceeds the two-sided 95% t quantile for n - 1 degrees of freedom;
+Welch's unpaired t where the seeds do not match (marked), nothing claimed with one seed. Every
+verdict uses it: Flexformer-N against every other run and softmax, each learned kernel against
+every fixed one, each arm against its control (``kernel_study_config.control_of``), each window
+hybrid against its window-only and Performer controls.
 """
 
 from __future__ import annotations
@@ -19,11 +23,15 @@ from typing import Any, Sequence
 
 import torch
 
-from studies.kernel_study_config import ARM_KINDS, ARMS, LEARNED_SPECTRUM, StudyConfig
+from studies.kernel_study_config import ARM_KINDS, ARMS, LEARNED_SPECTRUM, StudyConfig, control_of
+from studies.paired_stats import RULE, Comparison, compare_runs
 
 METRICS = ("english_docs_valid_ppl", "wikitext2_test_ppl")
 EVAL_SETS = {"english_docs_valid_ppl": "english-docs valid", "wikitext2_test_ppl": "WikiText-2 test"}
-PER_LAYER = ("omega_rel_change", "negative_fraction", "effective_keys", "tau_per_layer", "far_share")
+PER_LAYER = ("omega_rel_change", "negative_fraction", "effective_keys", "tau_per_layer", "far_share",
+             "q_norm_mean", "q_norm_p90", "k_norm_mean", "k_norm_p90")
+# probe statistics tabulated per layer (``per_layer_table``)
+PROBE_PER_LAYER = ("effective_keys", "q_norm_mean", "q_norm_p90", "k_norm_mean", "k_norm_p90")
 LEARNED_KINDS = ("flexformer_n", "flexformer_s")
 FIXED_KINDS = ("performer", "cosformer", "elu", "hedgehog")
 LONG_CONTEXT = re.compile(r"english_docs_valid_ppl_(windows|stateful)(\d+)")
@@ -56,25 +64,23 @@ def aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for key in PER_LAYER:
             values = [statistics.fmean(r[key]) for r in runs if r.get(key)]
             agg[f"{key}_mean"] = statistics.fmean(values) if values else None
-        shares = [r["far_share"] for r in runs if r.get("far_share")]
-        agg["far_share_per_layer"] = [statistics.fmean(layer) for layer in zip(*shares)] if shares else None
+        for key in ("far_share", *PROBE_PER_LAYER):  # per layer, mean over seeds
+            lists = [r[key] for r in runs if r.get(key)]
+            agg[f"{key}_per_layer"] = [statistics.fmean(layer) for layer in zip(*lists)] if lists else None
         out.append(agg)
     return out
 
 
-def beats(a: dict[str, Any], b: dict[str, Any], metric: str) -> bool | None:
-    """True/False if the seeds separate a and b on ``metric`` (lower is better), None if they do not."""
-    sa, sb = a.get(f"{metric}_std"), b.get(f"{metric}_std")
-    if sa is None or sb is None:
-        return None
-    gap = b[f"{metric}_mean"] - a[f"{metric}_mean"]
-    if abs(gap) <= 2 * math.sqrt(sa**2 / a["seeds"] + sb**2 / b["seeds"]):
-        return None
-    return gap > 0
+def separation(rows: list[dict[str, Any]], a: str, b: str, metric: str) -> str:
+    """'better than b (..)' / 'worse than ..' / 'not separated from ..': a against b, paired by seed."""
+    c = compare_runs(rows, a, b, metric)
+    if c is None:
+        return f"not compared with {b} (no values)"
+    return f"{c.word()} {b} ({c.describe()})"
 
 
-def verdict(summary: list[dict[str, Any]]) -> str:
-    """The study's questions answered from the aggregates, claiming only what the seeds support."""
+def verdict(summary: list[dict[str, Any]], rows: list[dict[str, Any]]) -> str:
+    """The study's questions answered from the runs, claiming only what the seeds support."""
     by = {s["label"]: s for s in summary}
     if "flexformer_n" not in by:
         return ""
@@ -83,32 +89,23 @@ def verdict(summary: list[dict[str, Any]]) -> str:
     for metric, name in EVAL_SETS.items():
         others = [s for s in summary if s["kind"] not in ("softmax",) and s["label"] != "flexformer_n"]
         parts = [f"Flexformer-N (default recipe) {fn[f'{metric}_mean']:.1f}"]
-        for other in others:
-            result = beats(fn, other, metric)
-            word = {True: "better than", False: "worse than", None: "not separated from"}[result]
-            parts.append(f"{word} {other['label']} ({other[f'{metric}_mean']:.1f})")
-        if "softmax" in by:
-            ratio = fn[f"{metric}_mean"] / by["softmax"][f"{metric}_mean"]
-            parts.append(f"{ratio:.2f}x softmax ({by['softmax'][f'{metric}_mean']:.1f})")
+        parts += [separation(rows, "flexformer_n", other["label"], metric) for other in others]
         lines.append(f"- {name}: " + "; ".join(parts) + ".")
         if "softmax" in by:
-            ratios = [f"{s['label']} {s[f'{metric}_mean'] / by['softmax'][f'{metric}_mean']:.2f}x"
-                      for s in summary if s["label"] != "softmax"]
-            lines.append(f"  - {name} ppl / softmax: " + ", ".join(ratios) + ".")
+            against = [f"{s['label']} {compare_runs(rows, s['label'], 'softmax', metric).describe()}"
+                       for s in summary if s["label"] != "softmax"]
+            lines.append(f"  - {name} against softmax ({by['softmax'][f'{metric}_mean']:.1f}): " + "; ".join(against) + ".")
     if fn.get("omega_rel_change_mean") is not None:
         lines.append(f"- Omega moved {100 * fn['omega_rel_change_mean']:.0f}% from its init (default recipe; "
                      "||Omega - Omega_init|| / ||Omega_init||, mean over layers and seeds).")
-    lines += learned_against_fixed(summary)
-    lines += window_targets(summary)
-    seeds = min(s["seeds"] for s in summary)
-    rule = ("better/worse = gap of the means > 2 standard errors over seeds" if seeds > 1
-            else "one seed: no comparison is separated from seed noise")
-    return f"## Verdict (computed from the means; {rule})\n\n" + "\n".join(lines) + "\n"
+    lines += learned_against_fixed(summary, rows)
+    lines += window_targets(summary, rows)
+    return f"## Verdict (every comparison {RULE})\n\n" + "\n".join(lines) + "\n"
 
 
-def learned_against_fixed(summary: list[dict[str, Any]]) -> list[str]:
+def learned_against_fixed(summary: list[dict[str, Any]], rows: list[dict[str, Any]]) -> list[str]:
     """The paper's first claim on equal terms (every kind under the study's one normalisation): does
-    each learned kernel beat every fixed linear kernel beyond 2 standard errors?"""
+    each learned kernel beat every fixed linear kernel, separated by the paired t test?"""
     learned = [s for s in summary if s["label"] in LEARNED_KINDS]
     fixed = [s for s in summary if s["label"] in FIXED_KINDS]
     if not learned or not fixed:
@@ -116,22 +113,39 @@ def learned_against_fixed(summary: list[dict[str, Any]]) -> list[str]:
     lines = []
     for metric, name in EVAL_SETS.items():
         for s in learned:
-            results = {f["label"]: beats(s, f, metric) for f in fixed}
-            worse_or_tied = [label for label, r in results.items() if r is not True]
+            results = {f["label"]: compare_runs(rows, s["label"], f["label"], metric) for f in fixed}
+            worse_or_tied = [label for label, c in results.items() if c.a_better is not True]
             answer = "yes" if not worse_or_tied else "no"
-            lines.append(f"- {name}: does {s['label']} ({s[f'{metric}_mean']:.1f}) beat every fixed kernel beyond 2 SE? "
-                         f"{answer}" + ("" if not worse_or_tied else " (" + ", ".join(
-                             f"{'worse than' if results[label] is False else 'not separated from'} {label} "
-                             f"({next(f for f in fixed if f['label'] == label)[f'{metric}_mean']:.1f})"
+            lines.append(f"- {name}: does {s['label']} ({s[f'{metric}_mean']:.1f}) beat every fixed kernel (paired t)? "
+                         f"{answer}" + ("" if not worse_or_tied else " (" + "; ".join(
+                             f"{results[label].word()} {label} ({results[label].describe()})"
                              for label in worse_or_tied) + ")") + ".")
     return lines
+
+
+def arm_comparisons(summary: list[dict[str, Any]], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One table row per arm whose control (``control_of``) is in the study: the paired log-ratio
+    against it on each evaluation set and what the seeds say."""
+    labels = {s["label"] for s in summary}
+    table = []
+    for s in summary:
+        control = control_of(s["label"])
+        if control is None or control not in labels or control == s["label"]:
+            continue
+        row: dict[str, Any] = {"arm": s["label"], "control": control}
+        for metric, name in EVAL_SETS.items():
+            c: Comparison | None = compare_runs(rows, s["label"], control, metric)
+            row[name] = "-" if c is None else f"{c.describe()}: {c.word()} control"
+        table.append(row)
+    return table
 
 
 def long_context_table(rows: list[dict[str, Any]], metrics: list[str], train_metric: str) -> list[dict[str, Any]]:
     """Per kind/arm, over its runs that have the long-context columns (n of them): ppl at the
     training length of those same runs, each column (mean ± std), the longest stateful column over
-    the training-length ppl (how it degrades or improves past its training length), and over
-    softmax's."""
+    the training-length ppl (how it degrades or improves past its training length), over softmax's,
+    and on that column the paired comparison with softmax and, for a window hybrid, with the window
+    alone (``softmax_window<W>``)."""
     stateful = [m for m in metrics if m.startswith(f"{train_metric}_stateful")]
     longest = stateful[-1] if stateful else metrics[-1]
 
@@ -155,30 +169,64 @@ def long_context_table(rows: list[dict[str, Any]], metrics: list[str], train_met
         row[f"{name} / training length"] = f"{statistics.fmean(r[longest] / r[train_metric] for r in runs):.3f}"
         if softmax_longest:
             row[f"{name} / softmax"] = f"{statistics.fmean(r[longest] for r in runs) / softmax_longest:.3f}"
+        long_rows = [r for r in rows if r.get(longest) is not None]
+        for column, control in ((f"{name} vs softmax", "softmax"), (f"{name} vs the window alone", window_only(label))):
+            c = compare_runs(long_rows, label, control, longest) if control and label != control else None
+            row[column] = "-" if c is None else f"{c.describe()}: {c.word()}"
         table.append(row)
     return table
 
 
-def window_targets(summary: list[dict[str, Any]], within: float = 1.10) -> list[str]:
-    """Verdict lines for each one-normaliser hybrid ``fn_window<W>`` (and its ``_capped`` arm) against
-    the controls of the same W: its ratio to softmax (target <= ``within``), and whether the seeds
-    separate it from the pure sliding window (``softmax_window<W>``), Performer with the window and
-    the same normalisation (``performer_window<W>[_capped]``), the gated hybrid (``fn_gated<W>``) and,
-    for the capped arm, the rms one (``fn_window<W>``)."""
+def per_layer_table(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per run: effective keys per layer and the mean (90th percentile) of ||q|| and ||k|| entering the
+    feature map per layer, mean over seeds; runs without the norms (stored before they were logged) show -."""
+
+    def layers(values: list[float] | None, digits: int = 1) -> str:
+        return " / ".join(f"{v:.{digits}f}" for v in values) if values else "-"
+
+    def with_p90(s: dict[str, Any], name: str) -> str:
+        mean, p90 = s.get(f"{name}_norm_mean_per_layer"), s.get(f"{name}_norm_p90_per_layer")
+        return " / ".join(f"{m:.2f} ({p:.2f})" for m, p in zip(mean, p90)) if mean and p90 else "-"
+
+    return [{"run": s["label"], "effective keys": layers(s.get("effective_keys_per_layer")),
+             "‖q‖ mean (p90)": with_p90(s, "q"), "‖k‖ mean (p90)": with_p90(s, "k")} for s in summary]
+
+
+def window_only(label: str) -> str | None:
+    """``softmax_window<W>`` of a window hybrid ``fn_window<W>...`` / ``performer_window<W>...``, else None."""
+    match = re.fullmatch(r"(?:fn|performer)_window(\d+)(_\w+)?", label)
+    return f"softmax_window{match[1]}" if match else None
+
+
+def window_controls(label: str, w: str, suffix: str) -> list[str]:
+    """The controls of hybrid ``label`` (``fn_window<W><suffix>``): the window alone
+    (``softmax_window<W>``, the control that says what the window is worth), Performer with the window
+    and the same normalisation, the gated hybrid (rms arm) or the rms hybrid (capped arm), and for a
+    remedy arm on a hybrid the hybrid it changes (``control_of``)."""
+    capped = suffix.startswith("_capped")
+    controls = [f"softmax_window{w}", f"performer_window{w}{'_capped' if capped else ''}"]
+    controls += [f"fn_window{w}"] if suffix == "_capped" else ([f"fn_gated{w}"] if not suffix else [])
+    base = control_of(label)
+    if suffix not in ("", "_capped") and base is not None and base not in controls:
+        controls.append(base)
+    return controls
+
+
+def window_targets(summary: list[dict[str, Any]], rows: list[dict[str, Any]], within: float = 1.10) -> list[str]:
+    """Verdict lines for each one-normaliser hybrid ``fn_window<W>[...]`` against the controls of the
+    same W (``window_controls``), paired by seed, and its ratio to softmax (target <= ``within``)."""
     by = {s["label"]: s for s in summary}
-    hybrids = [(s["label"], m) for s in summary if (m := re.fullmatch(r"fn_window(\d+)(_capped)?", s["label"]))]
+    hybrids = [(s["label"], m) for s in summary if (m := re.fullmatch(r"fn_window(\d+)(_\w+)?", s["label"]))]
     lines = []
     for label, match in sorted(hybrids, key=lambda h: (int(h[1][1]), h[0])):
         w, suffix, hybrid = match[1], match[2] or "", by[label]
-        controls = [f"softmax_window{w}", f"performer_window{w}{suffix}", f"fn_gated{w}"] + ([f"fn_window{w}"] if suffix else [])
         for metric, name in EVAL_SETS.items():
             parts = []
             if "softmax" in by:
                 ratio = hybrid[f"{metric}_mean"] / by["softmax"][f"{metric}_mean"]
-                parts.append(f"{ratio:.2f}x softmax (target <= {within:.2f}: {'met' if ratio <= within else 'missed'})")
-            for control in (c for c in controls if c in by):
-                word = {True: "better than", False: "worse than", None: "not separated from"}[beats(hybrid, by[control], metric)]
-                parts.append(f"{word} {control} ({by[control][f'{metric}_mean']:.1f})")
+                parts.append(f"{ratio:.2f}x softmax (target <= {within:.2f}: {'met' if ratio <= within else 'missed'}; "
+                             f"{separation(rows, label, 'softmax', metric)})")
+            parts += [separation(rows, label, control, metric) for control in window_controls(label, w, suffix) if control in by]
             lines.append(f"- {name}, {label} (W={w}) {hybrid[f'{metric}_mean']:.1f}: " + "; ".join(parts) + ".")
     return lines
 
@@ -243,8 +291,20 @@ def write_report(
         "far_share_per_layer (window hybrids): the far field's share of each query's attention mass (queries "
         "t >= W), per layer, mean over seeds.\n",
         "Arms (one change to the default recipe of the kind in brackets):\n\n" + (arms or "- none\n"),
-        markdown_table(table, columns), "\n", verdict(summary),
+        markdown_table(table, columns), "\n", verdict(summary, rows),
     ]
+    layer_table = per_layer_table(summary)
+    md += ["## Per layer (probe batch, last logged values, mean over seeds)\n",
+           f"Effective keys per query (uniform attention over the probe's {cfg.seq_len}-token sequences: "
+           f"{(cfg.seq_len + 1) / 2:g}) and the norms of the queries "
+           "and keys entering the feature map, per head over the head dim: mean (90th percentile) over heads and tokens; "
+           "layers first to last.\n",
+           markdown_table(layer_table, list(layer_table[0])), "\n"]
+    arms_table = arm_comparisons(summary, rows)
+    if arms_table:
+        md += ["## Each arm against its control\n",
+               "Log-ratio of perplexity, arm over control (100 x mean ± SE over the shared seeds; the rule above).\n",
+               markdown_table(arms_table, list(arms_table[0])), "\n"]
     long_metrics = long_context_metrics(rows)
     if long_metrics:
         long_table = long_context_table(rows, long_metrics, METRICS[0])

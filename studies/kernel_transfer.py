@@ -46,14 +46,14 @@ from typing import Any, Sequence
 
 import torch
 
-from studies.kernel_study_config import RunSpec, StudyConfig
+from studies.kernel_study_config import RunSpec, StudyConfig, number_type, output_dir_option, path_option
 from studies.runner import (
     evaluate_run, initial_model, load_row, prepare_data, reused_run_data, save_row, train_run,
 )
 from studies.kernel_transfer_config import ARMS, B_METRIC, FROZEN, TransferConfig
 from studies.kernel_transfer_report import write_report
 from megaflex.checkpoint.layout import run_checkpoint_dir
-from megaflex.cli_args import scratch_results
+from megaflex.cli_args import positive_int, scratch_results
 from megaflex.hashing import sha256_file
 
 
@@ -209,23 +209,24 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m studies.kernel_transfer", description=__doc__.split("\n\n")[0])
     defaults = TransferConfig(StudyConfig())
     p.add_argument("--kinds", default=",".join(defaults.kinds), help="comma-separated kernel kinds with learnable maps")
-    p.add_argument("--seeds", type=int, default=1, help="seeds seed, seed + 1, ... (default 1: a pilot)")
-    p.add_argument("--steps-a", type=int, default=defaults.steps_a, help="training steps on domain A (english-docs)")
-    p.add_argument("--steps-b", type=int, default=defaults.steps_b, help="training steps of every arm on B (WikiText-2)")
-    p.add_argument("--jobs", type=int, default=1, help="(kind, seed) chains at once (each one process)")
-    p.add_argument("--data-work-dir", default=defaults.data_work_dir, help="tokenizer/data cache, shared with the study")
-    p.add_argument("--a-runs", default=None, help="a kernel study's runs/ folder: its <kind>_s<seed> runs are domain A "
+    p.add_argument("--seeds", type=positive_int, default=1, help="seeds seed, seed + 1, ... (default 1: a pilot)")
+    p.add_argument("--steps-a", type=positive_int, default=defaults.steps_a, help="training steps on domain A (english-docs)")
+    p.add_argument("--steps-b", type=positive_int, default=defaults.steps_b, help="training steps of every arm on B (WikiText-2)")
+    p.add_argument("--jobs", type=positive_int, default=1, help="(kind, seed) chains at once (each one process)")
+    p.add_argument("--data-work-dir", type=output_dir_option, default=defaults.data_work_dir,
+                   help="tokenizer/data cache, shared with the study")
+    p.add_argument("--a-runs", type=path_option, default=None, help="a kernel study's runs/ folder: its <kind>_s<seed> runs are domain A "
                                                   "(not retrained; --steps-a and the shape flags must match them)")
-    p.add_argument("--work-dir", default="work_data/kernel_transfer", help="run folders and checkpoints")
-    p.add_argument("--out", default=str(scratch_results("kernel_transfer")))
-    p.add_argument("--data-root", default=defaults.study.data_root)
+    p.add_argument("--work-dir", type=output_dir_option, default="work_data/kernel_transfer",
+                   help="run folders and checkpoints")
+    p.add_argument("--out", type=output_dir_option, default=str(scratch_results("kernel_transfer")))
+    p.add_argument("--data-root", type=path_option, default=defaults.study.data_root)
     p.add_argument("--fresh", action="store_true", help="retrain runs whose row is stored with the same fingerprint")
     for name in ("vocab_size", "num_layers", "hidden_size", "num_heads", "feature_dim", "seq_len", "micro_batch_size",
                  "global_batch_size", "warmup", "seed", "tokenizer_sentences", "eval_batch_size", "eval_tokens",
-                 "max_train_docs"):
-        p.add_argument("--" + name.replace("_", "-"), type=int, default=None, help=f"default {getattr(defaults.study, name)}")
-    for name in ("lr", "min_lr"):
-        p.add_argument("--" + name.replace("_", "-"), type=float, default=None, help=f"default {getattr(defaults.study, name)}")
+                 "max_train_docs", "lr", "min_lr"):
+        p.add_argument("--" + name.replace("_", "-"), type=number_type(name), default=None,
+                       help=f"default {getattr(defaults.study, name)}")
     return p
 
 
@@ -239,9 +240,6 @@ def config_from_args(args: argparse.Namespace) -> TransferConfig:
                                 attention=kind, feature_dim=4, max_seq_len=8))
         if not any(True for _ in named_kernel_parameters(probe)):
             raise ValueError(f"--kinds: {kind!r} has no learnable kernel parameters to transfer")
-    for name in ("seeds", "steps_a", "steps_b", "jobs"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')}: expected >= 1, got {getattr(args, name)}")
     fields = set(StudyConfig.__dataclass_fields__)
     given = {k: v for k, v in vars(args).items() if v is not None and k in fields}
     study = StudyConfig(**{**given, "kinds": list(kinds), "arms": [], "work_dir": args.work_dir, "out": args.out})

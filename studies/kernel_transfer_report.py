@@ -2,8 +2,10 @@
 relative to the kernel learned on B, and a bar plot.
 
 ``drop(arm) = ppl(arm) / ppl(learned_b) - 1`` per seed (positive: worse than learning the kernel
-on B), then mean +- std over seeds. Two drops are called different only when the seeds separate
-them (``kernel_study_report.beats``: gap > 2 standard errors); with one seed nothing is claimed.
+on B), then mean +- std over seeds. Two arms (or two kinds' drops) are called different only when
+the seeds separate them: paired by seed (every arm of a seed shares its data order and non-kernel
+init), the per-seed log-ratios' mean +- SE against the t quantile for n - 1 degrees of freedom
+(``studies.paired_stats``); with one seed nothing is claimed.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from studies.kernel_study_report import beats, mean_std
+from studies.kernel_study_report import mean_std
+from studies.paired_stats import Comparison, compare
 from studies.kernel_transfer_config import ARMS, B_METRIC, TransferConfig
 
 A_METRIC = "english_docs_valid_ppl"
@@ -42,37 +45,45 @@ def summarize(rows: list[dict[str, Any]], kinds: tuple[str, ...]) -> dict[str, d
     return out
 
 
-def stats(s: dict[str, Any], key: str) -> dict[str, Any] | None:
-    """The summary's ``key`` (e.g. ``transfer_drop``, ``random_<B metric>``) as ``beats`` reads it."""
-    if f"{key}_mean" not in s:
-        return None
-    return {"m_mean": s[f"{key}_mean"], "m_std": s.get(f"{key}_std"), "seeds": s["seeds"]}
+def seed_values(rows: list[dict[str, Any]], kind: str, arm: str) -> dict[int, float]:
+    """``{seed: B test ppl}`` of one kind's arm."""
+    return {r["seed"]: r[B_METRIC] for r in rows if r["kind"] == kind and r["arm"] == arm}
 
 
-def separated(a: dict[str, Any] | None, b: dict[str, Any] | None, better: str, worse: str) -> str:
-    """'better'/'worse' when the seeds separate a from b (lower is better), else 'not separated'."""
-    result = None if a is None or b is None else beats(a, b, "m")
-    return {True: better, False: worse, None: "not separated by the seeds"}[result]
+def drop_ratios(rows: list[dict[str, Any]], kind: str, arm: str) -> dict[int, float]:
+    """``{seed: ppl(arm) / ppl(learned_b)}`` (1 + the drop) of one kind, on the seeds with both."""
+    arm_ppl, learned = seed_values(rows, kind, arm), seed_values(rows, kind, "learned_b")
+    return {s: v / learned[s] for s, v in arm_ppl.items() if s in learned}
 
 
-def findings(summary: dict[str, dict[str, Any]]) -> list[str]:
+def separated(a: dict[int, float], b: dict[int, float], better: str, worse: str) -> str:
+    """'better'/'worse' when the seeds separate a from b (lower is better, ``paired_stats.compare``),
+    else 'not separated by the seeds'; the comparison's numbers in brackets."""
+    if not a or not b:
+        return "not separated by the seeds (no values)"
+    c: Comparison = compare(a, b)
+    word = {True: better, False: worse, None: "not separated by the seeds"}[c.a_better]
+    return f"{word} ({c.describe()})"
+
+
+def findings(summary: dict[str, dict[str, Any]], rows: list[dict[str, Any]]) -> list[str]:
     """Plain sentences, claiming only what the seeds separate."""
     lines = []
     for kind, s in summary.items():
         if "transfer_drop_mean" not in s:
             continue
-        transfer = stats(s, f"transfer_{B_METRIC}")
+        transfer = seed_values(rows, kind, "transfer")
         lines.append(f"- {kind}: the A kernel (frozen) is {pct(s['transfer_drop_mean'])} vs the kernel learned on B "
-                     f"({separated(transfer, stats(s, f'learned_b_{B_METRIC}'), 'better', 'worse')}); the untrained "
+                     f"({separated(transfer, seed_values(rows, kind, 'learned_b'), 'better', 'worse')}); the untrained "
                      f"kernel (frozen) {pct(s['random_drop_mean'])}. The A kernel against the untrained one: "
-                     f"{separated(transfer, stats(s, f'random_{B_METRIC}'), 'better', 'worse')}.")
+                     f"{separated(transfer, seed_values(rows, kind, 'random'), 'better', 'worse')}.")
     if all(k in summary and "transfer_drop_mean" in summary[k] for k in ("flexformer_n", "hedgehog")):
         fn, hh = summary["flexformer_n"], summary["hedgehog"]
-        verdict = separated(stats(fn, "transfer_drop"), stats(hh, "transfer_drop"),
+        verdict = separated(drop_ratios(rows, "flexformer_n", "transfer"), drop_ratios(rows, "hedgehog", "transfer"),
                             "smaller than Hedgehog's (separated by the seeds)", "larger than Hedgehog's (separated by the seeds)")
         lines.append(f"- Transfer drop of Flexformer-N {pct(fn['transfer_drop_mean'])} vs Hedgehog "
                      f"{pct(hh['transfer_drop_mean'])}: {verdict}.")
-        verdict = separated(stats(fn, f"transfer_{B_METRIC}"), stats(hh, f"transfer_{B_METRIC}"),
+        verdict = separated(seed_values(rows, "flexformer_n", "transfer"), seed_values(rows, "hedgehog", "transfer"),
                             "lower than Hedgehog's (separated by the seeds)", "higher than Hedgehog's (separated by the seeds)")
         lines.append(f"- B test ppl with the A kernel, Flexformer-N {fn[f'transfer_{B_METRIC}_mean']:.1f} vs Hedgehog "
                      f"{hh[f'transfer_{B_METRIC}_mean']:.1f}: {verdict}.")
@@ -141,7 +152,8 @@ def write_report(cfg: TransferConfig, rows: list[dict[str, Any]], command: str, 
         "model on WikiText-2 test without B training. Drop = ppl / ppl(learned_b) - 1 (positive: worse than learning "
         "the kernel on B), mean over seeds.\n",
         markdown_table(table, list(table[0]) if table else []), "",
-        "## Findings (computed)\n", *findings(summary), "",
+        "## Findings (computed; paired by seed, t test at 95% for n - 1 degrees of freedom)\n",
+        *findings(summary, rows), "",
         "## Frozen kernels stayed put\n", *(checks or ["- (no newly trained frozen runs in this session)"]), "",
     ]
     (out / "results.md").write_text("\n".join(md) + "\n")

@@ -27,6 +27,7 @@ from typing import Any, Sequence
 
 import torch
 
+from megaflex.cli_args import existing_dir, positive_int, writable_dir
 from megaflex.model.config import ModelConfig
 from megaflex.model.gpt import GPT
 
@@ -165,13 +166,11 @@ def write_markdown(result: dict[str, Any], path: Path, command: str) -> None:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(prog="python -m studies.normalizer_diagnosis", description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True, help="a trained plain softmax run (run dir, checkpoint dir or folder)")
-    p.add_argument("--data-root", default=os.environ.get("MEGAFLEX_DATA", "../shared/data"))
-    p.add_argument("--windows", type=int, default=8, help="windows of the training length scored")
+    p.add_argument("--data-root", type=existing_dir, default=os.environ.get("MEGAFLEX_DATA", "../shared/data"))
+    p.add_argument("--windows", type=positive_int, default=8, help="windows of the training length scored")
     p.add_argument("--seed", type=int, default=1234, help="seed of the initial models")
-    p.add_argument("--out", required=True, help="folder for results.json and results.md")
+    p.add_argument("--out", type=writable_dir, required=True, help="folder for results.json and results.md")
     args = p.parse_args(argv)
-    if args.windows < 1:
-        p.error(f"--windows: expected >= 1, got {args.windows}")
     result = diagnose(args.checkpoint, args.data_root, args.windows, args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -220,11 +220,14 @@ def long_context_scores(cfg: StudyConfig, model: torch.nn.Module, tok: Any, toke
     return out
 
 
+QK_NORM_STATS = ("q_norm_mean", "q_norm_p90", "k_norm_mean", "k_norm_p90")
+
+
 def kernel_summary(records: dict[int, dict[str, Any]], num_layers: int) -> dict[str, Any]:
     """Final per-layer kernel statistics and tau over time from the trainer's "kernel" records."""
     if not records:
         return {"tau_per_layer": None, "omega_rel_change": None, "negative_fraction": None, "effective_keys": None,
-                "far_share": None, "tau_curve": []}
+                "far_share": None, "tau_curve": [], **{key: None for key in QK_NORM_STATS}}
     last = records[max(records)]
 
     def per_layer(key: str) -> list[float] | None:
@@ -244,6 +247,8 @@ def kernel_summary(records: dict[int, dict[str, Any]], num_layers: int) -> dict[
         "effective_keys": per_layer("effective_keys"),
         "far_share": per_layer("far_share"),  # one-normaliser window hybrids: the far field's share of the mass
         "tau_curve": curve,
+        # ||q||, ||k|| entering the feature map on the probe batch: mean and 90th percentile per layer
+        **{key: per_layer(key) for key in QK_NORM_STATS},
     }
 
 

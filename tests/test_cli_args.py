@@ -29,17 +29,28 @@ def test_numbers(parse, good, bad):
             parse(text)
 
 
+def test_positive_int_list():
+    assert cli_args.positive_int_list("512, 1024,") == [512, 1024]
+    for text in ("", ",", "512,0", "1,x", "-3"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            cli_args.positive_int_list(text)
+
+
 def test_output_paths(tmp_path):
     (tmp_path / "a_file").write_text("x")
     with pytest.raises(argparse.ArgumentTypeError, match="not a directory"):
         cli_args.writable_dir(str(tmp_path / "a_file"))
-    with pytest.raises(argparse.ArgumentTypeError, match="cannot create"):
+    with pytest.raises(argparse.ArgumentTypeError, match="cannot be created here"):
         cli_args.writable_dir(str(tmp_path / "a_file" / "below"))
     with pytest.raises(argparse.ArgumentTypeError, match="is a directory"):
         cli_args.writable_file(str(tmp_path))
     made = cli_args.writable_file(str(tmp_path / "new" / "result.json"))
     assert made.parent.is_dir() and not made.exists()
     assert cli_args.writable_dir(str(tmp_path / "d1" / "d2")).is_dir()
+    assert cli_args.creatable_dir(str(tmp_path / "c1" / "c2")) == tmp_path / "c1" / "c2"
+    assert not (tmp_path / "c1").exists()  # checked, not made
+    with pytest.raises(argparse.ArgumentTypeError, match="cannot be created here .*a_file is not a directory"):
+        cli_args.creatable_dir(str(tmp_path / "a_file" / "below"))
     if os.geteuid() != 0:  # root writes anywhere
         ro = tmp_path / "ro"
         ro.mkdir(mode=0o500)
@@ -52,6 +63,20 @@ def test_existing_file(tmp_path):
         cli_args.existing_file(str(tmp_path / "missing.txt"))
     (tmp_path / "there.txt").write_text("x")
     assert cli_args.existing_file(str(tmp_path / "there.txt")).is_file()
+    with pytest.raises(argparse.ArgumentTypeError, match="no such directory"):
+        cli_args.existing_dir(str(tmp_path / "there.txt"))
+    assert cli_args.existing_dir(str(tmp_path)) == tmp_path
+
+
+def test_relative_paths_are_taken_from_the_starting_directory(tmp_path, monkeypatch):
+    """Issue 45: a relative path given to a command that runs its work elsewhere (a subprocess with
+    cwd=REPO) named another file there; it is made absolute while the arguments are parsed."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "in.txt").write_text("x")
+    assert cli_args.existing_file("in.txt") == tmp_path / "in.txt"
+    assert cli_args.existing_dir(".") == tmp_path
+    assert cli_args.writable_file("out/r.json") == tmp_path / "out" / "r.json"
+    assert cli_args.writable_dir("work") == tmp_path / "work"
 
 
 def test_available_device():

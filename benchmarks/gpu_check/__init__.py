@@ -1,9 +1,9 @@
-"""The one-call GPU acceptance: ``python -m benchmarks.gpu_check`` (at most 8 minutes on one GPU).
+"""The one-call GPU acceptance: ``python -m benchmarks.gpu_check`` (at most 9 minutes on one GPU).
 
-    python -m benchmarks.gpu_check [--out DIR] [--deadline 480] [--stages NAME ...] [--dry-run]
+    python -m benchmarks.gpu_check [--out DIR] [--deadline 540] [--stages NAME ...] [--dry-run]
 
 Every stage runs in its own subprocess (its own process group: a timeout, Ctrl-C or SIGTERM kills
-it and the trainers it started) under one global deadline (``--deadline``, default 480 s). Stages
+it and the trainers it started) under one global deadline (``--deadline``, default 540 s). Stages
 run most valuable first; one that needs more than the time left (its estimate for a cold Triton
 cache) is skipped with the reason recorded, the running one is cut at the deadline. The JSON report
 (``<out>/gpu_check.json``; default ``$XDG_CACHE_HOME/megaflex/gpu_check/<time>``, outside the
@@ -11,7 +11,9 @@ repository) is rewritten after each stage, and stages write their rows as each c
 stage that is killed keeps what it measured. Every stage and trainer compiles into one Triton
 cache (``TRITON_CACHE_DIR``: ``--triton-cache``, else the set one, else the trainer's node-local
 one for local rank 0). Exit status 1 when anything failed, including failures a stage caught
-itself (an ``error`` or ``passed: False`` at any depth, printed on the console); see ``__main__``.
+itself (an ``error`` or ``passed: False`` at any depth, printed on the console), 3 when nothing
+failed but a stage was skipped or cut for the deadline (*not run (time)*); see ``__main__``. On a
+lent machine, ``benchmarks/gpu_check/on_device.sh WHEELS OUT`` does the whole call.
 
 1. ``environment``: versions, ``pip check``, driver, ``torch.cuda.is_available()``, imported triton.
 2. ``trainer_247m``: the real trainer at the 247M production shape (seq 1024, micro-batch 8, bf16,

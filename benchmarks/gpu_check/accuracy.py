@@ -6,7 +6,8 @@ run in that dtype (what the dtype's rounding alone costs).
 The cases are what the stage must show, not a full matrix (each new dtype, normalisation kind (RMS
 or not), pairing or path is a set of ~6-10 cold compiles of 5-18 s on a GPU): the production path
 first (fused trig, paired, bf16, capped_denominator, at the 247M head shape: d = 64, F = 128,
-Dv = 64, the trainer's compiles in the shared cache), then the given-features kernels in bf16 (every
+Dv = 64; compiled afresh, not reused from the trainer's: its 16 heads and batch specialise
+differently, and the scan block sizes depend on B x H, so the stage's estimate counts its compiles), then the given-features kernels in bf16 (every
 normalisation, with and without a carried state), fp32 (trig and features), fp16 and the unpaired
 map. N = 1008: a partial last chunk, and the same int specialisation (N % 16 = 0) as the trainer's
 N = 1024. One case per compile set starts first, each in its own process (compiles are CPU-bound);

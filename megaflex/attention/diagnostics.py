@@ -45,9 +45,12 @@ def causal_weights(q: torch.Tensor, k: torch.Tensor, feature_map: FeatureMap | N
     return weights.masked_fill(~causal, 0.0)
 
 
-def window_causal_weights(q: torch.Tensor, k: torch.Tensor, feature_map: FeatureMap | None, window: int) -> torch.Tensor:
+def window_causal_weights(
+    q: torch.Tensor, k: torch.Tensor, feature_map: FeatureMap | None, window: int, far_log_gain: torch.Tensor | None = None
+) -> torch.Tensor:
     """q, k [B, H, N, d] -> the one-normaliser hybrid's causal weights [B, H, N, N] in fp32 (each row
-    up to its stabiliser, which cancels in every statistic); ``feature_map`` None: sliding-window softmax."""
+    up to its stabiliser, which cancels in every statistic); ``feature_map`` None: sliding-window softmax;
+    ``far_log_gain`` [H]: the hybrid's learned far-field gain (log), if it has one."""
     q, k = q.float(), k.float()
     zeros = q.new_zeros(q.shape[:3])
     if feature_map is None:
@@ -56,6 +59,8 @@ def window_causal_weights(q: torch.Tensor, k: torch.Tensor, feature_map: Feature
         return weights
     qm, km = feature_map(q, 0), feature_map(k, 0)
     qls = zeros if qm.log_scale is None else qm.log_scale.float()
+    if far_log_gain is not None:  # e^b_h on every far weight, as the forward adds it (hybrid.LocalMixingCore)
+        qls = qls + far_log_gain.float()[:, None]
     kls = zeros if km.log_scale is None else km.log_scale.float()
     weights, _ = quadratic_weights(q, qm.features.float(), qls, k, km.features.float(), kls, window)
     return weights

@@ -17,8 +17,10 @@ Ops (the ``op`` axis):
 
 ``form`` is "causal" or "bidirectional" (an encoder: every query reads every real key). The
 bidirectional rows sit next to the causal ones; what has no bidirectional meaning (a state carried in
-or out, packed documents, the causal q/k/v convolution, the gated window, the recurrent scan) is
-refused by ``REFUSALS`` before any row is tried, with a message naming the setting and the fix.
+or out, packed documents, the causal q/k/v convolution, the gated window, the recurrent scan, context
+parallelism) is refused by ``REFUSALS`` before any row is tried, with a message naming the setting and
+the fix. The refusals that a model's settings alone decide (``SETTING_FIELDS``) are also what the
+configs check before anything is built: ``refused_setting``.
 Nothing here imports an implementation at import time, so this module imports nothing of the package.
 """
 
@@ -75,6 +77,7 @@ class Request:
     segment_tokens: int = 0  # local_mixing: the segment length of long training sequences
     conv_size: int = 0  # module, local_mixing: the q/k/v convolution's taps
     returns_state: bool = False  # the caller asks for the state after the call (decoding, segments)
+    context_parallel: bool = False  # the sequence is split over ranks that pass prefix states (parallel/context_parallel.py)
 
     @property
     def mixes_locally(self) -> bool:
@@ -265,7 +268,35 @@ REFUSALS: tuple[Refusal, ...] = (
              "'shared_normaliser' with causal=False, " + _FIX, op="local_mixing", has_window=True, mixing="gated"),
     _refusal("bidirectional.recurrent", "form: 'recurrent' is the causal token-by-token scan: bidirectional attention "
              "runs form 'chunked' (global sums) or 'quadratic' (the reference), " + _FIX, algorithm="recurrent"),
+    _refusal("bidirectional.context_parallel", "context_parallel_size: context parallelism passes each rank the causal "
+             "prefix state of the tokens before it: set context_parallel_size=1 with causal=False, " + _FIX,
+             context_parallel=True),
 )
+
+# The ``Request`` fields that a model's settings fix before any call (model.causal, qkv_conv_size,
+# softmax_window, window_mixing; a run's document resets and context parallelism); the others
+# describe one call (its tensors, a state in or out, autograd).
+SETTING_FIELDS = ("form", "conv_size", "window", "mixing", "documents", "context_parallel")
+OPS = tuple(dict.fromkeys(row.op for row in ROWS))
+
+
+def refusal_of(request: Request) -> Refusal | None:
+    """The first of ``REFUSALS`` that ``request`` meets, or None."""
+    return next((refusal for refusal in REFUSALS if refusal.applies(request)), None)
+
+
+def refused_setting(**settings: Any) -> Refusal | None:
+    """The refusal that a model set up with ``settings`` (``SETTING_FIELDS``, the rest at their
+    defaults) meets in some op before any call, or None: what a config check reports, one line
+    before anything is built, instead of a traceback at the first forward."""
+    unknown = sorted(set(settings) - set(SETTING_FIELDS))
+    if unknown:
+        raise TypeError(f"refused_setting: {unknown} are not settings; expected some of {SETTING_FIELDS}")
+    for op in OPS:
+        found = refusal_of(Request(op, **settings))
+        if found is not None:
+            return found
+    return None
 
 
 class NoAttentionImplementation(ValueError):
@@ -281,9 +312,9 @@ _observers: list[Callable[[Request, Row], None]] = []
 
 def select(request: Request, rows: tuple[Row, ...] = ROWS) -> Row:
     """The first row of ``rows`` that takes ``request``; ``RefusedAttention`` for a refused one."""
-    for refusal in REFUSALS:
-        if refusal.applies(request):
-            raise RefusedAttention(refusal.message)
+    refusal = refusal_of(request)
+    if refusal is not None:
+        raise RefusedAttention(refusal.message)
     for row in rows:
         if row.applies(request):
             for observe in _observers:

@@ -14,8 +14,14 @@
     for the last W keys and the learned kernel phi~(q).phi~(k) for every older key, in one
     normaliser with one log-space stabiliser per query (``window/``, which has the maths
     and the quadratic / chunked / recurrent forms). Near keys are counted once, the two parts keep
-    their relative mass, and nothing is learned for the mix. No [N, N] or [N, W + N] mask. Decoding
-    keeps a W - 1 key window cache plus the linear state of the keys that left it.
+    their relative mass, and nothing is learned for the mix (unless ``far_gain``, below). No [N, N] or
+    [N, W + N] mask. Decoding keeps a W - 1 key window cache plus the linear state of the keys that left it.
+    ``far_gain`` (``model.window_far_gain``; issue 46, remedy (e)): a learned per-head factor e^b_h on
+    every far-field weight against the window's (LoLCATs learns one per head), init b_h = 0: today's
+    hybrid. The far weights are (qf_t . kf_s) exp(qls_t + kls_s - m_t), so the factor is exactly b_h
+    added to the query log-scale qls_t, which every form (quadratic, chunked, recurrent, Triton, the
+    segments, the bidirectional window, context parallelism) takes from ``window_features``: one
+    place, the same maths everywhere, and the shared stabiliser m_t (which reads qls_t) stays exact.
   - ``"gated"`` (the first design, kept as an ablation arm): ``out = (1 - g_h) linear(q, k, v) +
     g_h local``, ``local`` the softmax attention of q_t over keys s in (t - W, t], RMS-normalised
     with the core's "rms"; ``g_h = sigmoid(m_h)`` a learned per-head mix (init 1/2). The linear
@@ -84,7 +90,8 @@ class LocalMixingCore(nn.Module):
     op = "local_mixing"  # what ``parallel.layers`` wraps for context parallelism
 
     def __init__(
-        self, core: AttentionCore, *, window: int = 0, conv_size: int = 0, mixing: str = "shared_normaliser"
+        self, core: AttentionCore, *, window: int = 0, conv_size: int = 0, mixing: str = "shared_normaliser",
+        far_gain: bool = False,
     ) -> None:
         super().__init__()
         if mixing not in WINDOW_MIXINGS:
@@ -97,13 +104,16 @@ class LocalMixingCore(nn.Module):
                 raise ValueError(f"{name}: expected an int >= 0 (0: off), got {value!r}")
         if window == 0 and conv_size == 0:
             raise ValueError("LocalMixingCore: expected window > 0 or conv_size > 0, got both 0")
+        check_far_gain(far_gain, window, mixing, core.feature_map is not None)
         self.core, self.window, self.conv_size, self.mixing = core, window, conv_size, mixing
         self.num_heads, self.head_dim = core.num_heads, core.head_dim
-        self.conv_weight = self.window_mix = None
+        self.conv_weight = self.window_mix = self.far_log_gain = None
         self.qk_tap = _QKTap()
         self.segment_tokens = _SEGMENT_TOKENS
         if window and mixing == "gated":
             self.window_mix = nn.Parameter(torch.zeros(core.num_heads, 1, 1))  # heads on dim 0 (TP); sigmoid(0) = 1/2
+        if far_gain:
+            self.far_log_gain = nn.Parameter(torch.zeros(core.num_heads))  # heads on dim 0 (TP); e^0 = 1: today's hybrid
         if conv_size:
             weight = torch.zeros(core.num_heads, 3, core.head_dim, conv_size)  # heads on dim 0 (TP)
             weight[..., -1] = 1.0  # identity: a no-op at init
@@ -121,6 +131,8 @@ class LocalMixingCore(nn.Module):
         out = [] if self.conv_weight is None else [KernelParameter("conv_weight", self.conv_weight, "map_weight")]
         if self.window_mix is not None:
             out.append(KernelParameter("window_mix", self.window_mix, "temperature"))
+        if self.far_log_gain is not None:  # a per-head scalar like the mix logit: the temperature LR group
+            out.append(KernelParameter("far_log_gain", self.far_log_gain, "temperature"))
         return out
 
     def forward(
@@ -260,8 +272,10 @@ class LocalMixingCore(nn.Module):
         cache = None if state is None else state.window_cache
         carried = [] if far is None else [far.kv, far.k_sum, far.log_max]
         carried += [] if cache is None else [cache.k, cache.kf, cache.kls, cache.v]
+        # what a segment reads that may need gradients: the feature map's parameters and the far-field gain
+        params = [*self.core.parameters(), *([] if self.far_log_gain is None else [self.far_log_gain])]
         out, *new = run_segments(self._segment, offset, segment, q, k, v, carried, far is not None, cache is not None,
-                                 list(self.core.parameters()))  # fmt: skip
+                                 params)  # fmt: skip
         far = LinearAttentionState(new[0], new[1], new[2].detach(), offset + q.shape[2])
         return out, far, WindowCache(*new[3:])
 
@@ -286,7 +300,12 @@ class LocalMixingCore(nn.Module):
             empty = q.new_zeros(*q.shape[:3], 0)
             return empty, None, empty, q.new_full(q.shape[:3], float("-inf"), dtype=torch.float32)
         q_map, k_map = self.core.feature_map(q, offset), self.core.feature_map(k, offset)
-        return q_map.features, q_map.log_scale, k_map.features, k_map.log_scale
+        qls = q_map.log_scale
+        if self.far_log_gain is not None:  # e^b_h on every far weight (module docstring)
+            if qls is None:
+                qls = q.new_zeros(q.shape[:3], dtype=torch.float32)
+            qls = qls + self.far_log_gain.to(qls.dtype)[:, None]
+        return q_map.features, qls, k_map.features, k_map.log_scale
 
     def _convolve(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: HybridState | None,
@@ -337,7 +356,23 @@ class LocalMixingCore(nn.Module):
         return out, k_all[:, :, first:], v_all[:, :, first:]
 
     def extra_repr(self) -> str:
-        return f"window={self.window}, conv_size={self.conv_size}, mixing={self.mixing}"
+        gain = ", far_gain=True" if self.far_log_gain is not None else ""
+        return f"window={self.window}, conv_size={self.conv_size}, mixing={self.mixing}{gain}"
+
+
+def check_far_gain(far_gain: bool, window: int, mixing: str, linear: bool) -> None:
+    """ValueError naming the setting to change unless the far-field gain has a far field to act on:
+    a one-normaliser window (``model.softmax_window`` > 0, ``model.window_mixing: shared_normaliser``)
+    around a linear kernel."""
+    if not far_gain:
+        return
+    if not window or mixing != "shared_normaliser":
+        raise ValueError(f"window_far_gain: expected softmax_window > 0 with window_mixing 'shared_normaliser' (it "
+                         f"scales the far field against the window in one normaliser), got softmax_window={window}, "
+                         f"window_mixing={mixing!r}; set window_far_gain=false or a one-normaliser window")
+    if not linear:
+        raise ValueError("window_far_gain: expected a linear attention kind (softmax with a window has no far field); "
+                         "set window_far_gain=false")
 
 
 # how ``LocalMixingCore`` feeds each row it can select (``dispatch.ROWS``, op "local_mixing")
@@ -348,11 +383,16 @@ _ADAPTERS: dict[str, Callable[..., tuple[torch.Tensor, HybridState | None]]] = {
 }
 
 
-def build_attention(core: AttentionCore, *, window: int = 0, conv_size: int = 0, mixing: str = "shared_normaliser") -> AttentionCore | LocalMixingCore:
+def build_attention(
+    core: AttentionCore, *, window: int = 0, conv_size: int = 0, mixing: str = "shared_normaliser", far_gain: bool = False,
+) -> AttentionCore | LocalMixingCore:
     """The attention module of a model layer: ``core``, wrapped in a ``LocalMixingCore`` when a ``window``
-    or a convolution (``conv_size``) is asked for (``dispatch.ROWS``, op "module")."""
+    or a convolution (``conv_size``) is asked for (``dispatch.ROWS``, op "module"); ``far_gain``: the
+    window's learned far-field gain (needs that window)."""
+    check_far_gain(far_gain, window, mixing, core.feature_map is not None)
     row = select(Request("module", form=core.attention_form, window=window, conv_size=conv_size))
-    return _MODULE_ADAPTERS[row.adapter](row.implementation(), core, window=window, conv_size=conv_size, mixing=mixing)
+    return _MODULE_ADAPTERS[row.adapter](row.implementation(), core, window=window, conv_size=conv_size, mixing=mixing,
+                                         far_gain=far_gain)
 
 
 # how ``build_attention`` feeds the rows of op "module": the core as it is, or the wrapper class around it

@@ -29,6 +29,9 @@ _NULL_IN_TRAINING = ("tokenizer", "init_from")
 LEGACY_OPTIMIZER_GROUPS = ["decay", "no_decay"]
 # model.normalization of checkpoints that do not record it (the default until capped_denominator).
 LEGACY_NORMALIZATION = "rms"
+# Model fields added later, with the value every model had before the field existed: a checkpoint
+# that does not record one was trained with it, whatever ModelConfig's default has become since.
+LEGACY_MODEL_FIELDS: dict[str, Any] = {"qk_norm": "none", "window_far_gain": False}  # issue 46
 
 
 @dataclass
@@ -102,14 +105,15 @@ class CheckpointMeta:
     def model_config(self) -> dict[str, Any]:
         """The saved model fields. A window hybrid saved before ``window_mixing`` existed is the gated
         blend (the only window hybrid then), not today's default one-normaliser form; a model saved
-        without ``normalization`` was trained with "rms", not today's default "capped_denominator"."""
+        without ``normalization`` was trained with "rms", not today's default "capped_denominator";
+        one without a field of ``LEGACY_MODEL_FIELDS`` with that field's value then."""
         model = self.config["model"]
         if model.get("softmax_window") and "window_mixing" not in model:
             model = {**model, "window_mixing": "gated"}
         if "normalization" not in model:
             # written before the field existed, when every linear model was trained with "rms"
             model = {**model, "normalization": LEGACY_NORMALIZATION}
-        return model
+        return {**LEGACY_MODEL_FIELDS, **model}
 
     @property
     def cp_size(self) -> int:

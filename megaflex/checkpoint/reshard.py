@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from megaflex.checkpoint.layout import META_FILE, MODEL_STATES, model_states_file, verify_checkpoint, write_meta
+from megaflex.cli_args import existing_dir, positive_int
 from megaflex.checkpoint.metadata import CheckpointMeta
 from megaflex.checkpoint.shards import load_tp_state_dicts
 from megaflex.model.config import ModelConfig
@@ -251,10 +252,10 @@ def _read_checkpoint(tag_dir: Path) -> tuple[list[StateDict], CheckpointMeta]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint", type=Path, help=f"a checkpoint tag folder (with {META_FILE} and model-states files)")
+    parser.add_argument("checkpoint", type=existing_dir, help=f"a checkpoint tag folder (with {META_FILE} and model-states files)")
     parser.add_argument("output", type=Path)
     group = parser.add_mutually_exclusive_group(required=True)
-    group.add_argument("--tp", type=int, help=f"target tensor-parallel size (writes {MODEL_STATES.format(0)}, ...)")
+    group.add_argument("--tp", type=positive_int, help=f"target tensor-parallel size (writes {MODEL_STATES.format(0)}, ...)")
     group.add_argument("--safetensors", action="store_true", help="export TP=1 model.safetensors + config.json")
     args = parser.parse_args(argv)
 

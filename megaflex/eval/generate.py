@@ -18,6 +18,8 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from megaflex.cli_args import available_device, nonnegative_float, positive_int, unit_interval
+
 
 @dataclass
 class SamplingConfig:
@@ -156,14 +158,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megaflex-generate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", required=True, help="checkpoint directory written by megaflex-train")
     parser.add_argument("--prompt", required=True, help="prompt text ('-' reads stdin)")
-    parser.add_argument("--max-new-tokens", type=int, default=100)
-    parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=100)
+    parser.add_argument("--temperature", type=nonnegative_float, default=1.0, help="0 = greedy")
+    parser.add_argument("--top-k", type=positive_int, default=None)
+    parser.add_argument("--top-p", type=unit_interval, default=None, help="nucleus sampling, 0 < p <= 1")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tokenizer", default=None, help="tokenizer model (default: the one in the checkpoint config)")
     parser.add_argument("--tag", default=None, help="checkpoint tag (default: latest)")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", type=available_device, default="cpu")
     parser.add_argument("--stop-at-eos", action="store_true", help="stop at the tokenizer's end-of-document id")
     return parser
 
@@ -184,9 +186,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _generate_cli(args: argparse.Namespace) -> None:
     from megaflex.eval.eval_data import check_eval_tokenizer
-    from megaflex.eval.loading import load_for_eval  # late import: keeps the library part light
+    from megaflex.eval.loading import load_for_eval, refuse_bidirectional  # late import: keeps the library part light
 
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
+    refuse_bidirectional(args.checkpoint, args.tag, "generation")
     loaded = load_for_eval(args.checkpoint, tag=args.tag, tokenizer=args.tokenizer, device=args.device)
     if loaded.tokenizer is None:
         raise ValueError("--tokenizer: the checkpoint config names no tokenizer; pass --tokenizer PATH")

@@ -23,7 +23,7 @@ from megaflex.model.gpt import GPT
 if TYPE_CHECKING:
     from megaflex.parallel import ParallelState, TensorParallelRNGTracker
 
-__all__ = ["USER_ERRORS", "LoadedCheckpoint", "load_for_eval", "resolve_checkpoint"]  # resolve_checkpoint: re-exported
+__all__ = ["USER_ERRORS", "LoadedCheckpoint", "load_for_eval", "refuse_bidirectional", "resolve_checkpoint"]  # resolve_checkpoint: re-exported
 
 # What the evaluation commands report as one `error:` line with exit status 2: bad arguments,
 # data (DataError, TokenizerMismatchError are ValueErrors), missing files, unusable checkpoints.
@@ -49,6 +49,16 @@ class LoadedCheckpoint:
         return getattr(self.tokenizer, "eod_id", None)
 
 
+def refuse_bidirectional(checkpoint: str | os.PathLike, tag: str | None, use: str) -> None:
+    """ValueError when the checkpoint holds a bidirectional model (``model.causal: false``), which
+    ``use`` (perplexity, generation) cannot serve: checked from its metadata, before any weight is read."""
+    path = resolve_checkpoint(checkpoint, tag)
+    if CheckpointMeta.read(path).model_config.get("causal", True) is False:  # saved before the field: causal
+        raise ValueError(f"checkpoint {path} holds a bidirectional model (model.causal: false), which sees every "
+                         f"token it is asked to predict: {use} needs a causal language model (an encoder is trained "
+                         "and tested by python -m megaflex.training.classify)")
+
+
 def load_for_eval(
     checkpoint: str | os.PathLike,
     *,
@@ -63,7 +73,8 @@ def load_for_eval(
 
     ``parallel`` may have any TP size; the saved shards are resharded to it (exactly:
     ``megaflex.checkpoint.reshard``). ``tokenizer`` overrides the tokenizer path recorded in the
-    run config (``data.tokenizer``).
+    run config (``data.tokenizer``). A bidirectional model loads too: callers that need a
+    language model check ``refuse_bidirectional`` first.
     """
     from megaflex.checkpoint.reshard import load_state_dict_checked
     from megaflex.parallel import parallelize_gpt

@@ -32,7 +32,7 @@ from typing import Any, Sequence
 
 import torch
 
-from megaflex.cli_args import positive_int
+from megaflex.cli_args import available_device, positive_int, positive_int_list, writable_file
 from megaflex.eval.eval_data import EVAL_DOC_MODES, check_eval_tokenizer, load_eval_set
 from megaflex.eval.scoring import MODES, evaluate
 
@@ -51,9 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=positive_int, default=None,
                    help="window length / stateful chunk (default: model max_seq_len)")
     p.add_argument("--stride", type=positive_int, default=None, help="sliding mode: window advance (default context/2)")
-    p.add_argument("--contexts", default=None, help="comma-separated context lengths to sweep, e.g. 512,1024,2048")
-    p.add_argument("--json", default=None, help="write the results here (rank 0)")
-    p.add_argument("--plot", default=None, help="PNG of perplexity vs context length (rank 0)")
+    p.add_argument("--contexts", type=positive_int_list, default=[],
+                   help="comma-separated context lengths to sweep, e.g. 512,1024,2048")
+    p.add_argument("--json", type=writable_file, default=None, help="write the results here (rank 0)")
+    p.add_argument("--plot", type=writable_file, default=None, help="PNG of perplexity vs context length (rank 0)")
     p.add_argument("--tokenizer", default=None, help="override the checkpoint's tokenizer model")
     p.add_argument("--doc-mode", choices=EVAL_DOC_MODES, default=None, help="how text is cut into documents")
     p.add_argument("--text-key", "--json-key", dest="text_key", default="text",
@@ -62,11 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="strict: stop at invalid UTF-8 naming file and line; replace: read it as U+FFFD")
     p.add_argument("--no-prepend-eod", action="store_true", help="do not prepend EOD (first token not scored)")
     p.add_argument("--batch-size", type=positive_int, default=8)
-    p.add_argument("--max-docs", type=int, default=None)
-    p.add_argument("--max-tokens", type=int, default=None, help="truncate the eval set (quick runs)")
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--max-docs", type=positive_int, default=None)
+    p.add_argument("--max-tokens", type=positive_int, default=None, help="truncate the eval set (quick runs)")
+    p.add_argument("--tensor-parallel-size", type=positive_int, default=1)
     p.add_argument("--tag", default=None, help="checkpoint tag (default latest)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", type=available_device, default="cuda" if torch.cuda.is_available() else "cpu")
     return p
 
 
@@ -146,10 +147,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run_cli(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """``megaflex-eval`` with its arguments; returns the results dict (also printed / written)."""
-    from megaflex.eval.loading import load_for_eval
+    from megaflex.eval.loading import load_for_eval, refuse_bidirectional
     from megaflex.eval.plotting import write_json
 
     args = build_parser().parse_args(argv)
+    refuse_bidirectional(args.checkpoint, args.tag, "perplexity")  # before any process group
     state, tracker = _distributed(args.tensor_parallel_size)
     loaded = load_for_eval(args.checkpoint, tag=args.tag, tokenizer=args.tokenizer, device=args.device,
                            parallel=state, rng_tracker=tracker)
@@ -159,7 +161,7 @@ def run_cli(argv: Sequence[str] | None = None) -> dict[str, Any]:
         check_lossless(loaded.tokenizer, "--tokenizer" if args.tokenizer else f"checkpoint {loaded.path}")
     check_eval_tokenizer(loaded.meta.tokenizer, loaded.tokenizer, args.data, str(loaded.path))
     context = args.context if args.context is not None else loaded.model.config.max_seq_len
-    contexts = _parse_contexts(args.contexts)
+    contexts = args.contexts
     if contexts and args.mode == "stateful":  # stateful results do not depend on the chunk length
         raise ValueError("--contexts: a context sweep needs --mode windows or sliding; stateful results do not "
                          "depend on --context (their by_context curve, in --json/--plot, is ppl by position)")
@@ -208,15 +210,6 @@ def format_results(data: str, results: dict[str, Any]) -> str:
         stride = "" if r["stride"] is None else f" stride {r['stride']}"
         lines.append(f"  context {r['context']}{stride}: {parts(r)}")
     return "\n".join(lines)
-
-
-def _parse_contexts(text: str | None) -> list[int]:
-    if not text:
-        return []
-    try:
-        return [positive_int(c) for c in text.split(",")]
-    except argparse.ArgumentTypeError as e:
-        raise ValueError(f"--contexts: {e} in {text!r}") from None
 
 
 if __name__ == "__main__":

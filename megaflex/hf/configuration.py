@@ -43,15 +43,18 @@ class FlexformerConfig(PreTrainedConfig):
     ffn_hidden_size: int | None = None
     attention: str = "flexformer_n"
     feature_dim: int = 128
-    # "rms", not ModelConfig's default: a config.json without the key was exported before the
-    # default became "capped_denominator" (exports write every field), so it was trained with rms.
-    normalization: str = "rms"
+    # ModelConfig's default; a config.json without the key was exported before that default
+    # (exports write every field), so it was trained with rms: from_dict reads it as "rms"
+    normalization: str = "capped_denominator"
     chunk_size: int = 64
     attention_backend: str = "auto"  # the chunked form's implementation (auto: Triton on CUDA, torch on CPU)
     feature_kwargs: dict | None = None
     softmax_window: int = 0  # the hybrid's sliding softmax window (0: off)
     window_mixing: str = "shared_normaliser"  # how the window meets the kernel (one normaliser | gated)
+    window_far_gain: bool = False  # the window's learned per-head far-field gain (absent: exported before it existed)
     qkv_conv_size: int = 0  # the hybrid's causal q/k/v convolution (0: off)
+    # the value before the field existed (a config.json without it was exported then), not ModelConfig's default
+    qk_norm: str = "none"  # norm control of q and k before the feature map (none | rms | affine_rms)
     causal: bool = True  # False: a bidirectional encoder (no decoding state: generate() refuses it)
     mlp: str = "gelu"
     norm: str = "rmsnorm"
@@ -90,6 +93,14 @@ class FlexformerConfig(PreTrainedConfig):
             raise ValueError(f"FlexformerConfig (config.json): tokenizer_vocab_size must be an int in [1, vocab_size "
                              f"({self.vocab_size})] or null, got {limit!r}")
         super().__post_init__(**kwargs)
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> Any:
+        """``PreTrainedConfig.from_dict`` (what ``from_pretrained`` reads config.json with); a
+        config.json without ``normalization`` is an export from before capped_denominator: rms."""
+        if "normalization" not in config_dict:
+            config_dict = {**config_dict, "normalization": "rms"}
+        return super().from_dict(config_dict, **kwargs)
 
     def to_model_config(self) -> ModelConfig:
         """The megaflex ``ModelConfig`` these values describe (validated)."""

@@ -29,7 +29,10 @@ import torch
 import yaml
 
 from megaflex.checkpoint import CheckpointMeta
-from megaflex.output_dirs import OutputDirError, apply_umask, claim_output_dir, snapshot, training_run_owner
+from megaflex.cli_args import existing_file
+from megaflex.output_dirs import (
+    OutputDirError, apply_umask, check_output_dir, claim_output_dir, snapshot, training_run_owner,
+)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -56,6 +59,7 @@ def export_checkpoint(
 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype: expected one of {sorted(DTYPES)}, got {dtype!r}")
+    check_output_dir(hf_out, "--hf-out", overwrite)  # before the checkpoint is read
     loaded = load_for_eval(checkpoint, tag=tag, tokenizer=None)  # the tokenizer is checked below
     tok_path = tokenizer or (loaded.config.get("data") or {}).get("tokenizer")
     if not tok_path:
@@ -153,10 +157,12 @@ def model_card(run_config: dict[str, Any], meta: CheckpointMeta, path: Path, dty
                evals: Sequence[dict[str, Any]]) -> str:
     """README.md of an export: what the model is, how it was trained, how to load and evaluate it."""
     m = run_config["model"]
+    causal = m.get("causal", True)
+    kind = "decoder-only LM" if causal else "bidirectional encoder (`model.causal: false`)"
     lines = [
         "---", "library_name: transformers", "tags: [megaflex, flexformer, linear-attention]", "---", "",
         f"# Flexformer ({m['attention']}) exported by megaflex", "",
-        f"A {m['num_layers']}-layer, {m['hidden_size']}-wide decoder-only LM with `{m['attention']}` attention, "
+        f"A {m['num_layers']}-layer, {m['hidden_size']}-wide {kind} with `{m['attention']}` attention, "
         f"trained with megaflex for {meta.iteration} iterations "
         f"(tensor parallel {meta.tensor_parallel_size}, ZeRO stage {'?' if meta.zero_stage is None else meta.zero_stage}); "
         f"weights in {dtype}. Source checkpoint: `{path}`.", "",
@@ -165,7 +171,9 @@ def model_card(run_config: dict[str, Any], meta: CheckpointMeta, path: Path, dty
         "model = AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)  # or `import megaflex.hf` first",
         "tok = AutoTokenizer.from_pretrained(DIR)",
         "```", "",
-        "Decoding carries megaflex's recurrent state as the cache (constant memory per token for linear kinds).",
+        "Decoding carries megaflex's recurrent state as the cache (constant memory per token for linear kinds)."
+        if causal else "Every position reads every token, so it is no language model: `model(ids)` returns its "
+        "logits, `generate()` and a cache are refused.",
         "Left padding is not supported; pad on the right.", "",
         "## Evaluation", "",
     ]
@@ -190,7 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--tag", default=None, help="checkpoint tag (default latest)")
     p.add_argument("--tokenizer", default=None, help="tokenizer file: sentencepiece .model or tokenizer.json (default: data.tokenizer of the run)")
-    p.add_argument("--eval-json", nargs="*", default=[], help="megaflex-eval --json results for the model card")
+    p.add_argument("--eval-json", nargs="*", type=existing_file, default=[],
+                   help="megaflex-eval --json results for the model card")
     p.add_argument("--from-hf", default=None, help="Hugging Face model directory to convert back (import)")
     p.add_argument("--megaflex-out", default=None, help="new checkpoint.dir to write the imported model into "
                    "(never a training run's)")

@@ -33,6 +33,7 @@ from typing import Callable, Sequence
 
 import yaml
 
+from megaflex.cli_args import positive_int
 from megaflex.eval.eval_data import EVAL_DOC_MODES, count_words, text_documents
 
 TASK = "megaflex_wikitext2"
@@ -129,10 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="directory for the task (pass it to lm_eval --include_path)")
     p.add_argument("--hf-model", default=None, help="a megaflex-export directory: its tokenizer and max_seq_len")
     p.add_argument("--tokenizer", default=None, help="tokenizer file: sentencepiece .model or tokenizer.json (instead of --hf-model)")
-    p.add_argument("--max-tokens", type=int, default=None, help="tokens per document (default: the model's max_seq_len)")
+    p.add_argument("--max-tokens", type=positive_int, default=None, help="tokens per document (default: the model's max_seq_len)")
     p.add_argument("--data", default=None, help="text/.jsonl source (default: $MEGAFLEX_DATA wikitext-2 test)")
     p.add_argument("--doc-mode", choices=EVAL_DOC_MODES, default="wikitext", help="how the source is cut into documents")
-    p.add_argument("--max-docs", type=int, default=None, help="keep the first N source documents")
+    p.add_argument("--max-docs", type=positive_int, default=None, help="keep the first N source documents")
     p.add_argument("--task", default=TASK, help="task name")
     return p
 

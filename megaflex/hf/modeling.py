@@ -162,7 +162,11 @@ class FlexformerForCausalLM(PreTrainedModel, GenerationMixin):
         cache = cache if cache is not None else past_key_values
         if cache is not None and not isinstance(cache, FlexformerCache):
             raise ValueError(f"cache: expected a FlexformerCache (or None), got {type(cache).__name__}")
-        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if use_cache is None:  # a bidirectional model has no decoding state: plain model(ids) returns none
+            use_cache = self.config.use_cache and self.config.causal
+        elif use_cache and not self.config.causal:
+            raise ValueError("use_cache: this model is bidirectional (config.causal=False): it has no decoding state, "
+                             "so it cannot continue a sequence or generate(); call it with use_cache=False")
         state = None if cache is None else cache.state
         out = self.model(input_ids, state=state, return_state=bool(use_cache), attention_mask=attention_mask)
         hidden_logits = out.logits if not logits_to_keep else out.logits[:, -logits_to_keep:]

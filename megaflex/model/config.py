@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from megaflex.attention import ATTENTION_BACKENDS, ATTENTION_KINDS, NORMALIZATIONS
-from megaflex.attention.hybrid import WINDOW_MIXINGS
+from megaflex.attention.dispatch import RefusedAttention, refused_setting
+from megaflex.attention.hybrid import WINDOW_MIXINGS, check_far_gain
+from megaflex.attention.qk_norm import QK_NORMS
 from megaflex.config_field import opt, required
 
 MLP_KINDS = ("gelu", "swiglu")
@@ -47,8 +49,12 @@ class ModelConfig:
         "CPU tensors it needs TRITON_INTERPRET=1), or fla (flash-linear-attention's chunk_simple_gla; CUDA, extra gpu)",
     )
     feature_kwargs: dict[str, Any] = opt(
-        {}, "extra keyword arguments of the feature map (flexformer_n: omega_init paper|tied, omega_noise, "
-        "min_log_temperature)",
+        {}, "extra keyword arguments of the feature map (flexformer_n: omega_init paper|tied|correlated (paper: "
+        "independent Omega1, Omega2, whose expected kernel has a uniform floor; tied: Omega2 = Omega1 + omega_noise x "
+        "noise; correlated: correlation omega_correlation in (0, 1), the same marginal; both without the floor), "
+        "omega_noise (default 0.1), omega_correlation (default 0.5), min_log_temperature (tau's soft floor, default "
+        "log(2 sqrt d) - 3), max_log_temperature (tau's soft ceiling, default null: none; >= floor + 2.4); "
+        "attention/feature_maps/flexformer_n.py)",
     )
     # the optional quality closers of linear attention (megaflex.attention.hybrid; 0 = off)
     softmax_window: int = opt(
@@ -59,7 +65,19 @@ class ModelConfig:
         "shared_normaliser", "with softmax_window: shared_normaliser (exact weights for the last W keys, the kernel "
         "for older ones, one normaliser) or gated (the old learned per-head blend of two normalised branches)",
     )
+    # issue 46, remedy (e); checkpoints without the field were trained without it (checkpoint/metadata.py)
+    window_far_gain: bool = opt(
+        False, "with softmax_window and window_mixing shared_normaliser: a learned per-head gain e^b_h on the far "
+        "field's weights against the window's (LoLCATs), init 1 (b_h = 0): the hybrid without it (attention/hybrid.py)",
+    )
     qkv_conv_size: int = opt(0, "K > 0: K-tap causal depthwise convolution of q, k, v before linear attention (0: off)")
+    # issue 46, remedy (c); checkpoints without the field were trained with "none" (checkpoint/metadata.py)
+    qk_norm: str = opt(
+        "none", "norm control of q and k in the attention layer, before RoPE and the feature map (every form sees "
+        "it): none; rms (q, k <- g_h x / rms(x), a learned per-head gain g_h = e^s_h shared by q and k, init 1: "
+        "||q|| = ||k|| = sqrt(head dim)); affine_rms (ReBased: w * x / rms(x) + b, per head and channel, q and k "
+        "apart, init w = 1, b = 0) (attention/qk_norm.py)",
+    )
     # a resume may not change it: it changes what the weights compute (checkpoint/compat.py)
     causal: bool = opt(
         True, "false: bidirectional attention (an encoder, megaflex.model.encoder; attention_mask is the key "
@@ -98,6 +116,7 @@ class ModelConfig:
         _check_choice("normalization", self.normalization, NORMALIZATIONS)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("window_mixing", self.window_mixing, WINDOW_MIXINGS)
+        _check_choice("qk_norm", self.qk_norm, QK_NORMS)
         _check_choice("mlp", self.mlp, MLP_KINDS)
         _check_choice("norm", self.norm, NORM_KINDS)
         _check_choice("position", self.position, POSITION_KINDS)
@@ -111,8 +130,10 @@ class ModelConfig:
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value!r}")
-        if not isinstance(self.causal, bool):
-            raise ValueError(f"causal must be a bool, got {self.causal!r}")
+        for name in ("causal", "window_far_gain"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        check_far_gain(self.window_far_gain, self.softmax_window, self.window_mixing, self.is_linear_attention)
         if not isinstance(self.feature_kwargs, dict):
             raise ValueError(f"feature_kwargs must be a mapping, got {type(self.feature_kwargs).__name__}")
         for name in ("softmax_window", "qkv_conv_size"):
@@ -124,6 +145,11 @@ class ModelConfig:
                                  f"softmax_window with window_mixing 'shared_normaliser' is sliding-window softmax), got {value}")
         if self.attention == "softmax" and self.feature_kwargs:
             raise ValueError(f"feature_kwargs must be empty for attention='softmax', got {sorted(self.feature_kwargs)}")
+        # what the attention dispatch table refuses for these settings (e.g. the causal q/k/v convolution
+        # of a bidirectional model), here rather than at the first forward
+        refusal = refused_setting(**self.attention_settings())
+        if refusal is not None:
+            raise RefusedAttention(refusal.message)
         self._check_feature_map()
 
     def _check_feature_map(self) -> None:
@@ -145,6 +171,12 @@ class ModelConfig:
                 message = message[len("kwargs: "):]
             key = "feature_dim" if message.startswith("feature_dim") else "feature_kwargs"
             raise ValueError(f"{key} of attention={self.attention!r}: {message.removeprefix(key + ': ')}") from None
+
+    def attention_settings(self) -> dict[str, Any]:
+        """The settings of this model that the attention dispatch table decides on before any call
+        (``dispatch.SETTING_FIELDS``; a run adds its document resets and context parallelism)."""
+        return dict(form="causal" if self.causal else "bidirectional", conv_size=self.qkv_conv_size,
+                    window=self.softmax_window, mixing=self.window_mixing)
 
     @property
     def head_dim(self) -> int:

@@ -2,7 +2,7 @@
 
     ids [B, N] -> embedding (+ learned positions) -> num_layers x Block -> norm -> logits
     Block:  x = x + Attention(norm(x));  x = x + MLP(norm(x))
-    Attention: fused QKV -> RoPE(q, k) -> AttentionCore (Flexformer linear attention by default,
+    Attention: fused QKV -> [qk_norm(q, k)] -> RoPE(q, k) -> AttentionCore (Flexformer linear attention by default,
                or exact softmax) -> per-head gain -> output projection
 
 The model is always built plain, as on one device (``megaflex.model.layers``); parallelism is
@@ -32,8 +32,10 @@ from torch.utils.checkpoint import checkpoint
 
 from megaflex.attention import AttentionCore, KVCache, LinearAttentionState, padding_mask
 from megaflex.attention.documents import DocumentLayout
+from megaflex.attention.dispatch import RefusedAttention, refused_setting
 from megaflex.attention.hybrid import HybridState, LocalMixingCore, build_attention
 from megaflex.attention.inputs import refuse_padded_documents
+from megaflex.attention.qk_norm import QKNorm
 from megaflex.model.config import ModelConfig
 from megaflex.model.kernel_stats import kernel_statistics
 from megaflex.model.layers import LayerFactory, LocalLayers, linear, norm, normal_init, vocab_embedding
@@ -129,6 +131,8 @@ class Attention(nn.Module):
         # 3h outputs is exactly the q, k and v of num_heads / tp whole heads.
         self.qkv = linear(h, 3 * h, bias=config.bias, init_method=normal_init(config.init_std))
         self.rope = RotaryEmbedding(d, config.rope_theta) if config.position == "rope" else None
+        # per token and head, before RoPE and every attention form (attention/qk_norm.py); deterministic init
+        self.qk_norm = None if config.qk_norm == "none" else QKNorm(config.qk_norm, config.num_heads, d, config.norm_eps)
         self.core = build_attention_core(config, config.num_heads)
         self.causal = config.causal
         # The core's "rms" normalisation is parameter-free; this per-head, per-channel gain is its
@@ -151,15 +155,18 @@ class Attention(nn.Module):
         B, N = qkv.shape[:2]
         qkv = qkv.view(B, N, self.local_heads, 3, self.head_dim)
         q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each [B, Hl, N, d]
+        if self.qk_norm is not None:
+            q, k = self.qk_norm(q, k)
         if self.rope is not None:  # absolute positions offset .. offset + N - 1, or each row's own
             q, k = self.rope(q, k, offset, _row_positions(padding, documents))
         attend = self.layer_factory.attention(self.core)  # the core, or its context-parallel stand-in
         kwargs = {}
         if documents is not None:
             kwargs["document_starts"] = documents.starts if documents.layout is None else documents.layout
-        if attend is not self.core and not self.causal:
-            raise ValueError("causal=False: context parallelism passes causal prefix states between ranks; "
-                             "set parallel.context_parallel_size=1 for bidirectional attention")
+        if attend is not self.core:  # the context-parallel stand-in: what the dispatch table refuses for it
+            refusal = refused_setting(form="causal" if self.causal else "bidirectional", context_parallel=True)
+            if refusal is not None:
+                raise RefusedAttention(refusal.message)
         if padding is not None:
             if attend is not self.core:
                 raise ValueError("attention_mask: padding is not supported under context parallelism")
@@ -460,4 +467,5 @@ def build_attention_core(config: ModelConfig, num_heads: int) -> AttentionCore |
         **config.feature_kwargs,
     )
     # the closers' init is deterministic: no RNG drawn there
-    return build_attention(core, window=config.softmax_window, conv_size=config.qkv_conv_size, mixing=config.window_mixing)
+    return build_attention(core, window=config.softmax_window, conv_size=config.qkv_conv_size, mixing=config.window_mixing,
+                           far_gain=config.window_far_gain)

@@ -12,7 +12,11 @@ Probe statistics (given ``probe_ids``: a fixed batch, so values are comparable o
 from the explicit causal weights of every layer (``megaflex.attention.diagnostics``), softmax
 layers included: ``layerXX/negative_fraction`` and ``layerXX/effective_keys``; for the
 one-normaliser window hybrid these use its own weights and ``layerXX/far_share`` (the far field's
-share of the attention mass) is added.
+share of the attention mass) is added. Beside them the norms of the queries and keys that enter the
+feature map (after RoPE, the optional q/k norm and convolution): ``layerXX/{q,k}_norm_{mean,p90}``,
+the mean and 90th percentile of ||q_t|| (per head, over the head dim) over every head and token of
+the probe batch; selective attention needs large |q.k|, which a random-feature kernel can only get
+from large norms, where its estimate is worst.
 Under tensor parallelism everything covers this rank's heads only.
 """
 
@@ -38,13 +42,14 @@ def kernel_statistics(
     stats: dict[str, float] = {}
     for i, block in enumerate(model.blocks):
         prefix = f"layer{i:02d}"
-        for name, kp in named_kernel_parameters(block.attn.core):
+        # the core's parameters and the attention layer's own (the q/k norm's gain)
+        for name, kp in named_kernel_parameters(block.attn):
             values = kp.param.detach().float()
             if kp.role == "temperature":
                 _summary(stats, f"{prefix}/{kp.name}", values)
             elif kp.role == "frequencies":
                 _summary(stats, f"{prefix}/{kp.name}_norm", values.norm(dim=-1))
-            full = f"blocks.{i}.attn.core.{name}"
+            full = f"blocks.{i}.attn.{name}"
             if reference is not None and full in reference:
                 init = reference[full].to(values.device)
                 stats[f"{prefix}/{kp.name}_rel_change"] = ((values - init).norm() / init.norm().clamp_min(1e-12)).item()
@@ -95,13 +100,17 @@ def _probe_statistics(model: nn.Module, probe_ids: torch.Tensor) -> dict[str, fl
         q, k = captured[i] if i in captured else mapped[i][:2]
         window = _shared_window(model.blocks[i].attn.core)
         if window:
-            weights = window_causal_weights(q, k, core.feature_map, window)
+            weights = window_causal_weights(q, k, core.feature_map, window, model.blocks[i].attn.core.far_log_gain)
             if q.shape[2] > window:  # else there is no far field to measure (and no NaN in the logs)
                 stats[f"layer{i:02d}/far_share"] = far_share(weights, window)
         else:
             weights = causal_weights(q, k, core.feature_map)
         for key, value in weight_statistics(weights).items():
             stats[f"layer{i:02d}/{key}"] = value
+        for name, x in (("q", q), ("k", k)):
+            norms = x.detach().float().norm(dim=-1).flatten()  # ||x_t|| per (batch, head, token)
+            stats[f"layer{i:02d}/{name}_norm_mean"] = norms.mean().item()
+            stats[f"layer{i:02d}/{name}_norm_p90"] = torch.quantile(norms, 0.9).item()
     return stats
 
 

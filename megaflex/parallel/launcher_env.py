@@ -63,6 +63,18 @@ def launcher_env(environ: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
+def launch_rank(environ: Mapping[str, str]) -> int:
+    """This process's rank as its launcher numbers it (``RANK``, else Slurm's or Open MPI's), 0 for a
+    single process: known before torch.distributed starts (e.g. to print a config error once)."""
+    try:
+        if "RANK" in environ:
+            return int(environ["RANK"])
+        launched = _launcher_world(environ)
+    except ValueError:  # a malformed variable: launcher_env names it later
+        return 0
+    return 0 if launched is None else launched[2]
+
+
 def _launcher_world(environ: Mapping[str, str]) -> tuple[str, int, int, int, int] | None:
     """(launcher, world size, rank, local rank, local world size) from Slurm or Open MPI, or None."""
     if "OMPI_COMM_WORLD_SIZE" in environ:

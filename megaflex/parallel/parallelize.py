@@ -132,6 +132,9 @@ def _shard_heads(attn: Attention, state: ParallelState, config: ModelConfig) -> 
     attn.core = core
     if attn.out_gain is not None:
         attn.out_gain = shard_parameter(attn.out_gain, state, 0)
+    if attn.qk_norm is not None:  # its parameters have the heads on dim 0
+        for name, param in list(attn.qk_norm.named_parameters(recurse=False)):
+            setattr(attn.qk_norm, name, shard_parameter(param, state, 0))
     attn.local_heads = local_heads
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Iterator
 
+from megaflex.attention.dispatch import refused_setting
 from megaflex.parallel import config as parallel_config
 from megaflex.parallel.state import ParallelDims
 from megaflex.training.config_loader import ConfigError
@@ -36,13 +37,23 @@ def validate(cfg: Config) -> None:
         "train.train_iters": t.train_iters, "train.micro_batch_size": t.micro_batch_size,
         "train.max_nonfinite_in_a_row": t.max_nonfinite_in_a_row,
         "data.seq_len": d.seq_len, "checkpoint.keep_last": c.keep_last, "logging.log_interval": lg.log_interval,
+        "train.fp16_loss_scale_window": t.fp16_loss_scale_window, "train.fp16_hysteresis": t.fp16_hysteresis,
     }
+    f = cfg.fault
+    unset_or_positive = {  # null is "the default" (or off); 0 was taken as null, or trained at min_lr throughout
+        "train.global_batch_size": t.global_batch_size, "schedule.decay_iters": s.decay_iters,
+        "fault.sigkill_after_step": f.sigkill_after_step, "fault.sigstop_last_rank_after_step": f.sigstop_last_rank_after_step,
+        "fault.sigkill_during_save_at_step": f.sigkill_during_save_at_step,
+        "fault.sigterm_during_save_at_step": f.sigterm_during_save_at_step,
+    }
+    positive.update({key: value for key, value in unset_or_positive.items() if value is not None})
     for key, value in positive.items():
         if value < 1:
             raise _bad(cfg, key, f"expected a positive integer, got {value}")
     non_negative = {
         "train.eval_interval": t.eval_interval, "train.eval_iters": t.eval_iters, "checkpoint.save_interval": c.save_interval,
         "schedule.warmup_iters": s.warmup_iters, "logging.kernel_stats_interval": lg.kernel_stats_interval,
+        "train.fp16_initial_scale_power": t.fp16_initial_scale_power,
     }
     for key, value in non_negative.items():
         if value < 0:
@@ -74,6 +85,11 @@ def validate(cfg: Config) -> None:
     _validate_wsd(cfg, decay_first, decay_iters)
     if s.min_lr > t.lr:
         raise _bad(cfg, "schedule.min_lr", f"expected <= train.lr ({t.lr}), got {s.min_lr}")
+    _check_attention_settings(cfg)
+    if not cfg.model.causal:
+        raise _bad(cfg, "model.causal", "false builds a bidirectional encoder, which sees every token it is asked to "
+                   "predict (its loss and perplexity mean nothing): language-model training needs model.causal=true; "
+                   "train an encoder with python -m megaflex.training.classify")
     with _named_source(cfg):
         parallel_config.check_parallel(cfg)
     dc = cfg.distill
@@ -90,6 +106,21 @@ def validate(cfg: Config) -> None:
         )
     if d.train_weights and not any(w > 0 for w in d.train_weights):
         raise _bad(cfg, "data.train_weights", f"expected at least one weight > 0 (they are >= 0), got {d.train_weights}")
+
+
+def _check_attention_settings(cfg: Config) -> None:
+    """What the attention dispatch table refuses for this run's settings beyond the model's own
+    (``ModelConfig`` checks those when it is built): document resets and context parallelism of a
+    bidirectional model. One ConfigError naming the key, before any process group exists."""
+    model = cfg.model.attention_settings()
+    run_settings = {
+        "data.document_boundaries": dict(documents="restart_batched" if cfg.data.document_boundaries == "reset" else "none"),
+        "parallel.context_parallel_size": dict(context_parallel=cfg.parallel.context_parallel_size > 1),
+    }
+    for key, setting in run_settings.items():
+        refusal = refused_setting(**model, **setting)
+        if refusal is not None:
+            raise _bad(cfg, key, refusal.message)
 
 
 def config_warnings(cfg: Config) -> list[str]:

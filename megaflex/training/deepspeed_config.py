@@ -61,7 +61,8 @@ def deepspeed_config(cfg: Config, dp_size: int, cp_size: int = 1, on_cuda: bool 
             "hysteresis": t.fp16_hysteresis,
             "min_loss_scale": t.fp16_min_loss_scale,
         },
-        # The optimizer is a torch AdamW built by the trainer (weight-decay groups, fused).
+        # The optimizer is a torch AdamW built by the trainer (weight-decay groups, fused); a subclass,
+        # which DeepSpeed's exact-type check calls untested (optim.declare_zero_supported says otherwise).
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,
         # Logging is ours; keep DeepSpeed's periodic prints out of the console.

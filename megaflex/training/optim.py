@@ -93,18 +93,35 @@ def kernel_lr_multipliers(cfg: Config) -> dict[str, float]:
 
 
 def group_summary(model: nn.Module, cfg: Config) -> str:
-    """One line per param group for the start-up log: name, LR multiplier, decay, parameter names."""
+    """The start-up log's one line about the optimizer: its parameter groups, how many tensors decay,
+    the groups with another LR, and how many are frozen. No parameter names: a model's dozens of norm
+    gains and kernel tensors on one line buried the first screen."""
     o = cfg.optimizer
-    names = {id(p): n for n, p in model.named_parameters()}
-    lines = []
-    for g in param_groups(model, o.weight_decay, o.no_decay_patterns, kernel_lr_multipliers(cfg)):
-        shown = [names[id(p)] for p in g["params"]]
-        listed = ", ".join(shown) if g["name"] != "decay" else f"{len(shown)} matrices"
-        lines.append(f"  {g['name']}: lr x {g['lr_multiplier']:g}, weight decay {g['weight_decay']:g}: {listed}")
-    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
-    if frozen:
-        lines.append(f"  frozen (no group): {', '.join(frozen)}")
-    return "param groups:\n" + "\n".join(lines)
+    groups = param_groups(model, o.weight_decay, o.no_decay_patterns, kernel_lr_multipliers(cfg))
+    decayed = sum(len(g["params"]) for g in groups if g["name"] == "decay")
+    others = [f"{g['name']} {len(g['params'])}" + (f" at lr x {g['lr_multiplier']:g}" if g["lr_multiplier"] != 1 else "")
+              for g in groups if g["name"] != "decay"]
+    line = (f"optimizer: {len(groups)} parameter groups: {decayed} tensors with weight decay {o.weight_decay:g}, "
+            f"{sum(len(g['params']) for g in groups) - decayed} without" + (f" ({', '.join(others)})" if others else ""))
+    frozen = sum(1 for p in model.parameters() if not p.requires_grad)
+    return line + (f"; {frozen} frozen (in no group)" if frozen else "")
+
+
+def declare_zero_supported(optimizer: torch.optim.Optimizer) -> None:
+    """Add ``SkippableAdamW`` to DeepSpeed's list of ZeRO-tested optimizers, so that it does not warn
+    "You are using ZeRO with an untested optimizer" before step 1. Safe: the list holds torch's
+    AdamW but is checked by exact type, and ``SkippableAdamW`` is torch's (fused) AdamW whose
+    ``step`` may do nothing; ZeRO uses it only through AdamW's own interface (param_groups, state,
+    step). DeepSpeed has no setting that silences the warning (``zero_allow_untested_optimizer``
+    only lets the run start); its own code extends the same list (apex FusedAdam, Muon)."""
+    if not isinstance(optimizer, SkippableAdamW):
+        return  # apex's FusedAdam is in the list when apex is installed
+    try:
+        from deepspeed.runtime.zero.utils import ZERO_SUPPORTED_OPTIMIZERS
+    except ImportError:  # another DeepSpeed layout: the warning stays, nothing else changes
+        return
+    if SkippableAdamW not in ZERO_SUPPORTED_OPTIMIZERS:
+        ZERO_SUPPORTED_OPTIMIZERS.append(SkippableAdamW)
 
 
 class SkippableAdamW(torch.optim.AdamW):

@@ -9,6 +9,7 @@ Under a launcher every rank runs this (``deepspeed --num_gpus N --module megafle
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -55,9 +56,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
-        print(f"megaflex-train: config error: {e}", file=sys.stderr)
+        print_once(f"megaflex-train: config error: {e}")
         return EXIT_CONFIG
     return execute("megaflex-train", cfg)
+
+
+def print_once(line: str) -> None:
+    """``line`` on stderr from the launch's rank 0 only (the other ranks print nothing): an error of
+    the config is the same on every rank, and one copy per rank would bury it."""
+    from megaflex.parallel.launcher_env import launch_rank
+
+    if launch_rank(os.environ) == 0:
+        print(line, file=sys.stderr)
 
 
 def execute(prog: str, cfg: Any, objective: Any = None) -> int:

@@ -67,7 +67,7 @@ from megaflex.training.metrics import MetricsLogger, device_peak_tflops, flops_p
 from megaflex.training.nonfinite import (
     NonFiniteAbort, NonFiniteGuard, engine_skipped_steps, skip_reason, unclipped_grad_norm,
 )
-from megaflex.training.optim import build_optimizer, group_summary, lr_at, set_lr
+from megaflex.training.optim import build_optimizer, declare_zero_supported, group_summary, lr_at, set_lr
 from megaflex.training.run_lock import hold_run_lock
 from megaflex.training.stop_signals import SignalFlag
 from megaflex.training.wandb_logger import WandbSink, import_wandb
@@ -234,6 +234,7 @@ class Trainer:
             logger.add_sink(WandbSink.open(cfg.logging.wandb, self.run_dir, cfg.to_dict(), resuming=path is not None))
         # The pipeline engine brings its own grid (PipelineModule's topology) and takes no mpu.
         mpu = deepspeed_mpu(state) if state.pp_size == 1 else None
+        declare_zero_supported(optimizer)  # no "untested optimizer" warning for torch's AdamW
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=engine_config, mpu=mpu, dist_init_required=False
         )

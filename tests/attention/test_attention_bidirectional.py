@@ -280,7 +280,7 @@ def test_every_refusal_is_a_value_error_that_names_a_setting():
     assert issubclass(RefusedAttention, ValueError)
     for refusal in REFUSALS:
         assert refusal.message.split(":")[0] in {"state", "return_state", "document_starts", "qkv_conv_size",
-                                                 "window_mixing", "form"}, refusal.name
+                                                 "window_mixing", "form", "context_parallel_size"}, refusal.name
     with pytest.raises(RefusedAttention):  # a causal request with the same settings is served
         select(Request("linear", form="bidirectional", continues_state=True))
     assert select(Request("linear", continues_state=True)).name == "linear.chunk.torch"
@@ -314,11 +314,32 @@ def test_gpt_bidirectional_forward_backward_with_padding(extra):
 def test_gpt_bidirectional_refusals_and_config():
     with pytest.raises(ValueError, match="causal must be a bool"):
         ModelConfig(**MODEL, causal="no")
-    with pytest.raises(RefusedAttention, match="qkv_conv_size"):
-        GPT(ModelConfig(**MODEL, causal=False, qkv_conv_size=2))
+    with pytest.raises(RefusedAttention, match="qkv_conv_size"):  # by the config, before any module is built
+        ModelConfig(**MODEL, causal=False, qkv_conv_size=2)
     model = GPT(ModelConfig(**MODEL, causal=False))
     with pytest.raises(RefusedAttention, match="return_state"):
         model(torch.zeros(1, 4, dtype=torch.long), return_state=True)
+
+
+def test_gpt_bidirectional_under_context_parallelism_is_refused_by_the_table():
+    """The context-parallel stand-in of a layer's core (a causal prefix state from the ranks before)
+    is refused by ``dispatch.REFUSALS``, as the config check refuses parallel.context_parallel_size > 1."""
+    from megaflex.model.layers import LocalLayers
+
+    class ContextParallelStandIn(LocalLayers):
+        def attention(self, core):
+            return lambda *args, **kwargs: core(*args, **kwargs)  # not the core itself: what CP > 1 gives
+
+    for causal in (True, False):
+        model = GPT(ModelConfig(**MODEL, causal=causal))
+        for block in model.blocks:
+            block.attn.layer_factory = ContextParallelStandIn()
+        ids = torch.zeros(1, 4, dtype=torch.long)
+        if causal:
+            model(ids)  # served
+            continue
+        with pytest.raises(RefusedAttention, match="context_parallel_size: context parallelism passes .*causal=True"):
+            model(ids)
 
 
 # ----------------------------------------------------------------------------- stabilisers

@@ -62,22 +62,28 @@ def test_shapes_dtypes_and_heads_on_dim0(kind):
     assert_close(out_bf16.features, out.features, steps=steps, dtype=torch.bfloat16)
 
 
-@pytest.mark.parametrize("omega_init", ["paper", "tied"])
+@pytest.mark.parametrize("omega_init", ["paper", "tied", "correlated"])
 def test_flexformer_init(omega_init):
-    fmap = make_map("flexformer_n", 4, D_HEAD, 512, omega_init=omega_init)
+    fmap = make_map("flexformer_n", 4, D_HEAD, 512, omega_init=omega_init, omega_correlation=0.8)
     expected_std = D_HEAD**-0.25
-    for omega in (fmap.omega1, fmap.omega2):
+    o2_std = {"paper": 1.0, "tied": math.sqrt(1 + 0.1**2), "correlated": 1.0}[omega_init]  # O1 + 0.1 noise: wider
+    for omega, std in ((fmap.omega1, 1.0), (fmap.omega2, o2_std)):
         assert omega.shape == (4, 256, D_HEAD)
-        assert abs(omega.std().item() / expected_std - 1) < 0.02 and abs(omega.mean().item()) < 0.01
-    # paper: independent draws; tied: O2 - O1 is independent noise of std 0.1 * d^-1/4. Either way
-    # O1 != O2 (equal frequencies would stay equal under training: symmetry)
-    other, noise_std = (fmap.omega2, 1.0) if omega_init == "paper" else (fmap.omega2 - fmap.omega1, 0.1)
+        assert abs(omega.std().item() / (std * expected_std) - 1) < 0.02 and abs(omega.mean().item()) < 0.01
+    # paper: independent draws; tied: O2 - O1 is independent noise of std 0.1 * d^-1/4; correlated:
+    # O2 - 0.8 O1 is independent noise of std 0.6 * d^-1/4. Always O1 != O2 (equal frequencies would
+    # stay equal under training: symmetry)
+    other, noise_std = {"paper": (fmap.omega2, 1.0), "tied": (fmap.omega2 - fmap.omega1, 0.1),
+                        "correlated": (fmap.omega2 - 0.8 * fmap.omega1, 0.6)}[omega_init]
     assert abs(torch.corrcoef(torch.stack([fmap.omega1.flatten(), other.flatten()]))[0, 1].item()) < 0.02
     assert abs(other.std().item() / (noise_std * expected_std) - 1) < 0.02
     assert torch.allclose(fmap.tau, torch.full((4,), math.log(2 * math.sqrt(D_HEAD))))
     assert torch.equal(fmap.log_temperature(), fmap.tau.detach())  # the floor is inactive at init
     s = make_map("flexformer_s", 4, D_HEAD, 512)
     assert abs(s.omega.std().item() / expected_std - 1) < 0.02
+    for bad in ({"omega_correlation": 1.0}, {"omega_correlation": 0.0}, {"omega_noise": 0.0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            make_map("flexformer_n", 4, D_HEAD, 8, **bad)
 
 
 def test_flexformer_n_with_equal_frequencies_is_exactly_flexformer_s():
@@ -124,6 +130,52 @@ def test_random_features_are_unbiased_kernel_estimates(kind, kwargs, target, cos
     assert abs(estimates.mean().item() / expected - 1) < 0.02
     if kwargs.get("variant") == "positive":
         assert (estimates > 0).all()
+
+
+def expected_flexformer_n_kernel(q: torch.Tensor, k: torch.Tensor, omega_init: str, eta: float = 0.1, rho: float = 0.5) -> float:
+    """The closed-form mean of Flexformer-N's kernel at init over the frequency draws (module docstring)."""
+    q, k = q.double(), k.double()
+    root = math.sqrt(D_HEAD)
+    s = (q @ k).item() / root
+    if omega_init == "paper":
+        return 0.5 * (math.exp(s) + 1)
+    if omega_init == "correlated":
+        return 0.5 * (math.exp(s) + math.exp(rho * s))
+    damp = [(q - k).square().sum().item(), k.square().sum().item(), q.square().sum().item()]
+    return 0.25 * math.exp(s) * (1 + sum(math.exp(-eta**2 * x / (2 * root)) for x in damp))
+
+
+NO_FLOOR_INITS = [({"omega_init": "tied", "omega_noise": eta}, dict(eta=eta)) for eta in (0.3, 0.5, 1.0)]
+NO_FLOOR_INITS += [({"omega_init": "correlated", "omega_correlation": rho}, dict(rho=rho)) for rho in (0.5, 0.8)]
+
+
+@pytest.mark.parametrize("kwargs, params", NO_FLOOR_INITS, ids=[f"{k['omega_init']}-{list(p.values())[0]}" for k, p in NO_FLOOR_INITS])
+@pytest.mark.parametrize("cos_angle", [0.6, -0.4])
+def test_floor_free_inits_estimate_their_closed_form_kernel(kwargs, params, cos_angle):
+    norm = 0.8 * D_HEAD**0.25
+    q, k = query_key_pair(norm, cos_angle, seed=1)
+    torch.manual_seed(1)
+    fmap = build_feature_map("flexformer_n", 256, D_HEAD, 1024, **kwargs)
+    expected = expected_flexformer_n_kernel(q, k, kwargs["omega_init"], **params)
+    assert abs(phi_tilde_kernel(fmap, q, k).mean().item() / expected - 1) < 0.02
+
+
+@pytest.mark.parametrize("kwargs", [{"omega_init": "paper"}] + [k for k, _ in NO_FLOOR_INITS],
+                         ids=["paper"] + [f"{k['omega_init']}-{list(p.values())[0]}" for k, p in NO_FLOOR_INITS])
+def test_only_the_paper_init_puts_a_floor_under_an_opposed_key(kwargs):
+    """At init, a key pointing away from the query (s = q.k / sqrt d = -2.25) against a neutral key of
+    the same norm (s = 0): the paper's init keeps (e^-2.25 + 1) / 2 = 0.55 of the neutral weight in
+    expectation, the floor-free inits at most 0.22 (their closed forms: 0.10 to 0.22)."""
+    norm = 3.0  # ||q||^2 / sqrt d = 2.25
+    q, opposed = query_key_pair(norm, -1.0, seed=2)
+    _, neutral = query_key_pair(norm, 0.0, seed=2)
+    torch.manual_seed(2)
+    fmap = build_feature_map("flexformer_n", 2048, D_HEAD, 64, **kwargs)  # 2048 independent draws of 32 pairs
+    ratio = phi_tilde_kernel(fmap, q, opposed).mean().item() / phi_tilde_kernel(fmap, q, neutral).mean().item()
+    if kwargs["omega_init"] == "paper":
+        assert ratio >= 0.5
+    else:
+        assert ratio < 0.3
 
 
 def test_performer_positive_features_are_positive_and_stable_for_large_inputs():

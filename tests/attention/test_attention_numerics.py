@@ -204,6 +204,53 @@ def test_flexformer_temperature_cannot_collapse_below_its_floor():
     assert custom.log_temperature().detach().item() == pytest.approx(0.5, abs=1e-6)
 
 
+def test_flexformer_temperature_ceiling_bounds_tau_and_is_the_identity_well_inside_the_band():
+    head_dim = 16
+    init = math.log(2 * math.sqrt(head_dim))
+    ceiling = init + 0.5
+    fmap = make_map("flexformer_n", 6, head_dim, 32, max_log_temperature=ceiling)
+    assert torch.equal(fmap.log_temperature(), fmap.tau.detach())  # the init lies inside the band: untouched
+    taus = torch.tensor([init - 1.0, ceiling - 0.45, ceiling - 0.1, ceiling, ceiling + 0.3, 1e4])
+    with torch.no_grad():
+        fmap.tau.copy_(taus)
+    tau_eff = fmap.log_temperature()
+    assert (tau_eff.detach() <= ceiling).all() and tau_eff[5].item() == pytest.approx(ceiling, abs=1e-6)
+    assert torch.equal(tau_eff[:2].detach(), taus[:2])  # bit-exact well inside the band (below ceiling - 0.4)
+    assert (tau_eff[2:5].detach() < taus[2:5]).all()  # saturating toward the ceiling
+    # a gradient everywhere: ~1 below the ceiling, 1/2 at it, small but not 0 above (tau can come back)
+    tau_eff.sum().backward()
+    grad = fmap.tau.grad
+    assert torch.equal(grad[:2], torch.ones(2)) and grad[3].item() == pytest.approx(0.5, abs=1e-6)
+    assert 0.99 < grad[2].item() < 1 and 0 < grad[4].item() < 1e-5
+    # the features use it: the log-scale ||x||^2 / e^tau_eff never falls below ||x||^2 / e^ceiling
+    x = torch.randn(1, 6, 5, head_dim)
+    out = fmap(x)
+    assert (out.log_scale >= (x * x).sum(-1) * math.exp(-ceiling) * (1 - 1e-5)).all()
+    # without the field: no ceiling, today's behaviour (tau = 1e4 stays 1e4)
+    plain = make_map("flexformer_n", 6, head_dim, 32)
+    assert plain.max_log_temperature is None
+    with torch.no_grad():
+        plain.tau.copy_(taus)
+    assert torch.equal(plain.log_temperature().detach(), taus)
+    # every form reads the bounded value (trig_spec): a capped core over tau above the ceiling computes
+    # what an uncapped one computes at tau_eff, in the chunked (fused trig) and recurrent forms alike
+    from megaflex.attention import AttentionCore
+
+    q, k, v = (torch.randn(1, 6, 11, head_dim) for _ in range(3))
+    for form in ("chunked", "recurrent"):
+        capped = AttentionCore("flexformer_n", 6, head_dim, feature_dim=32, chunk_size=4, form=form,
+                               max_log_temperature=ceiling)
+        free = AttentionCore("flexformer_n", 6, head_dim, feature_dim=32, chunk_size=4, form=form)
+        free.load_state_dict(capped.state_dict())
+        with torch.no_grad():
+            capped.feature_map.tau.copy_(taus)
+            free.feature_map.tau.copy_(capped.feature_map.log_temperature())
+        assert torch.equal(capped(q, k, v)[0], free(q, k, v)[0]), form
+    for bad in (plain.min_log_temperature + 2.3, float("inf"), "3"):
+        with pytest.raises(ValueError, match="max_log_temperature: expected a number >= min_log_temperature"):
+            make_map("flexformer_n", 1, head_dim, 8, max_log_temperature=bad)
+
+
 # ----------------------------------------------------------------------------- gradcheck
 
 

@@ -119,10 +119,12 @@ def _max_logit(leaves: dict) -> float:
     return (q @ k.transpose(-1, -2)).abs().max().item() / D**0.5
 
 
-@pytest.mark.parametrize("attention", ["flexformer_n", "softmax"])
+@pytest.mark.parametrize("attention", ["flexformer_n", "softmax", "flexformer_n+far_gain"])
 def test_local_mixing_core_dispatches_to_triton_and_agrees(attention, monkeypatch):
     """``LocalMixingCore`` with backend "triton" (what "auto" is on CUDA) runs the Triton Function;
-    a softmax core (zero-width features, no far field: sliding-window softmax) too."""
+    a softmax core (zero-width features, no far field: sliding-window softmax) too, and the learned
+    far-field gain (model.window_far_gain) reaches it through the query log-scales, with its gradient."""
+    attention, far_gain = attention.split("+")[0], attention.endswith("+far_gain")
     used = []
     monkeypatch.setattr(TritonWindowNumerator, "forward", _spy(TritonWindowNumerator.forward, used))
     q0, k0, v0 = make_qkv(1, HEADS, 2 * CHUNK + 3, D, seed=11)
@@ -130,18 +132,22 @@ def test_local_mixing_core_dispatches_to_triton_and_agrees(attention, monkeypatc
     for backend in ("torch", "triton"):
         torch.manual_seed(12)
         kwargs = {} if attention == "softmax" else dict(feature_dim=FEAT)
-        mixer = LocalMixingCore(AttentionCore(attention, HEADS, D, chunk_size=CHUNK, backend=backend, **kwargs), window=20)
+        mixer = LocalMixingCore(AttentionCore(attention, HEADS, D, chunk_size=CHUNK, backend=backend, **kwargs), window=20,
+                                far_gain=far_gain)  # fmt: skip
+        if far_gain:
+            with torch.no_grad():
+                mixer.far_log_gain.copy_(torch.tensor([-1.0, 0.7]))
         q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
         out, _ = mixer(q, k, v)
         (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
-        results[backend] = (out.detach(), q.grad, k.grad, v.grad)
+        results[backend] = (out.detach(), q.grad, k.grad, v.grad) + ((mixer.far_log_gain.grad,) if far_gain else ())
         with torch.no_grad():
             _, qls, _, kls = mixer.window_features(q0, k0, 0)
     assert used == [(20, CHUNK)]
     logits = (q0.double() @ k0.double().transpose(-1, -2)).abs().max().item() / D**0.5
     kls = None if attention == "softmax" else kls
     steps = attention_steps(q0.shape[2], FEAT, D, log_scale_spread(qls, kls) + 2 * logits, D) + 8
-    for name, a, b in zip(("out", "dq", "dk", "dv"), results["triton"], results["torch"]):
+    for name, a, b in zip(("out", "dq", "dk", "dv", "d_far_log_gain"), results["triton"], results["torch"]):
         assert_close(a, b, steps=steps if name == "out" else 2 * steps, floor=0.0 if name == "out" else 1.0, name=name)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -175,8 +177,36 @@ def test_kernel_statistics_report_change_since_init_and_probe_weights():
     assert stats["layer00/omega1_rel_change"] == 0.0 and stats["layer01/tau_rel_change"] == 0.0
     assert 1.0 <= stats["layer00/effective_keys"] <= 10.0 and 0.0 <= stats["layer00/negative_fraction"] <= 1.0
     softmax = GPT(tiny("softmax")).eval().kernel_statistics(probe)
-    assert set(softmax) == {f"layer0{i}/{k}" for i in (0, 1) for k in ("negative_fraction", "effective_keys")}
+    probe_keys = ("negative_fraction", "effective_keys", "q_norm_mean", "q_norm_p90", "k_norm_mean", "k_norm_p90")
+    assert set(softmax) == {f"layer0{i}/{k}" for i in (0, 1) for k in probe_keys}
     assert softmax["layer00/negative_fraction"] == 0.0
+
+
+@pytest.mark.parametrize("overrides", [{}, {"softmax_window": 4, "qkv_conv_size": 2}], ids=["plain", "window+conv"])
+def test_kernel_statistics_report_the_norms_of_q_and_k_entering_the_feature_map(overrides):
+    torch.manual_seed(0)
+    model = GPT(tiny(**overrides)).eval()
+    probe = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(0))
+    seen: list[torch.Tensor] = []  # what the feature map is called with: q, then k, per layer
+    hooks = [b.attn.core.feature_map.register_forward_pre_hook(lambda _m, args: seen.append(args[0].detach()))
+             for b in model.blocks]
+    stats = model.kernel_statistics(probe)
+    for h in hooks:
+        h.remove()
+    q, k = seen[0], seen[1]  # layer 0's first forward (the probe's; the causal weights map them again)
+    for name, x in (("q", q), ("k", k)):
+        norms = x.norm(dim=-1).flatten()
+        assert stats[f"layer00/{name}_norm_mean"] == pytest.approx(norms.mean().item(), rel=1e-6)
+        assert stats[f"layer00/{name}_norm_p90"] == pytest.approx(norms.sort().values[int(0.9 * (norms.numel() - 1))].item(),
+                                                                 rel=0.05)
+    # with the q/k norm at gain g: every norm is g sqrt(d), and the gain is logged beside tau
+    normed = GPT(tiny(qk_norm="rms")).eval()
+    with torch.no_grad():
+        normed.blocks[1].attn.qk_norm.log_gain.fill_(math.log(2.0))
+    stats = normed.kernel_statistics(probe)
+    assert stats["layer01/q_norm_mean"] == pytest.approx(2.0 * math.sqrt(D), rel=1e-4)
+    assert stats["layer01/k_norm_p90"] == pytest.approx(2.0 * math.sqrt(D), rel=1e-4)
+    assert stats["layer01/log_gain_mean"] == pytest.approx(math.log(2.0)) and stats["layer00/log_gain_mean"] == 0.0
 
 
 def test_core_declares_nothing_itself():

@@ -135,23 +135,39 @@ def _run_stubs(monkeypatch, tmp_path, names: list[str], *extra: str, **timeouts:
 
 def test_deadline_cuts_the_running_stage_and_skips_the_rest(monkeypatch, tmp_path):
     """A 15 s deadline: the quick stage runs, the hanging one (own timeout 300 s) is cut at the
-    deadline with its rows kept, the last one is skipped with the reason; exit status 1."""
+    deadline with its rows kept, the last one is skipped with the reason; both are *not run (time)*,
+    not failures: exit status 3 (incomplete)."""
     status, report = _run_stubs(monkeypatch, tmp_path, ["quick", "hang", "late"], "--deadline", "15")
     stages = report["stages"]
-    assert status == 1 and report["deadline_s"] == 15
+    assert status == 3 and report["deadline_s"] == 15 and report["verdict"] == "incomplete"
     assert stages["quick"]["stage_status"] == "ok" and stages["quick"]["passed"]
     # one Triton cache: the stage's and its trainers' (launcher_env keeps a TRITON_CACHE_DIR that is set)
     assert stages["quick"]["triton_cache_dir"] == stages["quick"]["trainer_triton_cache_dir"] == str(tmp_path / "triton")
-    assert stages["hang"]["stage_status"].startswith("timed out after") and stages["hang"]["seconds"] < 300
+    assert stages["hang"]["stage_status"].startswith("not run (time): cut at the deadline after")
+    assert stages["hang"]["seconds"] < 300
     assert stages["hang"]["rows"] == [{"row": 0}, {"row": 1}, {"row": 2}]
-    assert stages["late"]["stage_status"].startswith("skipped: needs ~1 s") and "of the 15 s deadline" in stages["late"]["stage_status"]
-    assert report["failures"] == [f"hang: {stages['hang']['stage_status']}", f"late: {stages['late']['stage_status']}"]
+    assert stages["late"]["stage_status"].startswith("not run (time): skipped, needs ~1 s")
+    assert "of the 15 s deadline" in stages["late"]["stage_status"]
+    assert report["failures"] == [] and report["not_run_time"] == ["hang", "late"]
+
+
+def test_a_failure_outranks_a_stage_not_run_for_time(monkeypatch, tmp_path):
+    """Something ran and was wrong (exit 1) even when another stage was cut for time."""
+    status, report = _run_stubs(monkeypatch, tmp_path, ["caught", "hang"], "--deadline", "15")
+    assert status == 1 and report["verdict"] == "failed" and report["not_run_time"] == ["hang"]
+    assert report["failures"][0].startswith("caught/")
+
+
+def test_nan_deadline_is_refused(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        gpu_check.main(["--dry-run", "--deadline", "nan"])
+    assert exit_info.value.code == 2 and "--deadline" in capsys.readouterr().err
 
 
 def test_stage_timeout_keeps_its_rows_and_kills_its_process_group(monkeypatch, tmp_path):
     status, report = _run_stubs(monkeypatch, tmp_path, ["hang"], hang=15)
     hang = report["stages"]["hang"]
-    assert status == 1 and hang["stage_status"] == "timed out after 15 s"
+    assert status == 1 and hang["stage_status"] == "timed out after 15 s" and report["verdict"] == "failed"
     assert hang["rows"] == [{"row": 0}, {"row": 1}, {"row": 2}] and "log_tail" in hang
     pids = json.loads((tmp_path / "work" / "hang" / "pids.json").read_text())
     assert _wait_until_gone([pids["stage"], pids["child"]]) == []  # the stage's child went with it
@@ -223,3 +239,21 @@ def test_map_in_workers_returns_every_item_and_a_dead_worker_as_an_error():
     assert set(got) == {0, 1} and "worker failed" in got[1]["error"]
     # a pool that broke may take a neighbour still running along: then that one is an error too
     assert got[0] == {"x": 4} or "worker failed" in got[0]["error"]
+
+
+def test_an_error_raised_inside_fla_is_its_refusal_not_a_megaflex_failure(tmp_path):
+    from benchmarks.gpu_check.stages_kernels import raised_inside_package
+
+    fake = tmp_path / "fla" / "ops.py"
+    fake.parent.mkdir()
+    fake.write_text("def run():\n    raise RuntimeError('Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs ...')\n")
+    namespace: dict = {}
+    exec(compile(fake.read_text(), str(fake), "exec"), namespace)
+    try:
+        namespace["run"]()
+    except RuntimeError as err:
+        assert raised_inside_package(err, "fla")
+    try:
+        raise ValueError("megaflex's own")
+    except ValueError as err:
+        assert not raised_inside_package(err, "fla")

@@ -15,6 +15,7 @@ from megaflex.checkpoint import (
     needs_repartition, parameter_shapes, save_weights_only,
 )
 from megaflex.checkpoint.layout import META_FILE, model_states_file, read_meta, write_latest, write_meta
+from megaflex.checkpoint.metadata import LEGACY_MODEL_FIELDS
 from megaflex.model.config import ModelConfig
 from megaflex.model.gpt import GPT
 from training_harness import TINY
@@ -174,3 +175,29 @@ def test_a_model_saved_before_the_capped_default_loads_with_the_rms_it_was_train
     assert torch.equal(loaded.model(tokens).logits, rms(tokens).logits)  # same weights, same maths: bit-identical
     meta["config"]["model"]["normalization"] = "capped_denominator"  # written today: taken as saved
     assert CheckpointMeta.from_dict(meta).model_config["normalization"] == "capped_denominator"
+
+
+def test_a_model_saved_before_the_issue_46_options_loads_with_what_it_was_trained_with(tmp_path: Path) -> None:
+    # A checkpoint of a model config without the issue-46 options: no qk_norm field, feature_kwargs
+    # without max_log_temperature (no temperature ceiling then). It must load as trained, whatever the
+    # defaults become: qk_norm "none" (metadata.LEGACY_MODEL_FIELDS), and its tau, far above any
+    # ceiling one might set today, unbounded: the same logits, bit for bit.
+    torch.manual_seed(0)
+    old = GPT(ModelConfig(**TINY["model"]))
+    with torch.no_grad():
+        for block in old.blocks:
+            block.attn.core.feature_map.tau.fill_(6.0)  # 3.2 above its init log(2 sqrt 16) = 2.08
+    meta = _old_meta(old)
+    for field in LEGACY_MODEL_FIELDS:
+        del meta["config"]["model"][field]  # as the older megaflex saved it
+    assert meta["config"]["model"]["feature_kwargs"] == {}
+    assert CheckpointMeta.from_dict(meta).model_config["qk_norm"] == "none"
+    newer = {**meta, "config": {"model": {**meta["config"]["model"], "qk_norm": "rms"}}}
+    assert CheckpointMeta.from_dict(newer).model_config["qk_norm"] == "rms"  # recorded: taken as saved
+    _write_checkpoint(tmp_path, old, meta)
+    loaded = load_for_eval(tmp_path)
+    fmap = loaded.model.blocks[0].attn.core.feature_map
+    assert fmap.max_log_temperature is None and torch.equal(fmap.log_temperature(), torch.full((4,), 6.0))
+    tokens = torch.randint(0, TINY["model"]["vocab_size"], (2, 16))
+    old.eval()
+    assert torch.equal(loaded.model(tokens).logits, old(tokens).logits)

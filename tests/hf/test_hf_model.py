@@ -156,37 +156,88 @@ def test_ids_beyond_tokenizer_vocab_size_are_masked(tmp_path: Path) -> None:
 
 
 # a valid non-default value of every ModelConfig field: a new field fails the first test below
-# until it is listed here, i.e. until its export is checked
+# until it is listed here, i.e. until its export is checked. causal=False is checked on its own: the
+# convolution and the gated window are causal only (the dispatch table refuses them with it).
 NON_DEFAULTS = dict(
     vocab_size=VOCAB, num_layers=3, hidden_size=64, num_heads=4, ffn_hidden_size=96, attention="flexformer_n",
     feature_dim=24, normalization="denominator", chunk_size=16, attention_backend="torch",
-    feature_kwargs={"omega_init": "tied"}, softmax_window=5, window_mixing="gated", qkv_conv_size=2, causal=False, mlp="swiglu",
+    feature_kwargs={"omega_init": "tied"}, softmax_window=5, window_mixing="gated", qkv_conv_size=2, qk_norm="affine_rms", causal=True, mlp="swiglu",
+    window_far_gain=False,  # needs the one-normaliser window, not the gated one: set in BIDIRECTIONAL below
     norm="layernorm", norm_eps=1e-6, bias=True, tie_embeddings=False, hidden_dropout=0.1, attention_dropout=0.05,
     max_seq_len=96, position="learned", rope_theta=500.0, init_std=0.05, activation_checkpointing=True,
 )
+BIDIRECTIONAL = dict(NON_DEFAULTS, causal=False, window_mixing="shared_normaliser", qkv_conv_size=0, window_far_gain=True)
 
 
 def test_every_model_config_field_is_exported(tmp_path: Path) -> None:
     import dataclasses
 
     assert set(NON_DEFAULTS) == {f.name for f in dataclasses.fields(ModelConfig)}, "list the new field in NON_DEFAULTS"
-    mc = ModelConfig(**NON_DEFAULTS)
     defaults = ModelConfig(vocab_size=VOCAB, num_layers=3, hidden_size=64, num_heads=4)
-    differ = [f.name for f in dataclasses.fields(ModelConfig) if getattr(mc, f.name) == getattr(defaults, f.name)]
-    assert differ == ["vocab_size", "num_layers", "hidden_size", "num_heads", "attention"], differ
-    FlexformerConfig.from_model_config(mc).save_pretrained(tmp_path)
-    assert AutoConfig.from_pretrained(tmp_path).to_model_config() == mc
+    differ = []
+    for values in (NON_DEFAULTS, BIDIRECTIONAL):
+        mc = ModelConfig(**values)
+        differ.append([f.name for f in dataclasses.fields(ModelConfig) if getattr(mc, f.name) == getattr(defaults, f.name)])
+        FlexformerConfig.from_model_config(mc).save_pretrained(tmp_path)
+        assert AutoConfig.from_pretrained(tmp_path).to_model_config() == mc
+    assert differ[0] == ["vocab_size", "num_layers", "hidden_size", "num_heads", "attention", "window_far_gain", "causal"], differ
+    assert "causal" not in differ[1] and "window_far_gain" not in differ[1], differ
+
+
+def test_a_fresh_config_has_model_config_defaults(tmp_path: Path) -> None:
+    """Issue 45: FlexformerConfig() defaulted to normalization 'rms', ModelConfig to 'capped_denominator'.
+    Every field ModelConfig has a default for defaults alike in both; a config.json written before the
+    field (an rms model: exports write every field) still reads as rms."""
+    import dataclasses
+    import json
+
+    from megaflex.hf.configuration import MODEL_CONFIG_KEYS
+
+    fresh = FlexformerConfig()
+    required = {f.name for f in dataclasses.fields(ModelConfig)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    keys = dict(MODEL_CONFIG_KEYS)
+    model_defaults = ModelConfig(**{name: getattr(fresh, keys[name]) for name in required})
+    differ = {name: (getattr(fresh, key), getattr(model_defaults, name)) for name, key in MODEL_CONFIG_KEYS
+              if name not in required and getattr(fresh, key) != getattr(model_defaults, name)}
+    assert differ == {}
+    assert fresh.to_model_config() == model_defaults
+    fresh.save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["normalization"] == "capped_denominator"
+    assert AutoConfig.from_pretrained(tmp_path).normalization == "capped_denominator"
+    del written["normalization"]
+    (tmp_path / "config.json").write_text(json.dumps(written))
+    assert AutoConfig.from_pretrained(tmp_path).normalization == "rms"
+
+
+def test_a_bidirectional_model_answers_a_plain_call_and_refuses_to_generate(tmp_path: Path) -> None:
+    """Issue 45: model(ids) of a causal=False export failed (use_cache defaulted to True, and a
+    bidirectional model has no decoding state); it returns the logits, and generate() is refused in one line."""
+    torch.manual_seed(0)
+    mc = ModelConfig(vocab_size=VOCAB, num_layers=2, hidden_size=48, num_heads=3, feature_dim=16, chunk_size=8,
+                     max_seq_len=64, causal=False)
+    FlexformerForCausalLM(FlexformerConfig.from_model_config(mc, bos_token_id=2, eos_token_id=2)).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out = model(ids)
+        reference = model.model.gather_logits(model.model(ids).logits)
+    assert out.cache is None and torch.equal(out.logits, reference)
+    with pytest.raises(ValueError, match="use_cache: this model is bidirectional .* cannot continue a sequence or generate"):
+        model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
 
 
 @pytest.mark.parametrize("mixing", ["shared_normaliser", "gated"])
 def test_hybrid_export_loads_and_gives_megaflex_loss(mixing: str, tmp_path: Path) -> None:
     torch.manual_seed(0)
     mc = ModelConfig(vocab_size=VOCAB, num_layers=2, hidden_size=48, num_heads=3, feature_dim=16, chunk_size=8,
-                     max_seq_len=64, init_std=0.2, softmax_window=6, qkv_conv_size=3, window_mixing=mixing)
+                     max_seq_len=64, init_std=0.2, softmax_window=6, qkv_conv_size=3, window_mixing=mixing, qk_norm="rms",
+                     window_far_gain=mixing == "shared_normaliser")
     model = FlexformerForCausalLM(FlexformerConfig.from_model_config(mc, bos_token_id=2, eos_token_id=2)).eval()
-    with torch.no_grad():  # the hybrid's own parameters away from their init
+    with torch.no_grad():  # the hybrid's own parameters (and the q/k norm's gains) away from their init
         for name, p in model.named_parameters():
-            if name.endswith(("window_mix", "conv_weight")):
+            if name.endswith(("window_mix", "conv_weight", "log_gain", "far_log_gain")):
                 p.add_(0.5 * torch.randn_like(p))
     model.save_pretrained(tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()

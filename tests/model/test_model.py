@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megaflex.attention.qk_norm import QKNorm
 from megaflex.model import GPT, GPTState, ModelConfig
 from megaflex.model.gpt import (
     IGNORE_INDEX, MLP, Attention, build_attention_core, language_model_loss, run_blocks, stage_layers,
@@ -232,6 +233,8 @@ def shard_attention(config: ModelConfig, full: Attention, rank: int, tp: int) ->
     part.core, part.local_heads = build_attention_core(config, local_heads), local_heads
     if part.out_gain is not None:
         part.out_gain = torch.nn.Parameter(torch.ones(h // tp))
+    if part.qk_norm is not None:
+        part.qk_norm = QKNorm(config.qk_norm, local_heads, config.head_dim, config.norm_eps)
     part.load_state_dict(shard_state_dict(full.state_dict(), rank, tp))
     return part
 
@@ -251,7 +254,8 @@ def shard_state_dict(full: dict[str, torch.Tensor], rank: int, tp: int) -> dict[
 
     out = {}
     for name, t in full.items():
-        if name.endswith(("qkv.weight", "fc_in.weight")) or ".feature_map." in f".{name}" or name == "out_gain":
+        if name.endswith(("qkv.weight", "fc_in.weight")) or ".feature_map." in f".{name}" or name == "out_gain" \
+                or name.startswith("qk_norm."):
             out[name] = piece(t, 0)  # column-parallel outputs / per-head tensors: dim 0
         elif name.endswith(("proj.weight", "fc_out.weight")):
             out[name] = piece(t, 1)  # row-parallel inputs: dim 1

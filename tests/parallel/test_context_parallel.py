@@ -249,7 +249,7 @@ def _gpt_worker(rank: int, world: int, tp: int, cp: int, refs: list[dict]) -> li
 @pytest.mark.slow
 @pytest.mark.parametrize("tp,cp", [(1, 2), (2, 2)])
 def test_gpt_context_parallel_equals_single_rank(tp: int, cp: int) -> None:
-    refs = [_reference(name, seq=SEQ) for name in ("flex_tied", "hedgehog_untied", "flex_window")]
+    refs = [_reference(name, seq=SEQ) for name in ("flex_tied", "hedgehog_untied", "flex_window", "flex_window_remedies")]
     per_rank = run_distributed(_gpt_worker, tp * cp, args=(tp, cp, refs))
     for i, ref in enumerate(refs):
         n = SEQ // cp

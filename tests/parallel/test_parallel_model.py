@@ -45,6 +45,10 @@ CONFIGS = {
     # Flexformer-N with the one-normaliser softmax window (CP: a halo from the previous rank)
     "flex_window": dict(vocab_size=VOCAB, num_layers=2, hidden_size=32, num_heads=4, attention="flexformer_n",
                         feature_dim=16, chunk_size=8, max_seq_len=64, softmax_window=6),
+    # the window hybrid with issue 46's options: q/k norm before the forms, the learned far-field gain
+    "flex_window_remedies": dict(vocab_size=VOCAB, num_layers=2, hidden_size=32, num_heads=4, attention="flexformer_n",
+                                 feature_dim=16, chunk_size=8, max_seq_len=64, softmax_window=6, qk_norm="rms",
+                                 window_far_gain=True),
     # exact softmax attention with learned positions
     "softmax": dict(vocab_size=VOCAB, num_layers=1, hidden_size=32, num_heads=4, attention="softmax",
                     max_seq_len=64, position="learned"),
@@ -58,7 +62,7 @@ def _reference(name: str, seq: int = SEQ) -> dict:
     model = GPT(config)
     with torch.no_grad():  # perturb the gains/biases that are initialised to constants
         for pname, p in model.named_parameters():
-            if pname.endswith(("bias", "out_gain", "norm.weight")):
+            if pname.endswith(("bias", "out_gain", "norm.weight", "log_gain")):
                 p.add_(0.1 * torch.randn_like(p))
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (2, seq), generator=gen)
@@ -132,7 +136,7 @@ def _check_against_reference(refs: list[dict], per_rank: list[list[dict]], tp: i
 @pytest.mark.slow
 @pytest.mark.numerics
 def test_gpt_tp2_dp2_equals_tp1() -> None:
-    refs = [_reference(name) for name in ("flex_tied", "hedgehog_untied")]
+    refs = [_reference(name) for name in ("flex_tied", "hedgehog_untied", "flex_window_remedies")]
     _check_against_reference(refs, run_distributed(_tp_worker, 4, args=(2, refs)), tp=2)
 
 
@@ -208,6 +212,9 @@ PARALLELIZE_CONFIGS = {
     # gated window mixing and a q/k/v convolution: per-head core tensors besides the feature map
     "flex_window_gated_conv": dict(CONFIGS["flex_window"], window_mixing="gated", qkv_conv_size=3),
     "hedgehog_untied": CONFIGS["hedgehog_untied"],
+    # per-head tensors of the attention layer besides the core: the q/k norm's gains and biases
+    "flex_qk_norm": dict(CONFIGS["flex_tied"], qk_norm="affine_rms"),
+    "flex_window_far_gain": dict(CONFIGS["flex_window"], window_far_gain=True),
 }
 
 
@@ -222,8 +229,8 @@ def _expected_shard(full: dict[str, torch.Tensor], config: ModelConfig, tp: int,
             out[name] = table.chunk(tp)[rank]
         elif name.endswith(("qkv.weight", "qkv.bias", "fc_in.weight", "fc_in.bias", "out_gain")):
             out[name] = t.chunk(tp)[rank]  # column-parallel outputs, per-head gains
-        elif ".core." in name:
-            assert t.shape[0] == config.num_heads, name  # every core tensor is per head (dim 0)
+        elif ".core." in name or ".qk_norm." in name:
+            assert t.shape[0] == config.num_heads, name  # every core and q/k-norm tensor is per head (dim 0)
             out[name] = t.chunk(tp)[rank]
         elif name.endswith(("proj.weight", "fc_out.weight")):
             out[name] = t.chunk(tp, dim=1)[rank]  # row-parallel inputs
@@ -253,7 +260,7 @@ def test_parallelize_gpt_holds_the_plain_models_slices(name: str) -> None:
         assert factories == {id(model.layer_factory)} and isinstance(model.layer_factory, TensorParallelLayers)
         assert all(block.attn.local_heads == config.num_heads // 2 for block in model.blocks)
         for key, p in model.named_parameters():
-            if ".core." in key or key.endswith("out_gain"):
+            if ".core." in key or ".qk_norm." in key or key.endswith("out_gain"):
                 assert p.tensor_model_parallel and p.partition_dim == 0, key
 
 

@@ -116,42 +116,48 @@ def test_targets_follow_the_means_and_the_seed_noise_rule() -> None:
     summary = summarize(good)
     assert summary[1]["english_docs_valid_ppl_ratio"] == pytest.approx(106 / 100)
     assert summary[1]["wikitext2_test_ppl_ratio"] == pytest.approx(106 / 100)
-    for t in check_targets(cfg, summary).values():
+    for t in check_targets(cfg, summary, good).values():
         assert t["within_10pct_on_10pct_tokens"] is True
         assert t["beats_scratch"] is True and t["beats_distilled_performer"] is True
-    # 12% worse than the teacher, scratch within seed noise, performer better
+    # 12% worse than the teacher, scratch within seed noise, performer better: 20-25% below on every seed,
+    # tracking the student's seeds (paired log-ratios 0.219, 0.223, 0.215: t ~ 90)
     bad = _rows({"softmax": [100, 101, 99], "flexformer_n_stage2": [112, 100, 124],
-                 "performer_stage2": [90, 91, 89], "flexformer_n_scratch": [113, 111, 115]}, fractions)
-    for t in check_targets(cfg, summarize(bad)).values():
+                 "performer_stage2": [90, 80, 100], "flexformer_n_scratch": [113, 111, 115]}, fractions)
+    for t in check_targets(cfg, summarize(bad), bad).values():
         assert t["ppl_ratio_to_teacher"] == pytest.approx(1.12)
         assert t["within_10pct_on_10pct_tokens"] is False
         assert t["beats_scratch"] is None and t["beats_distilled_performer"] is False
     # within 10% of the ppl but on more than 10% of the tokens
     over = _rows({"softmax": [100], "flexformer_n_stage2": [101], "flexformer_n_scratch": [150]},
                  {**fractions, "flexformer_n_stage2": 0.2})
-    for t in check_targets(cfg, summarize(over)).values():
+    for t in check_targets(cfg, summarize(over), over).values():
         assert t["within_10pct_on_10pct_tokens"] is False and t["beats_distilled_performer"] == "not run"
     assert "better than distilled Performer: not run (no performer student)" in targets_markdown(
-        check_targets(cfg, summarize(over)), seeds=1)
+        check_targets(cfg, summarize(over), over), seeds=1)
 
 
-def test_bad_settings_fail_before_any_training(tmp_path: Path) -> None:
+def test_bad_settings_fail_before_any_training(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     work = ["--work-dir", str(tmp_path / "work"), "--out", str(tmp_path / "out"), "--data-root", str(tmp_path)]
     with pytest.raises(ValueError, match=r"--stage1-steps \+ --stage2-steps: 2,560 tokens exceed --max-token-fraction "
                                          r"0.1 of the teacher's 12,800 tokens"):
         main([*TINY, "--steps", "100", "--stage1-steps", "10", "--stage2-steps", "10", *work])
     with pytest.raises(ValueError, match=r"--students: expected linear attention kinds"):
         main([*TINY, "--students", "flexformer_n,softmax", *work])
-    with pytest.raises(ValueError, match=r"--softmax-window: expected >= 0"):
-        main([*TINY, "--softmax-window", "-1", *work])
     with pytest.raises(ValueError, match=r"--softmax-window: the attention-weights loss \(--weights-ce-weight\) needs"):
         main([*TINY, "--softmax-window", "16", "--weights-ce-weight", "1", *work])
-    with pytest.raises(ValueError, match=r"--stage2-steps: expected >= 1, got 0"):
-        main([*TINY, "--stage2-steps", "0", *work])
-    with pytest.raises(ValueError, match=r"--lora-rank: expected >= 0"):
-        main([*TINY, "--lora-rank", "-1", *work])
     with pytest.raises(FileNotFoundError, match=r"--teacher-runs: .*softmax_s1234 is not a finished kernel-study run"):
         main([*TINY, "--teacher-runs", str(tmp_path / "nothing"), *work])
+    for flag, value, message in (("--softmax-window", "-1", "expected an integer >= 0, got -1"),
+                                 ("--stage2-steps", "0", "expected a positive integer, got 0"),
+                                 ("--lora-rank", "-1", "expected an integer >= 0, got -1"),
+                                 ("--lr", "nan", "expected a finite number, got 'nan'"),
+                                 ("--max-token-fraction", "1.5", "expected a number in [0, 1], got '1.5'"),
+                                 ("--out", str(tmp_path / "a_file" / "out"), "cannot be created here")):
+        (tmp_path / "a_file").write_text("x")
+        with pytest.raises(SystemExit) as stop:  # while the arguments are parsed
+            main([*TINY, *work, flag, value])
+        line = capsys.readouterr().err.splitlines()[-1]
+        assert stop.value.code == 2 and f"argument {flag}: " in line and message in line, line
     assert not (tmp_path / "work").exists()  # nothing was prepared or trained
 
 

@@ -14,7 +14,8 @@ from dataclasses import replace
 from studies.kernel_study import main, plan, run_study
 from studies.kernel_study_config import RunSpec, StudyConfig
 from studies.runner import load_row, run_fingerprint, save_row
-from studies.kernel_study_report import aggregate, beats, chi_density, window_targets
+from studies.kernel_study_report import aggregate, arm_comparisons, chi_density, window_targets
+from studies.paired_stats import compare_runs
 
 
 TINY = ["--steps", "3", "--kinds", "flexformer_n", "--arms", "fn_hybrid", "--seeds", "2",
@@ -55,6 +56,7 @@ def test_kernel_study_resumes_across_sessions_and_writes_seed_aggregates(shared_
         # an untrained model over a 512-token vocabulary is near-uniform, never better than ~e^4
         assert 50 < run["english_docs_valid_ppl"] < 5000
         assert len(run["effective_keys"]) == 2  # the trainer's probe statistics, per layer
+        assert len(run["q_norm_mean"]) == len(run["k_norm_p90"]) == 2 and min(run["q_norm_p90"]) > 0
     by_label = {s["label"]: s for s in results["summary"]}
     assert by_label["fn_hybrid"]["seeds"] == 2 and by_label["fn_hybrid"]["english_docs_valid_ppl_std"] > 0
     runs = {(r["label"], r["seed"]): r for r in results["runs"]}
@@ -63,6 +65,7 @@ def test_kernel_study_resumes_across_sessions_and_writes_seed_aggregates(shared_
     assert "model.softmax_window=64" in runs["fn_hybrid", 1234]["overrides"]
     md = (out / "results.md").read_text()
     assert "All runs of the study are in" in md and "| fn_hybrid | 2 |" in md and "± " in md and "## Verdict" in md
+    assert "## Per layer" in md and "## Each arm against its control" in md
     for png in ("loss_curves.png", "spectrum.png", "tau.png"):
         assert (out / png).stat().st_size > 5000
 
@@ -89,6 +92,28 @@ def test_run_order_and_only() -> None:
         main(["--order", "random"])
 
 
+def test_report_only_rewrites_the_report_from_stored_rows_without_training(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import studies.kernel_study as study
+
+    monkeypatch.setattr(study, "prepare_data", lambda cfg: pytest.fail("--report-only must not prepare data"))
+    argv = ["--kinds", "softmax,elu", "--arms", "", "--seeds", "2", "--out", str(tmp_path)]
+    cfg = study.config_from_args(study.build_parser().parse_args(argv))
+    for label, base in (("softmax", 200.0), ("elu", 230.0)):
+        for seed, jitter in ((1234, 0.0), (1235, 9.0)):
+            row = {"label": label, "kind": label, "seed": seed, "english_docs_valid_ppl": base + jitter,
+                   "wikitext2_test_ppl": 2 * base + jitter, "loss_curve": [(5, 6.0), (10, 5.0)]}
+            save_row(cfg, RunSpec(label, label), seed, row, "training command")
+    rows = main([*argv, "--report-only"])
+    assert len(rows) == 4
+    md = (tmp_path / "results.md").read_text()
+    assert "All runs of the study are in." in md and "--report-only" not in md
+    assert f"Command (latest session): `python -m studies.kernel_study --kinds softmax,elu --arms '' --seeds 2 --out {tmp_path}`" in md
+    with pytest.raises(ValueError, match="--report-only: expected neither --fresh nor --reuse-from"):
+        main([*argv, "--report-only", "--fresh"])
+
+
 def test_fingerprint_covers_settings_overrides_and_seed_not_selection(tmp_path: Path) -> None:
     cfg = StudyConfig(out=str(tmp_path))
     run = RunSpec("fn_hybrid", "flexformer_n", ["model.softmax_window=64"])
@@ -108,37 +133,86 @@ def test_fingerprint_covers_settings_overrides_and_seed_not_selection(tmp_path: 
     assert load_row(cfg, run, 1235) is None
 
 
-def test_aggregate_and_the_seed_noise_rule() -> None:
-    rows = [{"label": "a", "kind": "elu", "english_docs_valid_ppl": v, "wikitext2_test_ppl": v + 1} for v in (10, 12, 14)]
-    rows += [{"label": "b", "kind": "elu", "english_docs_valid_ppl": v, "wikitext2_test_ppl": v} for v in (20, 21, 22)]
+def test_aggregate_and_the_paired_seed_rule() -> None:
+    rows = [{"label": "a", "kind": "elu", "seed": s, "english_docs_valid_ppl": v, "wikitext2_test_ppl": v + 1}
+            for s, v in enumerate((10, 12, 14))]
+    rows += [{"label": "b", "kind": "elu", "seed": s, "english_docs_valid_ppl": v, "wikitext2_test_ppl": v}
+             for s, v in enumerate((20, 21, 22))]
     a, b = aggregate(rows)
     assert a["english_docs_valid_ppl_mean"] == pytest.approx(12.0) and a["english_docs_valid_ppl_std"] == pytest.approx(2.0)
-    assert beats(a, b, "english_docs_valid_ppl") is True and beats(b, a, "english_docs_valid_ppl") is False
-    close = aggregate([{**r, "label": "c", "english_docs_valid_ppl": r["english_docs_valid_ppl"] - 7} for r in rows[3:]])[0]
-    assert beats(a, close, "english_docs_valid_ppl") is None  # 12 +- 2 vs 14 +- 1 over 3 seeds: noise
+    assert compare_runs(rows, "a", "b", "english_docs_valid_ppl").a_better is True
+    assert compare_runs(rows, "b", "a", "english_docs_valid_ppl").a_better is False
+    # 12 +- 2 vs 13 +- 1: the means are 1.3 SE apart (noise for an unpaired test), but c is 1-3 ppl
+    # above a on every seed in the same order: paired, the log-ratios 0.47, 0.08, -0.07 (%) do not separate
+    close = [{**r, "label": "c", "english_docs_valid_ppl": r["english_docs_valid_ppl"] + d}
+             for r, d in zip(rows[:3], (3.0, 1.0, -1.0))]
+    assert compare_runs(rows + close, "a", "c", "english_docs_valid_ppl").a_better is None
     single = aggregate(rows[:1])[0]
-    assert single["english_docs_valid_ppl_std"] is None and beats(single, b, "english_docs_valid_ppl") is None
+    assert single["english_docs_valid_ppl_std"] is None
+    assert compare_runs(rows[:1] + rows[3:], "a", "b", "english_docs_valid_ppl").method == "none"
 
 
 def test_window_targets_compare_each_hybrid_with_its_own_controls() -> None:
     def runs(label: str, kind: str, valid: tuple[float, ...]) -> list[dict]:
-        return [{"label": label, "kind": kind, "english_docs_valid_ppl": v, "wikitext2_test_ppl": 2 * v} for v in valid]
+        return [{"label": label, "kind": kind, "seed": s, "english_docs_valid_ppl": v, "wikitext2_test_ppl": 2 * v}
+                for s, v in enumerate(valid)]
 
     rows = runs("softmax", "softmax", (100, 101, 102)) + runs("fn_window64", "flexformer_n", (108, 109, 110))
     rows += runs("softmax_window64", "softmax", (120, 121, 122)) + runs("performer_window64", "performer", (100, 110, 120))
     rows += runs("fn_window16", "flexformer_n", (130, 131, 132)) + runs("softmax_window16", "softmax", (125, 126, 127))
     rows += runs("fn_window16_capped", "flexformer_n", (103, 104, 105)) + runs("performer_window16_capped", "performer", (150, 151, 152))
-    lines = window_targets(aggregate(rows))
+    lines = window_targets(aggregate(rows), rows)
     assert len(lines) == 6  # three hybrids (by W, then name) x two eval sets
     w16, w16_wiki, capped, _, w64, _ = lines
-    assert w16.startswith("- english-docs valid, fn_window16 (W=16) 131.0: 1.30x softmax (target <= 1.10: missed)")
-    assert capped.startswith("- english-docs valid, fn_window16_capped (W=16) 104.0: 1.03x softmax (target <= 1.10: met)")
-    assert "better than performer_window16_capped (151.0)" in capped and "better than fn_window16 (131.0)" in capped
-    assert "worse than softmax_window16 (126.0)" in w16 and "performer_window16" not in w16 and "fn_gated16" not in w16
+    assert w16.startswith("- english-docs valid, fn_window16 (W=16) 131.0: 1.30x softmax (target <= 1.10: missed; worse than softmax (")
+    assert capped.startswith("- english-docs valid, fn_window16_capped (W=16) 104.0: 1.03x softmax (target <= 1.10: met")
+    assert "better than performer_window16_capped (" in capped and "better than fn_window16 (" in capped
+    assert "worse than softmax_window16 (" in w16 and "performer_window16" not in w16 and "fn_gated16" not in w16
     assert "WikiText-2 test" in w16_wiki
-    assert "1.08x softmax (target <= 1.10: met)" in w64 and "better than softmax_window64 (121.0)" in w64
-    assert "not separated from performer_window64 (110.0)" in w64  # 109 +- 1 vs 110 +- 10 over 3 seeds
-    assert window_targets(aggregate(runs("softmax", "softmax", (1, 2)))) == []
+    assert "1.08x softmax (target <= 1.10: met" in w64 and "better than softmax_window64 (" in w64
+    # 109 +- 1 vs 110 +- 10 over 3 seeds: the per-seed log-ratios (+8.6%, -0.9%, -8.7%) do not separate
+    assert "not separated from performer_window64 (" in w64 and "paired n=3" in w64
+    assert window_targets(aggregate(runs("softmax", "softmax", (1, 2))), runs("softmax", "softmax", (1, 2))) == []
+
+
+def test_remedy_arms_are_compared_with_their_control_and_the_window_alone() -> None:
+    def runs(label: str, kind: str, valid: tuple[float, ...]) -> list[dict]:
+        return [{"label": label, "kind": kind, "seed": s, "english_docs_valid_ppl": v, "wikitext2_test_ppl": v}
+                for s, v in enumerate(valid)]
+
+    rows = (runs("flexformer_n", "flexformer_n", (240, 230, 250)) + runs("fn_tied_eta0.5", "flexformer_n", (236, 226, 246))
+            + runs("fn_window64_capped", "flexformer_n", (222, 215, 228)) + runs("softmax_window64", "softmax", (217, 212, 224))
+            + runs("fn_window64_capped_far_gain", "flexformer_n", (220, 214, 226)))
+    table = {r["arm"]: r for r in arm_comparisons(aggregate(rows), rows)}
+    assert table["fn_tied_eta0.5"]["control"] == "flexformer_n"
+    assert table["fn_tied_eta0.5"]["english-docs valid"].endswith(": better than control")  # ~1.7% below on every seed
+    assert table["fn_window64_capped_far_gain"]["control"] == "fn_window64_capped"  # the hybrid it changes
+    assert "softmax_window64" not in table and "flexformer_n" not in table  # a kind, and a control of the kind softmax absent
+    w64 = window_targets(aggregate(rows), rows)[0]
+    assert "worse than softmax_window64 (" in w64  # the window alone, 1.2-2.3% below the hybrid on every seed
+    gain = [line for line in window_targets(aggregate(rows), rows) if "fn_window64_capped_far_gain (W=64)" in line][0]
+    assert "softmax_window64 (" in gain and "fn_window64_capped (" in gain and "performer_window64_capped" not in gain
+
+
+def test_probe_norms_are_carried_per_layer_into_rows_and_the_report() -> None:
+    from studies.kernel_study_report import per_layer_table
+    from studies.runner import kernel_summary
+
+    records = {10: {f"layer0{i}/{key}": value + i for i in (0, 1) for key, value in
+                    (("effective_keys", 100.0), ("q_norm_mean", 5.0), ("q_norm_p90", 7.0), ("k_norm_mean", 3.0),
+                     ("k_norm_p90", 4.0))}}
+    summary = kernel_summary(records, 2)
+    assert summary["q_norm_mean"] == [5.0, 6.0] and summary["k_norm_p90"] == [4.0, 5.0]
+    assert kernel_summary({}, 2)["q_norm_p90"] is None
+    rows = [{"label": "a", "kind": "elu", "seed": s, "english_docs_valid_ppl": 10.0, "wikitext2_test_ppl": 10.0,
+             **{k: [v + s for v in values] for k, values in summary.items() if k != "tau_curve" and values}}
+            for s in (0, 2)]
+    rows.append({"label": "old", "kind": "elu", "seed": 0, "english_docs_valid_ppl": 10.0, "wikitext2_test_ppl": 10.0,
+                 "effective_keys": [50.0, 60.0]})  # stored before the norms were logged
+    table = {r["run"]: r for r in per_layer_table(aggregate(rows))}
+    assert table["a"] == {"run": "a", "effective keys": "101.0 / 102.0", "‖q‖ mean (p90)": "6.00 (8.00) / 7.00 (9.00)",
+                          "‖k‖ mean (p90)": "4.00 (5.00) / 5.00 (6.00)"}  # mean over the seeds 0 and 2: +1
+    assert table["old"]["effective keys"] == "50.0 / 60.0" and table["old"]["‖q‖ mean (p90)"] == "-"
 
 
 def test_chi_density_integrates_to_one_with_the_right_mean() -> None:
@@ -203,6 +277,30 @@ def test_v3_arms_build_valid_models_and_report_the_far_share_per_layer() -> None
              "wikitext2_test_ppl": 200.0, "far_share": [0.1 * s, 0.5]} for s in (1, 2)]
     (summary,) = aggregate(rows)
     assert summary["far_share_per_layer"] == pytest.approx([0.15, 0.5]) and summary["far_share_mean"] == pytest.approx(0.325)
+
+
+def test_every_arm_is_a_valid_run_config_whose_model_runs() -> None:
+    """Each arm's overrides, as the runner passes them to megaflex-train (configs/tiny.yaml first), load
+    as a valid config, and the model they build runs a probe batch with finite logits."""
+    import torch
+
+    from megaflex.model import GPT
+    from megaflex.training.config import load_config
+    from studies.kernel_study_config import ARMS, REPO
+    from studies.runner import train_overrides
+
+    cfg = StudyConfig(vocab_size=64, num_layers=1, hidden_size=64, num_heads=2, feature_dim=8, seq_len=80, arms=list(ARMS))
+    data = {"train": Path("unused/train"), "valid": Path("unused/valid"), "tokenizer": Path("unused/tok.model")}
+    ids = torch.randint(0, 64, (1, 80), generator=torch.Generator().manual_seed(0))
+    for run in cfg.runs():
+        if run.label not in ARMS:
+            continue
+        config = load_config([REPO / "configs" / "tiny.yaml"], train_overrides(cfg, run, 1234, data, Path("unused/run")))
+        torch.manual_seed(0)
+        logits = GPT(config.model).eval()(ids).logits
+        assert torch.isfinite(logits).all(), run.label
+    with pytest.raises(ValueError, match=r"--arms: \['fn_tau_max0.5'\] set temperatures computed for head dim 32"):
+        replace(cfg, hidden_size=32, arms=["fn_tau_max0.5", "fn_tied_eta0.5"]).runs()
 
 
 def test_the_base_normalisation_is_fingerprinted_only_where_it_changes_the_run(tmp_path: Path) -> None:
@@ -327,11 +425,11 @@ def test_v4_verdict_asks_whether_each_learned_kernel_beats_every_fixed_one_and_t
 
     all_rows = (rows("softmax", "softmax", (200, 202, 204), long=220.0) + rows("flexformer_n", "flexformer_n", (230, 231, 232), long=230.0)
                 + rows("performer", "performer", (260, 262, 264)) + rows("elu", "elu", (229, 233, 237)))
-    lines = learned_against_fixed(aggregate(all_rows))
-    assert lines[0] == ("- english-docs valid: does flexformer_n (231.0) beat every fixed kernel beyond 2 SE? no "
-                        "(not separated from elu (233.0)).")
+    lines = learned_against_fixed(aggregate(all_rows), all_rows)
+    assert lines[0].startswith("- english-docs valid: does flexformer_n (231.0) beat every fixed kernel (paired t)? no "
+                               "(not separated from elu (") and "performer" not in lines[0]
     without_elu = [r for r in all_rows if r["label"] != "elu"]
-    assert learned_against_fixed(aggregate(without_elu))[0].endswith("beyond 2 SE? yes.")
+    assert learned_against_fixed(aggregate(without_elu), without_elu)[0].endswith("(paired t)? yes.")
     metrics = long_context_metrics(all_rows)
     assert metrics == ["english_docs_valid_ppl_windows1024", "english_docs_valid_ppl_stateful1024"]
     table = {r["run"]: r for r in long_context_table(all_rows, metrics, "english_docs_valid_ppl")}

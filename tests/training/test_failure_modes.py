@@ -331,6 +331,19 @@ def _triton_on_cpu(world, tmp_path, capsys):
                                              f"logging.run_dir={tmp_path / 'run'}", "model.attention_backend=triton"], env)
 
 
+def _bidirectional_checkpoint(world, tmp_path, capsys):
+    """A checkpoint trained with model.causal=false (before megaflex-train refused it)."""
+    run = _copy_run(world, tmp_path)
+    meta = run / "checkpoints" / "step_00000002" / "megaflex.json"
+    data = json.loads(meta.read_text())
+    data["config"]["model"]["causal"] = False
+    meta.write_text(json.dumps(data))
+    generated = generate(["--checkpoint", str(run), "--prompt", "the quick"], capsys)
+    assert generated.returncode == 2 and "model.causal: false), which sees every token it is asked to predict: " \
+        "generation needs a causal language model" in one_error_line(generated.stderr, "megaflex-generate")
+    return evaluate(["--checkpoint", str(run), "--data", str(world["root"] / "text.txt")], capsys)
+
+
 def _unwritable_run_dir(world, tmp_path, capsys):
     (tmp_path / "a_file").write_text("x")  # a path under a regular file: refused for root too, unlike chmod
     outcome = train(world["config"], f"logging.run_dir={tmp_path / 'a_file' / 'run'}")
@@ -415,6 +428,22 @@ CASES: dict[str, Case] = {
     "`model.feature_dim` odd for a trig feature map (or unknown `feature_kwargs`)": Case(
         lambda w, t, c: train_in_process(["--config", str(w["config"]), "model.feature_dim=33"], c),
         "model.feature_dim (from command line): feature_dim of attention='flexformer_n'"),
+    # issue 45
+    "`model.causal: false` given to `megaflex-train` / `megaflex-distill` (a language model that sees the token it predicts)":
+        Case(lambda w, t, c: train_in_process(["--config", str(w["config"]), "model.causal=false"], c),
+             "model.causal (from command line): false builds a bidirectional encoder"),
+    "`megaflex-eval` / `megaflex-generate` of a bidirectional checkpoint (`model.causal: false`, trained before the refusal above)":
+        Case(_bidirectional_checkpoint, "holds a bidirectional model (model.causal: false), which sees every token it is "
+                                        "asked to predict: perplexity needs a causal language model"),
+    "`model.causal: false` with a setting the attention dispatch table refuses for it (`model.qkv_conv_size`, a gated `model.softmax_window`, `data.document_boundaries: reset`, `parallel.context_parallel_size` > 1)":
+        Case(covered_by="tests/training/test_config_refusals.py::test_every_refusal_the_settings_decide_is_a_config_error"),
+    "a count of 0 or less, `nan`/`inf`, a device this machine lacks or that does not exist (`--device cuda` on a CPU machine, `--device foo`), an output path that is an existing file or cannot be created, given to `megaflex-eval`/`-generate`/`-export`, the commands of `benchmarks/` or `studies/`; or as a config key (`train.global_batch_size=0`, `schedule.decay_iters=0`)":
+        Case(covered_by="tests/test_entry_point_arguments.py::test_a_value_that_cannot_work_is_refused_while_parsing"),
+    "HF `FlexformerForCausalLM` of a bidirectional model (`causal: false`): plain `model(ids)`": Case(
+        covered_by="tests/hf/test_hf_model.py::test_a_bidirectional_model_answers_a_plain_call_and_refuses_to_generate"),
+    "a fresh HF `FlexformerConfig()`": Case(covered_by="tests/hf/test_hf_model.py::test_a_fresh_config_has_model_config_defaults"),
+    "the first screen of a run (the quick start)": Case(
+        covered_by="tests/training/test_training_silent_settings.py::test_a_run_prints_each_warning_once"),
     "self-referential YAML alias (`a: &x {b: *x}`)": Case(_yaml_alias, "self-referential YAML alias at key 'train.again'"),
     "`schedule.decay_style=wsd` whose decay overlaps the warmup or rounds to no step (or a `schedule.wsd_*` key with another style)": Case(
         lambda w, t, c: train_in_process(["--config", str(w["config"]), "train.train_iters=10", "schedule.warmup_iters=3",

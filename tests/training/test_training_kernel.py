@@ -22,7 +22,7 @@ def test_kernel_records_and_resume_with_other_groups_is_a_clear_error(tmp_path: 
             "parallel.zero_stage=0", f"logging.run_dir={run_dir}"]
     first = launch(cfg, fast)
     assert first.returncodes == [0], first.output
-    assert "kernel_frequencies: lr x 30" in first.outputs[0]
+    assert "kernel_frequencies 4 at lr x 30" in first.outputs[0]  # 2 layers x (omega1, omega2)
     kernel = read_metrics(run_dir / "metrics.jsonl", "kernel")
     assert sorted(kernel) == [5, 10]  # logging.kernel_stats_interval = 5
     last = kernel[10]

@@ -90,6 +90,9 @@ def test_a_run_prints_each_warning_once(cfg_file: Path, tmp_path: Path) -> None:
     out = first.outputs[0]
     assert out.count("WARNING: model.window_mixing=gated (from command line) has no effect") == 1
     assert out.count("WARNING: data.document_boundaries=reset: the data") == 1 and "append_eod false" in out
+    # issue 45: a quiet first screen, one line of parameter-group counts and no DeepSpeed warning about it
+    assert out.count("optimizer: 4 parameter groups: ") == 1 and "attn_norm.weight" not in out
+    assert "untested optimizer" not in out
     second = launch(cfg_file, [*run, "model.window_mixing=gated", "data.eod_token_id=0", "train.train_iters=3",
                                "logging.profile.start=2", "logging.profile.steps=2"])
     assert second.returncodes == [0], second.output

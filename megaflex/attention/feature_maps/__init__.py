@@ -48,7 +48,7 @@ def build_feature_map(kind: str, num_heads: int, head_dim: int, feature_dim: int
     """Construct the feature map ``kind`` for ``num_heads`` heads of size ``head_dim``.
 
     ``feature_dim`` (F) is ignored by maps whose F is fixed by ``head_dim`` (elu: d,
-    cosformer: 2d). ``kwargs`` are map-specific (flexformer_n: ``min_log_temperature``, ``omega_init``, ``omega_noise``;
+    cosformer: 2d). ``kwargs`` are map-specific (flexformer_n: ``min_log_temperature``, ``max_log_temperature``, ``omega_init``, ``omega_noise``, ``omega_correlation``;
     performer: ``variant``, ``redraw_interval``, ``seed``; cosformer: ``max_seq_len``).
     """
     if kind not in FEATURE_MAPS:

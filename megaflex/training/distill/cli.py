@@ -22,7 +22,7 @@ from megaflex.model.config import ModelConfig
 from megaflex.training.config import Config, ConfigError, DistillConfig, config_from_sources
 from megaflex.training.config_loader import Source, parse_overrides, read_yaml
 from megaflex.training.distill.objectives import check_softmax_teacher, check_student_matches_teacher
-from megaflex.training.train import EXIT_CONFIG, build_parser, execute, finish_args
+from megaflex.training.train import EXIT_CONFIG, build_parser, execute, finish_args, print_once
 
 STAGES = ("attention_transfer", "finetune")
 
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = distill_config(args.config, args.overrides)
     except ConfigError as e:
-        print(f"megaflex-distill: config error: {e}", file=sys.stderr)
+        print_once(f"megaflex-distill: config error: {e}")
         return EXIT_CONFIG
     return execute("megaflex-distill", cfg, build_objective(cfg))
 
