@@ -42,10 +42,9 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import MALLOC_TUNING, worker_env
-from megaflex.cli_args import nonnegative_int, positive_float, positive_int, writable_file
+from megaflex.cli_args import nonnegative_int, positive_float, positive_int, scratch_results, writable_file
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_JSON = REPO / "docs" / "results" / "bench_attention.json"
 IMPLS = ("softmax", "flexformer_n", "flexformer_s", "performer")
 # the one-normaliser window hybrid (attention/window/) over flexformer_n: impl "flexformer_n_window<W>"
 WINDOW_IMPLS = ("flexformer_n_window16", "flexformer_n_window64")
@@ -192,7 +191,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq-lens", type=positive_int, nargs="+", default=[1024, 4096, 16384, 65536])
     parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS + WINDOW_IMPLS)
-    parser.add_argument("--json", type=writable_file, default=DEFAULT_JSON, help="where to write the results")
+    parser.add_argument("--json", type=writable_file, default=str(scratch_results("bench_attention.json")),
+                        help="where to write the results (docs/results/bench_attention.json: the committed ones)")
     parser.add_argument("--chunk-size", type=positive_int, default=64, help="chunk size of the linear kinds")
     parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--segment-tokens", type=nonnegative_int, default=0,

@@ -22,7 +22,8 @@ Reported per rank:
   (forward state + backward state gradient), counted at the collective; it must not depend on N.
 
 Then one step of a ``--long-length`` (1,048,576) token sequence on ``--long-cp`` ranks of a smaller
-model with activation checkpointing. Results go to docs/results/bench_context_parallel.json.
+model with activation checkpointing. Results go to ``--out`` (``--out docs/results/bench_context_parallel.json``:
+the committed ones).
 CPU timings on a shared machine are noisy: compare CP=1 and CP=2 measured in the same run.
 """
 
@@ -37,9 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from megaflex.cli_args import positive_int, writable_file
-
-RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results" / "bench_context_parallel.json"
+from megaflex.cli_args import positive_int, scratch_results, writable_file
 
 
 def _rss_mib() -> float:
@@ -224,7 +223,7 @@ def main() -> None:
     parser.add_argument("--no-long", action="store_true", help="skip the long-sequence step")
     parser.add_argument("--long-length", type=positive_int, default=1 << 20)
     parser.add_argument("--long-cp", type=positive_int, default=2)
-    parser.add_argument("--out", type=writable_file, default=RESULTS)
+    parser.add_argument("--out", type=writable_file, default=str(scratch_results("bench_context_parallel.json")))
     args = parser.parse_args()
 
     model_kw = dict(model_kwargs(args), activation_checkpointing=args.activation_checkpointing)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megaflex.cli_args import positive_int, writable_file
+from megaflex.cli_args import positive_int, scratch_results, writable_file
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -155,7 +155,7 @@ def bench_reads(prefix: str, seq_len: int, n: int = 2000) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=writable_file, default=str(REPO / "docs/results/bench_data.json"))
+    ap.add_argument("--out", type=writable_file, default=str(scratch_results("bench_data.json")))
     ap.add_argument("--vocab-size", type=positive_int, default=16000)
     ap.add_argument("--docs", type=positive_int, default=10_000_000)
     ap.add_argument("--tokens", type=positive_int, default=1_000_000_000)

@@ -17,7 +17,8 @@ bounded by about 1 + (KV cache bytes) / (weight bytes) on a memory-bound machine
 shares one read of the weights across sequences while each sequence reads its own KV cache, which
 is where a constant-size state pays off most.
 
-Writes ``decode.json`` and ``decode.png`` under ``--out`` (default ``docs/results``).
+Writes ``decode.json`` and ``decode.png`` under ``--out`` (default ``$XDG_CACHE_HOME/megaflex/decode``;
+``docs/results``: the committed ones).
 Not a test: timings depend on the machine.
 """
 
@@ -32,7 +33,9 @@ from typing import Any, Sequence
 import torch
 
 from benchmarks.common import add_model_arguments, model_config
-from megaflex.cli_args import available_device, nonnegative_int, positive_int, positive_int_list, writable_dir
+from megaflex.cli_args import (
+    available_device, nonnegative_int, positive_int, positive_int_list, scratch_results, writable_dir,
+)
 from megaflex.attention.softmax import KVCache
 from megaflex.model.gpt import GPT, GPTState
 
@@ -136,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--real-prefill", action="store_true", help="prefill all context tokens for real (slow)")
     add_model_arguments(p)
     p.add_argument("--device", type=available_device, default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--out", type=writable_dir, default="docs/results")
+    p.add_argument("--out", type=writable_dir, default=str(scratch_results("decode")))
     return p
 
 

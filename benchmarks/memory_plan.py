@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO / "tests" / "helpers"))
 
 from training_harness import launch  # noqa: E402  (tests/helpers: local multi-process launch)
 
-from megaflex.cli_args import existing_file, positive_int, writable_file  # noqa: E402
+from megaflex.cli_args import existing_file, positive_int, scratch_results, writable_file  # noqa: E402
 from megaflex.model.memory_plan import memory_plan  # noqa: E402
 from megaflex.model.summary import load_model_config  # noqa: E402
 
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
     parser.add_argument("--micro-batch", type=positive_int, default=1)
     parser.add_argument("--seq-len", type=positive_int, default=32)
-    parser.add_argument("--out", type=writable_file, default=REPO / "docs" / "results" / "memory_plan_247m.json")
+    parser.add_argument("--out", type=writable_file, default=str(scratch_results("memory_plan_247m.json")))
     args = parser.parse_args(argv)
     result = compare(args.config.resolve(), args.zero, args.precision, args.micro_batch, args.seq_len)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -42,7 +42,9 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.common import MALLOC_TUNING, add_model_arguments, model_config, worker_env
-from megaflex.cli_args import available_device, positive_float, positive_int, positive_int_list, writable_dir
+from megaflex.cli_args import (
+    available_device, positive_float, positive_int, positive_int_list, scratch_results, writable_dir,
+)
 from megaflex.training.metrics import peak_rss_kib
 
 REPO = Path(__file__).resolve().parents[1]
@@ -136,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_arguments(p)
     p.add_argument("--timeout", type=positive_float, default=900.0, help="seconds per (kind, seq_len) run")
     p.add_argument("--device", type=available_device, default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--out", type=writable_dir, default="docs/results")
+    p.add_argument("--out", type=writable_dir, default=str(scratch_results("model")))
     p.add_argument("--no-malloc-tuning", action="store_true", help="run workers with glibc malloc defaults")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--kind", default=None, help=argparse.SUPPRESS)

@@ -15,7 +15,7 @@ forward + backward of the GPT of ``--num-layers``/``--hidden-size``/... on [``--
 * ``step_s``: mean wall time of ``--steps`` steps after a warm-up (the slowest rank's; a shared
   2-core CPU is noisy, and gloo collectives on one host say little about NVLink).
 
-Results go to docs/results/bench_sequence_parallel.json.
+Results go to ``--out`` (``--out docs/results/bench_sequence_parallel.json``: the committed ones).
 """
 
 from __future__ import annotations
@@ -28,9 +28,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from megaflex.cli_args import positive_int, writable_file
-
-RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results" / "bench_sequence_parallel.json"
+from megaflex.cli_args import positive_int, scratch_results, writable_file
 
 
 def _saved_mib(model: Any, step: Any) -> float:
@@ -109,7 +107,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=positive_int, default=2048)
     parser.add_argument("--steps", type=positive_int, default=2)
     add_model_arguments(parser, vocab_size=1024, hidden_size=512, num_heads=8, feature_dim=32)
-    parser.add_argument("--out", type=writable_file, default=RESULTS)
+    parser.add_argument("--out", type=writable_file, default=str(scratch_results("bench_sequence_parallel.json")))
     args = parser.parse_args()
 
     model_kw = model_kwargs(args)

@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "helpers"))
 
 from training_harness import launch  # noqa: E402  (tests/helpers: local multi-process launch)
-from megaflex.cli_args import positive_int, writable_file  # noqa: E402
+from megaflex.cli_args import positive_int, scratch_results, writable_file  # noqa: E402
 
 CONFIGS = {"tiny": "configs/tiny.yaml", "41m": "configs/flexformer_n_41m.yaml"}
 
@@ -65,7 +65,7 @@ def main() -> None:
     ap.add_argument("--steps", type=positive_int, default=6)
     ap.add_argument("--seq-len", type=positive_int, default=128)
     ap.add_argument("--micro-batch", type=positive_int, default=4)
-    ap.add_argument("--out", type=writable_file, default=str(REPO / "docs" / "results" / "bench_training.json"))
+    ap.add_argument("--out", type=writable_file, default=str(scratch_results("bench_training.json")))
     args = ap.parse_args()
 
     rows = []

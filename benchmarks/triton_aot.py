@@ -44,7 +44,7 @@ from megaflex.attention.triton.aot import (
 )  # fmt: skip
 from megaflex.attention import AttentionCore
 from megaflex.attention.base import NORMALIZATIONS
-from megaflex.cli_args import existing_file, positive_int, writable_file
+from megaflex.cli_args import existing_file, positive_int, scratch_results, writable_file
 from megaflex.model.config import ModelConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -152,7 +152,7 @@ def _compile_one(job: tuple[Launch, int]) -> Compiled:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=writable_file, default="docs/results/triton_aot.json")
+    parser.add_argument("--out", type=writable_file, default=str(scratch_results("triton_aot.json")))
     parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["bf16", "fp16", "fp32"])
     parser.add_argument("--archs", nargs="+", type=int, choices=ARCHS, default=list(ARCHS))
     parser.add_argument(

@@ -24,6 +24,9 @@ arguments opens ``k + 1`` parentheses and every argument closes one, e.g. MAX(2,
 ``( ( ( [MAX 2 ) 9 ) ] )``; ``compact`` wraps each operator in one pair: ``( [MAX 2 9 ] )``. Both
 keep ``]``, so the expression is recoverable from the non-parenthesis tokens alone.
 
+Interrupted (Ctrl-C: exit 130) or failed, it leaves neither ``.tmp`` files nor some splits without
+the others: the three files are renamed into place together once all are written.
+
 Splits and duplicates: examples are drawn i.i.d. from one ``random.Random(seed)`` stream; the first
 ``train`` distinct accepted expressions go to train, the next ``valid`` to val, the next ``test``
 to test. An expression whose token string (its 16-byte BLAKE2b digest) was already accepted is
@@ -45,6 +48,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Union
 
+from megaflex.cli_args import nonnegative_int, positive_int, writable_dir
 from megaflex.data.lra import (
     LISTOPS_CLOSE,
     LISTOPS_END,
@@ -234,10 +238,10 @@ def generate(cfg: ListOpsConfig) -> dict:
         bar = tqdm(total=total, unit="ex", desc="listops", file=sys.stderr)
     t0 = time.perf_counter()
     stream = _accepted(cfg, stats)
+    tmps = {split: Path(f"{path}.tmp") for split, path in paths.items()}
     try:
         for split, n in sizes.items():
-            tmp = Path(f"{paths[split]}.tmp")
-            with open(tmp, "w", encoding="ascii", newline="\n") as f:
+            with open(tmps[split], "w", encoding="ascii", newline="\n") as f:
                 f.write("Source\tTarget\n")
                 for _ in range(n):
                     tree, length, source = next(stream)
@@ -248,8 +252,11 @@ def generate(cfg: ListOpsConfig) -> dict:
                     labels[split][label] += 1
                     if bar is not None:
                         bar.update(1)
-            os.replace(tmp, paths[split])  # a split file is either complete or absent
-    finally:
+        for split, tmp in tmps.items():  # the splits appear together, each complete, once all are written
+            os.replace(tmp, paths[split])
+    finally:  # Ctrl-C or an error: no .tmp is left behind (nor a split without its siblings)
+        for tmp in tmps.values():
+            tmp.unlink(missing_ok=True)
         if bar is not None:
             bar.close()
     seconds = time.perf_counter() - t0
@@ -268,22 +275,22 @@ def generate(cfg: ListOpsConfig) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="output directory (created)")
-    ap.add_argument("--train", type=int, default=96000)
-    ap.add_argument("--valid", type=int, default=2000)
-    ap.add_argument("--test", type=int, default=2000)
+    ap.add_argument("--out", required=True, type=writable_dir, help="output directory (created)")
+    ap.add_argument("--train", type=nonnegative_int, default=96000)
+    ap.add_argument("--valid", type=nonnegative_int, default=2000)
+    ap.add_argument("--test", type=nonnegative_int, default=2000)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--min-length", type=int, default=500, help="keep length > this (LRA count, no parentheses)")
-    ap.add_argument("--max-length", type=int, default=2000, help="keep length < this")
-    ap.add_argument("--max-depth", type=int, default=10)
-    ap.add_argument("--max-args", type=int, default=10)
+    ap.add_argument("--min-length", type=nonnegative_int, default=500, help="keep length > this (LRA count, no parentheses)")
+    ap.add_argument("--max-length", type=positive_int, default=2000, help="keep length < this")
+    ap.add_argument("--max-depth", type=positive_int, default=10)
+    ap.add_argument("--max-args", type=positive_int, default=10)
     ap.add_argument("--form", choices=FORMS, default="lra", help="parenthesisation (default: LRA's file form)")
     ap.add_argument("--task", default="basic", help="file prefix: TASK_train.tsv ... (LRA: basic)")
     ap.add_argument("--no-progress", dest="progress", action="store_false")
     ap.add_argument("--overwrite", action="store_true", help="replace existing split files")
     a = ap.parse_args(argv)
     try:
-        cfg = ListOpsConfig(out=a.out, train=a.train, valid=a.valid, test=a.test, seed=a.seed,
+        cfg = ListOpsConfig(out=str(a.out), train=a.train, valid=a.valid, test=a.test, seed=a.seed,
                             min_length=a.min_length, max_length=a.max_length, max_depth=a.max_depth,
                             max_args=a.max_args, form=a.form, task=a.task, progress=a.progress,
                             overwrite=a.overwrite)
@@ -291,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileExistsError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"listops: interrupted; no split file written in {a.out}; exit 130", file=sys.stderr)
+        return 130
     g = meta["generation"]
     print(f"wrote {sum(meta['sizes'].values())} examples to {cfg.out} in {g['seconds']} s "
           f"({g['tried']} trees tried)", file=sys.stderr)

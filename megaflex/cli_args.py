@@ -1,5 +1,6 @@
 """argparse types shared by every entry point: a value that cannot work is refused while the
-arguments are parsed (one line, exit 2), before any data is read or any process group exists.
+arguments are parsed (one line, exit 2), before any data is read or any process group exists; and
+``scratch_results``, the benchmarks' and studies' default output folder (never a committed one).
 
 Imports nothing of megaflex, so every floor may use it.
 """
@@ -149,6 +150,14 @@ def available_device(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text}: this machine has {count} {device.type.upper()} device(s), "
                                          f"numbered from 0")
     return text
+
+
+def scratch_results(name: str) -> Path:
+    """The default ``--out`` of a benchmark or study: ``$XDG_CACHE_HOME`` (or ``~/.cache``)/megaflex/``name``
+    (``name``: what it writes under docs/results/), outside the repository. The committed results are
+    written only when ``--out`` names them, so a default run never overwrites them, and a resumable
+    study never reads their stored runs back as its own."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "megaflex" / name
 
 
 def _ensure_dir(path: Path, shown: str) -> None:

@@ -17,7 +17,7 @@ Per seed (seed-major: a stopped study still has whole seeds):
 Stages 1 and 2 together may use at most ``--max-token-fraction`` (10%) of the teacher's tokens.
 Every model is evaluated like the kernel study's runs (``runner.evaluate_run``: english-docs
 valid and WikiText-2 test, windows of the training length). Output in ``--out`` (default
-``docs/results/distill``): ``results.json``, ``results.md`` (mean +- std over seeds, tokens
+``$XDG_CACHE_HOME/megaflex/distill``; the committed ``docs/results/distill`` only when named): ``results.json``, ``results.md`` (mean +- std over seeds, tokens
 as a fraction of the teacher's, the issue's targets checked) and ``ppl_vs_tokens.png``.
 """
 
@@ -34,6 +34,7 @@ from typing import Any, Sequence
 
 from megaflex.attention.base import NORMALIZATIONS
 from megaflex.checkpoint.layout import run_checkpoint_dir
+from megaflex.cli_args import scratch_results
 
 from megaflex.cli_args import available_device
 from studies.kernel_study_config import RunSpec, StudyConfig, number_type, output_dir_option, path_option
@@ -53,7 +54,7 @@ class DistillStudyConfig(StudyConfig):
     """The kernel study's shape and data (``StudyConfig``: the teacher's recipe) plus the stages."""
 
     work_dir: str = "work_data/distill_study"
-    out: str = "docs/results/distill"
+    out: str = field(default_factory=lambda: str(scratch_results("distill")))  # docs/results/...: only when named
     students: list[str] = field(default_factory=lambda: list(STUDENTS))
     teacher_runs: str | None = None  # a kernel study's runs/ folder holding softmax_s{seed}
     stage1_steps: int = 10

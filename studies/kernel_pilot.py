@@ -7,7 +7,7 @@ Flexformer-N's ``omega_init``. Same model, data and evaluation as ``studies.kern
 (``studies.runner``'s functions, shorter runs on the first 1500 train documents); every run sets both options
 explicitly, so the grid does not depend on the current defaults. Single seed: a pilot, not a
 result (the study's seed noise on valid ppl was about +-2.7%). Output: ``results.json`` /
-``results.md`` / plots in ``--out`` (default ``docs/results/kernel_pilot``).
+``results.md`` / plots in ``--out`` (default ``$XDG_CACHE_HOME/megaflex/kernel_pilot``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
 
-from megaflex.cli_args import nonnegative_int, positive_int
+from megaflex.cli_args import nonnegative_int, positive_int, scratch_results
 from studies.kernel_study_config import RunSpec, StudyConfig, output_dir_option
 from studies.runner import evaluate_run, prepare_data, train_run
 
@@ -61,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--eval-tokens", type=nonnegative_int, default=100_000, help="0: the whole evaluation set")
     p.add_argument("--parallel", type=positive_int, default=2, help="training processes at once")
     p.add_argument("--work-dir", type=output_dir_option, default="work_data/kernel_pilot")
-    p.add_argument("--out", type=output_dir_option, default="docs/results/kernel_pilot")
+    p.add_argument("--out", type=output_dir_option, default=str(scratch_results("kernel_pilot")))
     args = p.parse_args(argv)
     cfg = StudyConfig(kinds=["flexformer_n"], arms=[], seeds=1, steps=args.steps, max_train_docs=args.max_train_docs,
                       tokenizer_sentences=100_000, eval_tokens=args.eval_tokens, work_dir=args.work_dir, out=args.out)

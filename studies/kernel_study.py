@@ -10,7 +10,8 @@ trains one small GPT per run: every attention kind with the project's default re
 the kernel LR multipliers off, Omega frozen, the sliding softmax window). Everything else is identical: data, token budget,
 optimizer, schedule, and for one seed also the data order and the initialisation of every shared
 weight. Each run is evaluated on the english-docs valid split and on WikiText-2 test; results go
-to ``--out`` (default ``docs/results/kernel_study``):
+to ``--out`` (default ``$XDG_CACHE_HOME/megaflex/kernel_study``; the committed ``docs/results/...`` only
+when ``--out`` names it):
 
 * ``results.json`` / ``results.md``: per run and seed, and mean +- std over seeds per kind/arm:
   perplexity and bits per byte on both sets, training tokens/s, final tau per layer, relative

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from megaflex.attention.feature_maps._common import log_sqrt_scale
 from megaflex.cli_args import (
-    creatable_dir, nonnegative_float, nonnegative_int, positive_float, positive_int, unit_interval,
+    creatable_dir, nonnegative_float, nonnegative_int, positive_float, positive_int, scratch_results, unit_interval,
 )
 from megaflex.training.config import OptimizerConfig
 
@@ -154,7 +154,7 @@ class StudyConfig:
     seeds: int = 3  # seeds seed, seed + 1, ...
     data_root: str = os.environ.get("MEGAFLEX_DATA", str(REPO.parent / "shared" / "data"))
     work_dir: str = "work_data/kernel_study"
-    out: str = "docs/results/kernel_study"
+    out: str = field(default_factory=lambda: str(scratch_results("kernel_study")))  # docs/results/...: only when named
     device: str = "cpu"
     preset: str = "cpu"
     # model (equal for every kind; linear kinds add their small feature-map parameters)

@@ -27,7 +27,7 @@ arms of one seed share the seed: the same non-kernel init and the same data orde
 Reported per kind: B test perplexity of each arm (mean +- std over seeds) and the drop of
 ``transfer`` and ``random`` relative to ``learned_b`` (ppl ratio - 1); A's own numbers; and a check
 that the frozen kernels stayed what they should be (max |diff| to A's kernel / to the init).
-Output in ``--out`` (default ``docs/results/kernel_transfer``): ``results.json``,
+Output in ``--out`` (default ``$XDG_CACHE_HOME/megaflex/kernel_transfer``): ``results.json``,
 ``results.md``, ``transfer.png`` (bars). Rows are stored per run like the kernel study's
 (``<out>/runs``, fingerprinted), so an interrupted experiment continues where it stopped.
 """
@@ -53,7 +53,7 @@ from studies.runner import (
 from studies.kernel_transfer_config import ARMS, B_METRIC, FROZEN, TransferConfig
 from studies.kernel_transfer_report import write_report
 from megaflex.checkpoint.layout import run_checkpoint_dir
-from megaflex.cli_args import positive_int
+from megaflex.cli_args import positive_int, scratch_results
 from megaflex.hashing import sha256_file
 
 
@@ -219,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "(not retrained; --steps-a and the shape flags must match them)")
     p.add_argument("--work-dir", type=output_dir_option, default="work_data/kernel_transfer",
                    help="run folders and checkpoints")
-    p.add_argument("--out", type=output_dir_option, default="docs/results/kernel_transfer")
+    p.add_argument("--out", type=output_dir_option, default=str(scratch_results("kernel_transfer")))
     p.add_argument("--data-root", type=path_option, default=defaults.study.data_root)
     p.add_argument("--fresh", action="store_true", help="retrain runs whose row is stored with the same fingerprint")
     for name in ("vocab_size", "num_layers", "hidden_size", "num_heads", "feature_dim", "seq_len", "micro_batch_size",

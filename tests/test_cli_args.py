@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -91,3 +93,38 @@ def test_available_device():
         for text in ("cuda", "cuda:1"):
             with pytest.raises(argparse.ArgumentTypeError, match="no CUDA device is available on this machine"):
                 cli_args.available_device(text)
+
+
+def test_scratch_results_is_outside_the_repository(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cli_args.scratch_results("lra_listops") == tmp_path / "megaflex" / "lra_listops"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert cli_args.scratch_results("x") == Path.home() / ".cache" / "megaflex" / "x"
+
+
+def _out_defaults(path: Path) -> list[tuple[int, ast.expr | None]]:
+    """(line, default) of every --out/--json option and every dataclass field ``out`` in ``path``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument" and node.args \
+                and isinstance(node.args[0], ast.Constant) and node.args[0].value in ("--out", "--json"):
+            keywords = {k.arg: k.value for k in node.keywords}
+            if not (isinstance(keywords.get("required"), ast.Constant) and keywords["required"].value):
+                found.append((node.lineno, keywords.get("default")))
+        elif isinstance(node, ast.ClassDef):
+            found += [(f.lineno, f.value) for f in node.body
+                      if isinstance(f, ast.AnnAssign) and getattr(f.target, "id", "") == "out" and f.value is not None]
+    return found
+
+
+def test_no_benchmark_or_study_writes_a_committed_folder_by_default():
+    """Their default --out is ``scratch_results`` (or none: a folder the run makes outside the
+    repository); docs/results/... is written only when named."""
+    repo = Path(__file__).resolve().parents[1]
+    checked = 0
+    for path in sorted([*repo.glob("benchmarks/**/*.py"), *repo.glob("studies/*.py")]):
+        for line, default in _out_defaults(path):
+            checked += 1
+            text = "" if default is None else ast.unparse(default)
+            assert text in ("", "None") or "scratch_results(" in text, f"{path.relative_to(repo)}:{line}: default {text}"
+    assert checked >= 12

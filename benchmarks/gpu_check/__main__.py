@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.gpu_check.common import REPO, Stage, log_tail
-from megaflex.cli_args import positive_float
+from megaflex.cli_args import positive_float, scratch_results
 from benchmarks.gpu_check.report import NOT_RUN_TIME, exit_status, stage_failures, stages_not_run
 
 
@@ -139,8 +139,7 @@ def _stage_env(args: argparse.Namespace, cache: Path) -> dict[str, str]:
 
 def default_out() -> Path:
     """A new folder outside the repository: $XDG_CACHE_HOME (or ~/.cache)/megaflex/gpu_check/<time>."""
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "megaflex" / "gpu_check" / time.strftime("%Y%m%d-%H%M%S")
+    return scratch_results("gpu_check") / time.strftime("%Y%m%d-%H%M%S")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:

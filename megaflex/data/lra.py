@@ -7,7 +7,8 @@ Every dataset yields dicts of tensors, unpadded but truncated to ``max_len``::
 
 and :func:`collate_lra` pads a list of them into a batch (to the longest item, or to ``pad_to``
 as LRA's ``padded_batch`` does). ``attention_mask`` is True on real tokens. Truncation is LRA's
-(keep the first ``max_len`` ids); ``ListOpsDataset.num_truncated`` counts the rows it cut. Id 0 is padding in
+(keep the first ``max_len`` ids); every dataset's ``num_truncated`` counts the rows it cuts (a pair:
+either document), and its ``source`` names the file (or aclImdb folder) it reads. Id 0 is padding in
 every vocabulary, id 1 the optional leading ``<cls>`` (``add_cls=True``; it counts towards
 ``max_len``). LRA itself feeds no ``<cls>``: its "CLS" pooling reads position 0, the first real token.
 
@@ -22,8 +23,10 @@ generator bounds (< 2000), and no information is lost.
 
 Text (IMDb, LRA: tfds ``imdb_reviews``; label 1 = positive, test split also used for validation):
 ``path`` is either the aclImdb directory (``{train,test}/{pos,neg}/*.txt``, from
-https://ai.stanford.edu/~amaas/data/sentiment/aclImdb_v1.tar.gz) or a ``.jsonl`` file with one
-``{"text": str, "label": 0|1}`` object per line (e.g. exported from tfds).
+https://ai.stanford.edu/~amaas/data/sentiment/aclImdb_v1.tar.gz) or one split's ``.jsonl`` file with
+one ``{"text": str, "label": 0|1}`` object per line (e.g. exported from tfds). :func:`text_path` finds
+a split in a folder: ``{train,test}.jsonl`` (``valid.jsonl`` when there is one, else the test split,
+LRA's protocol) or aclImdb's ``train/`` and ``test/``.
 
 Retrieval (AAN): LRA release ``lra_release.gz`` (https://storage.googleapis.com/long-range-arena/lra_release.gz),
 files ``new_aan_pairs.{train,eval,test}.tsv``: no header, tab-separated ``label id1 id2 text1 text2``
@@ -75,8 +78,8 @@ LISTOPS_SPLITS = {"train": "train", "valid": "val", "val": "val", "test": "test"
 _AAN_HINT = ("get new_aan_pairs.{train,eval,test}.tsv from the LRA release lra_release.gz "
              "(https://storage.googleapis.com/long-range-arena/lra_release.gz, tsv_data/ folder)")
 _IMDB_HINT = ("pass the aclImdb directory (train/pos, train/neg, test/pos, test/neg *.txt; "
-              "https://ai.stanford.edu/~amaas/data/sentiment/aclImdb_v1.tar.gz) or a .jsonl file of "
-              '{"text": ..., "label": 0|1} lines')
+              "https://ai.stanford.edu/~amaas/data/sentiment/aclImdb_v1.tar.gz) or a folder of train.jsonl and "
+              'test.jsonl (and valid.jsonl, to select on a split other than test) of {"text": ..., "label": 0|1} lines')
 _LISTOPS_HINT = "generate it with `python -m data_prep.listops --out DIR` or use LRA's listops_*/basic_*.tsv"
 
 
@@ -211,6 +214,12 @@ def _check_max_len(max_len: int) -> None:
         raise ValueError(f"max_len: expected >= 1, got {max_len}")
 
 
+def _count_truncated(lengths: np.ndarray, max_len: int, add_cls: bool) -> int:
+    """Rows whose ids (+ ``<cls>``) exceed ``max_len``; ``lengths`` [rows] or [rows, documents]."""
+    cut = np.asarray(lengths).reshape(len(lengths), -1) + int(add_cls) > max_len
+    return int(cut.any(axis=1).sum())
+
+
 class ListOpsDataset(torch.utils.data.Dataset):
     """A ListOps TSV, encoded once into one flat uint8 array (about 100 MB for LRA's 96k train set)."""
 
@@ -232,8 +241,12 @@ class ListOpsDataset(torch.utils.data.Dataset):
         self._tokens = np.concatenate(chunks)
         self.labels = torch.tensor(labels, dtype=torch.int64)
         # truncation loses the end of an expression (and so its answer): make it visible
-        self.num_truncated = int((lengths + int(add_cls) > max_len).sum())
+        self.num_truncated = _count_truncated(lengths, max_len, add_cls)
         self.lengths = lengths
+
+    @property
+    def source(self) -> str:
+        return str(self.path)
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -280,6 +293,21 @@ def _decode_utf8(raw: bytes, where: str) -> str:
         raise LRAFormatError(f"{where}: not UTF-8 ({e})") from None
 
 
+def text_path(directory: str | os.PathLike, split: str) -> tuple[Path, str]:
+    """(path, split) a ``TextBytesDataset`` reads for ``split`` (train/valid/test) of the Text folder
+    ``directory``: its ``{split}.jsonl`` when it holds ``train.jsonl``, else the aclImdb folder itself.
+    ``valid`` is ``valid.jsonl`` when there is one, else the test split (LRA's protocol: IMDb has no
+    validation split)."""
+    if split not in ("train", "valid", "test"):
+        raise ValueError(f"split: expected train, valid or test, got {split!r}")
+    root = Path(directory)
+    if (root / "train.jsonl").is_file():
+        if split == "valid" and not (root / "valid.jsonl").is_file():
+            split = "test"
+        return root / f"{split}.jsonl", split
+    return root, "test" if split == "valid" else split
+
+
 class TextBytesDataset(torch.utils.data.Dataset):
     """LRA Text: IMDb reviews as bytes. ``path``: the aclImdb directory (``split`` train/test picks
     ``path/split/{pos,neg}``) or a ``.jsonl`` file of ``{"text", "label"}`` (``split`` is ignored).
@@ -292,6 +320,8 @@ class TextBytesDataset(torch.utils.data.Dataset):
         self.text_key, self.label_key = text_key, label_key
         self._files: list[Path] = []  # aclImdb: one file per example
         self._offsets: list[int] = []  # JSONL: one line per example
+        self._bytes: list[int] = []  # each text's length in bytes (truncation count)
+        self.source = str(self.path / split) if self.path.is_dir() else str(self.path)
         if self.path.is_dir():
             self._index_acl(split)
         elif self.path.is_file() and self.path.suffix == ".jsonl":
@@ -303,6 +333,7 @@ class TextBytesDataset(torch.utils.data.Dataset):
         if not self.labels:
             raise LRAFormatError(f"{self.path}: no examples found; {_IMDB_HINT}")
         self.labels = torch.tensor(self.labels, dtype=torch.int64)
+        self.num_truncated = _count_truncated(np.asarray(self._bytes, dtype=np.int64), max_len, add_cls)
 
     def _index_acl(self, split: str) -> None:
         if split not in ("train", "test"):
@@ -314,6 +345,7 @@ class TextBytesDataset(torch.utils.data.Dataset):
                 raise LRAFormatError(f"{d}: missing; {_IMDB_HINT}")
             found = sorted(d.glob("*.txt"))  # sorted: the same order on every machine
             self._files += found
+            self._bytes += [f.stat().st_size for f in found]
             self.labels += [label] * len(found)
 
     def _index_jsonl(self) -> None:
@@ -324,6 +356,7 @@ class TextBytesDataset(torch.utils.data.Dataset):
                 if raw.strip():
                     obj = self._parse_jsonl(raw, lineno)
                     self._offsets.append(offset)
+                    self._bytes.append(len(obj[self.text_key].encode("utf-8")))
                     self.labels.append(_parse_label(str(obj[self.label_key]), 2, f"{self.path}:{lineno}"))
                 offset += len(raw)
         self._lines = _LineFile(self.path)
@@ -387,7 +420,7 @@ class RetrievalBytesDataset(torch.utils.data.Dataset):
         self.max_len, self.add_cls = max_len, add_cls
         if not self.path.is_file():
             raise LRAFormatError(f"{self.path}: no such file; {_AAN_HINT}")
-        self._offsets, labels = [], []
+        self._offsets, labels, lengths = [], [], []
         with open(self.path, "rb") as f:
             offset = 0
             for lineno, raw in enumerate(f, 1):
@@ -396,11 +429,17 @@ class RetrievalBytesDataset(torch.utils.data.Dataset):
                     fields = _split_aan_line(raw, where)
                     labels.append(_parse_label(fields[0].decode("ascii", "replace"), 2, where))
                     self._offsets.append(offset)
+                    lengths.append((len(fields[3]), len(fields[4])))
                 offset += len(raw)
         if not labels:
             raise LRAFormatError(f"{self.path}: no examples; {_AAN_HINT}")
         self.labels = torch.tensor(labels, dtype=torch.int64)
+        self.num_truncated = _count_truncated(np.asarray(lengths, dtype=np.int64), max_len, add_cls)
         self._lines = _LineFile(self.path)
+
+    @property
+    def source(self) -> str:
+        return str(self.path)
 
     def __len__(self) -> int:
         return len(self.labels)

@@ -1,7 +1,8 @@
 """An encoder classifier built from the GPT's own blocks (Long Range Arena tasks).
 
     ids [B, N] (+ mask) -> GPT.encode (bidirectional attention: ``model.causal: false``)
-        -> pooling (the first token, "cls"; or the mean over real tokens, "mean") -> MLP -> logits
+        -> pooling (the first real token, "cls"; or the mean over real tokens, "mean"; zeros for a row
+           without any) -> MLP -> logits
     two towers (LRA Retrieval): one shared encoder over both documents, then LRA's dual-encoder
     features [u, v, u * v, u - v] -> MLP -> logits
 
@@ -52,15 +53,21 @@ class EncoderClassifier(nn.Module):
         )  # fmt: skip
 
     def pooled(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """[B, N] ids (+ [B, N] mask, 1 = real) -> [B, h]: the first token's state ("cls") or the
-        mean over real tokens ("mean")."""
+        """[B, N] ids (+ [B, N] mask, 1 = real) -> [B, h]: the first real token's state ("cls") or the
+        mean over real tokens ("mean"). A row without real tokens (all padding, or N = 0: an empty
+        document) pools to zeros, so the head sees its bias, never a division by zero."""
+        batch, n = input_ids.shape
+        if n == 0:  # nothing to encode (the blocks' chunking would divide by the length)
+            return torch.zeros(batch, self.config.hidden_size, device=input_ids.device, dtype=self.head[0].weight.dtype)
         hidden = self.backbone.encode(input_ids, attention_mask)
-        if self.pooling == "cls":
-            return hidden[:, 0]
         if attention_mask is None:
-            return hidden.mean(dim=1)
-        weights = attention_mask.to(hidden.dtype).unsqueeze(-1)
-        return (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1.0)
+            return hidden[:, 0] if self.pooling == "cls" else hidden.mean(dim=1)
+        real = attention_mask.bool()
+        if self.pooling == "cls":
+            pooled = hidden[torch.arange(batch, device=hidden.device), real.long().argmax(dim=1)]
+        else:  # masked_fill, not a product: a padded position's state never reaches the sum
+            pooled = hidden.masked_fill(~real.unsqueeze(-1), 0.0).sum(dim=1) / real.sum(dim=1, keepdim=True).clamp(min=1)
+        return pooled.masked_fill(~real.any(dim=1, keepdim=True), 0.0)
 
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,

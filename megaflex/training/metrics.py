@@ -200,7 +200,7 @@ class MetricsLogger:
         eta = (self.total_steps - step) / rate if rate > 0 else float("nan")
         text = (
             f"loss {rec['loss']:.4f} | ppl {rec['ppl']:.2f} | lr {rec['lr']:.2e} | "
-            f"{rec['tokens_per_s']:,.0f} tok/s | ETA {_hms(eta)}"
+            f"{rec['tokens_per_s']:,.0f} tok/s | ETA {hms(eta)}"
             + (" | SKIPPED (non-finite)" if rec.get("skipped") else "")
         )
         if self._bar is not None:
@@ -235,7 +235,8 @@ def _numeric(record: dict[str, Any]) -> dict[str, float]:
     }
 
 
-def _hms(seconds: float) -> str:
+def hms(seconds: float) -> str:
+    """``H:MM:SS`` of a duration (the console's ETA), ``?`` when it is not finite."""
     if not math.isfinite(seconds):
         return "?"
     seconds = int(seconds)

@@ -203,6 +203,33 @@ def test_banded_window_matches_its_quadratic_reference(kind, window, normalizati
     assert_grads_close(results["chunked"][1], results["quadratic"][1], 2 * steps)
 
 
+# padding between real tokens: row 0 pads after its first two tokens and near the end, row 1 before,
+# between and after (9 real tokens of N = 13 each)
+BETWEEN = torch.tensor([[i not in (2, 5, 6, 10) for i in range(N)], [i not in (0, 4, 8, 12) for i in range(N)]])
+
+
+@pytest.mark.parametrize("form", ["chunked", "quadratic"])
+@pytest.mark.parametrize("window", [0, 3])
+@pytest.mark.parametrize("kind", [k for k in LINEAR_KINDS if k != "cosformer"] + ["softmax"])
+def test_padding_between_real_tokens_changes_no_real_output(kind, window, form):
+    """Each row's real tokens give what they give without the padding (the reference: the row alone),
+    for every kind that takes padding there (cosformer refuses it: its positions would move) and with
+    the softmax window, whose |i - j| < W counts real tokens, not the padding between them."""
+    torch.manual_seed(0)
+    feature = {} if kind == "softmax" else dict(feature_dim=F)
+    core = AttentionCore(kind, H, D, form=form, chunk_size=4, causal=False, normalization="capped_denominator", **feature)
+    module = LocalMixingCore(core, window=window) if window else core
+    q, k, v = make_qkv(B, H, N, D, DV, seed=14)
+    with torch.no_grad():
+        out, _ = module(q, k, v, key_mask=BETWEEN)
+        alone = [module(*(x[b : b + 1, :, BETWEEN[b]] for x in (q, k, v)))[0][0] for b in range(B)]
+    steps = 2 * (N + D + 8) + 2 * N * DV
+    if kind != "softmax":
+        steps = max(steps, _hybrid_steps(core, q, k, v))
+    for b in range(B):
+        assert_close(out[b, :, BETWEEN[b]], alone[b], steps=steps, name=f"row {b}")
+
+
 def test_window_reference_is_the_definition_in_fp64():
     """|i - j| < W: exact softmax weights exp(q.k / sqrt d); every other key phi~(q).phi~(k); one denominator."""
     window = 3

@@ -33,6 +33,7 @@ from megaflex.data.lra import (
     encode_listops,
     listops_path,
     read_listops_tsv,
+    text_path,
 )
 
 # MAX(2, 9, MIN(4, 7), 0) = 9 in LRA's file form, and SM(3, 8) = 1
@@ -204,6 +205,40 @@ def test_text_jsonl(tmp_path: Path):
             TextBytesDataset(path)
 
 
+def test_text_counts_the_rows_it_truncates_and_names_its_source(acl_dir: Path, tmp_path: Path):
+    """Bytes, not characters; <cls> counts towards max_len (the count classify prints per split)."""
+    lengths = sorted(len(t.encode()) for (split, _, _), t in REVIEWS.items() if split == "train")
+    assert lengths == [4, 17, 43]
+    assert TextBytesDataset(acl_dir, "train", max_len=17).num_truncated == 1
+    assert TextBytesDataset(acl_dir, "train", max_len=17, add_cls=True).num_truncated == 2
+    assert TextBytesDataset(acl_dir, "train").num_truncated == 0
+    assert TextBytesDataset(acl_dir, "test").source == str(acl_dir / "test")
+    rows = [{"text": "é" * 3, "label": 1}, {"text": "abcdef", "label": 0}]  # 6 bytes each
+    path = write(tmp_path / "train.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    assert TextBytesDataset(path, max_len=5).num_truncated == 2 and TextBytesDataset(path, max_len=6).num_truncated == 0
+    assert TextBytesDataset(path).source == str(path)
+
+
+def test_text_path_finds_each_split_in_a_folder(acl_dir: Path, tmp_path: Path):
+    """valid.jsonl when there is one, else the test split (LRA's protocol); aclImdb: its folders."""
+    assert [text_path(acl_dir, s) for s in ("train", "valid", "test")] == [(acl_dir, "train"), (acl_dir, "test"),
+                                                                          (acl_dir, "test")]  # fmt: skip
+    for split in ("train", "test"):
+        write(tmp_path / f"{split}.jsonl", "")
+    assert text_path(tmp_path, "valid") == (tmp_path / "test.jsonl", "test")
+    write(tmp_path / "valid.jsonl", "")
+    assert text_path(tmp_path, "valid") == (tmp_path / "valid.jsonl", "valid")
+    assert text_path(tmp_path, "train") == (tmp_path / "train.jsonl", "train")
+    with pytest.raises(ValueError, match="split"):
+        text_path(tmp_path, "dev")
+
+
+def test_text_hint_names_a_folder_of_splits_not_one_file(tmp_path: Path):
+    with pytest.raises(LRAFormatError) as error:
+        TextBytesDataset(tmp_path / "nowhere")
+    assert "a folder of train.jsonl and test.jsonl" in str(error.value) and "or a .jsonl file" not in str(error.value)
+
+
 # ---------------------------------------------------------------- Retrieval (AAN)
 
 AAN_ROWS = [
@@ -234,6 +269,10 @@ def test_retrieval_truncates_each_document(tmp_path: Path):
     item = ds[1]
     assert decode_bytes(item["input_ids_1"]) == "BLEUBL" and decode_bytes(item["input_ids_2"]) == "short"
     assert item["attention_mask_1"].shape == (6,) and item["attention_mask_2"].shape == (5,)
+    # a row counts once when either document is cut: row 0 (both texts > 6 bytes), row 1 ("BLEU" * 5)
+    assert ds.num_truncated == 2 and ds.source == str(aan_file(tmp_path, "test"))
+    assert RetrievalBytesDataset(aan_file(tmp_path, "test"), max_len=20, add_cls=True).num_truncated == 2
+    assert RetrievalBytesDataset(aan_file(tmp_path, "test"), max_len=23).num_truncated == 0
 
 
 @pytest.mark.parametrize("line,match", [

@@ -3,7 +3,12 @@ evaluators, brackets kept, distinct deterministic splits, files the LRA reader a
 
 from __future__ import annotations
 
+import os
 import random
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +26,7 @@ from data_prep.listops import (
 )
 from megaflex.data.lra import decode_listops, listops_path, read_listops_tsv
 
+REPO = Path(__file__).resolve().parents[2]
 OPS = ("[MIN", "[MAX", "[MED", "[SM")
 SPLITS = ("train", "valid", "test")
 
@@ -217,3 +223,32 @@ def test_cli_errors_and_overwrite(tmp_path: Path, capsys, monkeypatch):
     assert main(args + ["--overwrite", "--max-depth", "2", "--max-args", "2", "--min-length", "5",
                         "--max-length", "9"]) == 2
     assert "no new expression" in capsys.readouterr().err
+
+
+def test_ctrl_c_leaves_no_tmp_file_and_no_partial_split(tmp_path: Path):
+    """SIGINT while the training split is written: exit 130, one line, no traceback, nothing in OUT."""
+    out = tmp_path / "listops"
+    cmd = [sys.executable, "-m", "data_prep.listops", "--out", str(out), "--train", "1000000", "--no-progress"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "basic_train.tsv.tmp").is_file() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and err.strip().splitlines() == [f"listops: interrupted; no split file written in {out}; exit 130"]
+    assert sorted(p.name for p in out.iterdir()) == []
+
+
+def test_counts_and_bounds_are_checked_while_parsing(tmp_path: Path, capsys):
+    for flag, value in (("--train", "-1"), ("--max-depth", "0"), ("--max-length", "x")):
+        with pytest.raises(SystemExit) as stop:
+            main(["--out", str(tmp_path), flag, value])
+        assert stop.value.code == 2 and f"argument {flag}" in capsys.readouterr().err
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path / "file")])
+    assert "argument --out" in capsys.readouterr().err

@@ -86,3 +86,34 @@ def test_refusals_name_the_setting():
     ids, mask = _batch([4], 4)
     with pytest.raises(ValueError, match="pair_ids"):
         _model("softmax", towers=2)(ids, mask)
+
+
+@pytest.mark.parametrize("pooling", ["mean", "cls"])
+@pytest.mark.parametrize("kind,window", [("softmax", 0), ("flexformer_n", 0), ("performer", 0), ("flexformer_n", 3),
+                                         ("softmax", 3)])  # fmt: skip
+def test_padding_between_real_tokens_changes_no_logit(kind, window, pooling):
+    """Pads before, between and after real tokens: each row gives the logits of its real tokens alone
+    (positions count real tokens, the window too; cls reads the first real token)."""
+    model = _model(kind, pooling, softmax_window=window)
+    ids = torch.randint(3, 40, (2, 12), generator=torch.Generator().manual_seed(4))
+    mask = torch.tensor([[i not in (0, 3, 4, 9) for i in range(12)], [i not in (2, 6, 10, 11) for i in range(12)]])
+    with torch.no_grad():
+        batched = model(ids.masked_fill(~mask, 0), mask).logits
+        alone = torch.cat([model(ids[b : b + 1, mask[b]]).logits for b in range(2)])
+    assert_close(batched, alone, steps=gpt_steps(model.config, 12) + 2 * model.config.hidden_size + 12, name="logits")
+
+
+@pytest.mark.parametrize("pooling", ["mean", "cls"])
+@pytest.mark.parametrize("kind", ["softmax", "flexformer_n"])
+def test_a_row_without_real_tokens_pools_to_zeros(kind, pooling):
+    """All padding, or no token at all (an empty document): zeros into the head, finite loss and gradients."""
+    model = _model(kind, pooling).train()
+    ids, mask = _batch([5, 0], 5)
+    for inputs, masks in (((ids, mask)), (ids[:, :0], mask[:, :0])):
+        out = model(inputs, masks, labels=torch.tensor([0, 1]))
+        bias = model.head(torch.zeros(1, model.config.hidden_size)).float()
+        assert torch.equal(out.logits[1:], bias) and torch.isfinite(out.loss)
+        out.loss.backward()
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+        model.zero_grad()
+    assert torch.equal(model.pooled(ids[:, :0]), torch.zeros(2, model.config.hidden_size))

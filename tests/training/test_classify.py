@@ -83,4 +83,6 @@ def test_missing_data_is_one_line_and_exit_2(tmp_path, capsys):
     assert main(["--task", "listops", "--data", str(tmp_path / "absent"), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("classify: ") and "data_prep.listops" in err[0]
-    assert main(["--task", "nope", "--data", str(tmp_path)]) == 2
+    with pytest.raises(SystemExit) as stop:  # an unknown task: refused while parsing
+        main(["--task", "nope", "--data", str(tmp_path), "--out", str(tmp_path / "out")])
+    assert stop.value.code == 2

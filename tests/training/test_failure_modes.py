@@ -530,6 +530,27 @@ CASES: dict[str, Case] = {
         covered_by="tests/hf/test_hf_padding.py::test_padded_batch_generates_what_each_prompt_generates_alone"),
     "`logging.tensorboard: false`": Case(
         covered_by="tests/training/test_training_logging.py::test_last_line_names_the_tensorboard_folder_only_when_it_is_written"),
+    # --- Encoder, benchmark and study faults (issue 45)
+    "`classify --data FILE`: one `.jsonl` or `.tsv` instead of the task's folder": Case(
+        covered_by="tests/training/test_classify_hardening.py::test_one_file_is_refused_not_used_as_train_valid_and_test"),
+    "`classify --task text` on a folder without `valid.jsonl` (LRA's protocol: IMDb has no validation split)": Case(
+        covered_by="tests/training/test_classify_hardening.py::test_text_selects_on_valid_jsonl_or_says_it_selects_on_test"),
+    "`classify --out X` that cannot be created (under a file, no permission), or an argument that cannot work (`--steps 0`, `--eval-every 0`, `--lr nan`, `--device cuda` on a CPU machine, an unknown `--attention`)":
+        Case(covered_by="tests/training/test_classify_hardening.py::test_values_that_cannot_work_are_refused_while_parsing"),
+    "a long `classify` run": Case(
+        covered_by="tests/training/test_classify_hardening.py::test_progress_with_an_eta_between_evaluations_and_truncation_per_split"),
+    "Ctrl-C (SIGINT) during `classify`": Case(
+        covered_by="tests/training/test_classify_hardening.py::test_sigint_writes_a_partial_result_and_exits_130_without_a_traceback"),
+    "Ctrl-C during `python -m data_prep.listops`": Case(
+        covered_by="tests/data_prep/test_listops.py::test_ctrl_c_leaves_no_tmp_file_and_no_partial_split"),
+    "`benchmarks.lra_listops --out` a folder holding runs of other settings or data, or of an earlier version": Case(
+        covered_by="tests/benchmarks/test_lra_listops.py::test_a_stored_run_is_reused_only_for_the_same_settings_and_data"),
+    "a benchmark or study run without `--out`": Case(
+        covered_by="tests/test_cli_args.py::test_no_benchmark_or_study_writes_a_committed_folder_by_default"),
+    "the bidirectional window hybrid (`model.causal: false`, `model.softmax_window: W`) with padding between real tokens":
+        Case(covered_by="tests/attention/test_attention_bidirectional.py::test_padding_between_real_tokens_changes_no_real_output"),
+    "an encoder row without real tokens (all padding, or an empty document)": Case(
+        covered_by="tests/model/test_encoder.py::test_a_row_without_real_tokens_pools_to_zeros"),
 }
 
 

@@ -1,6 +1,7 @@
 """The bidirectional one-normaliser window: exact softmax for keys with |i - j| < W, the kernel beyond.
 
     near(i) = {j : |i - j| < W}  (the query and W - 1 keys on either side),   far(i) = every other key
+    (i, j count real tokens: padding between them does not widen the window)
     w_ij = exp(q_i . k_j / sqrt d - m_i)  (near),   (qf_i . kf_j) exp(qls_i + kls_j - m_i)  (far)
     m_i  = max(max_near q_i . k_j / sqrt d, qls_i + max_far kls_j)   (detached, as the causal window's)
 
@@ -17,11 +18,12 @@ autograd. ``naive.quadratic_bidirectional_numerators`` is its reference.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
 from ..base import LinearAttentionState
-from .common import WindowInputs, absorb, finite_stabiliser
+from .common import WindowInputs, absorb, finite_stabiliser, real_first_order
 
 
 def _blocks(x: torch.Tensor, c: int, fill: float) -> torch.Tensor:
@@ -53,9 +55,23 @@ def _pad(x: torch.Tensor, t: int, fill: float = 0.0) -> torch.Tensor:
     return x if n == t else torch.cat([x, x.new_full((*x.shape[:2], t - n, *x.shape[3:]), fill)], dim=2)
 
 
+def _take(y: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """[B, H, N, *] (or [B, N]) tokens reordered along N by ``order`` [B, N]."""
+    if y.dim() == 2:
+        return torch.take_along_dim(y, order, dim=1)
+    index = order[:, None, :].expand(*y.shape[:3])
+    return torch.take_along_dim(y, index.unsqueeze(-1) if y.dim() == 4 else index, dim=2)
+
+
 def banded_numerators(x: WindowInputs, window: int, chunk_size: int) -> torch.Tensor:
     """Numerators [B, H, N, Dv + 1] (denominator last) of the bidirectional window (module doc); no cache
-    or carried state (P = 0). Invalid keys (``x.key_valid``) are masked out of both parts here."""
+    or carried state (P = 0). Invalid keys (``x.key_valid``) are masked out of both parts here. Padding
+    before a real token: the tokens are reordered real ones first (``real_first_order``), so the blocks'
+    index distance is the distance in real tokens, and the numerators put back in place."""
+    order = real_first_order(x.key_valid)
+    if order is not None:
+        fields = {name: _take(getattr(x, name), order) for name in ("q", "qf", "qls", "k", "kf", "kls", "v_aug", "key_valid")}
+        return _take(banded_numerators(replace(x, **fields), window, chunk_size), torch.argsort(order, dim=1))
     b, h, n, d = x.q.shape
     c = min(max(window, chunk_size), n)  # C >= W, or one block holding every key
     nb = -(-n // c)

@@ -86,6 +86,15 @@ def absorb(state: LinearAttentionState, kf: torch.Tensor, kls: torch.Tensor, v_a
     return LinearAttentionState.from_augmented(s, log_max, state.offset)
 
 
+def real_first_order(key_valid: torch.Tensor | None) -> torch.Tensor | None:
+    """[B, N] the order that puts each row's real tokens first, as they come, and its padding after
+    them; None when no padding precedes a real token (the order is the identity). The bidirectional
+    window measures |i - j| in this order, i.e. in real tokens, whatever padding sits between them."""
+    if key_valid is None or not bool((key_valid[:, 1:] & ~key_valid[:, :-1]).any()):
+        return None
+    return torch.argsort((~key_valid).to(torch.uint8), dim=1, stable=True)
+
+
 def finite_stabiliser(m: torch.Tensor) -> torch.Tensor:
     """The stabiliser with rows that see nothing (-inf) set to 0 (their weights are all 0 anyway)."""
     return torch.where(torch.isfinite(m), m, torch.zeros_like(m))

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from .common import WindowInputs, finite_stabiliser
+from .common import WindowInputs, finite_stabiliser, real_first_order
 
 
 def quadratic_weights(
@@ -17,11 +17,16 @@ def quadratic_weights(
     """The materialised weights w_ts [B, H, N, P + N] (zero outside s <= t) of N queries over P + N keys
     (the queries are the last N), and the stabiliser m_t [B, H, N]; ``far_log_max`` [B, H]: the
     log_max of a carried linear state (the far field before the keys). ``bidirectional`` (P = 0): the
-    window is |t - s| < W, every other key is far, and invalid keys are masked out of both parts."""
+    window is |t - s| < W counted in real tokens (``real_first_order``: padding between them does not
+    widen it), every other key is far, and invalid keys are masked out of both parts."""
     n, p = q.shape[2], k.shape[2] - q.shape[2]
     t = torch.arange(p, p + n, device=q.device).unsqueeze(1)  # query positions among the keys
     s = torch.arange(p + n, device=q.device).unsqueeze(0)
     if bidirectional:
+        order = real_first_order(key_valid)
+        if order is not None:  # each token's place among the real tokens (padding after them)
+            rank = torch.argsort(order, dim=1)[:, None]  # [B, 1, N]
+            t, s = rank.unsqueeze(-1), rank.unsqueeze(-2)  # [B, 1, N, 1], [B, 1, 1, N]
         near = (s - t).abs() < window
         far = ~near
         if key_valid is not None:
