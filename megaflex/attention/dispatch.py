@@ -17,7 +17,7 @@ Ops (the ``op`` axis):
 
 ``form`` is "causal" or "bidirectional" (an encoder: every query reads every real key). The
 bidirectional rows sit next to the causal ones; what has no bidirectional meaning (a state carried in
-or out, packed documents, the causal q/k/v convolution, the gated window, the recurrent scan) is
+or out, packed documents, the causal q/k/v convolution, the gated window, the recurrent scan, the decay) is
 refused by ``REFUSALS`` before any row is tried, with a message naming the setting and the fix.
 Nothing here imports an implementation at import time, so this module imports nothing of the package.
 """
@@ -75,6 +75,7 @@ class Request:
     segment_tokens: int = 0  # local_mixing: the segment length of long training sequences
     conv_size: int = 0  # module, local_mixing: the q/k/v convolution's taps
     returns_state: bool = False  # the caller asks for the state after the call (decoding, segments)
+    decays: bool = False  # old keys fade by a learned per-head gamma^(t - s) (``decay.py``; every causal row)
 
     @property
     def mixes_locally(self) -> bool:
@@ -263,6 +264,9 @@ REFUSALS: tuple[Refusal, ...] = (
              "tokens): set qkv_conv_size=0 (conv_size=0) with causal=False, " + _FIX, convolves=True),
     _refusal("bidirectional.gated_window", "window_mixing: the 'gated' window is causal only: use window_mixing="
              "'shared_normaliser' with causal=False, " + _FIX, op="local_mixing", has_window=True, mixing="gated"),
+    _refusal("bidirectional.decay", "kernel_decay: the decay gamma^(t - s) weighs keys by their age before the query, "
+             "which bidirectional attention does not have: set kernel_decay='none' (AttentionCore(decay='none')) with "
+             "causal=False, " + _FIX, decays=True),
     _refusal("bidirectional.recurrent", "form: 'recurrent' is the causal token-by-token scan: bidirectional attention "
              "runs form 'chunked' (global sums) or 'quadratic' (the reference), " + _FIX, algorithm="recurrent"),
 )

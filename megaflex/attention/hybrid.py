@@ -153,7 +153,7 @@ class LocalMixingCore(nn.Module):
             dtype=v.dtype, tokens=q.shape[2], chunk_size=core.chunk_size, continues_state=state is not None,
             recurrent_max_tokens=core.recurrent_max_tokens, grad=torch.is_grad_enabled(), padded=key_mask is not None,
             documents=documents, mixing=self.mixing, window=self.window, segment_tokens=self.segment_tokens,
-            conv_size=self.conv_size, returns_state=return_state,
+            conv_size=self.conv_size, returns_state=return_state, decays=core.decays,
         )  # fmt: skip
         row = select(request)
         return _ADAPTERS[row.adapter](self, row.implementation(), request, q, k, v, state, return_state, key_mask, layout)
@@ -228,6 +228,7 @@ class LocalMixingCore(nn.Module):
             q, qf, qls, k, kf, kls, v, window=self.window, form=request.runs, normalization=self.core.normalization,
             chunk_size=self.core.chunk_size, far_state=None if state is None else state.linear, cache=cache,
             eps=self.core.eps, key_valid=key_valid, return_state=return_state, backend=self.core.backend,
+            log_decay=self.core.log_decay(),
         )  # fmt: skip
 
     def _bidirectional_forward(
@@ -273,6 +274,7 @@ class LocalMixingCore(nn.Module):
         out, far, cache = windowed_linear_attention(
             q, qf, qls, k, kf, kls, v, window=self.window, form="chunked", normalization=self.core.normalization,
             chunk_size=self.core.chunk_size, far_state=far, cache=cache, eps=self.core.eps, backend=self.core.backend,
+            log_decay=self.core.log_decay(),
         )  # fmt: skip
         return out, far.kv, far.k_sum, far.log_max, cache.k, cache.kf, cache.kls, cache.v
 
@@ -351,7 +353,7 @@ _ADAPTERS: dict[str, Callable[..., tuple[torch.Tensor, HybridState | None]]] = {
 def build_attention(core: AttentionCore, *, window: int = 0, conv_size: int = 0, mixing: str = "shared_normaliser") -> AttentionCore | LocalMixingCore:
     """The attention module of a model layer: ``core``, wrapped in a ``LocalMixingCore`` when a ``window``
     or a convolution (``conv_size``) is asked for (``dispatch.ROWS``, op "module")."""
-    row = select(Request("module", form=core.attention_form, window=window, conv_size=conv_size))
+    row = select(Request("module", form=core.attention_form, window=window, conv_size=conv_size, decays=core.decays))
     return _MODULE_ADAPTERS[row.adapter](row.implementation(), core, window=window, conv_size=conv_size, mixing=mixing)
 
 

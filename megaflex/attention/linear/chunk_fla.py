@@ -33,6 +33,7 @@ from typing import Callable
 import torch
 
 from ..base import LinearAttentionState, accumulation_dtype, fp32_inputs, normalize_output, reads_denominator
+from ..decay import folded
 from ..inputs import validate_linear_attention_inputs
 
 # (q, k, v [B, T, H, *], g [B, T, H], scale, initial_state [B, H, K, V] | None, output_final_state)
@@ -114,12 +115,17 @@ def fla_linear_attention(
     chunk_size: int = 64,
     initial_state: LinearAttentionState | None = None,
     eps: float = 1e-6,
+    log_decay: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LinearAttentionState]:
     """``gla_linear_attention`` (the same contract) on fla's ``chunk_simple_gla``; a clear RuntimeError
-    without flash-linear-attention or on CPU tensors."""
+    without flash-linear-attention or on CPU tensors. The decay (``log_decay`` [H]) is folded into kls and
+    the state (``decay.folded``), so the gates stay the stabiliser's."""
     gla = _fla_chunk_simple_gla()
     if not qf.is_cuda:
         raise RuntimeError("attention_backend='fla' runs on CUDA tensors only (use 'auto' or 'torch' on CPU)")
+    if log_decay is not None:
+        return folded(fla_linear_attention, qf, kf, kls, v, log_decay, normalization=normalization,
+                      chunk_size=chunk_size, initial_state=initial_state, eps=eps)  # fmt: skip
     return gla_linear_attention(
         qf, kf, kls, v, normalization=normalization, chunk_size=chunk_size, initial_state=initial_state, eps=eps, gla_fn=gla
     )
