@@ -29,6 +29,8 @@ _NULL_IN_TRAINING = ("tokenizer", "init_from")
 LEGACY_OPTIMIZER_GROUPS = ["decay", "no_decay"]
 # model.normalization of checkpoints that do not record it (the default until capped_denominator).
 LEGACY_NORMALIZATION = "rms"
+# model.kernel_decay of checkpoints that do not record it (written before the decay existed).
+LEGACY_KERNEL_DECAY = "none"
 
 
 @dataclass
@@ -102,13 +104,16 @@ class CheckpointMeta:
     def model_config(self) -> dict[str, Any]:
         """The saved model fields. A window hybrid saved before ``window_mixing`` existed is the gated
         blend (the only window hybrid then), not today's default one-normaliser form; a model saved
-        without ``normalization`` was trained with "rms", not today's default "capped_denominator"."""
+        without ``normalization`` was trained with "rms", not today's default "capped_denominator"; one
+        without ``kernel_decay`` had no decay ("none"), whatever the default becomes."""
         model = self.config["model"]
         if model.get("softmax_window") and "window_mixing" not in model:
             model = {**model, "window_mixing": "gated"}
         if "normalization" not in model:
             # written before the field existed, when every linear model was trained with "rms"
             model = {**model, "normalization": LEGACY_NORMALIZATION}
+        if "kernel_decay" not in model:  # written before the decay existed: whatever the default is now
+            model = {**model, "kernel_decay": LEGACY_KERNEL_DECAY}
         return model
 
     @property

@@ -52,6 +52,9 @@ class FlexformerConfig(PreTrainedConfig):
     softmax_window: int = 0  # the hybrid's sliding softmax window (0: off)
     window_mixing: str = "shared_normaliser"  # how the window meets the kernel (one normaliser | gated)
     qkv_conv_size: int = 0  # the hybrid's causal q/k/v convolution (0: off)
+    # "none", not whatever ModelConfig's default becomes: a config.json without the key was exported
+    # before the decay existed (exports write every field)
+    kernel_decay: str = "none"
     causal: bool = True  # False: a bidirectional encoder (no decoding state: generate() refuses it)
     mlp: str = "gelu"
     norm: str = "rmsnorm"

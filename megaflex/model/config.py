@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from megaflex.attention import ATTENTION_BACKENDS, ATTENTION_KINDS, NORMALIZATIONS
+from megaflex.attention.decay import KERNEL_DECAYS
 from megaflex.attention.hybrid import WINDOW_MIXINGS
 from megaflex.config_field import opt, required
 
@@ -60,6 +61,12 @@ class ModelConfig:
         "for older ones, one normaliser) or gated (the old learned per-head blend of two normalised branches)",
     )
     qkv_conv_size: int = opt(0, "K > 0: K-tap causal depthwise convolution of q, k, v before linear attention (0: off)")
+    # checkpoints without the field were trained without a decay (checkpoint/metadata.py)
+    kernel_decay: str = opt(
+        "none", "none, or learned: a learnable per-head decay gamma_h^(t - s) of linear attention's weights, so old keys "
+        "fade (RetNet-style init, half-lives ~22 to ~2,800 tokens; with softmax_window the far field only, counted from "
+        "the window's edge; causal only; attention/decay.py)",
+    )
     # a resume may not change it: it changes what the weights compute (checkpoint/compat.py)
     causal: bool = opt(
         True, "false: bidirectional attention (an encoder, megaflex.model.encoder; attention_mask is the key "
@@ -98,6 +105,7 @@ class ModelConfig:
         _check_choice("normalization", self.normalization, NORMALIZATIONS)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("window_mixing", self.window_mixing, WINDOW_MIXINGS)
+        _check_choice("kernel_decay", self.kernel_decay, KERNEL_DECAYS)
         _check_choice("mlp", self.mlp, MLP_KINDS)
         _check_choice("norm", self.norm, NORM_KINDS)
         _check_choice("position", self.position, POSITION_KINDS)
@@ -122,6 +130,9 @@ class ModelConfig:
             if value and self.attention == "softmax" and (name == "qkv_conv_size" or self.window_mixing != "shared_normaliser"):
                 raise ValueError(f"{name} must be 0 for attention='softmax' (it closes linear attention's gaps; "
                                  f"softmax_window with window_mixing 'shared_normaliser' is sliding-window softmax), got {value}")
+        if self.attention == "softmax" and self.kernel_decay != "none":
+            raise ValueError(f"kernel_decay must be 'none' for attention='softmax' (it decays the kernel's weights), "
+                             f"got {self.kernel_decay!r}")
         if self.attention == "softmax" and self.feature_kwargs:
             raise ValueError(f"feature_kwargs must be empty for attention='softmax', got {sorted(self.feature_kwargs)}")
         self._check_feature_map()

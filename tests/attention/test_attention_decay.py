@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from attention_helpers import form_steps, make_map, make_qkv
+from attention_helpers import decay_steps, make_map, make_qkv
 from megaflex.attention import AttentionCore, LinearAttentionState, NORMALIZATIONS, RefusedAttention, causal_linear_attention
 from megaflex.attention import named_kernel_parameters
 from megaflex.attention import decay
@@ -35,13 +35,6 @@ LOG_DECAY = (-0.35, math.log(1 - 2**-5), math.log(1 - 2**-11))
 
 def _log_decay(heads: int = 3) -> torch.Tensor:
     return torch.tensor(LOG_DECAY[:heads]).requires_grad_()
-
-
-def decay_steps(fmap, q, k, v, log_decay: torch.Tensor, extra_tokens: int = 0) -> float:
-    """``form_steps`` plus the fold: every key log-scale moves by up to (N + carried) |g|, so the spread of
-    the exp arguments grows by twice that (counted like ``attention_steps``: 3 factors, forward and backward)."""
-    n = q.shape[2] + extra_tokens
-    return form_steps(fmap, q, k, v, extra_tokens) + 2 * 3 * 2 * n * log_decay.detach().abs().max().item()
 
 
 def _prefix_state(fmap, log_decay, heads: int, n: int) -> LinearAttentionState:

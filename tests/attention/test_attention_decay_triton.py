@@ -15,12 +15,12 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed (pip install 'megaflex[dev]' installs it)")
 
-from attention_helpers import make_map, make_qkv  # noqa: E402
+from attention_helpers import decay_steps, make_map, make_qkv  # noqa: E402
 from megaflex.attention import AttentionCore, LinearAttentionState, causal_linear_attention, decay  # noqa: E402
 from megaflex.attention.hybrid import LocalMixingCore  # noqa: E402
 from megaflex.attention.triton import trig_linear_attention, triton_linear_attention  # noqa: E402
 from numerics import assert_close, normwise_scale  # noqa: E402
-from test_attention_decay import _log_decay, decay_steps  # noqa: E402
+from test_attention_decay import _log_decay  # noqa: E402
 
 pytestmark = pytest.mark.numerics
 

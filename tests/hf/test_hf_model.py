@@ -163,6 +163,7 @@ NON_DEFAULTS = dict(
     feature_kwargs={"omega_init": "tied"}, softmax_window=5, window_mixing="gated", qkv_conv_size=2, causal=False, mlp="swiglu",
     norm="layernorm", norm_eps=1e-6, bias=True, tie_embeddings=False, hidden_dropout=0.1, attention_dropout=0.05,
     max_seq_len=96, position="learned", rope_theta=500.0, init_std=0.05, activation_checkpointing=True,
+    kernel_decay="learned",
 )
 
 
@@ -182,11 +183,12 @@ def test_every_model_config_field_is_exported(tmp_path: Path) -> None:
 def test_hybrid_export_loads_and_gives_megaflex_loss(mixing: str, tmp_path: Path) -> None:
     torch.manual_seed(0)
     mc = ModelConfig(vocab_size=VOCAB, num_layers=2, hidden_size=48, num_heads=3, feature_dim=16, chunk_size=8,
-                     max_seq_len=64, init_std=0.2, softmax_window=6, qkv_conv_size=3, window_mixing=mixing)
+                     max_seq_len=64, init_std=0.2, softmax_window=6, qkv_conv_size=3, window_mixing=mixing,
+                     kernel_decay="learned")  # fmt: skip
     model = FlexformerForCausalLM(FlexformerConfig.from_model_config(mc, bos_token_id=2, eos_token_id=2)).eval()
     with torch.no_grad():  # the hybrid's own parameters away from their init
         for name, p in model.named_parameters():
-            if name.endswith(("window_mix", "conv_weight")):
+            if name.endswith(("window_mix", "conv_weight", "decay_logit")):
                 p.add_(0.5 * torch.randn_like(p))
     model.save_pretrained(tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
