@@ -51,6 +51,8 @@ ARMS: dict[str, tuple[list[str], str]] = {
        for w in (16, 64)},
     "softmax_rms": (["model.softmax_window=1048576"],
                     "full softmax with the hybrids' output normalisation (rms): a window beyond every sequence"),
+    "fn_decay": (["model.kernel_decay=learned"], "plus a learned per-head decay gamma^(t - s) of old keys (RetNet init, attention/decay.py)"),
+    "fn_window64_capped_decay": (["model.softmax_window=64", "model.window_mixing=shared_normaliser", "model.normalization=capped_denominator", "model.kernel_decay=learned"], "fn_window64_capped with the far field decayed by a learned gamma^(t - s - 64)"),
 }
 # the kind an arm changes (default: flexformer_n)
 ARM_KINDS = {"softmax_rms": "softmax", **{f"performer_window{w}{c}": "performer" for w in (16, 64) for c in ("", "_capped")},

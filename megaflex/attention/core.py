@@ -26,6 +26,9 @@ larger one. m_t is a constant for autograd: the output is invariant to it up to 
 The query log-scale is never used: it multiplies n_t and d_t by the same per-query scalar,
 which both normalisations cancel.
 
+Decay (``log_decay``, ``AttentionCore(decay="learned")``): every weight times gamma_h^(t - s), natively in the
+quadratic and recurrent forms, folded into kls and the state for the chunked ones (``decay.py``).
+
 Mixed precision: every form accumulates in fp32 and returns ``v.dtype``.
 
 ``AttentionCore`` is what the model instantiates: a feature map and the linear forms (recurrent when

@@ -22,6 +22,9 @@ negative for signed (trig) features; the shared ``guard_denominator`` (|d_t| >= 
 is the only guard left, as for the plain kernel. A query with nothing to attend to (padding)
 gets m_t := 0 and an all-zero numerator.
 
+Decay (``log_decay``, ``model.kernel_decay``; ``decay.py``): far weights times gamma^(t - s - W), folded into
+qls, kls and the far state (``common.fold_decay``), so every form below takes it unchanged.
+
 State after T keys (decoding, segments): a ``LinearAttentionState`` of every key that left the
 window (s <= T - W) and a ``WindowCache`` of the last W - 1 keys (raw k for the window logits,
 kf / kls for when they leave it, v).
@@ -54,7 +57,7 @@ from __future__ import annotations
 import torch
 
 from ..base import LinearAttentionState, normalize_output, reads_denominator
-from ..decay import leave
+from ..decay import fold_origin, leave
 from ..dispatch import Request, check_backend, select
 from .chunk import normalize_numerators
 from .common import WINDOW_FORMS, WindowCache, WindowInputs, absorb, aligned_queries, fold_decay, pad_keys, prepare_inputs
@@ -149,8 +152,9 @@ def windowed_linear_attention(
     check_backend(backend)
     x = prepare_inputs(q, qf, qls, k, kf, kls, v, far_state, cache, key_valid)
     raw_kls = x.kls  # the cache keeps them: the next call folds them at its own positions
+    origin = fold_origin(q.shape[2])  # the middle of the call: |t - c| <= N / 2 bounds the fold's rounding
     if log_decay is not None:
-        x = fold_decay(x, log_decay, window)
+        x = fold_decay(x, log_decay, window, origin)
     dv = v.shape[-1]
     request = Request(
         "window", algorithm=form, backend=backend, device=q.device.type, dtype=x.q.dtype, tokens=q.shape[2],
@@ -174,7 +178,7 @@ def windowed_linear_attention(
         state = absorb(state, x.kf[:, :, start:first_kept], x.kls[:, :, start:first_kept], x.v_aug[:, :, start:first_kept])
         state = LinearAttentionState(state.kv, state.k_sum, state.log_max, x.far.offset + q.shape[2])
         if log_decay is not None:
-            state = leave(state, log_decay, q.shape[2])
+            state = leave(state, log_decay, q.shape[2], origin)
         # copies: a view would keep the whole sequence's keys and features alive with the cache
         kept = WindowCache(*(t[:, :, first_kept:].clone() for t in (x.k, x.kf, raw_kls, x.v_aug[..., :dv])))
     return out, state, kept

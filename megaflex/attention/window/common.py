@@ -74,13 +74,15 @@ def prepare_inputs(
     return WindowInputs(q.to(acc), qf.to(acc), qls, k_all, kf_all, kls_all, v_aug, key_valid, far, v.dtype)
 
 
-def fold_decay(x: WindowInputs, log_decay: torch.Tensor, window: int) -> WindowInputs:
-    """``x`` with the far field's decay gamma^(t - s - W) folded in (``decay.py``): keys at positions
-    -P .. N - 1 get kls - s g, queries at 0 .. N - 1 get qls + (t - W) g, the far state log_max + g."""
+def fold_decay(x: WindowInputs, log_decay: torch.Tensor, window: int, origin: int) -> WindowInputs:
+    """``x`` with the far field's decay gamma^(t - s - W) folded in about ``origin`` c (``decay.py``): keys at
+    positions -P .. N - 1 get kls - (s - c) g, queries at 0 .. N - 1 get qls + (t - c - W) g, the far state
+    log_max + (c + 1) g."""
     b, h, total = x.kls.shape
-    kls = fold_keys(x.kls, log_decay, (b, h, total), first=-x.prefix)
-    qls = fold_queries(x.qls, log_decay, first=-window)
-    return dataclasses.replace(x, qls=qls.to(x.qls.dtype), kls=kls.to(x.kls.dtype), far=enter(x.far, log_decay))
+    kls = fold_keys(x.kls, log_decay, (b, h, total), first=-x.prefix - origin)
+    qls = fold_queries(x.qls, log_decay, first=-window - origin)
+    far = enter(x.far, log_decay, origin)
+    return dataclasses.replace(x, qls=qls.to(x.qls.dtype), kls=kls.to(x.kls.dtype), far=far)
 
 
 def absorb(state: LinearAttentionState, kf: torch.Tensor, kls: torch.Tensor, v_aug: torch.Tensor) -> LinearAttentionState:
