@@ -263,3 +263,38 @@ def test_diagnostics_weigh_keys_by_their_decay() -> None:
     # each row up to its own positive scale (the stabiliser)
     rows = (decayed * plain * ratio).sum(-1) / (plain * ratio).pow(2).sum(-1)
     assert torch.allclose(decayed, plain * ratio * rows.unsqueeze(-1), rtol=1e-5, atol=1e-7)
+
+
+def test_fla_mapping_with_decay_equals_the_reference(monkeypatch) -> None:
+    """The fla backend's mapping (``gla_linear_attention``, the kernel replaced by a plain scan with
+    chunk_simple_gla's semantics) with the decay folded in, over three fold segments: outputs, state and
+    gradients, d/dgamma included."""
+    from megaflex.attention.linear.chunk_fla import gla_linear_attention
+
+    def scan(q, k, v, g, scale, initial_state, output_final_state):  # [B, T, H, *]: S_t = e^{g_t} S_{t-1} + k_t v_t^T
+        s, outs = initial_state, []
+        for t in range(q.shape[1]):
+            s = s * g[:, t].exp()[..., None, None] + k[:, t, :, :, None] * v[:, t, :, None, :]
+            outs.append(scale * torch.einsum("bhk,bhkv->bhv", q[:, t], s))
+        return torch.stack(outs, dim=1), s
+
+    monkeypatch.setattr(decay, "FOLD_SEGMENT", 16)
+    fmap = make_map("flexformer_n", 3, 8, 16)
+    log_decay = _log_decay()
+    state = _prefix_state(fmap, log_decay, 3, 4)
+    q, k, v = (t.requires_grad_() for t in make_qkv(2, 3, 37, 8, 6, seed=12))
+    probe = torch.randn(2, 3, 37, 6, generator=torch.Generator().manual_seed(13))
+    leaves = [q, k, v, log_decay, state.kv, state.k_sum]
+    qm, km = fmap(q, 4), fmap(k, 4)
+    results = []
+    for fn, extra in ((causal_linear_attention, {"form": "quadratic"}), (gla_linear_attention, {"gla_fn": scan})):
+        out, new = fn(qm.features, km.features, km.log_scale, v, normalization="capped_denominator", initial_state=state,
+                      log_decay=log_decay, **extra)  # fmt: skip
+        results.append((out, new.kv, torch.autograd.grad((out * probe).sum() + new.kv.sum() * 0.1, leaves, retain_graph=True)))
+    (want, want_kv, want_grads), (got, got_kv, got_grads) = results
+    steps = decay_steps(fmap, q, k, v, log_decay, 4) + 2 * probe[0, 0].numel()
+    assert_close(got, want, steps=steps, name="out")
+    assert_close(got_kv, want_kv, steps=steps, name="kv")
+    terms = max(normwise_scale(g) for g in want_grads)
+    for i, (g, w) in enumerate(zip(got_grads, want_grads)):
+        assert_close(g, w, steps=steps, floor=terms * (41 if i == 3 else 1), name=f"gradient {i}")
