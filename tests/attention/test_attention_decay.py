@@ -298,3 +298,23 @@ def test_fla_mapping_with_decay_equals_the_reference(monkeypatch) -> None:
     terms = max(normwise_scale(g) for g in want_grads)
     for i, (g, w) in enumerate(zip(got_grads, want_grads)):
         assert_close(g, w, steps=steps, floor=terms * (41 if i == 3 else 1), name=f"gradient {i}")
+
+
+@pytest.mark.parametrize("return_state", [False, True])
+def test_packed_documents_decay_each_from_its_start(return_state: bool) -> None:
+    """Packed documents (batched in training, one call each with a state): each document is the decayed
+    attention of its own tokens alone, whatever the row around it."""
+    torch.manual_seed(0)
+    core = AttentionCore("flexformer_n", 3, 8, feature_dim=16, normalization="capped_denominator", chunk_size=8,
+                         decay="learned")  # fmt: skip
+    with torch.no_grad():
+        core.decay_logit.copy_(torch.tensor([0.5, 3.0, 8.0]))
+    q, k, v = make_qkv(2, 3, 30, 8, seed=14)
+    starts = torch.zeros(2, 30, dtype=torch.bool)
+    starts[0, 11] = starts[0, 19] = starts[1, 4] = True
+    out, _ = core(q, k, v, document_starts=starts, return_state=return_state)
+    for row, bounds in ((0, (0, 11, 19, 30)), (1, (0, 4, 30))):
+        for lo, hi in zip(bounds, bounds[1:]):
+            alone, _ = core(q[row : row + 1, :, lo:hi], k[row : row + 1, :, lo:hi], v[row : row + 1, :, lo:hi])
+            steps = decay_steps(core.feature_map, q, k, v, core.log_decay())
+            assert_close(out[row : row + 1, :, lo:hi], alone, steps=steps, name=f"row {row} tokens {lo}..{hi}")
