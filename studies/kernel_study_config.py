@@ -79,6 +79,8 @@ ARMS: dict[str, tuple[list[str], str]] = {
                                            "model.normalization=capped_denominator", "model.window_far_gain=true"],
                                           f"fn_window{w}_capped with a learned per-head gain e^b_h (init 1) on the far "
                                           "field's weights against the window's") for w in (16, 64)},
+    "fn_decay": (["model.kernel_decay=learned"], "plus a learned per-head decay gamma^(t - s) of old keys (RetNet init, attention/decay.py)"),
+    "fn_window64_capped_decay": (["model.softmax_window=64", "model.window_mixing=shared_normaliser", "model.normalization=capped_denominator", "model.kernel_decay=learned"], "fn_window64_capped with the far field decayed by a learned gamma^(t - s - 64)"),
 }
 # arms whose overrides hold values computed for the study's head dim (``StudyConfig.runs`` checks it)
 HEAD_DIM_ARMS = {f"fn_tau_max{margin}": STUDY_HEAD_DIM for margin in ("0.5", "1.0")}

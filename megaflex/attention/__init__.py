@@ -4,10 +4,12 @@ All tensors are [B, H, N, d]. See ``core.py`` for the maths shared by every form
 ``feature_maps/`` for the maps. Public API:
 
 * ``build_feature_map(kind, num_heads, head_dim, feature_dim, **kwargs)``
-* ``causal_linear_attention(qf, kf, kls, v, *, form, normalization, chunk_size, initial_state, eps, backend)``
-  (``backend``: auto | torch | triton | fla, the chunked form's implementation)
+* ``causal_linear_attention(qf, kf, kls, v, *, form, normalization, chunk_size, initial_state, eps, backend, log_decay)``
+  (``backend``: auto | torch | triton | fla, the chunked form's implementation; ``log_decay``: the per-head
+  decay of old keys, ``decay.py``)
 * ``ROWS`` / ``select(Request(...))``: the one table that decides which implementation runs (``dispatch.py``)
-* ``AttentionCore(kind, num_heads, head_dim, ..., causal=True)``: the module the model uses
+* ``AttentionCore(kind, num_heads, head_dim, ..., causal=True, decay="none")``: the module the model uses
+  (``decay="learned"``: a learnable per-head gamma^(t - s) on every weight, ``decay.py``)
   (``causal=False``: bidirectional, ``Request.form`` "bidirectional"; what it cannot do is refused
   by ``dispatch.REFUSALS`` with ``RefusedAttention``)
 * ``bidirectional_linear_attention(qf, kf, kls, v, *, normalization, eps, key_mask)`` (global sums) and

@@ -95,12 +95,13 @@ class LinearAttentionState:
 class LinearAttentionFn(Protocol):
     """The contract every causal linear-attention implementation on features meets (``linear/``,
     ``triton.triton_linear_attention``): qf, kf [B, H, N, F], kls [B, H, N] | None, v [B, H, N, Dv]
-    -> (out [B, H, N, Dv] in v.dtype, the fp32 state after the last token)."""
+    -> (out [B, H, N, Dv] in v.dtype, the fp32 state after the last token). ``log_decay`` [H] | None:
+    log gamma per head, the decay of old keys (``decay.py``)."""
 
     def __call__(
         self, qf: torch.Tensor, kf: torch.Tensor, kls: torch.Tensor | None, v: torch.Tensor, *,
         normalization: str = "rms", chunk_size: int = 64, initial_state: "LinearAttentionState | None" = None,
-        eps: float = 1e-6,
+        eps: float = 1e-6, log_decay: torch.Tensor | None = None,
     ) -> "tuple[torch.Tensor, LinearAttentionState]": ...
 
 

@@ -26,6 +26,9 @@ larger one. m_t is a constant for autograd: the output is invariant to it up to 
 The query log-scale is never used: it multiplies n_t and d_t by the same per-query scalar,
 which both normalisations cancel.
 
+Decay (``log_decay``, ``AttentionCore(decay="learned")``): every weight times gamma_h^(t - s), natively in the
+quadratic and recurrent forms, folded into kls and the state for the chunked ones (``decay.py``).
+
 Mixed precision: every form accumulates in fp32 and returns ``v.dtype``.
 
 ``AttentionCore`` is what the model instantiates: a feature map and the linear forms (recurrent when
@@ -50,7 +53,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .base import NORMALIZATIONS, LinearAttentionState
+from .base import NORMALIZATIONS, KernelParameter, LinearAttentionState
+from .decay import check_kernel_decay, initial_decay_logits, log_decay_of
 from .dispatch import ATTENTION_BACKENDS, Request, check_backend, chunked_backend, select
 from .documents import DocumentLayout, block_causal_mask
 from .feature_maps import FEATURE_MAP_KINDS, build_feature_map
@@ -81,9 +85,11 @@ def causal_linear_attention(
     eps: float = 1e-6,
     backend: str = "auto",
     document_starts: DocumentLayout | torch.Tensor | None = None,
+    log_decay: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LinearAttentionState]:
     """Causal linear attention: qf, kf [B, H, N, F], kls [B, H, N] | None, v [B, H, N, Dv]
     -> (out [B, H, N, Dv] in v.dtype, fp32 state after the last token).
+    ``log_decay`` [H] | None: log gamma per head, every weight times gamma^(t - s) (``decay.py``).
 
     ``form`` selects the algorithm (identical maths); ``chunk_size`` only affects "chunked", and
     ``backend`` (auto | torch | triton | fla, see ``dispatch.chunked_backend``) which implementation runs it.
@@ -91,15 +97,17 @@ def causal_linear_attention(
     start (``documents.py``): masked in the quadratic form, emptied in the recurrent one, one call per document in "chunked".
     """
     validate_linear_attention_inputs(
-        qf, kf, kls, v, form=form, normalization=normalization, chunk_size=chunk_size, initial_state=initial_state, eps=eps
+        qf, kf, kls, v, form=form, normalization=normalization, chunk_size=chunk_size, initial_state=initial_state, eps=eps,
+        log_decay=log_decay,
     )
     check_backend(backend)
     layout = restarting(checked_starts(document_starts, qf), initial_state is not None)
     request = Request(
         "linear", algorithm=form, backend=backend, device=qf.device.type, dtype=v.dtype, tokens=qf.shape[2],
         chunk_size=chunk_size, continues_state=initial_state is not None, documents="none" if layout is None else "restart",
+        decays=log_decay is not None,
     )  # fmt: skip
-    options = dict(normalization=normalization, chunk_size=chunk_size, eps=eps)
+    options = dict(normalization=normalization, chunk_size=chunk_size, eps=eps, log_decay=log_decay)
     row = select(request)
     return _FUNCTIONAL_ADAPTERS[row.adapter](row.implementation(), request, [qf, kf, kls, v], initial_state, layout, options)
 
@@ -163,6 +171,9 @@ class AttentionCore(nn.Module):
     ``causal=False``: bidirectional attention (``Request.form`` "bidirectional"): each query attends to
     every real key of the call; no state in or out (``dispatch.REFUSALS``).
 
+    ``decay`` ("none" | "learned", ``decay.KERNEL_DECAYS``): "learned" gives each head a learnable decay
+    gamma_h = sigmoid(decay_logit[h]) of old keys, w_ts times gamma^(t - s), in every form (``decay.py``).
+
     ``backend`` (auto | torch | triton | fla) picks the chunked form's implementation for training,
     evaluation and prefill alike (decoding keeps the recurrent form): trig maps
     (``feature_map.trig_spec()``) go through a fused map + attention that keeps no features alive for
@@ -187,10 +198,15 @@ class AttentionCore(nn.Module):
         eps: float = 1e-6,
         backend: str = "auto",
         causal: bool = True,
+        decay: str = "none",
         **feature_kwargs: object,
     ) -> None:
         super().__init__()
         check_backend(backend)
+        check_kernel_decay(decay)
+        if decay != "none" and kind == "softmax":
+            raise ValueError("kernel_decay: expected 'none' for attention kind 'softmax' (the decay weighs the kernel's "
+                             f"keys), got {decay!r}")
         if not isinstance(causal, bool):
             raise ValueError(f"causal: expected a bool, got {causal!r}")
         if kind not in ATTENTION_KINDS:
@@ -212,6 +228,22 @@ class AttentionCore(nn.Module):
             self.feature_map = build_feature_map(kind, num_heads, head_dim, feature_dim, **feature_kwargs)
         elif feature_kwargs:
             raise ValueError(f"feature_kwargs: 'softmax' takes none, got {sorted(feature_kwargs)}")
+        # heads on dim 0 (tensor parallelism keeps this rank's); deterministic init (no RNG drawn)
+        self.decay_logit = nn.Parameter(initial_decay_logits(num_heads)) if decay == "learned" else None
+
+    @property
+    def decays(self) -> bool:
+        """Whether old keys fade (``decay`` "learned")."""
+        return self.decay_logit is not None
+
+    def log_decay(self) -> torch.Tensor | None:
+        """log gamma [H] in fp32 (None without a decay): what the forms take as ``log_decay``."""
+        return None if self.decay_logit is None else log_decay_of(self.decay_logit)
+
+    def kernel_parameters(self) -> list[KernelParameter]:
+        """The decay logit: a per-head scalar like tau, on the temperature LR group, never weight-decayed
+        (decay would pull it to 0, i.e. gamma to 1/2). The feature map declares its own."""
+        return [] if self.decay_logit is None else [KernelParameter("decay_logit", self.decay_logit, "temperature")]
 
     def _check_qkv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         for name, t in (("q", q), ("k", k), ("v", v)):
@@ -268,7 +300,7 @@ class AttentionCore(nn.Module):
             device=call.q.device.type, dtype=call.v.dtype, tokens=call.q.shape[2], chunk_size=self.chunk_size,
             continues_state=call.state is not None, recurrent_max_tokens=self.recurrent_max_tokens,
             grad=torch.is_grad_enabled(), trig=call.trig_spec is not None, padded=call.new_keys is not None,
-            documents=documents,
+            documents=documents, decays=self.decays,
         )  # fmt: skip
 
     def _trig_spec(self) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
@@ -278,7 +310,8 @@ class AttentionCore(nn.Module):
 
     def _options(self, call: _Call) -> dict:
         """The contract's options (``base.LinearAttentionFn``)."""
-        return dict(normalization=self.normalization, chunk_size=self.chunk_size, initial_state=call.state, eps=self.eps)
+        return dict(normalization=self.normalization, chunk_size=self.chunk_size, initial_state=call.state, eps=self.eps,
+                    log_decay=self.log_decay())  # fmt: skip
 
     def _features(self, call: _Call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(qf, kf, kls) of the new tokens, padded keys taken out of the sums (``mask_padded_keys``)."""
@@ -302,11 +335,9 @@ class AttentionCore(nn.Module):
 
     def _on_features(self, fn: Callable, call: _Call) -> tuple[torch.Tensor, AttentionState | None]:
         qf, kf, kls = self._features(call)
-        validate_linear_attention_inputs(
-            qf, kf, kls, call.v, form=self.form, normalization=self.normalization, chunk_size=self.chunk_size,
-            initial_state=call.state, eps=self.eps,
-        )  # fmt: skip
-        return call.kept(*fn(qf, kf, kls, call.v, **self._options(call)))
+        options = self._options(call)
+        validate_linear_attention_inputs(qf, kf, kls, call.v, form=self.form, **options)
+        return call.kept(*fn(qf, kf, kls, call.v, **options))
 
     def _fused_trig(self, fn: Callable, call: _Call) -> tuple[torch.Tensor, AttentionState | None]:
         omega, inv_temperature, paired = call.trig_spec
@@ -323,10 +354,9 @@ class AttentionCore(nn.Module):
         kls = None if both.log_scale is None else both.log_scale[batch:]
         if call.new_keys is not None:
             kf, kls = mask_padded_keys(kf, kls, call.new_keys)
-        validate_linear_attention_inputs(
-            qf, kf, kls, call.v, form="recurrent", normalization=self.normalization, initial_state=call.state, eps=self.eps
-        )
-        return call.kept(*fn(qf, kf, kls, call.v, normalization=self.normalization, initial_state=call.state, eps=self.eps))
+        options = dict(normalization=self.normalization, initial_state=call.state, eps=self.eps, log_decay=self.log_decay())
+        validate_linear_attention_inputs(qf, kf, kls, call.v, form="recurrent", **options)
+        return call.kept(*fn(qf, kf, kls, call.v, **options))
 
     def _softmax(self, fn: Callable, call: _Call) -> tuple[torch.Tensor, AttentionState | None]:
         return call.kept(*fn(call.q, call.k, call.v, cache=call.state, key_mask=call.key_mask))
@@ -360,6 +390,7 @@ class AttentionCore(nn.Module):
         return (
             f"kind={self.kind}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
             f"normalization={self.normalization}, backend={self.backend}" + ("" if self.causal else ", causal=False")
+            + (", decay=learned" if self.decays else "")
         )
 
 

@@ -22,13 +22,17 @@ from __future__ import annotations
 import torch
 
 from .base import FeatureMap
+from .decay import fold_keys, fold_queries
 from .window import quadratic_weights
 
 
-def causal_weights(q: torch.Tensor, k: torch.Tensor, feature_map: FeatureMap | None) -> torch.Tensor:
+def causal_weights(
+    q: torch.Tensor, k: torch.Tensor, feature_map: FeatureMap | None, log_decay: torch.Tensor | None = None
+) -> torch.Tensor:
     """q, k [B, H, N, d] -> causal weights [B, H, N(t), N(s)] in fp32, zero above the diagonal.
 
     ``feature_map`` None means softmax attention (scale 1/sqrt d, as ``softmax_attention``).
+    ``log_decay`` [H] (``AttentionCore.log_decay()``): the weights of a decaying core, times gamma^(t - s).
     """
     n = q.shape[2]
     causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
@@ -39,18 +43,24 @@ def causal_weights(q: torch.Tensor, k: torch.Tensor, feature_map: FeatureMap | N
     k_map = feature_map(k, 0)
     kf = k_map.features.float()
     weights = qf @ kf.transpose(-1, -2)  # [B, H, N, N]
-    if k_map.log_scale is not None:  # exp(kls_s - max_{s<=t} kls): the per-query max cancels in both statistics
-        ls = k_map.log_scale.float().unsqueeze(-2).masked_fill(~causal, float("-inf"))  # [B, H, N, N]
+    ls = None if k_map.log_scale is None else k_map.log_scale.float().unsqueeze(-2)  # [B, H, 1, N]
+    if log_decay is not None:  # + (t - s) g
+        lag = (torch.arange(n, device=q.device)[:, None] - torch.arange(n, device=q.device)).clamp(min=0)
+        ls = (0.0 if ls is None else ls) + lag * log_decay.float()[:, None, None]
+    if ls is not None:  # exp(kls_s - max_{s<=t} kls): the per-query max cancels in both statistics
+        ls = ls.masked_fill(~causal, float("-inf"))  # [B, H, N, N]
         weights = weights * torch.exp(ls - ls.amax(dim=-1, keepdim=True))
     return weights.masked_fill(~causal, 0.0)
 
 
 def window_causal_weights(
-    q: torch.Tensor, k: torch.Tensor, feature_map: FeatureMap | None, window: int, far_log_gain: torch.Tensor | None = None
+    q: torch.Tensor, k: torch.Tensor, feature_map: FeatureMap | None, window: int,
+    far_log_gain: torch.Tensor | None = None, log_decay: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q, k [B, H, N, d] -> the one-normaliser hybrid's causal weights [B, H, N, N] in fp32 (each row
     up to its stabiliser, which cancels in every statistic); ``feature_map`` None: sliding-window softmax;
-    ``far_log_gain`` [H]: the hybrid's learned far-field gain (log), if it has one."""
+    ``far_log_gain`` [H]: the hybrid's learned far-field gain (log), if it has one; ``log_decay`` [H]:
+    the far field's decay gamma^(t - s - W) (``decay.py``)."""
     q, k = q.float(), k.float()
     zeros = q.new_zeros(q.shape[:3])
     if feature_map is None:
@@ -62,6 +72,8 @@ def window_causal_weights(
     if far_log_gain is not None:  # e^b_h on every far weight, as the forward adds it (hybrid.LocalMixingCore)
         qls = qls + far_log_gain.float()[:, None]
     kls = zeros if km.log_scale is None else km.log_scale.float()
+    if log_decay is not None:
+        qls, kls = fold_queries(qls, log_decay.float(), first=-window), fold_keys(kls, log_decay.float(), tuple(kls.shape))
     weights, _ = quadratic_weights(q, qm.features.float(), qls, k, km.features.float(), kls, window)
     return weights
 

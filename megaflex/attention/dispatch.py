@@ -18,7 +18,7 @@ Ops (the ``op`` axis):
 ``form`` is "causal" or "bidirectional" (an encoder: every query reads every real key). The
 bidirectional rows sit next to the causal ones; what has no bidirectional meaning (a state carried in
 or out, packed documents, the causal q/k/v convolution, the gated window, the recurrent scan, context
-parallelism) is refused by ``REFUSALS`` before any row is tried, with a message naming the setting and
+parallelism, the decay) is refused by ``REFUSALS`` before any row is tried, with a message naming the setting and
 the fix. The refusals that a model's settings alone decide (``SETTING_FIELDS``) are also what the
 configs check before anything is built: ``refused_setting``.
 Nothing here imports an implementation at import time, so this module imports nothing of the package.
@@ -78,6 +78,7 @@ class Request:
     conv_size: int = 0  # module, local_mixing: the q/k/v convolution's taps
     returns_state: bool = False  # the caller asks for the state after the call (decoding, segments)
     context_parallel: bool = False  # the sequence is split over ranks that pass prefix states (parallel/context_parallel.py)
+    decays: bool = False  # old keys fade by a learned per-head gamma^(t - s) (``decay.py``; every causal row)
 
     @property
     def mixes_locally(self) -> bool:
@@ -266,6 +267,9 @@ REFUSALS: tuple[Refusal, ...] = (
              "tokens): set qkv_conv_size=0 (conv_size=0) with causal=False, " + _FIX, convolves=True),
     _refusal("bidirectional.gated_window", "window_mixing: the 'gated' window is causal only: use window_mixing="
              "'shared_normaliser' with causal=False, " + _FIX, op="local_mixing", has_window=True, mixing="gated"),
+    _refusal("bidirectional.decay", "kernel_decay: the decay gamma^(t - s) weighs keys by their age before the query, "
+             "which bidirectional attention does not have: set kernel_decay='none' (AttentionCore(decay='none')) with "
+             "causal=False, " + _FIX, decays=True),
     _refusal("bidirectional.recurrent", "form: 'recurrent' is the causal token-by-token scan: bidirectional attention "
              "runs form 'chunked' (global sums) or 'quadratic' (the reference), " + _FIX, algorithm="recurrent"),
     _refusal("bidirectional.context_parallel", "context_parallel_size: context parallelism passes each rank the causal "

@@ -165,7 +165,7 @@ class LocalMixingCore(nn.Module):
             dtype=v.dtype, tokens=q.shape[2], chunk_size=core.chunk_size, continues_state=state is not None,
             recurrent_max_tokens=core.recurrent_max_tokens, grad=torch.is_grad_enabled(), padded=key_mask is not None,
             documents=documents, mixing=self.mixing, window=self.window, segment_tokens=self.segment_tokens,
-            conv_size=self.conv_size, returns_state=return_state,
+            conv_size=self.conv_size, returns_state=return_state, decays=core.decays,
         )  # fmt: skip
         row = select(request)
         return _ADAPTERS[row.adapter](self, row.implementation(), request, q, k, v, state, return_state, key_mask, layout)
@@ -240,6 +240,7 @@ class LocalMixingCore(nn.Module):
             q, qf, qls, k, kf, kls, v, window=self.window, form=request.runs, normalization=self.core.normalization,
             chunk_size=self.core.chunk_size, far_state=None if state is None else state.linear, cache=cache,
             eps=self.core.eps, key_valid=key_valid, return_state=return_state, backend=self.core.backend,
+            log_decay=self.core.log_decay(),
         )  # fmt: skip
 
     def _bidirectional_forward(
@@ -287,6 +288,7 @@ class LocalMixingCore(nn.Module):
         out, far, cache = windowed_linear_attention(
             q, qf, qls, k, kf, kls, v, window=self.window, form="chunked", normalization=self.core.normalization,
             chunk_size=self.core.chunk_size, far_state=far, cache=cache, eps=self.core.eps, backend=self.core.backend,
+            log_decay=self.core.log_decay(),
         )  # fmt: skip
         return out, far.kv, far.k_sum, far.log_max, cache.k, cache.kf, cache.kls, cache.v
 
@@ -390,7 +392,7 @@ def build_attention(
     or a convolution (``conv_size``) is asked for (``dispatch.ROWS``, op "module"); ``far_gain``: the
     window's learned far-field gain (needs that window)."""
     check_far_gain(far_gain, window, mixing, core.feature_map is not None)
-    row = select(Request("module", form=core.attention_form, window=window, conv_size=conv_size))
+    row = select(Request("module", form=core.attention_form, window=window, conv_size=conv_size, decays=core.decays))
     return _MODULE_ADAPTERS[row.adapter](row.implementation(), core, window=window, conv_size=conv_size, mixing=mixing,
                                          far_gain=far_gain)
 

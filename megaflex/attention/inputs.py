@@ -37,6 +37,7 @@ def validate_linear_attention_inputs(
     chunk_size: int = 64,
     initial_state: LinearAttentionState | None = None,
     eps: float = 1e-6,
+    log_decay: torch.Tensor | None = None,
 ) -> None:
     """ValueError naming the argument, expected vs got, for any malformed input of the forms."""
     _check_floating("qf", qf, 4)
@@ -53,6 +54,10 @@ def validate_linear_attention_inputs(
         _check_floating("kls", kls, 3)
         if kls.shape != qf.shape[:3]:
             raise ValueError(f"kls: expected shape [{batch}, {heads}, {n}] (B, H, N of qf) or None, got {_shape(kls)}")
+    if log_decay is not None:
+        _check_floating("log_decay", log_decay, 1)
+        if log_decay.shape[0] != heads:
+            raise ValueError(f"log_decay: expected shape [{heads}] (one log gamma per head) or None, got {_shape(log_decay)}")
     if form not in FORMS:
         raise ValueError(f"form: expected one of {FORMS}, got {form!r}")
     if normalization not in NORMALIZATIONS:

@@ -19,7 +19,7 @@ import dataclasses
 import torch
 
 from megaflex.checkpoint.layout import CheckpointError
-from megaflex.checkpoint.metadata import LEGACY_NORMALIZATION, CheckpointMeta
+from megaflex.checkpoint.metadata import LEGACY_KERNEL_DECAY, LEGACY_NORMALIZATION, CheckpointMeta
 from megaflex.model.config import ModelConfig
 from megaflex.parallel.deferred_init import full_shape
 
@@ -161,6 +161,8 @@ def _check_model_fields(meta: CheckpointMeta, model_config: dict[str, Any], path
     if "normalization" in differ and "normalization" not in meta.config["model"]:
         legacy = (f" (it records no model.normalization: written when {LEGACY_NORMALIZATION} was the default; "
                   f"the default is now {defaults['normalization']})")
+    elif "kernel_decay" in differ and "kernel_decay" not in meta.config["model"]:
+        legacy = f" (it records no model.kernel_decay: written before the decay existed, so {LEGACY_KERNEL_DECAY})"
     consequence = (f"its parameters do not fit ({other_shape})" if other_shape else "the weights and their optimizer "
                    "moments would continue as another model (same shapes, other maths)")
     raise CheckpointError(

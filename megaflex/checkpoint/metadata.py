@@ -31,7 +31,8 @@ LEGACY_OPTIMIZER_GROUPS = ["decay", "no_decay"]
 LEGACY_NORMALIZATION = "rms"
 # Model fields added later, with the value every model had before the field existed: a checkpoint
 # that does not record one was trained with it, whatever ModelConfig's default has become since.
-LEGACY_MODEL_FIELDS: dict[str, Any] = {"qk_norm": "none", "window_far_gain": False}  # issue 46
+LEGACY_MODEL_FIELDS: dict[str, Any] = {"qk_norm": "none", "window_far_gain": False, "kernel_decay": "none"}  # issue 46
+LEGACY_KERNEL_DECAY = LEGACY_MODEL_FIELDS["kernel_decay"]
 
 
 @dataclass

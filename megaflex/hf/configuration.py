@@ -55,6 +55,9 @@ class FlexformerConfig(PreTrainedConfig):
     qkv_conv_size: int = 0  # the hybrid's causal q/k/v convolution (0: off)
     # the value before the field existed (a config.json without it was exported then), not ModelConfig's default
     qk_norm: str = "none"  # norm control of q and k before the feature map (none | rms | affine_rms)
+    # "none", not whatever ModelConfig's default becomes: a config.json without the key was exported
+    # before the decay existed (exports write every field)
+    kernel_decay: str = "none"
     causal: bool = True  # False: a bidirectional encoder (no decoding state: generate() refuses it)
     mlp: str = "gelu"
     norm: str = "rmsnorm"

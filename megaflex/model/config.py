@@ -16,6 +16,7 @@ from megaflex.attention import ATTENTION_BACKENDS, ATTENTION_KINDS, NORMALIZATIO
 from megaflex.attention.dispatch import RefusedAttention, refused_setting
 from megaflex.attention.hybrid import WINDOW_MIXINGS, check_far_gain
 from megaflex.attention.qk_norm import QK_NORMS
+from megaflex.attention.decay import KERNEL_DECAYS
 from megaflex.config_field import opt, required
 
 MLP_KINDS = ("gelu", "swiglu")
@@ -78,6 +79,12 @@ class ModelConfig:
         "||q|| = ||k|| = sqrt(head dim)); affine_rms (ReBased: w * x / rms(x) + b, per head and channel, q and k "
         "apart, init w = 1, b = 0) (attention/qk_norm.py)",
     )
+    # checkpoints without the field were trained without a decay (checkpoint/metadata.py)
+    kernel_decay: str = opt(
+        "none", "none, or learned: a learnable per-head decay gamma_h^(t - s) of linear attention's weights, so old keys "
+        "fade (RetNet-style init, half-lives ~22 to ~2,800 tokens; with softmax_window the far field only, counted from "
+        "the window's edge; causal only; attention/decay.py)",
+    )
     # a resume may not change it: it changes what the weights compute (checkpoint/compat.py)
     causal: bool = opt(
         True, "false: bidirectional attention (an encoder, megaflex.model.encoder; attention_mask is the key "
@@ -117,6 +124,7 @@ class ModelConfig:
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("window_mixing", self.window_mixing, WINDOW_MIXINGS)
         _check_choice("qk_norm", self.qk_norm, QK_NORMS)
+        _check_choice("kernel_decay", self.kernel_decay, KERNEL_DECAYS)
         _check_choice("mlp", self.mlp, MLP_KINDS)
         _check_choice("norm", self.norm, NORM_KINDS)
         _check_choice("position", self.position, POSITION_KINDS)
@@ -143,6 +151,9 @@ class ModelConfig:
             if value and self.attention == "softmax" and (name == "qkv_conv_size" or self.window_mixing != "shared_normaliser"):
                 raise ValueError(f"{name} must be 0 for attention='softmax' (it closes linear attention's gaps; "
                                  f"softmax_window with window_mixing 'shared_normaliser' is sliding-window softmax), got {value}")
+        if self.attention == "softmax" and self.kernel_decay != "none":
+            raise ValueError(f"kernel_decay must be 'none' for attention='softmax' (it decays the kernel's weights), "
+                             f"got {self.kernel_decay!r}")
         if self.attention == "softmax" and self.feature_kwargs:
             raise ValueError(f"feature_kwargs must be empty for attention='softmax', got {sorted(self.feature_kwargs)}")
         # what the attention dispatch table refuses for these settings (e.g. the causal q/k/v convolution

@@ -464,6 +464,7 @@ def build_attention_core(config: ModelConfig, num_heads: int) -> AttentionCore |
         max_seq_len=config.max_seq_len,
         backend=config.attention_backend,
         causal=config.causal,
+        decay=config.kernel_decay,
         **config.feature_kwargs,
     )
     # the closers' init is deterministic: no RNG drawn there

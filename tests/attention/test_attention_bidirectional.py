@@ -280,7 +280,7 @@ def test_every_refusal_is_a_value_error_that_names_a_setting():
     assert issubclass(RefusedAttention, ValueError)
     for refusal in REFUSALS:
         assert refusal.message.split(":")[0] in {"state", "return_state", "document_starts", "qkv_conv_size",
-                                                 "window_mixing", "form", "context_parallel_size"}, refusal.name
+                                                 "window_mixing", "form", "context_parallel_size", "kernel_decay"}, refusal.name
     with pytest.raises(RefusedAttention):  # a causal request with the same settings is served
         select(Request("linear", form="bidirectional", continues_state=True))
     assert select(Request("linear", continues_state=True)).name == "linear.chunk.torch"

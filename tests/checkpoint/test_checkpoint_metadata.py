@@ -201,3 +201,26 @@ def test_a_model_saved_before_the_issue_46_options_loads_with_what_it_was_traine
     tokens = torch.randint(0, TINY["model"]["vocab_size"], (2, 16))
     old.eval()
     assert torch.equal(loaded.model(tokens).logits, old(tokens).logits)
+
+
+def test_a_model_saved_before_the_decay_loads_without_one(tmp_path: Path) -> None:
+    # A model config written before model.kernel_decay existed has no such key: it loads without a decay
+    # (no decay_logit), whatever ModelConfig's default becomes; one saved with the decay loads with it.
+    torch.manual_seed(0)
+    plain = GPT(ModelConfig(**TINY["model"]))
+    meta = _old_meta(plain)
+    del meta["config"]["model"]["kernel_decay"]  # as an older megaflex saved it
+    tag = _write_checkpoint(tmp_path / "old", plain, meta)
+    assert CheckpointMeta.read(tag).model_config["kernel_decay"] == "none"
+    loaded = load_for_eval(tmp_path / "old")
+    assert loaded.model.config.kernel_decay == "none" and sorted(loaded.model.state_dict()) == sorted(plain.state_dict())
+    decaying = GPT(ModelConfig(**{**TINY["model"], "kernel_decay": "learned"}))
+    with torch.no_grad():
+        for block in decaying.blocks:  # trained decays, so that dropping them could not go unnoticed
+            block.attn.core.decay_logit.uniform_(0.0, 3.0)
+    _write_checkpoint(tmp_path / "new", decaying, _trainer_meta(decaying))
+    loaded = load_for_eval(tmp_path / "new")
+    assert loaded.model.config.kernel_decay == "learned"
+    tokens = torch.randint(0, TINY["model"]["vocab_size"], (2, 16))
+    decaying.eval()
+    assert torch.equal(loaded.model(tokens).logits, decaying(tokens).logits)

@@ -90,6 +90,15 @@ def form_steps(fmap: FeatureMap, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     return steps + 2 * projection
 
 
+def decay_steps(fmap: FeatureMap, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
+                extra_tokens: int = 0) -> float:  # fmt: skip
+    """``form_steps`` with the decay of old keys (``megaflex/attention/decay.py``): folded in, it moves every
+    key log-scale by up to (N + carried) |g|, so the exp arguments' spread grows by twice that (counted like
+    ``attention_steps``: three factors, forward and backward)."""
+    n = q.shape[2] + extra_tokens
+    return form_steps(fmap, q, k, v, extra_tokens) + 2 * 3 * 2 * n * log_decay.detach().abs().max().item()
+
+
 def map_steps(x: torch.Tensor, omega: torch.Tensor) -> float:
     """Error growth (tests/numerics.py) of the trig map and its backward: head_dim-term projections
     and norms, cos/sin of projections up to max |x . omega| (absolute error |arg| u), pair sums and

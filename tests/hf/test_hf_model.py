@@ -165,6 +165,7 @@ NON_DEFAULTS = dict(
     window_far_gain=False,  # needs the one-normaliser window, not the gated one: set in BIDIRECTIONAL below
     norm="layernorm", norm_eps=1e-6, bias=True, tie_embeddings=False, hidden_dropout=0.1, attention_dropout=0.05,
     max_seq_len=96, position="learned", rope_theta=500.0, init_std=0.05, activation_checkpointing=True,
+    kernel_decay="learned",
 )
 BIDIRECTIONAL = dict(NON_DEFAULTS, causal=False, window_mixing="shared_normaliser", qkv_conv_size=0, window_far_gain=True)
 
@@ -233,11 +234,11 @@ def test_hybrid_export_loads_and_gives_megaflex_loss(mixing: str, tmp_path: Path
     torch.manual_seed(0)
     mc = ModelConfig(vocab_size=VOCAB, num_layers=2, hidden_size=48, num_heads=3, feature_dim=16, chunk_size=8,
                      max_seq_len=64, init_std=0.2, softmax_window=6, qkv_conv_size=3, window_mixing=mixing, qk_norm="rms",
-                     window_far_gain=mixing == "shared_normaliser")
+                     window_far_gain=mixing == "shared_normaliser", kernel_decay="learned")
     model = FlexformerForCausalLM(FlexformerConfig.from_model_config(mc, bos_token_id=2, eos_token_id=2)).eval()
     with torch.no_grad():  # the hybrid's own parameters (and the q/k norm's gains) away from their init
         for name, p in model.named_parameters():
-            if name.endswith(("window_mix", "conv_weight", "log_gain", "far_log_gain")):
+            if name.endswith(("window_mix", "conv_weight", "log_gain", "far_log_gain", "decay_logit")):
                 p.add_(0.5 * torch.randn_like(p))
     model.save_pretrained(tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()

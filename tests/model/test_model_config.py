@@ -37,6 +37,8 @@ BASE = dict(vocab_size=100, num_layers=2, hidden_size=32, num_heads=4)
         ({"init_std": 0.0}, "init_std"),
         ({"feature_kwargs": [1]}, "feature_kwargs"),
         ({"attention": "softmax", "feature_kwargs": {"variant": "trig"}}, "feature_kwargs"),
+        ({"kernel_decay": "fixed"}, "kernel_decay"),
+        ({"attention": "softmax", "softmax_window": 8, "kernel_decay": "learned"}, "kernel_decay"),
     ],
 )
 def test_invalid_config_names_the_field(overrides, field):

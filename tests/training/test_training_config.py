@@ -310,7 +310,7 @@ def _resume(meta: CheckpointMeta, model: ModelConfig) -> None:
     ("normalization", "denominator", True), ("position", "none", True), ("rope_theta", 500.0, True),
     ("norm_eps", 1e-6, True), ("vocab_size", 250, True), ("mlp", "swiglu", False), ("norm", "layernorm", False),
     ("attention", "flexformer_s", False), ("softmax_window", 8, False), ("normalization", "rms", False),
-    ("causal", False, True),
+    ("causal", False, True), ("kernel_decay", "learned", False),
 ])
 def test_resume_refuses_a_changed_model_field(field: str, value: object, same_shapes: bool) -> None:
     """Other maths: refused naming both values and the way out, also where every shape is the same
@@ -357,6 +357,17 @@ def test_resume_of_a_checkpoint_without_normalization_says_how_to_continue() -> 
     # an old softmax checkpoint (no normalisation acts) resumes under the new default
     softmax = {**TINY["model"], "attention": "softmax"}
     _resume(_saved(ModelConfig(**softmax), drop=("normalization",)), ModelConfig(**softmax))
+
+
+def test_a_checkpoint_without_kernel_decay_had_none() -> None:
+    """Checkpoints from before model.kernel_decay had no decay: they resume without one, and refuse one naming why."""
+    old = _saved(ModelConfig(**TINY["model"]), drop=("kernel_decay",))
+    _resume(old, ModelConfig(**TINY["model"]))
+    with pytest.raises(CheckpointError) as err:
+        _resume(old, ModelConfig(**TINY["model"], kernel_decay="learned"))
+    assert str(err.value).startswith(
+        "checkpoint R/step_00000002 was trained with model.kernel_decay=none (it records no model.kernel_decay: written "
+        "before the decay existed, so none), this run has model.kernel_decay=learned; its parameters do not fit")
 
 
 def test_a_checkpoint_without_causal_was_causal() -> None:

@@ -67,6 +67,7 @@ from ..base import (
     OUTPUT_RMS_CAP, LinearAttentionState, capped_denominator, fp32_inputs, guard_denominator, normalize_output, output_rms,
     reads_denominator,
 )
+from ..decay import folded
 from ..inputs import validate_linear_attention_inputs
 
 # target number of elements of a group's C x C weight block (x 4 bytes = 1 MiB)
@@ -442,17 +443,23 @@ def chunked_linear_attention(
     chunk_size: int = 64,
     initial_state: LinearAttentionState | None = None,
     eps: float = 1e-6,
+    log_decay: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LinearAttentionState]:
     """Chunked causal linear attention (training path): same result as the quadratic form.
 
     qf, kf [B, H, N, F]; kls [B, H, N] or None (= zeros); v [B, H, N, Dv]; any N >= 1, any
-    ``chunk_size`` (a shorter last chunk is handled without padding).
+    ``chunk_size`` (a shorter last chunk is handled without padding); ``log_decay`` [H] | None: the
+    per-head decay, folded into kls and the state (``decay.folded``).
     Returns (out [B, H, N, Dv] in v.dtype, state in fp32, or fp64 for fp64 inputs).
-    Differentiable w.r.t. qf, kf, kls, v and the initial state's tensors.
+    Differentiable w.r.t. qf, kf, kls, v, log_decay and the initial state's tensors.
     """
     validate_linear_attention_inputs(
-        qf, kf, kls, v, form="chunked", normalization=normalization, chunk_size=chunk_size, initial_state=initial_state, eps=eps
-    )
+        qf, kf, kls, v, form="chunked", normalization=normalization, chunk_size=chunk_size, initial_state=initial_state,
+        eps=eps, log_decay=log_decay,
+    )  # fmt: skip
+    if log_decay is not None:
+        return folded(chunked_linear_attention, qf, kf, kls, v, log_decay, normalization=normalization,
+                      chunk_size=chunk_size, initial_state=initial_state, eps=eps)  # fmt: skip
     batch, heads, n, feat = qf.shape
     dv = v.shape[-1]
     with torch.autocast(device_type=qf.device.type, enabled=False):

@@ -33,6 +33,7 @@ from typing import Callable
 import torch
 
 from ..base import LinearAttentionState, accumulation_dtype, fp32_inputs, normalize_output, reads_denominator
+from ..decay import folded
 from ..inputs import validate_linear_attention_inputs
 
 # (q, k, v [B, T, H, *], g [B, T, H], scale, initial_state [B, H, K, V] | None, output_final_state)
@@ -61,12 +62,19 @@ def gla_linear_attention(
     initial_state: LinearAttentionState | None = None,
     eps: float = 1e-6,
     gla_fn: GlaFn | None = None,
+    log_decay: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LinearAttentionState]:
     """The chunked form's contract computed by a scalar-gated linear-attention kernel ``gla_fn``
-    (default: flash-linear-attention's fused ``chunk_simple_gla``; ``chunk_size`` is the kernel's own)."""
+    (default: flash-linear-attention's fused ``chunk_simple_gla``; ``chunk_size`` is the kernel's own).
+    The decay (``log_decay`` [H]) is folded into kls and the state (``decay.folded``): the gates stay the
+    stabiliser's."""
     validate_linear_attention_inputs(
-        qf, kf, kls, v, form="chunked", normalization=normalization, chunk_size=chunk_size, initial_state=initial_state, eps=eps
-    )
+        qf, kf, kls, v, form="chunked", normalization=normalization, chunk_size=chunk_size, initial_state=initial_state,
+        eps=eps, log_decay=log_decay,
+    )  # fmt: skip
+    if log_decay is not None:
+        return folded(gla_linear_attention, qf, kf, kls, v, log_decay, normalization=normalization,
+                      chunk_size=chunk_size, initial_state=initial_state, eps=eps, gla_fn=gla_fn)  # fmt: skip
     gla = gla_fn if gla_fn is not None else _fla_chunk_simple_gla()
     n, dv = qf.shape[2], v.shape[-1]
     acc = accumulation_dtype(v.dtype)  # gates, state, stabiliser: fp32 (fp64 for fp64 inputs)
@@ -114,12 +122,14 @@ def fla_linear_attention(
     chunk_size: int = 64,
     initial_state: LinearAttentionState | None = None,
     eps: float = 1e-6,
+    log_decay: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LinearAttentionState]:
-    """``gla_linear_attention`` (the same contract) on fla's ``chunk_simple_gla``; a clear RuntimeError
-    without flash-linear-attention or on CPU tensors."""
+    """``gla_linear_attention`` (the same contract, ``log_decay`` included) on fla's ``chunk_simple_gla``; a
+    clear RuntimeError without flash-linear-attention or on CPU tensors."""
     gla = _fla_chunk_simple_gla()
     if not qf.is_cuda:
         raise RuntimeError("attention_backend='fla' runs on CUDA tensors only (use 'auto' or 'torch' on CPU)")
     return gla_linear_attention(
-        qf, kf, kls, v, normalization=normalization, chunk_size=chunk_size, initial_state=initial_state, eps=eps, gla_fn=gla
+        qf, kf, kls, v, normalization=normalization, chunk_size=chunk_size, initial_state=initial_state, eps=eps, gla_fn=gla,
+        log_decay=log_decay,
     )

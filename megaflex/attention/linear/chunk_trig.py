@@ -30,6 +30,7 @@ from .chunk import (
     GroupScratch, _groups, _normalize_backward, _plan, _stabiliser, chunked_linear_attention, group_backward, group_forward,
     unpack_result,
 )
+from ..decay import fold_keys, run_folded
 from ..feature_maps._trig import _feature_scale, trig_d_proj, trig_feature_map, trig_rows
 from ..inputs import validate_linear_attention_inputs
 
@@ -37,13 +38,15 @@ from ..inputs import validate_linear_attention_inputs
 FUSED_TRIG_ENABLED = True
 
 
-def _key_log_scale(k: torch.Tensor, inv_t_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(||k||^2, kls = ||k||^2 inv_t), both [BH, N], from k [BH, N, d], one head at a time (no
-    [BH, N, d] temporary); the backward reads ||k||^2 back for d inv_t."""
+def _key_log_scale(k: torch.Tensor, inv_t_rows: torch.Tensor, shift: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(||k||^2, kls = ||k||^2 inv_t (+ ``shift`` [BH, N]: the decay's fold)), both [BH, N], from k [BH, N, d],
+    one head at a time (no [BH, N, d] temporary); the backward reads ||k||^2 back for d inv_t."""
     sq, out = k.new_empty(k.shape[:2]), k.new_empty(k.shape[:2])
     for i in range(k.shape[0]):
         torch.sum(k[i] * k[i], dim=-1, out=sq[i])  # as the plain map computes it, to the bit
         torch.mul(sq[i], inv_t_rows[i], out=out[i])
+        if shift is not None:
+            out[i] += shift[i]
     return sq, out
 
 
@@ -72,12 +75,14 @@ class _GroupBuffers:
 
 
 class _ChunkedTrigAttention(torch.autograd.Function):
-    """(q, k [BH, N, d], v [BH, N, Dv], omega [H, P, d], inv_t [H], s0 [BH, F, Dv+1], m0 [BH], heads,
-    paired, chunk_size, normalization, eps, out_dtype) -> (out [BH, N, Dv], final state, log_max),
-    all inputs in the accumulation dtype. One head per block (long N); see the module docstring."""
+    """(q, k [BH, N, d], v [BH, N, Dv], omega [H, P, d], inv_t [H], log_decay [H] | None, s0 [BH, F, Dv+1],
+    m0 [BH], heads, paired, chunk_size, normalization, eps, out_dtype, origin) -> (out [BH, N, Dv], final
+    state, log_max), all inputs in the accumulation dtype. One head per block (long N); see the module
+    docstring. ``log_decay``: the decay folded into the key log-scales about ``origin``, kls_s - (s - c) g
+    (``decay.py``; the state's part is the caller's), so d g = -sum_s (s - c) dkls_s."""
 
     @staticmethod
-    def forward(ctx, q, k, v, omega, inv_t, s0, m0, heads, paired, chunk_size, normalization, eps, out_dtype):  # type: ignore[override]
+    def forward(ctx, q, k, v, omega, inv_t, log_decay, s0, m0, heads, paired, chunk_size, normalization, eps, out_dtype, origin):  # type: ignore[override]
         bh, n, _ = q.shape
         dv, p = v.shape[-1], omega.shape[1]
         feat = p if paired else 2 * p
@@ -85,7 +90,8 @@ class _ChunkedTrigAttention(torch.autograd.Function):
         groups = _groups(n, c, feat)
         scale = _feature_scale(p, paired)  # features are computed unscaled; the group functions apply it
         inv_rows = inv_t.repeat(bh // heads)  # [BH]: head h of every batch entry
-        k_sq, lam = _key_log_scale(k, inv_rows)
+        shift = None if log_decay is None else fold_keys(None, log_decay, (bh // heads, heads, n), -origin).reshape(bh, n)
+        k_sq, lam = _key_log_scale(k, inv_rows, shift)
         m, bounds, decay, fast = _stabiliser(lam, m0, c)
         states = q.new_empty(bh, len(groups) + 1, feat, dv + 1)
         states[:, 0] = s0
@@ -114,7 +120,7 @@ class _ChunkedTrigAttention(torch.autograd.Function):
 
         for_each_head(forward_head, bh, q.device)
         ctx.save_for_backward(q, k, v, omega, inv_t, s0, numer, k_sq, lam, m, bounds, states)
-        ctx.meta = (c, heads, groups, decay, fast, paired, normalization, eps)
+        ctx.meta = (c, heads, groups, decay, fast, paired, normalization, eps, log_decay is not None, origin)
         log_max = bounds[:, -1].clone()
         ctx.mark_non_differentiable(log_max)
         return out, states[:, -1].clone(), log_max
@@ -122,7 +128,7 @@ class _ChunkedTrigAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out, d_final, _d_log_max):  # type: ignore[override]
         q, k, v, omega, inv_t, s0, numer, k_sq, lam, m, bounds, states = ctx.saved_tensors
-        c, heads, groups, decay, fast, paired, normalization, eps = ctx.meta
+        c, heads, groups, decay, fast, paired, normalization, eps, decays, origin = ctx.meta
         bh, n, d = q.shape
         dv, p, feat, nc = v.shape[-1], omega.shape[1], states.shape[2], numer.shape[-1]
         most = max(g for _, g, _, _ in groups)
@@ -132,6 +138,8 @@ class _ChunkedTrigAttention(torch.autograd.Function):
         dq, dk, d_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         d_omega = q.new_zeros(bh, p, d)
         d_inv = q.new_zeros(bh)
+        d_shift = q.new_zeros(bh) if decays else None  # sum_s (s - c) dkls_s per row
+        tokens = torch.arange(-origin, n - origin, device=q.device, dtype=q.dtype) if decays else None
 
         def backward_head(b: int) -> None:
             w = omega[b % heads].unsqueeze(0)  # [1, P, d]
@@ -161,12 +169,15 @@ class _ChunkedTrigAttention(torch.autograd.Function):
                 d_omega[b : b + 1].baddbmm_(d_proj.transpose(1, 2), xk)
                 dk[b, sl].addcmul_(xk[0], (d_lam * (2 * inv_rows[b])).unsqueeze(-1))
                 d_inv[b] += torch.dot(d_lam, k_sq[b, sl])
+                if decays:
+                    d_shift[b] += torch.dot(d_lam, tokens[sl])
 
         for_each_head(backward_head, bh, q.device)
-        d_s0 = carry if ctx.needs_input_grad[5] else None
+        d_s0 = carry if ctx.needs_input_grad[6] else None
         d_omega = d_omega.view(-1, heads, p, d).sum(dim=0)
         d_inv = d_inv.view(-1, heads).sum(dim=0)
-        return dq, dk, d_v, d_omega, d_inv, d_s0, *([None] * 7)
+        d_decay = None if d_shift is None else -d_shift.view(-1, heads).sum(dim=0)
+        return dq, dk, d_v, d_omega, d_inv, d_decay, d_s0, *([None] * 8)
 
 
 def trig_linear_attention_chunked(
@@ -181,13 +192,15 @@ def trig_linear_attention_chunked(
     chunk_size: int = 64,
     initial_state: LinearAttentionState | None = None,
     eps: float = 1e-6,
+    log_decay: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LinearAttentionState]:
     """Causal linear attention of the trig map ``trig_feature_map(x, omega, inv_temperature,
     paired=paired)`` applied to q and k, chunked form on CPU (the contract of
     ``triton.trig_linear_attention``): q, k [B, H, N, d], v [B, H, N, Dv], omega [H, P, d],
     inv_temperature [H] -> (out [B, H, N, Dv] in v.dtype, state in fp32, fp64 for fp64 inputs).
+    ``log_decay`` [H] | None: the per-head decay of old keys (``decay.py``), folded in.
 
-    Differentiable w.r.t. q, k, v, omega, inv_temperature and the initial state's kv and k_sum.
+    Differentiable w.r.t. q, k, v, omega, inv_temperature, log_decay and the initial state's kv and k_sum.
     """
     if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
         raise ValueError(f"q, k, v: expected [B, H, N, *] with k matching q {tuple(q.shape)}, got {tuple(k.shape)}, {tuple(v.shape)}")
@@ -203,7 +216,7 @@ def trig_linear_attention_chunked(
     stand_in = q.new_zeros(()).expand(batch, heads, n, feat)
     validate_linear_attention_inputs(
         stand_in, stand_in, None, v, form="chunked", normalization=normalization, chunk_size=chunk_size,
-        initial_state=initial_state, eps=eps,
+        initial_state=initial_state, eps=eps, log_decay=log_decay,
     )  # fmt: skip
     bh = batch * heads
     blocks, _, _ = _plan(bh, n, min(chunk_size, n), feat, q.device)
@@ -211,26 +224,35 @@ def trig_linear_attention_chunked(
         qf, _ = trig_feature_map(q, omega, inv_temperature, paired=paired)
         kf, kls = trig_feature_map(k, omega, inv_temperature, paired=paired)
         return chunked_linear_attention(
-            qf, kf, kls, v, normalization=normalization, chunk_size=chunk_size, initial_state=initial_state, eps=eps
+            qf, kf, kls, v, normalization=normalization, chunk_size=chunk_size, initial_state=initial_state, eps=eps,
+            log_decay=log_decay,
         )
-    acc = accumulation_dtype(v.dtype)
-    with torch.autocast(device_type=q.device.type, enabled=False):
-        if initial_state is None:
-            initial_state = LinearAttentionState.empty(batch, heads, feat, dv, device=q.device, dtype=acc)
-        s0 = initial_state.augmented().to(acc)
-        out, final, log_max = _ChunkedTrigAttention.apply(
-            q.to(acc).reshape(bh, n, d).contiguous(),
-            k.to(acc).reshape(bh, n, d).contiguous(),
-            v.to(acc).reshape(bh, n, dv).contiguous(),
-            omega.to(acc).contiguous(),
-            inv_temperature.to(acc),
-            s0.reshape(bh, feat, dv + 1),
-            initial_state.log_max.detach().to(acc).reshape(bh),
-            heads,
-            paired,
-            chunk_size,
-            normalization,
-            eps,
-            v.dtype,
-        )
-    return unpack_result(out, final, log_max, batch, heads, initial_state.offset + n)
+    def fused(lo: int, hi: int, origin: int, state: LinearAttentionState | None) -> tuple[torch.Tensor, LinearAttentionState]:
+        """Tokens lo .. hi - 1 through the Function, from ``state`` (with a decay: folded about ``origin``)."""
+        acc, n_part = accumulation_dtype(v.dtype), hi - lo
+        with torch.autocast(device_type=q.device.type, enabled=False):
+            if state is None:
+                state = LinearAttentionState.empty(batch, heads, feat, dv, device=q.device, dtype=acc)
+            s0 = state.augmented().to(acc)
+            out, final, log_max = _ChunkedTrigAttention.apply(
+                q[:, :, lo:hi].to(acc).reshape(bh, n_part, d).contiguous(),
+                k[:, :, lo:hi].to(acc).reshape(bh, n_part, d).contiguous(),
+                v[:, :, lo:hi].to(acc).reshape(bh, n_part, dv).contiguous(),
+                omega.to(acc).contiguous(),
+                inv_temperature.to(acc),
+                None if log_decay is None else log_decay.to(acc),
+                s0.reshape(bh, feat, dv + 1),
+                state.log_max.detach().to(acc).reshape(bh),
+                heads,
+                paired,
+                chunk_size,
+                normalization,
+                eps,
+                v.dtype,
+                origin,
+            )
+        return unpack_result(out, final, log_max, batch, heads, state.offset + n_part)
+
+    if log_decay is None:
+        return fused(0, n, 0, initial_state)
+    return run_folded(fused, n, log_decay, initial_state)

@@ -2,13 +2,13 @@
 
 The decoding form. For each token t, in fp32:
 
-    m_t   = max(m_{t-1}, kls_t)                          (detached stabiliser; m_0 = state.log_max)
-    S_t   = exp(m_{t-1} - m_t) S_{t-1} + exp(kls_t - m_t) kf_t v_t^T     [B, H, F, Dv]
-    z_t   = exp(m_{t-1} - m_t) z_{t-1} + exp(kls_t - m_t) kf_t           [B, H, F]
+    m_t   = max(m_{t-1} + g, kls_t)                      (detached stabiliser; m_0 = state.log_max)
+    S_t   = exp(m_{t-1} + g - m_t) S_{t-1} + exp(kls_t - m_t) kf_t v_t^T     [B, H, F, Dv]
+    z_t   = exp(m_{t-1} + g - m_t) z_{t-1} + exp(kls_t - m_t) kf_t           [B, H, F]
     n_t   = qf_t S_t,  d_t = qf_t . z_t
 
-which is algebraically the quadratic form. A Python loop over N: fine for decoding (N = 1) and
-for tests; training uses the chunked form. Inputs are assumed valid (the dispatcher validates).
+which is algebraically the quadratic form; g = log gamma is the per-head decay (``decay.py``; 0
+without it). A Python loop over N: fine for decoding (N = 1) and for tests; training uses the chunked form. Inputs are assumed valid (the dispatcher validates).
 """
 
 from __future__ import annotations
@@ -29,11 +29,15 @@ def recurrent_linear_attention(
     initial_state: LinearAttentionState | None = None,
     eps: float = 1e-6,
     document_starts: torch.Tensor | None = None,
+    log_decay: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LinearAttentionState]:
     """qf, kf [B, H, N, F], kls [B, H, N] | None, v [B, H, N, Dv] -> (out [B, H, N, Dv], state).
-    ``document_starts`` [B, N] bool: the state is emptied before each token that starts a document."""
+    ``document_starts`` [B, N] bool: the state is emptied before each token that starts a document.
+    ``log_decay`` [H] (``decay.py``): log gamma per head, applied natively: the state decays by gamma
+    per token (log_max + g), the stabiliser following it."""
     q, k, ls, vv, state = fp32_inputs(qf, kf, kls, v, initial_state)
     kv, k_sum, log_max = state.kv, state.k_sum, state.log_max.detach()
+    g = None if log_decay is None else log_decay.to(ls.dtype)
     numerators, denominators = [], []
     for t in range(q.shape[2]):
         if document_starts is not None:
@@ -41,8 +45,9 @@ def recurrent_linear_attention(
             kv = kv.masked_fill(restart[..., None, None], 0.0)
             k_sum = k_sum.masked_fill(restart[..., None], 0.0)
             log_max = log_max.masked_fill(restart, float("-inf"))
-        m = torch.maximum(log_max, ls[..., t].detach())  # [B, H]
-        decay = torch.exp(log_max - m)  # [B, H]; 0 for the empty state (log_max = -inf)
+        aged = log_max if g is None else log_max + g  # the state's log weight one token later
+        m = torch.maximum(aged.detach(), ls[..., t].detach())  # [B, H]
+        decay = torch.exp(aged - m)  # [B, H]; 0 for the empty state (log_max = -inf)
         weighted_k = torch.exp(ls[..., t] - m).unsqueeze(-1) * k[:, :, t]  # [B, H, F]
         kv = kv * decay[..., None, None] + weighted_k.unsqueeze(-1) * vv[:, :, t].unsqueeze(-2)
         k_sum = k_sum * decay[..., None] + weighted_k
@@ -65,6 +70,7 @@ def recurrent_step(
     *,
     normalization: str = "rms",
     eps: float = 1e-6,
+    log_decay: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LinearAttentionState]:
     """One decoding token: ``recurrent_linear_attention`` for N = 1 without autograd, in the fewest ops.
 
@@ -78,6 +84,8 @@ def recurrent_step(
     bh, value_dim = batch * heads, v.shape[-1]
     acc = accumulation_dtype(v.dtype)
     log_max = state.log_max.to(acc)
+    if log_decay is not None:  # the state one token older
+        log_max = log_max + log_decay.to(acc)
     k = kf.to(acc).reshape(batch, heads, feat)
     ls = torch.zeros_like(log_max) if kls is None else kls.to(acc).reshape(batch, heads)
     m = torch.maximum(log_max, ls)  # [B, H]

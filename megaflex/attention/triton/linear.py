@@ -20,6 +20,7 @@ from types import ModuleType
 import torch
 
 from ..base import NORMALIZATIONS, OUTPUT_RMS_CAP, LinearAttentionState
+from ..decay import folded
 from ..inputs import validate_linear_attention_inputs
 from .tuning import interpreter_enabled
 
@@ -351,13 +352,19 @@ def triton_linear_attention(
     chunk_size: int = 64,
     initial_state: LinearAttentionState | None = None,
     eps: float = 1e-6,
+    log_decay: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LinearAttentionState]:
     """The chunked form (``chunked_linear_attention``'s signature and contract) in Triton kernels:
     qf, kf [B, H, N, F], kls [B, H, N] | None, v [B, H, N, Dv] -> (out in v.dtype, fp32 state).
-    Differentiable w.r.t. qf, kf, kls, v and the initial state's kv, k_sum."""
+    Differentiable w.r.t. qf, kf, kls, v, log_decay and the initial state's kv, k_sum. The decay
+    (``log_decay`` [H]) is folded into kls and the state (``decay.folded``): the kernels are unchanged."""
     validate_linear_attention_inputs(
-        qf, kf, kls, v, normalization=normalization, chunk_size=chunk_size, initial_state=initial_state, eps=eps
+        qf, kf, kls, v, normalization=normalization, chunk_size=chunk_size, initial_state=initial_state, eps=eps,
+        log_decay=log_decay,
     )
+    if log_decay is not None:
+        return folded(triton_linear_attention, qf, kf, kls, v, log_decay, normalization=normalization,
+                      chunk_size=chunk_size, initial_state=initial_state, eps=eps)  # fmt: skip
     check_options(normalization, chunk_size, eps)
     for name, t in (("qf", qf), ("kf", kf), ("v", v)):
         check_triton_dtype(t, name)

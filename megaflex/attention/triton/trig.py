@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..base import LinearAttentionState
+from ..decay import fold_keys, run_folded
 from ..feature_maps._trig import _feature_scale, trig_feature_map_reference
 from .linear import (
     ChunkPlan,
@@ -52,13 +53,28 @@ def _features(q, k, omega, inv_temperature, paired):
     return qf, kf, kls
 
 
-def _prepare(q, k, v, omega, inv_temperature, state, paired, fused, chunk_size):
+def _folded(kls: torch.Tensor, log_decay: torch.Tensor | None, origin: int) -> torch.Tensor:
+    """The key log-scales with the decay folded in about ``origin`` (``decay.fold_keys``): kls_s - (s - c) g."""
+    return kls if log_decay is None else fold_keys(kls, log_decay, tuple(kls.shape), -origin)
+
+
+def _decay_grad(dls: torch.Tensor, log_decay: torch.Tensor | None, shape, origin: int) -> torch.Tensor | None:  # noqa: ANN001
+    """d g [H] = -sum_{b, s} (s - c) dkls'_s from the folded key log-scales' gradient dls [B H, N]."""
+    if log_decay is None:
+        return None
+    batch, heads, n = shape[:3]
+    tokens = torch.arange(-origin, n - origin, device=dls.device, dtype=dls.dtype)
+    return -(dls.view(batch, heads, n) * tokens).sum(dim=(0, 2))
+
+
+def _prepare(q, k, v, omega, inv_temperature, log_decay, origin, state, paired, fused, chunk_size):
     """Flat kernel inputs and the plan: the features (default), or with ``fused`` the raw q, k
-    and a plan whose TrigMap lets the kernels map them."""
+    and a plan whose TrigMap lets the kernels map them; the key log-scales with the decay folded in."""
     if not fused:
-        return flat_inputs(*_features(q, k, omega, inv_temperature, paired), v, state, chunk_size)
+        qf, kf, kls = _features(q, k, omega, inv_temperature, paired)
+        return flat_inputs(qf, kf, _folded(kls, log_decay, origin), v, state, chunk_size)
     rows = omega.shape[1]
-    kls = _key_log_scale(k, inv_temperature)
+    kls = _folded(_key_log_scale(k, inv_temperature), log_decay, origin)
     flat, kv0, z0, plan = flat_inputs(q, k, kls, v, state, chunk_size, feat=rows if paired else 2 * rows)
     plan.trig = TrigMap(omega.detach().float().contiguous(), paired, _feature_scale(rows, paired))
     return flat, kv0, z0, plan
@@ -80,17 +96,20 @@ def _map_grads_fused(q, k, dqf, dkf, dls, inv_temperature, plan: ChunkPlan, shap
 
 
 class _TrigLinearAttention(torch.autograd.Function):
-    """(q, k, v, omega, inv_temperature, kv0, k_sum0, log_max0 | None, paired, fused_map,
-    normalization, chunk_size, eps) -> (out [B, H, N, Dv], kv [BH, F, Dv], k_sum [BH, F], log_max [BH])."""
+    """(q, k, v, omega, inv_temperature, log_decay | None, kv0, k_sum0, log_max0 | None, paired, fused_map,
+    normalization, chunk_size, eps, origin) -> (out [B, H, N, Dv], kv [BH, F, Dv], k_sum [BH, F], log_max [BH]).
+    ``log_decay`` [H]: the decay folded into the key log-scales about ``origin`` (the state's part is the caller's)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, omega, inv_temperature, kv0, z0, log_max0, paired, fused, normalization, chunk_size, eps):  # type: ignore[override]
+    def forward(ctx, q, k, v, omega, inv_temperature, log_decay, kv0, z0, log_max0, paired, fused, normalization, chunk_size, eps, origin):  # type: ignore[override]
         batch, heads, n, _ = q.shape
         state = None if log_max0 is None else LinearAttentionState(kv0, z0, log_max0)
-        (qq, kk, ls, vv), kv0_flat, z0_flat, plan = _prepare(q, k, v, omega, inv_temperature, state, paired, fused, chunk_size)
+        (qq, kk, ls, vv), kv0_flat, z0_flat, plan = _prepare(
+            q, k, v, omega, inv_temperature, log_decay, origin, state, paired, fused, chunk_size
+        )
         out, kv, k_sum = attention_forward(qq, kk, ls, vv, kv0_flat, z0_flat, plan, normalization, eps, v.dtype)
-        ctx.save_for_backward(q, k, v, omega, inv_temperature, kv0_flat, z0_flat, ls if fused else None)
-        ctx.plan, ctx.meta = plan, (paired, normalization, eps, kv0 is not None)
+        ctx.save_for_backward(q, k, v, omega, inv_temperature, log_decay, kv0_flat, z0_flat, ls if fused else None)
+        ctx.plan, ctx.meta = plan, (paired, normalization, eps, kv0 is not None, origin)
         ctx.set_materialize_grads(False)
         log_max = plan.chunk_max[:, -1]
         ctx.mark_non_differentiable(log_max)  # a stabiliser: a constant for autograd
@@ -98,8 +117,8 @@ class _TrigLinearAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_out, d_kv, d_k_sum, _d_log_max):  # type: ignore[override]
-        q, k, v, omega, inv_temperature, kv0, z0, ls = ctx.saved_tensors
-        paired, normalization, eps, has_state = ctx.meta
+        q, k, v, omega, inv_temperature, log_decay, kv0, z0, ls = ctx.saved_tensors
+        paired, normalization, eps, has_state, origin = ctx.meta
         plan: ChunkPlan = ctx.plan
         bh, n = plan.bh, plan.n
         d_out = None if d_out is None else d_out.reshape(bh, n, plan.dv)
@@ -109,6 +128,7 @@ class _TrigLinearAttention(torch.autograd.Function):
             qq, kk = q.reshape(bh, n, -1).contiguous(), k.reshape(bh, n, -1).contiguous()
             dqf, dkf, dls, dv, d_kv0, d_z0 = attention_backward(qq, kk, ls, flat_v, kv0, z0, plan, normalization, eps, d_out, d_kv, d_k_sum)
             grads = list(_map_grads_fused(qq, kk, dqf, dkf, dls, inv_temperature, plan, q.shape))
+            d_decay = _decay_grad(dls, log_decay, q.shape, origin)
         else:
             needs = ctx.needs_input_grad
             leaves = [t.detach().requires_grad_(needs[i]) for t, i in zip((q, k, omega, inv_temperature), (0, 1, 3, 4))]
@@ -117,9 +137,10 @@ class _TrigLinearAttention(torch.autograd.Function):
             dqf, dkf, dls, dv, d_kv0, d_z0 = attention_backward(
                 qf.detach().reshape(bh, n, plan.feat).contiguous(),
                 kf.detach().reshape(bh, n, plan.feat).contiguous(),
-                kls.detach().reshape(bh, n).float().contiguous(),
+                _folded(kls.detach().float(), log_decay, origin).reshape(bh, n).contiguous(),
                 flat_v, kv0, z0, plan, normalization, eps, d_out, d_kv, d_k_sum,
             )  # fmt: skip
+            d_decay = _decay_grad(dls, log_decay, q.shape, origin)
             wanted = [i for i, leaf in enumerate(leaves) if leaf.requires_grad]
             if wanted:
                 got = torch.autograd.grad(
@@ -135,7 +156,8 @@ class _TrigLinearAttention(torch.autograd.Function):
             batch, heads = q.shape[:2]
             d_kv_in, d_k_sum_in = d_kv0.view(batch, heads, plan.feat, plan.dv), d_z0.view(batch, heads, plan.feat)
         dq, dk, d_omega, d_inv = (None if g is None else g.to(t.dtype) for g, t in zip(grads, (q, k, omega, inv_temperature)))
-        return dq, dk, dv.view_as(v).to(v.dtype), d_omega, d_inv, d_kv_in, d_k_sum_in, *([None] * 6)
+        d_decay = None if d_decay is None else d_decay.to(log_decay.dtype)
+        return dq, dk, dv.view_as(v).to(v.dtype), d_omega, d_inv, d_decay, d_kv_in, d_k_sum_in, *([None] * 7)
 
 
 def trig_linear_attention(
@@ -151,6 +173,7 @@ def trig_linear_attention(
     initial_state: LinearAttentionState | None = None,
     eps: float = 1e-6,
     fused_map: bool = True,
+    log_decay: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LinearAttentionState]:
     """Causal linear attention of the trig map ``trig_feature_map(x, omega, inv_temperature,
     paired=paired)`` applied to q and k, with the Triton kernels: q, k [B, H, N, d], v [B, H, N, Dv],
@@ -159,7 +182,8 @@ def trig_linear_attention(
     Equals ``triton_linear_attention(phi(q), phi(k), kls(k), v, ...)``; differentiable w.r.t. q,
     k, v, omega, inv_temperature and the initial state's kv and k_sum. ``fused_map`` (default): the
     kernels compute the features themselves; False: torch computes them (the reference; see the
-    module docstring).
+    module docstring). ``log_decay`` [H] | None: the per-head decay of old keys, folded into the key
+    log-scales and the state (``decay.py``): the kernels are unchanged.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_triton_dtype(t, name)
@@ -171,14 +195,25 @@ def trig_linear_attention(
     if inv_temperature.shape != (heads,):
         raise ValueError(f"inv_temperature: expected shape ({heads},), got {tuple(inv_temperature.shape)}")
     check_options(normalization, chunk_size, eps)
-    kv0 = z0 = log_max0 = None
-    if initial_state is not None:
-        kv0, z0, log_max0 = initial_state.kv, initial_state.k_sum, initial_state.log_max
-    out, kv, k_sum, log_max = _TrigLinearAttention.apply(
-        q, k, v, omega, inv_temperature, kv0, z0, log_max0, paired, fused_map, normalization, chunk_size, eps
-    )
-    feat = kv.shape[1]
-    offset = (0 if initial_state is None else initial_state.offset) + n
-    return out, LinearAttentionState(
-        kv=kv.view(batch, heads, feat, -1), k_sum=k_sum.view(batch, heads, feat), log_max=log_max.view(batch, heads), offset=offset
-    )
+    if log_decay is not None and log_decay.shape != (heads,):
+        raise ValueError(f"log_decay: expected shape ({heads},), got {tuple(log_decay.shape)}")
+
+    def run(lo: int, hi: int, origin: int, state: LinearAttentionState | None) -> tuple[torch.Tensor, LinearAttentionState]:
+        """Tokens lo .. hi - 1 through the Function, from ``state`` (with a decay: folded about ``origin``)."""
+        kv0 = z0 = log_max0 = None
+        if state is not None:
+            kv0, z0, log_max0 = state.kv, state.k_sum, state.log_max
+        out, kv, k_sum, log_max = _TrigLinearAttention.apply(
+            q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], omega, inv_temperature,
+            None if log_decay is None else log_decay.float(), kv0, z0, log_max0, paired, fused_map, normalization,
+            chunk_size, eps, origin,
+        )  # fmt: skip
+        feat = kv.shape[1]
+        return out, LinearAttentionState(
+            kv=kv.view(batch, heads, feat, -1), k_sum=k_sum.view(batch, heads, feat), log_max=log_max.view(batch, heads),
+            offset=(0 if state is None else state.offset) + hi - lo,
+        )  # fmt: skip
+
+    if log_decay is None:
+        return run(0, n, 0, initial_state)
+    return run_folded(run, n, log_decay, initial_state)

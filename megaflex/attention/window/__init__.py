@@ -22,6 +22,9 @@ negative for signed (trig) features; the shared ``guard_denominator`` (|d_t| >= 
 is the only guard left, as for the plain kernel. A query with nothing to attend to (padding)
 gets m_t := 0 and an all-zero numerator.
 
+Decay (``log_decay``, ``model.kernel_decay``; ``decay.py``): far weights times gamma^(t - s - W), folded into
+qls, kls and the far state (``common.fold_decay``), so every form below takes it unchanged.
+
 State after T keys (decoding, segments): a ``LinearAttentionState`` of every key that left the
 window (s <= T - W) and a ``WindowCache`` of the last W - 1 keys (raw k for the window logits,
 kf / kls for when they leave it, v).
@@ -54,9 +57,10 @@ from __future__ import annotations
 import torch
 
 from ..base import LinearAttentionState, normalize_output, reads_denominator
+from ..decay import fold_origin, leave
 from ..dispatch import Request, check_backend, select
 from .chunk import normalize_numerators
-from .common import WINDOW_FORMS, WindowCache, WindowInputs, absorb, aligned_queries, pad_keys, prepare_inputs
+from .common import WINDOW_FORMS, WindowCache, WindowInputs, absorb, aligned_queries, fold_decay, pad_keys, prepare_inputs
 from .naive import quadratic_weights
 
 __all__ = [
@@ -123,6 +127,7 @@ def windowed_linear_attention(
     *, window: int, form: str = "chunked", normalization: str = "rms", chunk_size: int = 64,
     far_state: LinearAttentionState | None = None, cache: WindowCache | None = None, eps: float = 1e-6,
     key_valid: torch.Tensor | None = None, return_state: bool = True, backend: str = "auto",
+    log_decay: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LinearAttentionState | None, WindowCache | None]:
     """The one-normaliser hybrid (module doc) of N new tokens after ``cache`` (P <= W - 1 keys) and
     ``far_state`` (the keys before them).
@@ -134,7 +139,9 @@ def windowed_linear_attention(
     implementation ("triton": the Triton kernels; "fla", which has no window kernel, and "torch":
     the torch Function).
     Returns (out [B, H, N, Dv] in v.dtype, the linear state of every key that left the window,
-    the new cache) or (out, None, None) without ``return_state``.
+    the new cache) or (out, None, None) without ``return_state``. ``log_decay`` [H] | None: the far field's
+    per-head decay, gamma^(t - s - W) on each far key (``decay.py``; folded into qls, kls and the far state,
+    the cache keeps the raw kls, the state returned is decayed to the last token).
     """
     if isinstance(window, bool) or not isinstance(window, int) or window < 0:
         raise ValueError(f"window: expected an int >= 0, got {window!r}")
@@ -144,10 +151,14 @@ def windowed_linear_attention(
         raise ValueError(f"cache: expected at most W - 1 = {max(window - 1, 0)} keys, got {cache.length}")
     check_backend(backend)
     x = prepare_inputs(q, qf, qls, k, kf, kls, v, far_state, cache, key_valid)
+    raw_kls = x.kls  # the cache keeps them: the next call folds them at its own positions
+    origin = fold_origin(q.shape[2])  # the middle of the call: |t - c| <= N / 2 bounds the fold's rounding
+    if log_decay is not None:
+        x = fold_decay(x, log_decay, window, origin)
     dv = v.shape[-1]
     request = Request(
         "window", algorithm=form, backend=backend, device=q.device.type, dtype=x.q.dtype, tokens=q.shape[2],
-        chunk_size=chunk_size, padded=key_valid is not None, window=window,
+        chunk_size=chunk_size, padded=key_valid is not None, window=window, decays=log_decay is not None,
     )  # fmt: skip
     row = select(request)
     with torch.autocast(device_type=q.device.type, enabled=False):
@@ -166,8 +177,10 @@ def windowed_linear_attention(
             start, state = 0, x.far
         state = absorb(state, x.kf[:, :, start:first_kept], x.kls[:, :, start:first_kept], x.v_aug[:, :, start:first_kept])
         state = LinearAttentionState(state.kv, state.k_sum, state.log_max, x.far.offset + q.shape[2])
+        if log_decay is not None:
+            state = leave(state, log_decay, q.shape[2], origin)
         # copies: a view would keep the whole sequence's keys and features alive with the cache
-        kept = WindowCache(*(t[:, :, first_kept:].clone() for t in (x.k, x.kf, x.kls, x.v_aug[..., :dv])))
+        kept = WindowCache(*(t[:, :, first_kept:].clone() for t in (x.k, x.kf, raw_kls, x.v_aug[..., :dv])))
     return out, state, kept
 
 

@@ -3,11 +3,13 @@ window cache, the linear state's update by keys leaving the window, and the bloc
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from ..base import LinearAttentionState, accumulation_dtype
+from ..decay import enter, fold_keys, fold_queries
 
 WINDOW_FORMS = ("quadratic", "recurrent", "chunked")
 
@@ -70,6 +72,17 @@ def prepare_inputs(
     if key_valid is not None and tuple(key_valid.shape) != (b, k_all.shape[2]):
         raise ValueError(f"key_valid: expected shape [{b}, {k_all.shape[2]}] (cached keys, then new), got {tuple(key_valid.shape)}")
     return WindowInputs(q.to(acc), qf.to(acc), qls, k_all, kf_all, kls_all, v_aug, key_valid, far, v.dtype)
+
+
+def fold_decay(x: WindowInputs, log_decay: torch.Tensor, window: int, origin: int) -> WindowInputs:
+    """``x`` with the far field's decay gamma^(t - s - W) folded in about ``origin`` c (``decay.py``): keys at
+    positions -P .. N - 1 get kls - (s - c) g, queries at 0 .. N - 1 get qls + (t - c - W) g, the far state
+    log_max + (c + 1) g."""
+    b, h, total = x.kls.shape
+    kls = fold_keys(x.kls, log_decay, (b, h, total), first=-x.prefix - origin)
+    qls = fold_queries(x.qls, log_decay, first=-window - origin)
+    far = enter(x.far, log_decay, origin)
+    return dataclasses.replace(x, qls=qls.to(x.qls.dtype), kls=kls.to(x.kls.dtype), far=far)
 
 
 def absorb(state: LinearAttentionState, kf: torch.Tensor, kls: torch.Tensor, v_aug: torch.Tensor) -> LinearAttentionState:
