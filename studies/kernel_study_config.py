@@ -88,7 +88,8 @@ HEAD_DIM_ARMS = {f"fn_tau_max{margin}": STUDY_HEAD_DIM for margin in ("0.5", "1.
 ARM_KINDS = {"softmax_rms": "softmax", **{f"performer_window{w}{c}": "performer" for w in (16, 64) for c in ("", "_capped")},
              **{f"softmax_window{w}": "softmax" for w in (16, 64)}}
 # the run an arm is one change away from, where it is not its kind's default recipe (``control_of``)
-ARM_CONTROLS: dict[str, str] = {f"fn_window{w}_capped_far_gain": f"fn_window{w}_capped" for w in (16, 64)}
+ARM_CONTROLS: dict[str, str] = {**{f"fn_window{w}_capped_far_gain": f"fn_window{w}_capped" for w in (16, 64)},
+                                "fn_window64_capped_decay": "fn_window64_capped"}
 # study v3's arms: with --kinds softmax,flexformer_n,cosformer (docs/studies.md "The kernel study")
 V3_ARMS = ("softmax_rms",) + tuple(f"{arm}{w}" for w in (16, 64)
                                    for arm in ("softmax_window", "fn_window", "fn_gated", "performer_window"))  # fmt: skip
@@ -103,6 +104,7 @@ V5_REMEDIES = (
     "fn_tied_eta0.3", "fn_tied_eta0.5", "fn_tied_eta1.0", "fn_corr_rho0.5", "fn_corr_rho0.8",  # (a) no floor
     "fn_tau_max0.5", "fn_tau_max1.0", "fn_tau_lr1", "fn_tau_lr3",  # (b) a bounded temperature
     "fn_qk_rms", "fn_qk_affine",  # (c) norm control of q and k
+    "fn_decay", "fn_window64_capped_decay",  # (d) a learned per-head decay of old keys
     "fn_window16_capped_far_gain", "fn_window64_capped_far_gain",  # (e) the hybrid's window / far-field balance
 )
 # named arm sets: ``--arms`` expands these names (e.g. --arms v5_controls,v5_remedies)
