@@ -154,8 +154,10 @@ class CheckpointManager:
 
     def writer_status(self) -> int:
         """This rank's background write: ``WRITE_DONE`` (also: none), ``WRITE_IN_FLIGHT`` or ``WRITE_FAILED``."""
-        if self.pending is None or not self.pending.write.done:
-            return WRITE_IN_FLIGHT if self.pending is not None else WRITE_DONE
+        if self.pending is None:
+            return WRITE_DONE
+        if not self.pending.write.done:
+            return WRITE_IN_FLIGHT
         return WRITE_FAILED if self.pending.write.error is not None else WRITE_DONE
 
     def advance(self, agreed_status: int) -> Path | None:
@@ -166,7 +168,7 @@ class CheckpointManager:
         pending, self.pending = self.pending, None
         if agreed_status == WRITE_FAILED:
             raise self._save_failed(pending.iteration, pending.tmp, pending.write.error)
-        # Each rank hashed the files it wrote; the ones DeepSpeed copied itself (zero_to_fp32.py) rank 0 hashes here.
+        # Each rank hashed the files it wrote; rank 0 hashes any other (DeepSpeed's NVMe-offload copies) in _commit.
         parts = comm.all_gather_objects(pending.write.manifest, comm.world_group())
         files = {name: entry for part in parts for name, entry in part.items()}
         return self._commit(pending.iteration, pending.tmp, pending.meta, files)
@@ -182,7 +184,7 @@ class CheckpointManager:
     def _commit(self, iteration: int, tmp: Path, meta: CheckpointMeta, files: dict[str, dict[str, Any]]) -> Path:
         """Collective, every file written and hashed: the metadata, the rename into place, ``latest``."""
         def write_metadata() -> None:
-            missing = sorted(set(data_file_names(tmp)) - set(files))  # files hashed by no rank (background saves)
+            missing = sorted(set(data_file_names(tmp)) - set(files))  # background saves: written outside the engine
             write_meta(tmp, meta.to_dict(), {**files, **file_manifest(tmp, missing)} if missing else files)
             fsync_tree(tmp)
 

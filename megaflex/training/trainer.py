@@ -505,14 +505,17 @@ class Trainer:
             sampler={"consumed_samples": self.consumed, "global_batch_size": self.gbs}, tokenizer=self.tokenizer,
             init_from=self.init_record,
         )
-        self._saved(self.manager.save(self.engine, step, meta, self.tracker))
+        start = time.time()
+        path = self.manager.save(self.engine, step, meta, self.tracker)
         self.last_saved = step
-        if self.manager.pending is not None:
-            self.logger.print(f"saving checkpoint of step {step} in the background")
+        took = f"{time.time() - start:.2f} s"  # the time training stood still for it
+        if path is None:
+            self.logger.print(f"saving checkpoint of step {step} in the background (state copied in {took})")
+        self._saved(path, took)
 
-    def _saved(self, path: Path | None) -> None:
+    def _saved(self, path: Path | None, took: str = "written in the background") -> None:
         if path is not None:
-            self.logger.print(f"saved checkpoint {path}")
+            self.logger.print(f"saved checkpoint {path} ({took})")
 
 
 def run(cfg: Config, objective: Objective | None = None) -> dict[str, Any]:
