@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import io
 import os
+import sys
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -136,6 +137,18 @@ def test_a_background_save_is_published_only_when_complete(tmp_path: Path) -> No
     written = torch.load(tmp_path / tag_for(10) / MODEL_FILE, weights_only=False)["module"]["w"]
     assert torch.equal(written, saved_weights)  # the state at step 10, not after the later step
     assert not torch.equal(written, engine.weights)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own nice value is Linux's")
+def test_the_writer_takes_only_idle_cpu(tmp_path: Path) -> None:
+    engine = Engine()
+    manager = _manager(tmp_path, engine)
+    seen, own = [], os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    manager.during_write = lambda it: seen.append((it, os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+    _save(manager, engine, 10)
+    manager.finish()
+    assert seen == [(10, 19)]  # on the writer thread, after its first file: the lowest priority
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own  # the training thread's is untouched
 
 
 def test_a_second_save_waits_for_the_first_to_be_committed(tmp_path: Path) -> None:
