@@ -5,6 +5,8 @@
 * ``metadata``: ``CheckpointMeta``, the typed ``megaflex.json``;
 * ``manager``: atomic saves and loads of a DeepSpeed engine, checksum verification, and
   ``select_checkpoint``, the one resume decision; ``save_weights_only`` for weights-only saves;
+* ``background``: saves off the training step (``checkpoint.background``): host copies of
+  DeepSpeed's state dicts, written and hashed by a thread, committed by the manager;
 * ``compat``: what a run checks in a checkpoint's metadata before resuming from it;
 * ``shards``: the saved shards as plain GPT state dicts, one per saved TP rank (any ZeRO stage, PP gathered);
 * ``weights``: model weights out of any checkpoint, resharded to any TP size;

@@ -148,7 +148,7 @@ def read_latest(ckpt_dir: str | Path) -> str | None:
 
 def write_latest(ckpt_dir: str | Path, tag: str) -> None:
     write_atomic(Path(ckpt_dir) / LATEST_FILE, tag + "\n")
-    fsync_dir(Path(ckpt_dir))
+    fsync_path(Path(ckpt_dir))
 
 
 def auto_candidates(ckpt_dir: str | Path) -> list[Path]:
@@ -304,7 +304,8 @@ def write_atomic(path: Path, text: str) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """Flush one file or directory (its entries) to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -315,11 +316,7 @@ def fsync_dir(path: Path) -> None:
 def fsync_tree(root: Path) -> None:
     """Flush every file of a checkpoint so a power loss after the commit cannot lose them."""
     for path in [*root.rglob("*"), root]:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(path)
 
 
 def check_writable(ckpt_dir: str | Path) -> int:

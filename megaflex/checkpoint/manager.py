@@ -11,6 +11,14 @@ previous tag and ``latest`` untouched; a failed write (e.g. a full disk) removes
 folder and raises ``CheckpointError``. The directory must be on a file system all ranks share
 (as DeepSpeed itself requires for multi-node checkpoints).
 
+Background saves (``checkpoint.background``, ``megaflex.checkpoint.background``): ``save`` copies
+the state to host memory inside DeepSpeed's ``save_checkpoint`` and returns; a thread per rank
+writes, fsyncs and hashes its files into ``.tmp-<tag>`` while training goes on; the commit above
+(metadata, rename, ``latest``) runs on the main thread at the first step boundary where every rank
+reports its write done (``advance``), or when ``finish`` waits for it (the next save, the end of
+training, a stop signal). A crash before the commit leaves the previous tag and ``latest`` as they
+were; a failed write is reported on every rank by that agreement (``CheckpointError``).
+
 Resume verifies the recorded checksums before DeepSpeed reads anything (the files are split
 over the ranks, so each reads only its share); ``resume=auto`` falls back to the newest
 checkpoint that verifies, an explicit tag fails naming the bad file.
@@ -31,6 +39,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megaflex.checkpoint.background import BackgroundWrite, capture_engine_files
 from megaflex.checkpoint.layout import (
     FILES_KEY,
     CheckpointError,
@@ -84,18 +93,44 @@ def set_rng_state(state: dict[str, Any], tp_tracker: Any | None) -> None:
 
 
 # ------------------------------------------------------------------------------- manager
+# What a rank reports of its background write (``CheckpointManager.writer_status``); the largest
+# over the ranks is what every rank acts on (``CheckpointManager.advance``).
+WRITE_DONE, WRITE_IN_FLIGHT, WRITE_FAILED = 0, 1, 2
+
+
+@dataclass
+class _PendingSave:
+    """A background save: written by ``write``, committed with ``meta`` once every rank is done."""
+
+    iteration: int
+    tmp: Path
+    meta: CheckpointMeta
+    write: BackgroundWrite
+
+
 @dataclass
 class CheckpointManager:
-    """Save/load/prune checkpoints of one DeepSpeed engine (every rank holds one)."""
+    """Save/load/prune checkpoints of one DeepSpeed engine (every rank holds one).
+
+    ``background``: ``save`` copies the state to host memory and returns; a thread writes and hashes
+    the files while training goes on, and the commit follows at the first step boundary where every
+    rank reports its write done (``writer_status`` rides on the step's agreed flags, ``advance``
+    commits), or in ``finish``. At most one save is in flight: ``save`` first finishes the previous one."""
 
     ckpt_dir: Path
     keep_last: int
     rank: int
+    background: bool = False
     # Called between "all shards written" and the commit (fault injection in tests).
     before_commit: Callable[[int], None] | None = None
+    # Background saves: called on the writer thread once its first file is written (fault injection).
+    during_write: Callable[[int], None] | None = None
+    pending: _PendingSave | None = None
 
-    def save(self, engine: Any, iteration: int, meta: CheckpointMeta, tp_tracker: Any | None) -> Path:
-        """Collective. Write the checkpoint of ``iteration`` and commit it atomically."""
+    def save(self, engine: Any, iteration: int, meta: CheckpointMeta, tp_tracker: Any | None) -> Path | None:
+        """Collective. Write the checkpoint of ``iteration`` and commit it atomically; returns its folder.
+        ``background``: start writing it (after finishing the save in flight) and return None."""
+        self.finish()
         tag = tag_for(iteration)
         tmp = tmp_dir(self.ckpt_dir, tag)
         if self.rank == 0:
@@ -103,15 +138,60 @@ class CheckpointManager:
             if tmp.exists():
                 shutil.rmtree(tmp)  # leftovers of an interrupted save of the same step
         _barrier()
+        if self.background:
+            # The host copies are the only stall; DeepSpeed's barriers inside still apply (see below).
+            writer, files = self._guarded(iteration, tmp, lambda: capture_engine_files(engine, self.ckpt_dir, tmp.name))
+            files.append((rng_file(tmp, self.rank), rng_state(tp_tracker)))
+            self.pending = _PendingSave(iteration, tmp, meta, BackgroundWrite(iteration, tmp, files, writer, self.during_write))
+            return None
         # DeepSpeed's own barriers stop the other ranks when one fails inside save_checkpoint
         # (its exception ends the process; gloo/nccl then fail the peers' collectives).
         self._guarded(iteration, tmp, lambda: engine.save_checkpoint(str(self.ckpt_dir), tag=tmp.name, save_latest=False))
         # From here every rank is past DeepSpeed's barrier: failures are agreed on collectively.
         self._agreed(iteration, tmp, lambda: _save_rng(rng_file(tmp, self.rank), tp_tracker), every_rank=True)
         files = self._manifest(tmp)  # every rank hashes a share of the files
-        self._agreed(iteration, tmp, lambda: (write_meta(tmp, meta.to_dict(), files), fsync_tree(tmp)), every_rank=False)
+        return self._commit(iteration, tmp, meta, files)
+
+    def writer_status(self) -> int:
+        """This rank's background write: ``WRITE_DONE`` (also: none), ``WRITE_IN_FLIGHT`` or ``WRITE_FAILED``."""
+        if self.pending is None:
+            return WRITE_DONE
+        if not self.pending.write.done:
+            return WRITE_IN_FLIGHT
+        return WRITE_FAILED if self.pending.write.error is not None else WRITE_DONE
+
+    def advance(self, agreed_status: int) -> Path | None:
+        """Collective. Given the largest ``writer_status`` over the ranks: commit the save in flight once
+        every rank wrote its files (returns its folder), raise ``CheckpointError`` when one failed."""
+        if self.pending is None or agreed_status == WRITE_IN_FLIGHT:
+            return None
+        pending, self.pending = self.pending, None
+        if agreed_status == WRITE_FAILED:
+            raise self._save_failed(pending.iteration, pending.tmp, pending.write.error)
+        # Each rank hashed the files it wrote; rank 0 hashes any other (DeepSpeed's NVMe-offload copies) in _commit.
+        parts = comm.all_gather_objects(pending.write.manifest, comm.world_group())
+        files = {name: entry for part in parts for name, entry in part.items()}
+        return self._commit(pending.iteration, pending.tmp, pending.meta, files)
+
+    def finish(self) -> Path | None:
+        """Collective. Wait for this rank's background write, then ``advance``: the folder of the
+        committed save (None when none was in flight)."""
+        if self.pending is None:
+            return None
+        self.pending.write.wait()
+        return self.advance(WRITE_FAILED if _any_rank(self.pending.write.error is not None) else WRITE_DONE)
+
+    def _commit(self, iteration: int, tmp: Path, meta: CheckpointMeta, files: dict[str, dict[str, Any]]) -> Path:
+        """Collective, every file written and hashed: the metadata, the rename into place, ``latest``."""
+        def write_metadata() -> None:
+            missing = sorted(set(data_file_names(tmp)) - set(files))  # background saves: written outside the engine
+            write_meta(tmp, meta.to_dict(), {**files, **file_manifest(tmp, missing)} if missing else files)
+            fsync_tree(tmp)
+
+        self._agreed(iteration, tmp, write_metadata, every_rank=False)
         if self.before_commit is not None:
             self.before_commit(iteration)
+        tag = tag_for(iteration)
         final = self.ckpt_dir / tag
         if self.rank == 0:
             if final.exists():  # re-saving the same step (e.g. signal right after a periodic save)
@@ -122,9 +202,9 @@ class CheckpointManager:
         _barrier()
         return final
 
-    def _guarded(self, iteration: int, tmp: Path, write: Callable[[], Any]) -> None:
+    def _guarded(self, iteration: int, tmp: Path, write: Callable[[], Any]) -> Any:
         try:
-            write()
+            return write()
         except Exception as e:
             raise self._save_failed(iteration, tmp, e) from e
 

@@ -34,7 +34,7 @@ from typing import Any, Callable, ContextManager
 import torch
 from torch import nn
 
-from megaflex.model.gpt import Block
+from megaflex.model.gpt import GPT, Block
 
 
 def full_shape(param: torch.Tensor) -> torch.Size:
@@ -92,6 +92,25 @@ def zero3_build(
             prepare(model)
         context.partition_tree(model)
     return model
+
+
+def register_zero3_external_parameters(model: GPT) -> None:
+    """Tell ZeRO 3 about parameters used outside their own module's forward.
+
+    ZeRO 3 gathers a module's parameters around its forward/backward, hooking the *tensors* it
+    returns. The feature maps return a ``FeatureMapOutput`` dataclass (not hooked), so their
+    kernel parameters are registered with the attention module that calls them (through the core,
+    or the context-parallel stand-in that bypasses the core's forward); the tied embedding is
+    used again by the logits in the model's own forward.
+    """
+    from deepspeed.runtime.zero.partition_parameters import register_external_parameter
+
+    from megaflex.attention import named_kernel_parameters
+
+    for block in model.blocks:
+        for _, kp in named_kernel_parameters(block.attn.core):
+            register_external_parameter(block.attn, kp.param)
+    register_external_parameter(model, model.output_weight)
 
 
 def _blockwise_init_class() -> type:

@@ -153,6 +153,11 @@ class CheckpointConfig:
     resume: str = opt("auto", "`auto`: newest complete checkpoint in dir if any; `none`: start fresh; or a checkpoint path/tag")
     save_on_signal: bool = opt(True, "on SIGTERM/SIGINT/SIGUSR1 (preemption) or a dead launcher: save after the current step, exit 75")
     save_at_end: bool = opt(True, "save after the last step")
+    background: bool = opt(
+        False, "save without stopping training: copy the state to host memory (one more copy of this rank's "
+        "checkpoint shard in RAM while it is written), write and hash it on a thread, commit at a later step "
+        "boundary; at most one save in flight (the next save, the end of training and a stop signal wait for it)",
+    )
     zero_universal_resume: bool = opt(
         True, "resuming a ZeRO 1-3 checkpoint (TP 1) with another DP x CP product: convert it once to DeepSpeed's "
         "universal form (<dir>/universal/<tag>) and repartition its optimizer states; off: such a resume is an error",
@@ -221,10 +226,12 @@ class FaultConfig:
         None, "the last rank SIGSTOPs itself after this step (a frozen peer: tests parallel.timeout_minutes)"
     )
     sigkill_during_save_at_step: int | None = opt(
-        None, "every rank kill -9s itself in the save at this step, after the shards are written but before the commit"
+        None, "every rank kill -9s itself in the save at this step, after the shards are written but before the commit "
+        "(checkpoint.background: from the writer thread, once its first file is written)"
     )
     sigterm_during_save_at_step: int | None = opt(
-        None, "every rank sends itself SIGTERM in the save at this step, before the commit (a preemption mid-save)"
+        None, "every rank sends itself SIGTERM in the save at this step, before the commit (a preemption mid-save; "
+        "checkpoint.background: from the writer thread, once its first file is written)"
     )
     sigterm_during_startup: bool = opt(False, "every rank sends itself SIGTERM once the model is built, before the engine")
 

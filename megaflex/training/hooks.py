@@ -130,10 +130,12 @@ class FaultInjectionHook(BaseHook):
 
     def on_model_built(self, trainer: TrainerView) -> None:
         kill_step, term_step = self.fault.sigkill_during_save_at_step, self.fault.sigterm_during_save_at_step
+        # A background save's faults strike its writer thread mid-write, while training goes on.
+        moment = "during_write" if trainer.cfg.checkpoint.background else "before_commit"
         if kill_step is not None:
-            trainer.manager.before_commit = lambda it: _sigkill() if it == kill_step else None
+            setattr(trainer.manager, moment, lambda it: _sigkill() if it == kill_step else None)
         elif term_step is not None:
-            trainer.manager.before_commit = lambda it: os.kill(os.getpid(), signal.SIGTERM) if it == term_step else None
+            setattr(trainer.manager, moment, lambda it: os.kill(os.getpid(), signal.SIGTERM) if it == term_step else None)
         if self.fault.sigterm_during_startup:
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(60)  # the start-up guard ends the process meanwhile; after this, start-up would go on

@@ -44,7 +44,7 @@ from megaflex.checkpoint import (
 )
 from megaflex.model.gpt import GPT
 from megaflex.parallel import comm
-from megaflex.parallel.deferred_init import full_numel, is_partitioned
+from megaflex.parallel.deferred_init import full_numel, is_partitioned, register_zero3_external_parameters
 from megaflex.parallel.launcher_env import local_cuda_device
 from megaflex.parallel.rendezvous import free_port
 from megaflex.training.build import build_gpt
@@ -104,6 +104,7 @@ class StepResult:
     skipped: bool
     skipped_loss: bool
     stop_signal: int
+    checkpoint_write: int  # the background save's status, agreed (CheckpointManager.writer_status)
 
 
 @dataclass
@@ -115,6 +116,7 @@ class StepSums:
     extra_sums: dict[str, torch.Tensor] = field(default_factory=dict)
     skipped_loss: bool = False
     stop_signal: int = 0
+    checkpoint_write: int = 0
     own_grad_norm: Any = None  # plain fp32: measured before DeepSpeed clips
 
 
@@ -169,7 +171,8 @@ class Trainer:
         # Built plain, then parallelised over the grid (feature-map params tagged head-sharded).
         self.model = model = build_gpt(cfg, state, device, self.tracker)
         # The one resume decision (checksums verified; warnings printed once the logger exists).
-        self.manager = CheckpointManager(Path(cfg.checkpoint_dir), cfg.checkpoint.keep_last, self.rank)
+        self.manager = CheckpointManager(Path(cfg.checkpoint_dir), cfg.checkpoint.keep_last, self.rank,
+                                         background=cfg.checkpoint.background)
         self.resume_warnings: list[str] = []
         self.resume_path, self.resume_meta = self.manager.select_resume(
             cfg.checkpoint.resume, warn=self.resume_warnings.append
@@ -210,7 +213,7 @@ class Trainer:
             logger.print(f"initialised {self.init_record['copied']} parameter tensors ({self.init_record['parameters']}) "
                          f"from {self.init_record['path']}; the others keep their init")
         if cfg.parallel.zero_stage == 3:
-            _register_zero3_external_parameters(model)
+            register_zero3_external_parameters(model)
 
         # Resume checks, before the engine.
         for warning in self.start_warnings + self.resume_warnings:
@@ -290,12 +293,16 @@ class Trainer:
         self._start_loop()
         try:
             stop_reason = self._run_steps()
+        except NonFiniteAbort:  # decided alike on every rank: the save in flight is kept
+            self._saved(self.manager.finish())
+            raise
         finally:
             self.train_batches.close()  # also when a step raises: no reader thread outlives the loop
         self.emit("on_loop_end")
 
         if (stop_reason != "done" or cfg.checkpoint.save_at_end) and self.last_saved != self.iteration:
             self.save()
+        self._saved(self.manager.finish())  # the background save in flight (a stop signal waits for it too)
         self.emit("on_train_end", stop_reason)
         valid_loss = None
         evaluated_last = bool(cfg.train.eval_interval) and self.iteration % cfg.train.eval_interval == 0
@@ -316,6 +323,7 @@ class Trainer:
         while self.iteration < cfg.train.train_iters:
             self.emit("on_step_start", self.iteration + 1)
             step = self.train_step()
+            self._saved(self.manager.advance(step.checkpoint_write))  # a background save every rank has written
             self.emit("on_step_applied", self.iteration)
             if self.iteration % cfg.logging.log_interval == 0 or step.skipped or self.iteration == cfg.train.train_iters:
                 self.log_step(step)
@@ -393,7 +401,8 @@ class Trainer:
         if reason is not None:
             self.logger.print(line)
         self.nonfinite_total = self.guard.total
-        return StepResult(lr, sums.loss_sum, sums.extra_sums, grad_norm, reason is not None, sums.skipped_loss, sums.stop_signal)
+        return StepResult(lr, sums.loss_sum, sums.extra_sums, grad_norm, reason is not None, sums.skipped_loss,
+                          sums.stop_signal, sums.checkpoint_write)
 
     def _pipeline_micro_batches(self, step: int) -> StepSums:
         """DeepSpeed's pipeline engine runs the grad_accum micro-batches (1F1B), the reductions and
@@ -403,7 +412,7 @@ class Trainer:
         finite = torch.isfinite(loss)
         sums.bad += (~finite).double()
         sums.loss_sum += torch.where(finite, loss, 0.0).double() * self.grad_accum
-        sums.skipped_loss, sums.stop_signal = self._agreed_flags(step, sums.bad)
+        sums.skipped_loss, sums.stop_signal, sums.checkpoint_write = self._agreed_flags(step, sums.bad)
         return sums
 
     def _micro_batches(self, step: int) -> StepSums:
@@ -426,7 +435,7 @@ class Trainer:
             if engine.is_gradient_accumulation_boundary():
                 # Decided on every rank alike before the update (the last micro-batch is the boundary);
                 # a caught signal travels in the same read and stops the run after this step.
-                sums.skipped_loss, sums.stop_signal = self._agreed_flags(step, sums.bad)
+                sums.skipped_loss, sums.stop_signal, sums.checkpoint_write = self._agreed_flags(step, sums.bad)
                 progress.at(step, "optimizer step (ZeRO gradient reduction)")
                 if hasattr(optimizer, "skip"):
                     optimizer.skip = sums.skipped_loss
@@ -435,11 +444,12 @@ class Trainer:
             engine.step()
         return sums
 
-    def _agreed_flags(self, step: int, bad: torch.Tensor) -> tuple[bool, int]:
-        """(any rank's loss non-finite, the caught signal), agreed over every rank in one read."""
-        progress.at(step, "the step's flag all_reduce (non-finite loss, stop signal)")
-        skipped, signal_number = agreed_max(self.device, bad, self.signals.signum or 0)
-        return skipped > 0, signal_number
+    def _agreed_flags(self, step: int, bad: torch.Tensor) -> tuple[bool, int, int]:
+        """(any rank's loss non-finite, the caught signal, the background save's status), agreed over
+        every rank in one read."""
+        progress.at(step, "the step's flag all_reduce (non-finite loss, stop signal, checkpoint write)")
+        skipped, signal_number, write = agreed_max(self.device, bad, self.signals.signum or 0, self.manager.writer_status())
+        return skipped > 0, signal_number, write
 
     def log_step(self, step: StepResult) -> None:
         """The step's train record: losses summed over data parallelism (one read), throughput, memory."""
@@ -481,9 +491,11 @@ class Trainer:
         return agreed_max(self.device, self.signals.signum or 0)[0]
 
     def save(self) -> None:
-        """Collective: the checkpoint of this step, committed atomically."""
+        """Collective: the checkpoint of this step, committed atomically (``checkpoint.background``:
+        written in the background, committed at a later step or when ``train`` finishes it)."""
         cfg, state, step = self.cfg, self.state, self.iteration
         progress.at(step, "checkpoint save")
+        self._saved(self.manager.finish())  # at most one save in flight: the previous one first
         meta = CheckpointMeta(
             iteration=step, consumed_samples=self.consumed, nonfinite_total=self.nonfinite_total,
             world_size=state.world_size, tensor_parallel_size=state.tp_size, data_parallel_size=state.dp_size,
@@ -494,9 +506,17 @@ class Trainer:
             sampler={"consumed_samples": self.consumed, "global_batch_size": self.gbs}, tokenizer=self.tokenizer,
             init_from=self.init_record,
         )
+        start = time.time()
         path = self.manager.save(self.engine, step, meta, self.tracker)
         self.last_saved = step
-        self.logger.print(f"saved checkpoint {path}")
+        took = f"{time.time() - start:.2f} s"  # the time training stood still for it
+        if path is None:
+            self.logger.print(f"saving checkpoint of step {step} in the background (state copied in {took})")
+        self._saved(path, took)
+
+    def _saved(self, path: Path | None, took: str = "written in the background") -> None:
+        if path is not None:
+            self.logger.print(f"saved checkpoint {path} ({took})")
 
 
 def run(cfg: Config, objective: Objective | None = None) -> dict[str, Any]:
@@ -525,25 +545,6 @@ def _full_parameter_count(model: torch.nn.Module, tp_size: int) -> int:
     from megaflex.parallel import is_tensor_parallel
 
     return sum(full_numel(p) * (tp_size if tp_size > 1 and is_tensor_parallel(p) else 1) for p in model.parameters())
-
-
-def _register_zero3_external_parameters(model: GPT) -> None:
-    """Tell ZeRO 3 about parameters used outside their own module's forward.
-
-    ZeRO 3 gathers a module's parameters around its forward/backward, hooking the *tensors* it
-    returns. The feature maps return a ``FeatureMapOutput`` dataclass (not hooked), so their
-    kernel parameters are registered with the attention module that calls them (through the core,
-    or the context-parallel stand-in that bypasses the core's forward); the tied embedding is
-    used again by the logits in the model's own forward.
-    """
-    from deepspeed.runtime.zero.partition_parameters import register_external_parameter
-
-    from megaflex.attention import named_kernel_parameters
-
-    for block in model.blocks:
-        for _, kp in named_kernel_parameters(block.attn.core):
-            register_external_parameter(block.attn, kp.param)
-    register_external_parameter(model, model.output_weight)
 
 
 @torch.no_grad()

@@ -59,10 +59,13 @@ def test_corrupt_checkpoint_is_named_and_auto_resume_falls_back(tmp_path: Path) 
     assert [again[s]["loss"] for s in (11, 12)] == [first[s]["loss"] for s in (11, 12)]  # bit-exact from step 10
 
 
-def test_disk_full_during_save_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
-    """A real full disk: a tmpfs sized for one and a half checkpoints (needs mount permission)."""
+@pytest.mark.parametrize("background", [False, True], ids=["synchronous", "background"])
+def test_disk_full_during_save_keeps_the_previous_checkpoint(tmp_path: Path, background: bool) -> None:
+    """A real full disk: a tmpfs sized for one and a half checkpoints (needs mount permission). With
+    checkpoint.background the writer thread's error fails the run with the same line."""
     cfg = write_config(tmp_path / "cfg.yaml")
-    common = ["checkpoint.save_interval=5", "parallel.zero_stage=1", "checkpoint.keep_last=5"]
+    common = ["checkpoint.save_interval=5", "parallel.zero_stage=1", "checkpoint.keep_last=5",
+              f"checkpoint.background={str(background).lower()}"]
     probe = tmp_path / "probe"
     _ok(launch(cfg, common + [f"logging.run_dir={probe}", "train.train_iters=5"], world_size=1))
     size = directory_size(probe / "checkpoints" / "step_00000005")

@@ -171,6 +171,28 @@ def test_sigterm_during_a_save_stops_after_it_without_another_step(tmp_path: Pat
 
 
 @pytest.mark.slow
+def test_sigterm_during_a_background_save_waits_for_the_write_then_exits_75(tmp_path: Path) -> None:
+    """checkpoint.background: the signal comes from the writer thread of step 2's save, after its first
+    file, while training may go on; the run stops at the step where the ranks agree on it, waits for the
+    write in flight, commits it, saves the stop step, and exits 75."""
+    from megaflex.checkpoint.layout import complete_tags, verify_checkpoint
+    from training_harness import logged_train_steps
+
+    cfg = write_config(tmp_path / "c.yaml", SHORT)
+    run = tmp_path / "run"
+    result = launch(cfg, [f"logging.run_dir={run}", "train.train_iters=50", "checkpoint.save_interval=2",
+                          "checkpoint.background=true", "fault.sigterm_during_save_at_step=2"], world_size=2)
+    assert result.returncodes == [75, 75], result.output
+    stopped = max(logged_train_steps(run))
+    assert f"training stopped (signal SIGTERM) at step {stopped}" in result.outputs[0]
+    ckpt = run / "checkpoints"
+    tags = complete_tags(ckpt)
+    assert tags[0] == "step_00000002" and tags[-1] == f"step_{stopped:08d}"  # the write in flight, then the stop step
+    assert all(verify_checkpoint(ckpt / tag)["iteration"] == int(tag[5:]) for tag in tags)
+    assert not list(ckpt.glob(".tmp-*"))
+
+
+@pytest.mark.slow
 def test_sigterm_during_startup_exits_143_with_one_line(tmp_path: Path) -> None:
     """Before the first step there is nothing to save: the process ends at once, as SIGTERM's
     default action would (143), but says so (before: no output at all)."""

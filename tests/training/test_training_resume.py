@@ -65,10 +65,15 @@ def test_bit_exact_resume_after_kill(tmp_path: Path, zero: int, precision: str, 
     assert len(set(want.values())) > 1  # the comparison covers changing losses
 
 
-def test_kill_during_save_keeps_previous_checkpoint(tmp_path: Path) -> None:
+@pytest.mark.parametrize("background", [False, True], ids=["synchronous", "background"])
+def test_kill_during_save_keeps_previous_checkpoint(tmp_path: Path, background: bool) -> None:
+    """kill -9 of every rank in the save of step 10: before its commit, or (checkpoint.background) from
+    the writer thread once its first file is written, while training goes on. Nothing older is lost,
+    auto resumes from step 5 bit for bit; the resumed background run's final save is waited for."""
     cfg = write_config(tmp_path / "cfg.yaml")
     run = tmp_path / "run"
-    common = [f"logging.run_dir={run}", "checkpoint.save_interval=5", "train.train_iters=12", "parallel.zero_stage=1"]
+    common = [f"logging.run_dir={run}", "checkpoint.save_interval=5", "train.train_iters=12", "parallel.zero_stage=1",
+              f"checkpoint.background={str(background).lower()}"]
     killed = launch(cfg, common + ["fault.sigkill_during_save_at_step=10"], world_size=2)
     assert all(rc == -9 for rc in killed.returncodes), killed.output
     ckpt = run / "checkpoints"
@@ -114,6 +119,18 @@ def test_consecutive_nan_losses_abort(tmp_path: Path) -> None:
     )
     assert result.returncodes == [3], result.output
     assert "aborting at step 5: 3 consecutive steps had a non-finite loss" in result.outputs[0]
+
+
+def test_an_abort_keeps_the_background_save_in_flight(tmp_path: Path) -> None:
+    """The save of step 4 is still in flight when step 5 aborts the run (3 non-finite steps in a row):
+    the abort is decided alike on every rank, so the run commits it before exiting 3."""
+    cfg = write_config(tmp_path / "cfg.yaml")
+    run = tmp_path / "run"
+    result = launch(cfg, [f"logging.run_dir={run}", "fault.nan_loss_at_steps=[3,4,5]", "train.max_nonfinite_in_a_row=3",
+                          "checkpoint.save_interval=4", "checkpoint.background=true"], world_size=1)
+    assert result.returncodes == [3], result.output
+    assert complete_tags(run / "checkpoints") == ["step_00000004"]
+    assert result.outputs[0].count("saved checkpoint") == 1
 
 
 @pytest.mark.numerics
