@@ -111,11 +111,7 @@ def _probe_statistics(model: nn.Module, probe_ids: torch.Tensor) -> dict[str, fl
             if q.shape[2] > window:  # else there is no far field to measure (and no NaN in the logs)
                 stats[f"layer{i:02d}/far_share"] = far_share(weights, window)
         else:
-            weights = causal_weights(q, k, core.feature_map)
-            if log_decay is not None:  # gamma_h^(t - s): what the forms apply (attention/decay.py)
-                n = weights.shape[-1]
-                lag = (torch.arange(n, device=weights.device)[:, None] - torch.arange(n, device=weights.device)).clamp_min(0)
-                weights = weights * torch.exp(log_decay.to(weights.device)[:, None, None] * lag)
+            weights = causal_weights(q, k, core.feature_map, log_decay)
         for key, value in weight_statistics(weights).items():
             stats[f"layer{i:02d}/{key}"] = value
         for name, x in (("q", q), ("k", k)):
