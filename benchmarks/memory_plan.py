@@ -17,57 +17,42 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "helpers"))
-
-from training_harness import launch  # noqa: E402  (tests/helpers: local multi-process launch)
-
-from megaflex.cli_args import existing_file, positive_int, scratch_results, writable_file  # noqa: E402
-from megaflex.model.memory_plan import memory_plan  # noqa: E402
-from megaflex.model.summary import load_model_config  # noqa: E402
+from benchmarks.trainer_steps import REPO, TINY_CONFIG, trainer_steps
+from megaflex.cli_args import existing_file, positive_int, scratch_results, writable_file
+from megaflex.model.cross_entropy import DEFAULT_LOSS_CHUNK_TOKENS
+from megaflex.model.memory_plan import memory_plan
+from megaflex.model.summary import load_model_config
 
 MIB = 2**20
-BASELINE_CONFIG = REPO / "configs" / "tiny.yaml"
+BASELINE_CONFIG = TINY_CONFIG
 PLAN_BYTES = ("weights", "gradients", "optimizer", "activations", "activations_checkpointed", "total", "total_checkpointed")
 
 
-def step_peak_mib(config: Path, zero: int, precision: str, micro_batch: int, seq_len: int) -> float:
+def step_peak_mib(config: Path, zero: int, precision: str, micro_batch: int, seq_len: int,
+                  loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS) -> float:
     """Rank 0's peak RSS (MiB) after one optimizer step of ``config``'s model on one CPU rank."""
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg_path = Path(tmp) / "bench.yaml"
-        cfg_path.write_text(config.read_text())
-        overrides = [
-            "data.source=synthetic", "data.tokenizer=null", f"data.seq_len={seq_len}",
-            f"train.micro_batch_size={micro_batch}", f"train.global_batch_size={micro_batch}", "train.train_iters=1",
-            "schedule.warmup_iters=0", f"parallel.zero_stage={zero}", f"train.precision={precision}",
-            "data.valid_path=[]", "train.eval_interval=0", "train.eval_iters=1", "train.device=cpu", "checkpoint.save_interval=0", "checkpoint.save_at_end=false",
-            "checkpoint.resume=none", "logging.tensorboard=false", "logging.kernel_stats_interval=0",
-            "logging.log_interval=1", "logging.progress_bar=false", f"logging.run_dir={tmp}/run",
-        ]
-        # eval_iters=1: the closing validation pass (50 forward passes at the 247M config's own
-        # setting, a third of the run here) leaves the peak, set by the optimizer step, unchanged.
-        # Fresh interpreters: the peak RSS is that of a rank as users start it.
-        result = launch(cfg_path, overrides, 1, timeout=3600, fresh=True)
-        if result.returncodes != [0]:
-            raise RuntimeError(f"training run of {config} failed:\n{result.output}")
-        records = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
-        return max(r["memory_mb"] for r in records if r.get("kind", "train") == "train")
+    records = trainer_steps(config, [
+        f"data.seq_len={seq_len}", f"train.micro_batch_size={micro_batch}", f"train.global_batch_size={micro_batch}",
+        f"parallel.zero_stage={zero}", f"train.precision={precision}", f"train.loss_chunk_tokens={loss_chunk_tokens}",
+    ], steps=1)
+    return max(r["memory_mb"] for r in records)
 
 
-def compare(config: Path, zero: int = 1, precision: str = "bf16", micro_batch: int = 1, seq_len: int = 32) -> dict[str, Any]:
+def compare(config: Path, zero: int = 1, precision: str = "bf16", micro_batch: int = 1, seq_len: int = 32,
+            loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS) -> dict[str, Any]:
     """Measured model memory of one step (peak minus the tiny model's run) and the plan's numbers."""
-    peak = step_peak_mib(config, zero, precision, micro_batch, seq_len)
-    baseline = step_peak_mib(BASELINE_CONFIG, zero, precision, micro_batch, min(seq_len, 256))
-    plan = memory_plan(load_model_config(config), zero=zero, micro_batch=micro_batch, seq_len=seq_len, precision=precision)
+    peak = step_peak_mib(config, zero, precision, micro_batch, seq_len, loss_chunk_tokens)
+    baseline = step_peak_mib(BASELINE_CONFIG, zero, precision, micro_batch, min(seq_len, 256), loss_chunk_tokens)
+    plan = memory_plan(load_model_config(config), zero=zero, micro_batch=micro_batch, seq_len=seq_len, precision=precision,
+                       loss_chunk_tokens=loss_chunk_tokens)
     measured = peak - baseline
     return {
         "config": str(config.relative_to(REPO) if config.is_relative_to(REPO) else config),
-        "zero": zero, "precision": precision, "micro_batch": micro_batch, "seq_len": seq_len, "device": "cpu, 1 rank",
+        "zero": zero, "precision": precision, "micro_batch": micro_batch, "seq_len": seq_len,
+        "loss_chunk_tokens": loss_chunk_tokens, "device": "cpu, 1 rank",
         "peak_rss_mib": round(peak, 1), "baseline_rss_mib": round(baseline, 1), "measured_model_mib": round(measured, 1),
         "plan_mib": {k: round(v / MIB, 1) for k, v in plan.to_dict().items() if k in PLAN_BYTES},
         "parameters": plan.parameters,

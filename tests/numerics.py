@@ -249,3 +249,22 @@ def assert_params_close_after_adam(
             f" {bound.flatten()[worst].item():.3e} (Adam's steps {moved.flatten()[worst].item():.3e} + their rounding)"
         )
     return drift
+
+
+def linear_cross_entropy_steps(
+    hidden: int, vocab: int, tokens: int, max_logit: float, chunks: int = 1, dtype: torch.dtype = torch.float32
+) -> float:
+    """Error growth, in unit roundoffs of ``dtype``, of the per-token cross-entropy of the logits
+    hidden_states @ W.T ([tokens, vocab], ``dtype`` with fp32 accumulation, the loss in fp32) and of its
+    gradients wrt the hidden states and W, on the scale of the largest of the logits, the loss and the
+    gradient: the logits' ``hidden``-term sums, rounded to ``dtype`` once, move the loss by at most
+    twice their error; the loss's vocabulary sum of exps (arguments down to -2 max |logit|), its log and
+    division; the gradient's rounding to ``dtype``, the hidden states' vocabulary-term and W's
+    token-term sums, W's in ``chunks`` partial sums each rounded to ``dtype`` before they are added."""
+
+    def in_dtype(steps: float) -> float:  # fp32 arithmetic inside a ``dtype`` computation
+        return steps if dtype == torch.float32 else fp32_steps_in(dtype, steps)
+
+    logits = 1 + in_dtype(hidden)
+    loss = 2 * logits + in_dtype(vocab + 2 * max_logit + 8)
+    return loss + 1 + chunks + in_dtype(vocab + tokens)

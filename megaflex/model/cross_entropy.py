@@ -9,9 +9,19 @@ logits, so the losses are those of the full-copy form.
 
 With z the fp32 logits, p = softmax(z), eps the label smoothing over V classes and y the label:
     d loss / d z = p - (1 - eps) [c = y] - eps / V
+
+``chunked_linear_cross_entropy`` goes one step further (``train.loss_chunk_tokens``): it takes the
+final hidden states and the output matrix instead of the logits and runs the projection and the loss
+``chunk_tokens`` tokens at a time, recomputing each chunk's logits in backward, so neither the
+[tokens x V] logits nor their gradient ever exist whole (torchtitan's chunked loss, Liger/fla's fused
+linear cross-entropy). Its per-chunk loss is any differentiable per-token loss of the logits chunk: the
+blockwise one above, or the vocab-parallel one under tensor parallelism (which then all-reduces once
+more per chunk in backward, for the recompute).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -59,3 +69,69 @@ def blockwise_cross_entropy(
     flat = logits.reshape(-1, vocab)
     rows = block_rows or max(1, BLOCK_ELEMENTS // vocab)
     return _BlockwiseCrossEntropy.apply(flat, labels.reshape(-1), float(label_smoothing), rows).view(labels.shape)
+
+
+# ``train.loss_chunk_tokens``'s default: off. The recompute costs CPU time (docs/results/bench_chunked_ce.json:
+# 5-15% of a step at the kernel study's shape), and on CPU memory is rarely what stops a run.
+DEFAULT_LOSS_CHUNK_TOKENS = 0
+
+# (logits chunk [T_c, V_local], labels chunk [T_c]) -> per-token fp32 loss [T_c]; differentiable
+ChunkLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Per-token loss of ``hidden @ weight.T``, ``chunk`` rows at a time: no chunk's logits outlive
+    it. Backward recomputes each chunk's logits and differentiates ``loss_fn`` on them (its own
+    backward: the local or the vocab-parallel one), then the projection by hand:
+    grad_hidden = grad_logits @ W, grad_W = sum over chunks of grad_logits.T @ hidden (summed in
+    fp32 when the weight is bf16/fp16, rounded to its dtype once)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, loss_fn, chunk):  # type: ignore[override]
+        loss = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            loss[rows] = loss_fn(F.linear(hidden[rows], weight), labels[rows])
+        ctx.save_for_backward(hidden, weight, labels)
+        ctx.loss_fn, ctx.chunk = loss_fn, chunk
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):  # type: ignore[override]
+        hidden, weight, labels = ctx.saved_tensors
+        want_hidden, want_weight = ctx.needs_input_grad[:2]
+        grad_hidden = torch.empty_like(hidden) if want_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
+        for start in range(0, hidden.shape[0], ctx.chunk):
+            rows = slice(start, start + ctx.chunk)
+            with torch.enable_grad():
+                logits = F.linear(hidden[rows], weight).requires_grad_(True)
+                (grad_logits,) = torch.autograd.grad(ctx.loss_fn(logits, labels[rows]), logits, grad_loss[rows])
+            if want_hidden:
+                torch.mm(grad_logits, weight, out=grad_hidden[rows])
+            if want_weight:
+                if grad_weight.dtype == grad_logits.dtype:
+                    grad_weight.addmm_(grad_logits.t(), hidden[rows])
+                else:
+                    grad_weight += (grad_logits.t() @ hidden[rows]).float()
+        if want_weight:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None
+
+
+def chunked_linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, loss_fn: ChunkLoss, chunk_tokens: int
+) -> torch.Tensor:
+    """Per-token fp32 loss [...] of the logits ``hidden`` [..., h] @ ``weight`` [V_local, h].T scored by
+    ``loss_fn`` (e.g. a factory's ``cross_entropy``, vocab-parallel under TP), ``chunk_tokens`` tokens
+    at a time: the whole [..., V_local] logits and their gradient never exist, only one chunk's.
+    Equal to ``loss_fn(F.linear(hidden, weight), labels)`` per token (the same row computation);
+    the weight's gradient sums the chunks' in another order (rounding)."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens: expected a positive integer, got {chunk_tokens}")
+    if tuple(labels.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"labels: expected shape {tuple(hidden.shape[:-1])} (hidden without its last dim), "
+                         f"got {tuple(labels.shape)}")
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    loss = _ChunkedLinearCrossEntropy.apply(flat, weight, labels.reshape(-1), loss_fn, int(chunk_tokens))
+    return loss.view(labels.shape)

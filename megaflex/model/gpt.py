@@ -21,6 +21,7 @@ recurrent state (a ``LinearAttentionState``, or a ``KVCache`` for softmax), so
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Sequence
@@ -37,6 +38,7 @@ from megaflex.attention.hybrid import HybridState, LocalMixingCore, build_attent
 from megaflex.attention.inputs import refuse_padded_documents
 from megaflex.attention.qk_norm import QKNorm
 from megaflex.model.config import ModelConfig
+from megaflex.model.cross_entropy import chunked_linear_cross_entropy
 from megaflex.model.kernel_stats import kernel_statistics
 from megaflex.model.layers import LayerFactory, LocalLayers, linear, norm, normal_init, vocab_embedding
 from megaflex.model.rope import RotaryEmbedding
@@ -111,8 +113,9 @@ class ModelOutput(NamedTuple):
     the fp32 accumulator summed running totals (4 g1 + 3 g2 + 2 g3 + g4 at grad_accum 4)."""
 
     # [B, N, padded_vocab / tp]: this rank's vocab shard, padding columns included; use
-    # ``GPT.gather_logits`` for the full [B, N, vocab_size] logits.
-    logits: torch.Tensor
+    # ``GPT.gather_logits`` for the full [B, N, vocab_size] logits. None when the loss was computed
+    # chunk by chunk (``GPT.set_loss_chunk_tokens``): the whole logits never existed.
+    logits: torch.Tensor | None
     loss: torch.Tensor | None = None  # scalar fp32, mean over non-ignored tokens
     per_token_loss: torch.Tensor | None = None  # [B, N] fp32, 0 where labels == IGNORE_INDEX
     state: GPTState | None = None
@@ -251,6 +254,7 @@ class GPT(nn.Module):
             self.lm_head = vocab_embedding(config.vocab_size, config.hidden_size, init_method=init)
         self.activation_checkpointing = False
         self.set_activation_checkpointing(config.activation_checkpointing)
+        self.loss_chunk_tokens = 0  # 0: the whole logits (``set_loss_chunk_tokens``)
 
     # ------------------------------------------------------------------ forward
 
@@ -269,7 +273,9 @@ class GPT(nn.Module):
         context parallelism): padded tokens are invisible to every attention form and cache, and
         positions count from each row's first real token, so a left-padded row computes what it
         computes alone. ``documents`` (packed documents, ``Documents``): attention never crosses a
-        document start. Not both at once."""
+        document start. Not both at once. With ``labels`` of more than n tokens and
+        ``set_loss_chunk_tokens(n)``, n > 0, the loss is computed n tokens at a time and the output's
+        ``logits`` is None."""
         self._check_inputs(input_ids, labels, state)
         B, N = input_ids.shape
         # global position of the first token (under context parallelism: of this rank's slice)
@@ -287,10 +293,17 @@ class GPT(nn.Module):
             self.blocks, x, None if state is None else state.layers, return_state, offset, padding, documents,
             checkpoint_context=self.layer_factory.checkpoint_context if checkpointing else None,
         )
-        logits = self.output_logits(x)  # post_process: [B, N, padded_vocab / tp]
-        loss = per_token_loss = None
-        if labels is not None:
-            loss, per_token_loss = language_model_loss(self.layer_factory, self.config.vocab_size, logits, labels)
+        logits = loss = per_token_loss = None
+        # post_process without the whole logits, when they would take more than one chunk
+        if labels is not None and 0 < self.loss_chunk_tokens < labels.numel():
+            loss, per_token_loss = chunked_language_model_loss(
+                self.layer_factory, self.config.vocab_size, self.final_norm(x), self.output_weight, labels,
+                self.loss_chunk_tokens,
+            )
+        else:
+            logits = self.output_logits(x)  # post_process: [B, N, padded_vocab / tp]
+            if labels is not None:
+                loss, per_token_loss = language_model_loss(self.layer_factory, self.config.vocab_size, logits, labels)
         state_out = GPTState(layers=new_states, offset=offset + N) if return_state else None
         return ModelOutput(logits, loss, per_token_loss, state_out)
 
@@ -337,6 +350,15 @@ class GPT(nn.Module):
     def set_activation_checkpointing(self, enabled: bool) -> None:
         """Recompute each block in backward instead of storing its activations."""
         self.activation_checkpointing = bool(enabled)
+
+    def set_loss_chunk_tokens(self, tokens: int) -> None:
+        """``tokens`` > 0: a forward with labels of more than ``tokens`` tokens computes the logits and the
+        loss that many tokens at a time, recomputing them in backward
+        (``megaflex.model.cross_entropy.chunked_linear_cross_entropy``), and returns no logits (one chunk or
+        less: the whole logits, which take no more memory than a chunk); 0: the whole logits (the default)."""
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise ValueError(f"loss_chunk_tokens: expected an int >= 0 (0: off), got {tokens!r}")
+        self.loss_chunk_tokens = tokens
 
     def num_parameters(self) -> int:
         """Parameters held by this module (this rank's shards under TP; tied weights once)."""
@@ -425,9 +447,27 @@ def language_model_loss(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean loss over non-ignored tokens, per-token loss [B, N] fp32 with 0 where ignored) from
     this rank's logits; under context parallelism the mean is over the whole sequences."""
+    return _masked_mean_loss(layers, labels, lambda safe: layers.cross_entropy(logits, safe, vocab_size))
+
+
+def chunked_language_model_loss(
+    layers: LayerFactory, vocab_size: int, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+    chunk_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``language_model_loss`` of the logits ``layers.lm_logits(hidden, weight)`` without them: the
+    projection and the factory's (vocab-parallel under TP) loss run ``chunk_tokens`` tokens at a time."""
+    scored = functools.partial(layers.cross_entropy, vocab_size=vocab_size)
+    x = layers.logits_input(hidden)
+    return _masked_mean_loss(layers, labels, lambda safe: chunked_linear_cross_entropy(x, weight, safe, scored, chunk_tokens))
+
+
+def _masked_mean_loss(
+    layers: LayerFactory, labels: torch.Tensor, per_token_loss: Callable[[torch.Tensor], torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, per-token [B, N] fp32, 0 where ignored) of ``per_token_loss(labels)`` with ignored labels
+    mapped to a valid id first (the loss may be vocab-parallel: every id must lie in some shard)."""
     valid = labels != IGNORE_INDEX
-    # Ignored labels are mapped to a valid id before the (possibly vocab-parallel) loss.
-    per_token = layers.cross_entropy(logits, labels.masked_fill(~valid, 0), vocab_size).float() * valid
+    per_token = per_token_loss(labels.masked_fill(~valid, 0)).float() * valid
     loss = layers.sequence_sum(per_token.sum()) / layers.sequence_sum(valid.sum()).clamp(min=1)
     return loss, per_token
 

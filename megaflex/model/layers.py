@@ -69,9 +69,14 @@ class LayerFactory(Protocol):
         """Context for random ops on the residual stream (embedding and hidden dropout): the
         default RNG where it is replicated over TP, ``tp_region_rng`` where it is sharded."""
 
+    def logits_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., N, h] (the residual stream) -> what multiplies the output matrix: [..., N, h]
+        over the whole sequence, its gradient summed over the ranks that use it (TP)."""
+
     def lm_logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """hidden [..., N, h] (the residual stream) x vocab-sharded weight [padded_vocab / tp, h]
-        -> logits shard [..., N, padded_vocab / tp] over the whole sequence."""
+        -> logits shard [..., N, padded_vocab / tp] over the whole sequence: ``logits_input(hidden)``
+        times the weight."""
 
     def cross_entropy(
         self, logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, label_smoothing: float = 0.0
@@ -110,6 +115,9 @@ class LocalLayers:
 
     def residual_rng(self) -> ContextManager[None]:
         return contextlib.nullcontext()
+
+    def logits_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden
 
     def lm_logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, weight)

@@ -28,7 +28,10 @@ dropout 0 and linear attention, which has no s^2 term):
 
 Softmax attention runs torch SDPA (flash / memory-efficient kernels: no s^2 matrix is stored),
 so its core keeps q, k, v and the output only. Outside the blocks: the embedding output and final
-norm input (2 e s b h) and the logits with their gradient (2 e s b V/t). With activation
+norm input (2 e s b h) and the logits with their gradient (2 e s b V/t), or, with the chunked loss
+(``loss_chunk_tokens`` = c > 0, ``train.loss_chunk_tokens``; not under pipeline parallelism), one chunk's
+logits and gradient and two fp32 working copies of them ((2 e + 8) min(c, s b) V/t) plus, in bf16/fp16,
+the fp32 sum of the output matrix's gradient over the chunks (4 V/t h). With activation
 checkpointing a block keeps only its input (e s b h) and one block is recomputed at a time (its
 full activations once). Under pipeline parallelism (1F1B) the first stage holds ``pp``
 micro-batches in flight. Context parallelism gives each rank s / cp tokens (and ZeRO partitions
@@ -69,6 +72,7 @@ class MemoryPlan:
     precision: str
     micro_batch: int
     seq_len: int
+    loss_chunk_tokens: int  # 0: the whole logits
     parameters: int  # the whole model
     rank_parameters: int  # held by the heaviest rank before ZeRO partitions them
     weights: int
@@ -96,9 +100,10 @@ class MemoryPlan:
             ("total (checkpointed)", self.total_checkpointed),
         ]
         sp = " (sequence parallel)" if self.sequence_parallel else ""
+        loss = f"loss in chunks of {self.loss_chunk_tokens} tokens" if self.loss_chunk_tokens else "whole logits"
         head = (f"memory plan per rank: TP {self.tp}{sp} x CP {self.cp} x PP {self.pp} x DP {self.dp}, ZeRO {self.zero}, "
                 f"{self.precision}, "
-                f"micro-batch {self.micro_batch} x seq {self.seq_len}\n"
+                f"micro-batch {self.micro_batch} x seq {self.seq_len}, {loss}\n"
                 f"  parameters {self.parameters:,d} ({self.rank_parameters:,d} on the heaviest rank before ZeRO)")
         return "\n".join([head] + [f"  {name:<28s} {value / GIB:>9.2f} GiB" for name, value in rows])
 
@@ -116,6 +121,7 @@ def memory_plan(
     seq_len: int | None = None,
     precision: str = "bf16",
     grad_accum_dtype: str = "fp32",
+    loss_chunk_tokens: int = 0,
 ) -> MemoryPlan:
     """The plan of ``config`` on ``world`` ranks split TP x CP x PP x DP (pure: builds on the meta device)."""
     for name, value in {"tp": tp, "pp": pp, "cp": cp, "world": world, "micro_batch": micro_batch}.items():
@@ -139,6 +145,9 @@ def memory_plan(
         raise ValueError(f"precision: expected one of {PRECISIONS}, got {precision!r}")
     if pp > config.num_layers:
         raise ValueError(f"pp: expected at most num_layers={config.num_layers} stages, got {pp}")
+    if loss_chunk_tokens < 0:
+        raise ValueError(f"loss_chunk_tokens: expected >= 0 (0: the whole logits), got {loss_chunk_tokens}")
+    loss_chunk_tokens = 0 if pp > 1 else loss_chunk_tokens  # the pipeline's last stage keeps the whole logits
     dp = world // (tp * pp * cp)
     shards = dp * cp  # ZeRO partitions over the DP x CP group it reduces over
     with torch.device("meta"):
@@ -153,14 +162,14 @@ def memory_plan(
     optimizer = (8 + master) * rank_params / (shards if zero >= 1 else 1)
 
     block, outside, block_input = _activation_bytes(
-        model, config, tp, micro_batch, seq_len // cp, low, sequence_parallel
+        model, config, tp, micro_batch, seq_len // cp, low, sequence_parallel, loss_chunk_tokens
     )
     blocks = math.ceil(config.num_layers / pp)
     activations = pp * blocks * block + outside
     checkpointed = pp * blocks * block_input + block + outside
     return MemoryPlan(
         tp=tp, pp=pp, dp=dp, cp=cp, sequence_parallel=sequence_parallel, zero=zero, precision=precision, micro_batch=micro_batch, seq_len=seq_len,
-        parameters=model.num_parameters(), rank_parameters=rank_params,
+        loss_chunk_tokens=loss_chunk_tokens, parameters=model.num_parameters(), rank_parameters=rank_params,
         weights=int(weights), gradients=int(gradients), optimizer=int(optimizer),
         activations=int(activations), activations_checkpointed=int(checkpointed),
     )
@@ -187,7 +196,8 @@ def _heaviest_stage_parameters(model: GPT, config: ModelConfig, tp: int, pp: int
 
 
 def _activation_bytes(
-    model: GPT, config: ModelConfig, tp: int, b: int, s: int, e: int, sequence_parallel: bool = False
+    model: GPT, config: ModelConfig, tp: int, b: int, s: int, e: int, sequence_parallel: bool = False,
+    loss_chunk_tokens: int = 0,
 ) -> tuple[int, int, int]:
     """(one block's saved activations, those outside the blocks, one block's checkpointed input)
     for ``s`` tokens per sequence on this rank."""
@@ -202,5 +212,10 @@ def _activation_bytes(
         feat = feature_map.feature_dim
         block += e * tokens * heads * 2 * (d + feat // 2)  # feature maps of q and k
         block += 4 * tokens * heads * (2 * feat + 2 * d)  # the chunked core's fp32 saves
-    outside = 2 * e * tokens * residual + 2 * e * tokens * pad_vocab_size(config.vocab_size, tp) // tp
+    vocab = pad_vocab_size(config.vocab_size, tp) // tp
+    if loss_chunk_tokens:
+        logits = (2 * e + 8) * min(loss_chunk_tokens, tokens) * vocab + (4 * vocab * h if e < 4 else 0)
+    else:
+        logits = 2 * e * tokens * vocab
+    outside = 2 * e * tokens * residual + logits
     return block, outside, e * tokens * residual

@@ -11,8 +11,9 @@ single-device model: embeddings are counted at the padded vocabulary size, tied 
 
 ``--memory`` prints instead the per-rank memory plan of that layout (``megaflex.model.memory_plan``:
 weights, gradients, optimizer states, activations with and without activation checkpointing) at
-the file's ``train.micro_batch_size``, ``data.seq_len`` and ``train.precision`` (overridable:
-``--micro-batch``, ``--seq-len``, ``--precision``); ``--json`` prints it as JSON.
+the file's ``train.micro_batch_size``, ``data.seq_len``, ``train.precision`` and ``train.loss_chunk_tokens``
+(overridable: ``--micro-batch``, ``--seq-len``, ``--precision``, ``--loss-chunk-tokens``; 0 plans the
+whole logits); ``--json`` prints it as JSON.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import yaml
 
 from megaflex.attention import named_kernel_parameters
 from megaflex.model.config import ModelConfig
+from megaflex.model.cross_entropy import DEFAULT_LOSS_CHUNK_TOKENS
 from megaflex.model.gpt import GPT
 from megaflex.model.layers import pad_vocab_size
 from megaflex.model.memory_plan import PRECISIONS, memory_plan
@@ -105,15 +107,16 @@ def summarize(config: ModelConfig) -> str:
 
 
 def training_defaults(path: str | Path) -> dict[str, Any]:
-    """micro_batch, seq_len and precision from a YAML file's ``train:``/``data:`` sections (or the
-    trainer's defaults; precision ``auto`` counts as bf16, what it resolves to on GPUs)."""
+    """micro_batch, seq_len, precision and loss_chunk_tokens from a YAML file's ``train:``/``data:``
+    sections (or the trainer's defaults; precision ``auto`` counts as bf16, what it resolves to on GPUs)."""
     with open(path) as f:
         data: Any = yaml.safe_load(f)
     data = data if isinstance(data, dict) else {}
     train, data_section = data.get("train") or {}, data.get("data") or {}
     precision = train.get("precision", "auto")
     return {"micro_batch": int(train.get("micro_batch_size", 1)), "seq_len": int(data_section.get("seq_len", 1024)),
-            "precision": "bf16" if precision == "auto" else precision}
+            "precision": "bf16" if precision == "auto" else precision,
+            "loss_chunk_tokens": int(train.get("loss_chunk_tokens", DEFAULT_LOSS_CHUNK_TOKENS))}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -130,6 +133,8 @@ def main(argv: list[str] | None = None) -> None:
     plan.add_argument("--micro-batch", type=int, default=None, help="default: the file's train.micro_batch_size")
     plan.add_argument("--seq-len", type=int, default=None, help="default: the file's data.seq_len")
     plan.add_argument("--precision", choices=PRECISIONS, default=None, help="default: the file's train.precision")
+    plan.add_argument("--loss-chunk-tokens", type=int, default=None,
+                      help="tokens per chunk of the loss, 0: the whole logits (default: the file's train.loss_chunk_tokens)")
     plan.add_argument("--json", action="store_true", help="the plan as JSON (bytes)")
     args = parser.parse_args(argv)
     config = load_model_config(args.config)
@@ -145,6 +150,7 @@ def main(argv: list[str] | None = None) -> None:
             micro_batch=defaults["micro_batch"] if args.micro_batch is None else args.micro_batch,
             seq_len=defaults["seq_len"] if args.seq_len is None else args.seq_len,
             precision=args.precision or defaults["precision"],
+            loss_chunk_tokens=defaults["loss_chunk_tokens"] if args.loss_chunk_tokens is None else args.loss_chunk_tokens,
         )
     except ValueError as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)

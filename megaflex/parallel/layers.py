@@ -241,12 +241,16 @@ class TensorParallelLayers:
         # sequence shards differ per TP rank, so their dropout masks must too
         return self.tp_region_rng() if self.sequence_parallel else contextlib.nullcontext()
 
-    def lm_logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def logits_input(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., h] (replicated; under sequence parallelism this rank's shard [..., N / tp, h],
-        gathered first) x weight [V_padded / tp, h] -> logits [..., N, V_padded / tp]."""
+        gathered) -> [..., N, h], whose gradient is all-reduced (reduce-scattered) over TP."""
         if self.sequence_parallel:
-            return F.linear(gather_from_sequence(hidden, self.state), weight)
-        return F.linear(copy_to_tp_region(hidden, self.state), weight)
+            return gather_from_sequence(hidden, self.state)
+        return copy_to_tp_region(hidden, self.state)
+
+    def lm_logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """hidden [..., h] x weight [V_padded / tp, h] -> logits [..., N, V_padded / tp]."""
+        return F.linear(self.logits_input(hidden), weight)
 
     def cross_entropy(
         self, logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, label_smoothing: float = 0.0

@@ -6,7 +6,8 @@
 DeepSpeed's ``zero.Init``, each block parallelised and partitioned over DeepSpeed's data-parallel
 group (DP x CP) as soon as it is built (``megaflex.parallel.deferred_init``), so no rank ever holds
 all the fp32 weights; the parameters equal the eager build's for the same seed. Either way the GPT
-is built plain and parallelised over ``state`` (``megaflex.parallel.parallelize``).
+is built plain and parallelised over ``state`` (``megaflex.parallel.parallelize``), then told its loss
+chunking (``train.loss_chunk_tokens``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ def build_gpt(cfg: Config, state: ParallelState, device: str, rng_tracker: Tenso
         return module if layers is None else parallelize_with(module, layers, cfg.model)
 
     if not uses_deferred_init(cfg):
-        return parallelize(GPT(cfg.model))
-    ds_config = deepspeed_config(cfg, state.dp_size, state.cp_size, on_cuda=device == "cuda")
-    return zero3_build(lambda: GPT(cfg.model), ds_config, deepspeed_mpu(state), prepare=parallelize)
+        model = parallelize(GPT(cfg.model))
+    else:
+        ds_config = deepspeed_config(cfg, state.dp_size, state.cp_size, on_cuda=device == "cuda")
+        model = zero3_build(lambda: GPT(cfg.model), ds_config, deepspeed_mpu(state), prepare=parallelize)
+    model.set_loss_chunk_tokens(cfg.train.loss_chunk_tokens)
+    return model

@@ -54,6 +54,7 @@ def validate(cfg: Config) -> None:
         "train.eval_interval": t.eval_interval, "train.eval_iters": t.eval_iters, "checkpoint.save_interval": c.save_interval,
         "schedule.warmup_iters": s.warmup_iters, "logging.kernel_stats_interval": lg.kernel_stats_interval,
         "train.fp16_initial_scale_power": t.fp16_initial_scale_power,
+        "train.loss_chunk_tokens": t.loss_chunk_tokens,
     }
     for key, value in non_negative.items():
         if value < 0:
@@ -134,6 +135,11 @@ def config_warnings(cfg: Config) -> list[str]:
     if cfg.where("model.window_mixing") != "defaults" and not m.softmax_window:
         out.append(f"WARNING: model.window_mixing={m.window_mixing} (from {cfg.where('model.window_mixing')}) has no "
                    "effect: it acts only with a window, model.softmax_window > 0, got 0")
+    if cfg.where("train.loss_chunk_tokens") != "defaults" and cfg.train.loss_chunk_tokens \
+            and cfg.parallel.pipeline_parallel_size > 1:
+        out.append(f"WARNING: train.loss_chunk_tokens={cfg.train.loss_chunk_tokens} (from "
+                   f"{cfg.where('train.loss_chunk_tokens')}) has no effect under pipeline parallelism: the last stage "
+                   "computes the whole logits")
     return out
 
 

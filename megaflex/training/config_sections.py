@@ -12,6 +12,7 @@ import yaml
 from megaflex.checkpoint.layout import CHECKPOINTS_DIR, run_checkpoint_dir
 from megaflex.config_field import opt
 from megaflex.model.config import ModelConfig
+from megaflex.model.cross_entropy import DEFAULT_LOSS_CHUNK_TOKENS
 from megaflex.parallel.config import ParallelConfig
 from megaflex.training.config_loader import Range, to_dict
 
@@ -141,6 +142,11 @@ class TrainConfig:
     eval_interval: int = opt(0, "run validation every this many steps (0: only at the end, if valid_path is set)")
     eval_iters: int = opt(10, "validation micro-batches per rank per evaluation (0: no validation)")
     max_nonfinite_in_a_row: int = opt(5, "abort after this many consecutive steps with non-finite loss or grad norm")
+    loss_chunk_tokens: int = opt(
+        DEFAULT_LOSS_CHUNK_TOKENS, "> 0: the output projection and cross-entropy run this many tokens at a time, "
+        "recomputed in backward, so the whole [tokens x vocab] logits and their gradient never exist (also under TP, "
+        "with the vocab-parallel loss); 0: the whole logits. Not under pipeline parallelism (the last stage keeps them)",
+    )
 
 
 @dataclass

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from megaflex.model import GPT, ModelConfig
+from megaflex.model.cross_entropy import DEFAULT_LOSS_CHUNK_TOKENS
 from megaflex.model.memory_plan import memory_plan
 from megaflex.model.summary import main as summary_main
 from megaflex.parallel import ParallelState, parallelize_gpt
@@ -70,6 +71,32 @@ def test_context_and_sequence_parallelism_split_the_activations() -> None:
     assert sp.activations_checkpointed < tp2.activations_checkpointed and sp.weights == tp2.weights
     with pytest.raises(ValueError, match="sequence_parallel: needs tp > 1"):
         memory_plan(config, sequence_parallel=True)
+
+
+def test_the_chunked_loss_plans_one_chunk_of_logits(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    config = ModelConfig(**SMALL)  # padded vocabulary 384
+    whole = memory_plan(config, micro_batch=4, seq_len=64, precision="bf16")
+    chunked = memory_plan(config, micro_batch=4, seq_len=64, precision="bf16", loss_chunk_tokens=32)
+    vocab, h, tokens = 384, config.hidden_size, 4 * 64
+    # the logits and their gradient (2 e per entry over every token) -> one chunk of them with two fp32
+    # working copies, and the fp32 sum of the output matrix's gradient
+    assert whole.activations - chunked.activations == 2 * 2 * tokens * vocab - ((2 * 2 + 8) * 32 * vocab + 4 * vocab * h)
+    assert chunked.weights == whole.weights and chunked.loss_chunk_tokens == 32 and whole.loss_chunk_tokens == 0
+    fp32 = memory_plan(config, micro_batch=4, seq_len=64, precision="fp32", loss_chunk_tokens=1024)  # chunk > tokens
+    assert memory_plan(config, micro_batch=4, seq_len=64, precision="fp32").activations - fp32.activations == \
+        (2 * 4 - (2 * 4 + 8)) * tokens * vocab
+    # the pipeline's last stage computes the whole logits
+    assert memory_plan(config, pp=2, world=2, loss_chunk_tokens=32) == memory_plan(config, pp=2, world=2)
+    with pytest.raises(ValueError, match="loss_chunk_tokens: expected >= 0"):
+        memory_plan(config, loss_chunk_tokens=-1)
+    # summary --memory: the file's train.loss_chunk_tokens (else the trainer's default), or the flag's
+    path = REPO / "configs" / "flexformer_n_247m.yaml"
+    chunked_file = tmp_path / "chunked.yaml"
+    chunked_file.write_text(path.read_text().replace("train:\n", "train:\n  loss_chunk_tokens: 512\n", 1))
+    for file, flags, chunk in ((path, [], DEFAULT_LOSS_CHUNK_TOKENS), (chunked_file, [], 512),
+                               (chunked_file, ["--loss-chunk-tokens", "256"], 256)):
+        summary_main([str(file), "--memory", "--json", *flags])
+        assert json.loads(capsys.readouterr().out)["loss_chunk_tokens"] == chunk
 
 
 def _saved_activation_bytes(model: GPT, batch: int, seq: int) -> int:

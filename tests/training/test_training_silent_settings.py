@@ -43,6 +43,16 @@ def test_settings_without_effect_are_warned(cfg_file: Path) -> None:
     ])) == []
 
 
+def test_a_chunked_loss_under_pipeline_parallelism_is_warned(cfg_file: Path) -> None:
+    pipelined = ["parallel.pipeline_parallel_size=2", "parallel.zero_stage=1"]
+    assert config_warnings(load_config([str(cfg_file)], [*pipelined, "train.loss_chunk_tokens=256"])) == [
+        "WARNING: train.loss_chunk_tokens=256 (from command line) has no effect under pipeline parallelism: the "
+        "last stage computes the whole logits",
+    ]
+    assert config_warnings(load_config([str(cfg_file)], pipelined)) == []  # the default: nothing asked for
+    assert config_warnings(load_config([str(cfg_file)], ["train.loss_chunk_tokens=256"])) == []
+
+
 @pytest.mark.parametrize("eod", [256, -1])
 def test_eod_token_id_outside_the_model_vocabulary_is_a_config_error(cfg_file: Path, eod: int) -> None:
     with pytest.raises(ConfigError, match=rf"^data.eod_token_id \(from command line\): expected an id in "

@@ -164,6 +164,7 @@ class Finetune:
         if self.dc.kl_weight > 0:
             self.teacher = load_teacher(self.dc.teacher, model.layer_factory)
             check_student_matches_teacher(model.config, self.teacher.config)
+            model.set_loss_chunk_tokens(0)  # the KL reads the student's whole logits (train.loss_chunk_tokens)
 
     def loss(self, engine: Any, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         out = engine(ids, labels)
