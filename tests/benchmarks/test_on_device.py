@@ -71,3 +71,59 @@ def test_dry_run_installs_the_wheels_and_brings_back_the_report_and_logs(tmp_pat
         names = bundle.getnames()
     assert any(n.endswith("environment.log") for n in names), names
     assert sorted(p.name for p in out.iterdir()) == ["gpu_check.json", "on_device.log", "stage_logs.tar.gz"]
+
+
+# What the lent image lacks (docs/design.md, the carry list), hidden from the stand-in and carried as wheels
+IMAGE_LACKS = ("deepspeed", "hjson", "pydantic", "pydantic_core", "annotated_types", "typing_inspection")
+
+
+def _standin_image(tmp_path: Path) -> Path:
+    """A stand-in of the lent image: a venv made from this venv's interpreter (the image's python3
+    is itself a venv's) that sees this environment's packages (torch, triton, numpy, ...) through a
+    .pth, less the ones the image lacks. Returns its python."""
+    import importlib.metadata as md
+    import sysconfig
+
+    site = Path(sysconfig.get_paths()["purelib"])
+    hidden: set[str] = set()
+    for name in IMAGE_LACKS:
+        dist = md.distribution(name)
+        hidden |= {Path(str(f)).parts[0] for f in dist.files or () if Path(str(f)).parts[0] != ".."}
+    farm = tmp_path / "image_packages"
+    farm.mkdir()
+    for entry in site.iterdir():
+        if entry.name not in hidden and not entry.name.endswith(".pth") and "megaflex" not in entry.name:
+            (farm / entry.name).symlink_to(entry)
+    image = tmp_path / "image"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(image)], check=True, timeout=120)
+    image_site = Path(subprocess.run([str(image / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                     capture_output=True, text=True, check=True).stdout.strip())  # fmt: skip
+    (image_site / "image_packages.pth").write_text(f"{farm}\n")
+    return image / "bin" / "python"
+
+
+@pytest.mark.slow
+def test_dry_run_on_a_standin_of_the_image_installs_what_it_lacks(tmp_path):
+    """The image's case: a venv interpreter with torch and triton, no deepspeed, no index. The
+    carried wheels go into the target folder and gpu_check's first stage runs on them."""
+    from standin_wheels import repack
+
+    python = _standin_image(tmp_path)
+    lacks = subprocess.run([str(python), "-c", "import deepspeed"], capture_output=True, text=True)
+    assert lacks.returncode != 0 and "deepspeed" in lacks.stderr  # the stand-in lacks what the image lacks
+    wheels = tmp_path / "wheels"
+    for name in IMAGE_LACKS:
+        repack(wheels, name)
+    out = tmp_path / "out"
+    env_python = {"PYTHON": str(python)}
+    proc = subprocess.run(["bash", str(SCRIPT), str(wheels), str(out), "--dry-run", "--stages", "environment"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **env_python, "MEGAFLEX_DEVICE_SITE": str(tmp_path / "site"),
+                               "MEGAFLEX_GPU_CHECK_WORK": str(tmp_path / "work"),
+                               "TRITON_CACHE_DIR": str(tmp_path / "triton"), "PIP_NO_INDEX": "1"})  # fmt: skip
+    log = (out / "on_device.log").read_text()
+    assert proc.returncode == 0, log
+    assert f"python: {python}" in log and "venv" in log and "installing 6 wheels" in log
+    assert (tmp_path / "site" / "deepspeed").is_dir()  # the carried wheels, in the target folder
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert report["verdict"] == "passed" and report["stages"]["environment"]["versions"]["deepspeed"]
