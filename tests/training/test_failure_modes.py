@@ -368,6 +368,12 @@ CASES: dict[str, Case] = {
     "SIGTERM to the `deepspeed` runner itself (or `timeout deepspeed ...`)": Case(
         covered_by="tests/training/test_training_faults.py::test_sigterm_reaches_the_ranks_which_save_and_exit"),
     "Ctrl-C in a terminal": Case(covered_by="tests/training/test_training_resume.py::test_sigterm_saves_and_stops"),
+    "kill -9 / OOM kill while a background save is written (`checkpoint.background`)": Case(
+        covered_by="tests/training/test_training_resume.py::test_kill_during_save_keeps_previous_checkpoint"),
+    "a background save's write fails (disk full, I/O error)": Case(
+        covered_by="tests/training/test_training_faults.py::test_disk_full_during_save_keeps_the_previous_checkpoint"),
+    "SIGTERM/SIGINT/SIGUSR1 while a background save is written": Case(
+        covered_by="tests/training/test_training_hardening.py::test_sigterm_during_a_background_save_waits_for_the_write_then_exits_75"),
     "Slurm preemption / time limit": Case(
         covered_by="tests/launch/test_launch_scripts.py::test_usr1_reaches_the_ranks_and_spares_the_deepspeed_runner"),
     # issue 37 (third probe)
