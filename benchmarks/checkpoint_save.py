@@ -1,7 +1,7 @@
 """Step-time stall per checkpoint save, synchronous against ``checkpoint.background`` (CPU). Not a test.
 
     python -m benchmarks.checkpoint_save [--config configs/flexformer_n_247m.yaml] [--set model.num_layers=8]
-        [--seq-len 64] [--micro-batch 1] [--interval 3] [--saves 3] [--out docs/results/bench_checkpoint_save.json]
+        [--seq-len 64] [--micro-batch 1] [--interval 3] [--saves 3] --out docs/results/bench_checkpoint_save.json
 
 Two runs of the real trainer (``python -m megaflex.train``, fresh processes, synthetic tokens), the
 same steps each, a save every ``--interval`` steps: synchronous, then in the background. Per save:
@@ -33,6 +33,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "helpers"))
 
 from training_harness import launch  # noqa: E402  (tests/helpers: local multi-process launch)
+
+from megaflex.cli_args import scratch_results, writable_file  # noqa: E402
 
 MODES = {"synchronous": ["checkpoint.background=false"], "background": ["checkpoint.background=true"]}
 SAVE_LINE = re.compile(r"^(?:saved checkpoint \S+ \((?P<sync>[\d.]+) s\)|saving checkpoint of step \d+ in the "
@@ -100,7 +102,8 @@ def main() -> None:
     ap.add_argument("--interval", type=int, default=3, help="steps between saves")
     ap.add_argument("--saves", type=int, default=3)
     ap.add_argument("--tmp-dir", default=None, help="where the runs write (default: the system's temp dir)")
-    ap.add_argument("--out", default=str(REPO / "docs" / "results" / "bench_checkpoint_save.json"))
+    ap.add_argument("--out", type=writable_file, default=str(scratch_results("bench_checkpoint_save.json")),
+                    help="the JSON written (default: a scratch folder; docs/results/ holds the committed one)")
     args = ap.parse_args()
 
     steps = args.interval * args.saves + 1  # the step after the last save holds its stall
