@@ -129,16 +129,18 @@ class BackgroundWrite:
 
     def _run(self) -> None:
         _lowest_cpu_priority()
+        files, self._files = self._files, []
         try:
-            names = []
-            for i, (path, obj) in enumerate(self._files):
+            names: list[str] = []
+            while files:
+                path, obj = files.pop(0)
                 path.parent.mkdir(parents=True, exist_ok=True)
                 self._writer.save(obj, str(path))
+                del obj  # each host copy is freed once written
                 fsync_path(path)
                 names.append(path.relative_to(self.root).as_posix())
-                if i == 0 and self._after_first_file is not None:
+                if len(names) == 1 and self._after_first_file is not None:
                     self._after_first_file(self.iteration)
-            self._files = []  # the host copies are no longer needed: free them before hashing
             self.manifest = file_manifest(self.root, names)
         except BaseException as e:  # reported to every rank by the manager's next agreement
             self.error = e
