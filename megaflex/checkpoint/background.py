@@ -31,40 +31,52 @@ from megaflex.checkpoint.layout import file_manifest, fsync_path
 HostFile = tuple[Path, Any]  # (path, host copy of the state DeepSpeed saves there)
 
 
-def host_copy(obj: Any, memo: dict[int, torch.UntypedStorage] | None = None) -> Any:
-    """A copy of ``obj`` whose tensors live in fresh host memory, storage sharing kept (tensors that
-    are views of one storage stay views of one copied storage, as ``torch.save`` records them), so
-    the copy serializes to the same bytes as the original did when it was taken."""
-    memo = {} if memo is None else memo
-    if isinstance(obj, torch.Tensor):
-        return _tensor_copy(obj, memo)
-    if isinstance(obj, dict):
-        out = copy.copy(obj)  # keeps the type (OrderedDict, defaultdict's factory)
-        for key, value in obj.items():
-            out[key] = host_copy(value, memo)
+def host_copy(obj: Any) -> Any:
+    """A copy of ``obj`` whose tensors live in fresh host memory and which pickles exactly as ``obj``
+    did when it was taken: storages shared by several tensors (views) stay shared, and an object
+    reached twice (a tensor, or the ``betas`` tuple every optimizer param group holds) is one copy,
+    so ``torch.save`` writes the same bytes."""
+    return _HostCopier().copy(obj)
+
+
+class _HostCopier:
+    def __init__(self) -> None:
+        self.objects: dict[int, Any] = {}  # id of an original -> its copy (the originals stay alive meanwhile)
+        self.storages: dict[int, torch.UntypedStorage] = {}  # a storage's identity, as torch.save tells them apart
+
+    def copy(self, obj: Any) -> Any:
+        if id(obj) in self.objects:
+            return self.objects[id(obj)]
+        if isinstance(obj, torch.Tensor):
+            out = self._tensor(obj)
+        elif isinstance(obj, dict):
+            out = self.objects[id(obj)] = copy.copy(obj)  # keeps the type (OrderedDict, defaultdict's factory)
+            for key, value in obj.items():
+                out[key] = self.copy(value)
+        elif isinstance(obj, list):
+            out = self.objects[id(obj)] = []
+            out.extend(self.copy(v) for v in obj)
+        elif isinstance(obj, tuple):
+            values = [self.copy(v) for v in obj]
+            out = type(obj)(*values) if hasattr(obj, "_fields") else type(obj)(values)
+        else:
+            out = copy.deepcopy(obj)  # numbers and strings are returned as they are
+        self.objects[id(obj)] = out
         return out
-    if isinstance(obj, list):
-        return [host_copy(v, memo) for v in obj]
-    if isinstance(obj, tuple):
-        values = [host_copy(v, memo) for v in obj]
-        return type(obj)(*values) if hasattr(obj, "_fields") else type(obj)(values)
-    return copy.deepcopy(obj)
 
-
-def _tensor_copy(t: torch.Tensor, memo: dict[int, torch.UntypedStorage]) -> torch.Tensor:
-    storage = t.untyped_storage()
-    key = storage._cdata  # the storage's identity, as torch.save tells shared storages apart
-    host = memo.get(key)
-    if host is None:
-        host = memo[key] = storage.clone() if storage.device.type == "cpu" else storage.cpu()
-    out = torch.empty((0,), dtype=t.dtype).set_(host, t.storage_offset(), t.size(), t.stride())
-    if isinstance(t, torch.nn.Parameter):
-        out = torch.nn.Parameter(out, requires_grad=t.requires_grad)
-    else:
-        out.requires_grad_(t.requires_grad)  # torch.save records the flag
-    if t.__dict__:  # Python attributes (e.g. ZeRO 3's ds_id on its flat partitions) are pickled too
-        out.__dict__.update(host_copy(dict(t.__dict__), memo))
-    return out
+    def _tensor(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        host = self.storages.get(storage._cdata)
+        if host is None:
+            host = self.storages[storage._cdata] = storage.clone() if storage.device.type == "cpu" else storage.cpu()
+        out = torch.empty((0,), dtype=t.dtype).set_(host, t.storage_offset(), t.size(), t.stride())
+        if isinstance(t, torch.nn.Parameter):
+            out = torch.nn.Parameter(out, requires_grad=t.requires_grad)
+        else:
+            out.requires_grad_(t.requires_grad)  # torch.save records the flag
+        if t.__dict__:  # Python attributes (e.g. ZeRO 3's ds_id on its flat partitions) are pickled too
+            out.__dict__.update(self.copy(t.__dict__))
+        return out
 
 
 class HostCopyEngine:
@@ -117,16 +129,18 @@ class BackgroundWrite:
 
     def _run(self) -> None:
         _lowest_cpu_priority()
+        files, self._files = self._files, []
         try:
-            names = []
-            for i, (path, obj) in enumerate(self._files):
+            names: list[str] = []
+            while files:
+                path, obj = files.pop(0)
                 path.parent.mkdir(parents=True, exist_ok=True)
                 self._writer.save(obj, str(path))
+                del obj  # each host copy is freed once written
                 fsync_path(path)
                 names.append(path.relative_to(self.root).as_posix())
-                if i == 0 and self._after_first_file is not None:
+                if len(names) == 1 and self._after_first_file is not None:
                     self._after_first_file(self.iteration)
-            self._files = []  # the host copies are no longer needed: free them before hashing
             self.manifest = file_manifest(self.root, names)
         except BaseException as e:  # reported to every rank by the manager's next agreement
             self.error = e

@@ -93,10 +93,13 @@ def test_host_copy_serializes_to_the_bytes_of_the_state_when_copied() -> None:
     leaf = torch.ones(3, requires_grad=True)
     partition = torch.zeros(4)
     partition.ds_id = "0_19"  # a Python attribute, as ZeRO 3 sets on its flat partitions
+    betas = (0.9, 0.95)  # one tuple shared by every param group, as torch.optim's defaults are
     state = OrderedDict(
         flat=flat, view=flat[2:8].view(2, 3),  # two views of one storage: one storage in the file
+        same=flat,  # the same tensor object again: pickled once, then referenced
         param=torch.nn.Parameter(torch.full((2,), 5.0)), non_leaf=leaf * 2, partition=partition,
         empty=(torch.empty(0), torch.empty(0)), shape=torch.Size([2, 3]), step=7,
+        param_groups=[{"lr": 0.1, "betas": betas}, {"lr": 0.2, "betas": betas}],
     )
     before = _serialized(state)
     copied = host_copy(state)
@@ -219,7 +222,10 @@ def _sync_and_background_manifests(rank: int, world: int, root: str, zero_stage:
     config = {"train_batch_size": 2 * world, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 2**31 - 1,
               "zero_optimization": {"stage": zero_stage}, "bf16": {"enabled": precision == "bf16"},
               "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False}
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), config=config)
+    decay = [p for p in model.parameters() if p.dim() > 1]
+    groups = [{"params": decay}, {"params": [p for p in model.parameters() if p.dim() <= 1], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=1e-3)  # two param groups share the default betas tuple
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(rank))
     engine.backward(engine(ids, ids).loss)
     engine.step()
