@@ -3,6 +3,8 @@
     python -m benchmarks.chunked_ce [--chunks 256 1024] [--shapes study cpu4x 41m] [--steps 6] [--repeats 2]
                                     [--out docs/results/bench_chunked_ce.json]
 
+An existing ``--out`` file keeps the shapes this run does not measure (``commands`` lists every run).
+
 * ``plan_247m``: the per-rank memory plan (``python -m megaflex.model.summary --memory``) at
   configs/flexformer_n_247m.yaml's shape, micro-batch 8 x 1,024 tokens, bf16, ZeRO 1, with and without
   activation checkpointing, for the whole logits (chunk 0) and each chunk size.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -92,14 +95,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "bench_chunked_ce.json")
     args = parser.parse_args(argv)
-    result: dict[str, Any] = {
-        "command": "python -m benchmarks.chunked_ce " + " ".join(sys.argv[1:] if argv is None else argv),
-        "machine": f"{platform.processor() or platform.machine()}, 1 thread per rank (OMP_NUM_THREADS=1), fp32",
-        "plan_247m": plan_247m(args.chunks),
-        "measured": {},
-    }
+    command = "python -m benchmarks.chunked_ce " + " ".join(sys.argv[1:] if argv is None else argv)
+    # an existing file keeps the shapes this run does not measure (each shape's command is listed)
+    result: dict[str, Any] = json.loads(args.out.read_text()) if args.out.exists() else {"commands": [], "measured": {}}
+    result.update(machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores shared with other "
+                          "jobs, 1 thread per rank (OMP_NUM_THREADS=1), fp32, launch/setup_env.sh's malloc settings",
+                  plan_247m=plan_247m(args.chunks))
+    result["commands"].append(command)
     for shape in args.shapes:
-        result["measured"][shape] = measure(shape, args.chunks, args.steps, args.repeats)
+        result["measured"][shape] = {**measure(shape, args.chunks, args.steps, args.repeats), "command": command}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1) + "\n")  # after every shape: a stopped run keeps its rows
     print(json.dumps(result, indent=1))

@@ -14,19 +14,22 @@ study's model and batch (``studies/kernel_study_config.py``) as overrides of con
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "helpers"))
 
 from training_harness import launch  # noqa: E402  (tests/helpers: local multi-process launch)
 
+from benchmarks.common import worker_env  # noqa: E402
 from megaflex.training.hooks import BaseHook  # noqa: E402
 from studies.kernel_study_config import PRESETS, StudyConfig  # noqa: E402
 
@@ -41,8 +44,9 @@ BENCH_DEFAULTS = [  # synthetic tokens on one CPU rank, ZeRO 0, nothing but the 
 
 def trainer_steps(config: Path, overrides: list[str], steps: int, timeout: float = 3600) -> list[dict[str, Any]]:
     """Per optimizer step of ``config`` + ``overrides`` (later keys win over ``BENCH_DEFAULTS``): its train
-    record (loss, tokens_per_s, memory_mb: peak RSS so far) with ``wall_s`` and ``cpu_s`` added."""
-    with tempfile.TemporaryDirectory() as tmp:
+    record (loss, tokens_per_s, memory_mb: peak RSS so far) with ``wall_s`` and ``cpu_s`` added. The rank
+    runs under ``MALLOC_TUNING``, as launch/setup_env.sh sets up CPU nodes."""
+    with tempfile.TemporaryDirectory() as tmp, _environment(worker_env(malloc_tuning=True)):
         cfg_path, clock = Path(tmp) / "bench.yaml", Path(tmp) / "clock.json"
         cfg_path.write_text(config.read_text())
         args = ["--clock", str(clock), *BENCH_DEFAULTS, f"train.train_iters={steps}", *overrides,
@@ -53,6 +57,19 @@ def trainer_steps(config: Path, overrides: list[str], steps: int, timeout: float
         lines = (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()
         records = {r["step"]: r for r in map(json.loads, lines) if r.get("kind", "train") == "train"}
         return [{**records[c["step"]], **c} for c in json.loads(clock.read_text())]
+
+
+@contextlib.contextmanager
+def _environment(env: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` replaced by ``env`` inside (``launch`` hands the ranks this process's environment)."""
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def steady(steps: list[dict[str, Any]], key: str, skip: int = 1) -> float:

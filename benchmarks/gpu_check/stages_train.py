@@ -4,6 +4,9 @@
   bf16, ZeRO-1, synthetic tokens), 12 steps with a save at 10, then a resume that runs 11-12 again:
   tokens/s, MFU, peak memory, skipped steps, the resumed losses against the first run's, and a
   torch.profiler summary of steps 6-8.
+  With the stage option ``compile`` (off by default; ``options["compile"] = True`` from the command line
+  that starts the stages), a third run at the same shape with ``train.compile=true``: tokens/s against
+  the eager run's and the compile time apart (``compiled``).
 * ``softmax_247m``: configs/softmax_247m.yaml at the same shape: tokens/s and the ratio.
 * ``precision_41m``: configs/flexformer_n_41m.yaml for 100 steps on learnable synthetic tokens in
   fp32 storage with tf32 matmuls, bf16 and bf16 with fp32 gradient accumulation (the three runs at
@@ -65,6 +68,9 @@ def trainer_247m(stage: Stage) -> dict[str, Any]:
     ops = run_dir / "profile" / "rank0.steps6-8.ops.json"
     result["profile_steps_6_8"] = summarize(ops) if ops.exists() else None
     stage.emit(result)
+    if stage.options.get("compile"):  # off unless the run's options switch it on (a third trainer run)
+        result["compiled"] = compiled_against_eager(stage, config, extra, over, result["tokens_per_s"])
+        stage.emit(result)
     saved = complete_tags(run_checkpoint_dir(run_dir))
     result["checkpoints"] = saved
     resumed_dir = stage.work_dir / "flexformer_247m_resumed"
@@ -80,6 +86,25 @@ def trainer_247m(stage: Stage) -> dict[str, Any]:
         "max_loss_diff_vs_first_run": max(gaps) if gaps else None,
         "passed": steps == [11, 12] and bool(gaps) and max(gaps) < 1e-2,
     }
+    return result
+
+
+def compiled_against_eager(stage: Stage, config: str, extra: list[str], over: list[str],
+                           eager_tokens_per_s: float | None) -> dict[str, Any]:
+    """The same shape with ``train.compile=true`` (no saves, no profiler): steady tokens/s against the
+    eager run's, and the compile time apart: what steps 1-2 took beyond two steady steps."""
+    run = run_trainer(["--config", config, *extra, *over, "train.compile=true", "checkpoint.resume=none"],
+                      stage.work_dir / "flexformer_247m_compiled", stage, 900 if stage.dry_run else 150)  # fmt: skip
+    if "error" in run:
+        return run
+    train = run["train"]
+    result: dict[str, Any] = {**throughput(train, skip={1, 2}), "wall_s": run["wall_s"]}
+    step_s = {s: (r["tokens"] - train.get(s - 1, {"tokens": 0})["tokens"]) / r["tokens_per_s"] for s, r in train.items()}
+    steady = sorted(t for s, t in step_s.items() if s > 2)
+    if steady and 1 in step_s and 2 in step_s:
+        result["compile_s"] = round(step_s[1] + step_s[2] - 2 * steady[len(steady) // 2], 1)
+    if eager_tokens_per_s and result["tokens_per_s"]:
+        result["compiled_over_eager_tokens_per_s"] = round(result["tokens_per_s"] / eager_tokens_per_s, 4)
     return result
 
 

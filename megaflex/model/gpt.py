@@ -121,8 +121,22 @@ class ModelOutput(NamedTuple):
     state: GPTState | None = None
 
 
+def call_attention_core(
+    attend: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: LayerState | None,
+    return_state: bool, kwargs: dict[str, Any],
+) -> tuple[torch.Tensor, LayerState | None]:
+    """The attention core's call (or its context-parallel stand-in's). A compiled block runs it through
+    ``torch.compiler.disable`` (``megaflex.model.compile`` sets ``Attention.run_attention``): a graph break,
+    so the core's autograd Functions, Triton kernels, dispatch table, states and document layouts stay
+    eager and opaque to the compiler."""
+    return attend(q, k, v, state=state, return_state=return_state, **kwargs)
+
+
 class Attention(nn.Module):
     """Multi-head attention over this rank's ``num_heads / tp`` heads."""
+
+    # what calls the core: ``call_attention_core``, or its ``torch.compiler.disable``d form in a compiled block
+    run_attention = staticmethod(call_attention_core)
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -174,7 +188,7 @@ class Attention(nn.Module):
             if attend is not self.core:
                 raise ValueError("attention_mask: padding is not supported under context parallelism")
             kwargs["key_mask"] = padding.key_mask
-        out, new_state = attend(q, k, v, state=state, return_state=return_state, **kwargs)  # [B, Hl, N, d]
+        out, new_state = self.run_attention(attend, q, k, v, state, return_state, kwargs)  # [B, Hl, N, d]
         out = out.transpose(1, 2).reshape(B, N, self.local_heads * self.head_dim)  # [B, N, h / tp]
         if self.out_gain is not None:
             out = out * self.out_gain.to(out.dtype)

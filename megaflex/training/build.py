@@ -7,13 +7,15 @@ DeepSpeed's ``zero.Init``, each block parallelised and partitioned over DeepSpee
 group (DP x CP) as soon as it is built (``megaflex.parallel.deferred_init``), so no rank ever holds
 all the fp32 weights; the parameters equal the eager build's for the same seed. Either way the GPT
 is built plain and parallelised over ``state`` (``megaflex.parallel.parallelize``), then told its loss
-chunking (``train.loss_chunk_tokens``).
+chunking (``train.loss_chunk_tokens``) and, with ``train.compile``, its blocks compiled in place
+(``megaflex.model.compile``) before DeepSpeed wraps it.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
+from megaflex.model.compile import compile_blocks
 from megaflex.model.gpt import GPT
 from megaflex.parallel import ParallelState, TensorParallelRNGTracker, deepspeed_mpu, parallel_layers, parallelize_with
 from megaflex.parallel.deferred_init import zero3_build
@@ -40,4 +42,6 @@ def build_gpt(cfg: Config, state: ParallelState, device: str, rng_tracker: Tenso
         ds_config = deepspeed_config(cfg, state.dp_size, state.cp_size, on_cuda=device == "cuda")
         model = zero3_build(lambda: GPT(cfg.model), ds_config, deepspeed_mpu(state), prepare=parallelize)
     model.set_loss_chunk_tokens(cfg.train.loss_chunk_tokens)
+    if cfg.train.compile:
+        compile_blocks(model)  # in place: parameter names (checkpoint keys) unchanged
     return model

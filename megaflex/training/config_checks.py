@@ -5,6 +5,7 @@ key and the file (or override) it came from."""
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Iterator
 
@@ -93,6 +94,10 @@ def validate(cfg: Config) -> None:
                    "train an encoder with python -m megaflex.training.classify")
     with _named_source(cfg):
         parallel_config.check_parallel(cfg)
+    if t.compile and cfg.parallel.pipeline_parallel_size > 1:
+        raise _bad(cfg, "train.compile", "not supported with parallel.pipeline_parallel_size > 1 (DeepSpeed's pipeline "
+                   f"engine runs the blocks as its own stage layers), got {cfg.parallel.pipeline_parallel_size}; "
+                   "set train.compile=false")
     dc = cfg.distill
     if dc.lora_rank < 0:
         raise _bad(cfg, "distill.lora_rank", f"expected >= 0, got {dc.lora_rank}")
@@ -180,6 +185,16 @@ def validate_runtime(cfg: Config, world_size: int, has_cuda: bool) -> None:
         raise _bad(cfg, "parallel.backend", "nccl needs CUDA; use gloo or auto on CPU")
     check_device(cfg, has_cuda)
     check_attention_backend(cfg, device)
+    check_compile_enabled(cfg)
+
+
+def check_compile_enabled(cfg: Config) -> None:
+    """ConfigError when ``train.compile`` is on but torch.compile is switched off in this environment
+    (it would then return the blocks uncompiled, silently)."""
+    switched_off = [name for name in ("TORCHDYNAMO_DISABLE", "TORCH_COMPILE_DISABLE") if os.environ.get(name) == "1"]
+    if cfg.train.compile and switched_off:
+        raise _bad(cfg, "train.compile", f"torch.compile is disabled in this environment ({switched_off[0]}=1), "
+                   "so the blocks would run eagerly; unset it or set train.compile=false")
 
 
 def check_attention_backend(cfg: Config, device: str) -> None:

@@ -142,6 +142,11 @@ class TrainConfig:
     eval_interval: int = opt(0, "run validation every this many steps (0: only at the end, if valid_path is set)")
     eval_iters: int = opt(10, "validation micro-batches per rank per evaluation (0: no validation)")
     max_nonfinite_in_a_row: int = opt(5, "abort after this many consecutive steps with non-finite loss or grad norm")
+    compile: bool = opt(
+        False, "torch.compile each transformer block (per block, torchtitan's way; the attention core stays eager "
+        "behind a graph break). Not with pipeline parallelism. The first step pays the compile (tens of seconds on "
+        "CPU); see docs/training.md for where it pays",
+    )
     loss_chunk_tokens: int = opt(
         DEFAULT_LOSS_CHUNK_TOKENS, "> 0: the output projection and cross-entropy run this many tokens at a time, "
         "recomputed in backward, so the whole [tokens x vocab] logits and their gradient never exist (also under TP, "
