@@ -1,7 +1,7 @@
 """The chunked cross-entropy (``train.loss_chunk_tokens``) against the whole logits: memory and speed. Not a test.
 
     python -m benchmarks.chunked_ce [--chunks 256 1024] [--shapes study cpu4x 41m] [--steps 6] [--repeats 2]
-                                    [--out docs/results/bench_chunked_ce.json]
+                                    --out docs/results/bench_chunked_ce.json
 
 An existing ``--out`` file keeps the shapes this run does not measure (``commands`` lists every run).
 
@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.trainer_steps import REPO, TINY_CONFIG, steady, study_shape, trainer_steps
+from megaflex.cli_args import scratch_results, writable_file
 from megaflex.model.memory_plan import memory_plan
 from megaflex.model.summary import load_model_config
 from megaflex.training.config import load_config
@@ -93,7 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "bench_chunked_ce.json")
+    parser.add_argument("--out", type=writable_file, default=str(scratch_results("bench_chunked_ce.json")),
+                        help="the JSON written (default: a scratch folder; docs/results/ holds the committed one)")
     args = parser.parse_args(argv)
     command = "python -m benchmarks.chunked_ce " + " ".join(sys.argv[1:] if argv is None else argv)
     # an existing file keeps the shapes this run does not measure (each shape's command is listed)

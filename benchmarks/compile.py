@@ -1,6 +1,6 @@
 """``train.compile`` against eager: CPU training speed and compile time. Not a test.
 
-    python -m benchmarks.compile [--shapes study cpu4x] [--steps 8] [--repeats 2] [--out docs/results/bench_compile.json]
+    python -m benchmarks.compile [--shapes study cpu4x] [--steps 8] [--repeats 2] --out docs/results/bench_compile.json
 
 The real trainer on one CPU rank in fp32 (``benchmarks.trainer_steps``) at the kernel study's shapes
 (``studies/kernel_study_config.py``: the ``cpu`` preset, 4 layers x 128, and ``cpu4x``, 6 x 160; micro-batch
@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.trainer_steps import REPO, TINY_CONFIG, steady, study_shape, trainer_steps
+from megaflex.cli_args import scratch_results, writable_file
 from megaflex.training.config import load_config
 
 SHAPES = {"study": "cpu", "cpu4x": "cpu4x"}  # shape name -> the kernel study's preset
@@ -61,7 +62,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "bench_compile.json")
+    parser.add_argument("--out", type=writable_file, default=str(scratch_results("bench_compile.json")),
+                        help="the JSON written (default: a scratch folder; docs/results/ holds the committed one)")
     args = parser.parse_args(argv)
     import torch
 
