@@ -3,17 +3,26 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 # Triton reads TRITON_INTERPRET when it is first imported, and other test modules import it
 # indirectly (torch, DeepSpeed) before the Triton tests are collected: set it before anything, so
 # the kernels run under the interpreter on this GPU-less machine whatever the test order.
 os.environ.setdefault("TRITON_INTERPRET", "1")
-# megaflex never calls torch.compile, but DeepSpeed's optimizer check imports its Muon module, whose
+# Only the compile tests need TorchDynamo (they switch it back on), but DeepSpeed's optimizer check imports its Muon module, whose
 # @torch.compile decorators import TorchInductor: ~3 s of CPU per training process, hundreds of
 # which the suite starts. Disabling TorchDynamo (inherited by every subprocess) skips that import
 # and changes no computation here.
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+# TorchInductor's on-disk caches (default /tmp/torchinductor_$USER) do not key their C++ by
+# ATEN_CPU_CAPABILITY: tests/run.sh's second pass (ATEN_CPU_CAPABILITY=default) would load the first
+# pass's AVX-512 code and fail to build it. One cache per CPU-kernel setting, inherited by subprocesses.
+os.environ.setdefault(
+    "TORCHINDUCTOR_CACHE_DIR",
+    os.path.join(tempfile.gettempdir(), "megaflex-inductor-"
+                 + os.environ.get("ATEN_CPU_CAPABILITY", "native") + "-" + os.environ.get("OPENBLAS_CORETYPE", "native")),
+)
 
 import pytest  # noqa: E402
 
