@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from megaflex.attention.feature_maps._common import log_sqrt_scale
+from megaflex.attention.feature_maps.common import log_sqrt_scale
 from megaflex.cli_args import (
     creatable_dir, nonnegative_float, nonnegative_int, positive_float, positive_int, scratch_results, unit_interval,
 )

@@ -23,7 +23,7 @@ import torch
 
 from megaflex.attention import LinearAttentionState
 from megaflex.attention.base import NORMALIZATIONS
-from megaflex.attention.feature_maps._trig import trig_feature_map_reference
+from megaflex.attention.feature_maps.trig import trig_feature_map_reference
 from megaflex.attention.linear.naive import quadratic_linear_attention
 from megaflex.attention.triton import trig_linear_attention, triton_linear_attention
 

@@ -10,7 +10,7 @@ from attention_helpers import attention_steps, form_steps, log_scale_spread
 from megaflex.attention import AttentionCore, LinearAttentionState
 from megaflex.attention.linear import chunk_trig as chunked_trig
 from megaflex.attention.linear.chunk_trig import trig_linear_attention_chunked
-from megaflex.attention.feature_maps._trig import trig_feature_map_reference
+from megaflex.attention.feature_maps.trig import trig_feature_map_reference
 from megaflex.attention.linear.naive import quadratic_linear_attention
 from numerics import assert_close, assert_close_to_reference, normwise_scale
 

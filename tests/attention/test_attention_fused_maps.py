@@ -1,4 +1,4 @@
-"""The fused trig feature map (``feature_maps/_trig.py``) == its plain-autograd reference: features,
+"""The fused trig feature map (``feature_maps/trig.py``) == its plain-autograd reference: features,
 log-scale and gradients w.r.t. x and every parameter, paired (Flexformer-N) and unpaired
 (Flexformer-S, Performer-trig), on odd shapes spanning several row blocks; fp64 gradcheck; bf16
 inputs and autocast; the head thread pool; and the modules built on it."""
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from attention_helpers import make_map, map_steps
-from megaflex.attention.feature_maps import _trig
-from megaflex.attention.feature_maps._trig import trig_feature_map, trig_feature_map_reference
+from megaflex.attention.feature_maps import trig as _trig
+from megaflex.attention.feature_maps.trig import trig_feature_map, trig_feature_map_reference
 from numerics import assert_close, fp32_steps_in
 
 pytestmark = pytest.mark.numerics

@@ -10,8 +10,8 @@ import torch
 from attention_helpers import attention_steps, log_scale_spread, map_steps
 from megaflex.attention import LinearAttentionState, NORMALIZATIONS, causal_linear_attention
 from megaflex.attention.linear import chunk as chunked
-from megaflex.attention.feature_maps import _trig
-from megaflex.attention.feature_maps._trig import trig_feature_map, trig_feature_map_reference
+from megaflex.attention.feature_maps import trig as _trig
+from megaflex.attention.feature_maps.trig import trig_feature_map, trig_feature_map_reference
 from numerics import assert_close, normwise_scale
 
 pytestmark = pytest.mark.numerics

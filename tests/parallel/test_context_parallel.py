@@ -70,7 +70,7 @@ def test_local_state_on_the_gpu_plan_maps_all_heads_at_once(monkeypatch) -> None
     """CP's local state with the trig map's GPU plan (forced on CPU tensors): every key block is
     mapped for all (batch, head) rows in one call, no loop over them; the state and its gradients
     (k, v, Omega, tau) equal those of the plain-autograd reference map."""
-    from megaflex.attention.feature_maps import _trig
+    from megaflex.attention.feature_maps import trig as _trig
     from megaflex.parallel.context_parallel import local_state, mapped_local_state
     from attention_helpers import make_map, map_steps
 

@@ -16,7 +16,7 @@ import math
 import torch
 
 from ..base import FeatureMap, FeatureMapOutput
-from ._common import fp32_region, upcast
+from .common import fp32_region, upcast
 
 
 class CosformerFeatureMap(FeatureMap):

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ..base import FeatureMap, FeatureMapOutput
-from ._common import fp32_region, upcast
+from .common import fp32_region, upcast
 
 
 class EluFeatureMap(FeatureMap):

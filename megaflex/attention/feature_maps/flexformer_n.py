@@ -61,7 +61,7 @@ Design choices:
   step scale and every checkpoint's parameter; the ceiling keeps all three and is the identity
   wherever it does not act. It must lie at least 2.4 above the floor (the two soft regions apart).
   Set it in absolute units (log(2 sqrt d) = 2.43 at d = 32, 2.77 at d = 64), like the floor.
-* Fused (``_trig.py``): one projection onto the stacked [O1 ; O2], cos/sin once, the pair sums,
+* Fused (``trig.py``): one projection onto the stacked [O1 ; O2], cos/sin once, the pair sums,
   scale and log-scale in one autograd.Function with a hand-written, cache-blocked backward.
 """
 
@@ -74,8 +74,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..base import FeatureMap, FeatureMapOutput, KernelParameter
-from ._common import check_even_feature_dim, fp32_region, log_sqrt_scale, quarter_root, upcast
-from ._trig import trig_feature_map
+from .common import check_even_feature_dim, fp32_region, log_sqrt_scale, quarter_root, upcast
+from .trig import trig_feature_map
 
 OMEGA_INITS = ("paper", "tied", "correlated")
 # softplus sharpness for the tau floor; identity above floor + _THRESHOLD / _BETA = floor + 2

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from ..base import FeatureMap, FeatureMapOutput, KernelParameter
-from ._common import check_even_feature_dim, fp32_region, quarter_root
-from ._trig import trig_feature_map
+from .common import check_even_feature_dim, fp32_region, quarter_root
+from .trig import trig_feature_map
 
 
 class FlexformerSFeatureMap(FeatureMap):

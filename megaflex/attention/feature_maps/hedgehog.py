@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..base import FeatureMap, FeatureMapOutput, KernelParameter
-from ._common import check_even_feature_dim, fp32_region, upcast
+from .common import check_even_feature_dim, fp32_region, upcast
 
 
 class HedgehogFeatureMap(FeatureMap):

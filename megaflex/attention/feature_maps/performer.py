@@ -25,8 +25,8 @@ from __future__ import annotations
 import torch
 
 from ..base import FeatureMap, FeatureMapOutput
-from ._common import check_even_feature_dim, fp32_region, orthogonal_gaussian, project, quarter_root, sq_norm
-from ._trig import trig_feature_map
+from .common import check_even_feature_dim, fp32_region, orthogonal_gaussian, project, quarter_root, sq_norm
+from .trig import trig_feature_map
 
 PERFORMER_VARIANTS = ("positive", "trig")
 _SEED_MIX = 1_000_003  # combines (head seed, draw index) into one generator seed

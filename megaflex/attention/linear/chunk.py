@@ -62,7 +62,7 @@ import functools
 
 import torch
 
-from .._heads import for_each_head
+from ..heads import for_each_head
 from ..base import (
     OUTPUT_RMS_CAP, LinearAttentionState, capped_denominator, fp32_inputs, guard_denominator, normalize_output, output_rms,
     reads_denominator,

@@ -1,7 +1,7 @@
 """Trig feature map fused into the chunked form on CPU: no [B, H, N, F] tensor is ever saved.
 
 ``trig_linear_attention_chunked`` is ``chunked_linear_attention(phi(q), phi(k), kls(k), v)`` with
-phi the random-Fourier map of ``feature_maps/_trig.py``, the CPU twin of ``triton/trig.py``.
+phi the random-Fourier map of ``feature_maps/trig.py``, the CPU twin of ``triton/trig.py``.
 Long sequences (one head per call in ``chunk.py``'s plan) run one sweep per head over the
 chunk groups: per group the features of its q and k rows are computed on the fly into
 cache-sized buffers (``trig_rows``: mm + cos/sin + pair sums; the feature scale goes to the group
@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import torch
 
-from .._heads import for_each_head
+from ..heads import for_each_head
 from ..base import LinearAttentionState, accumulation_dtype, normalize_output, reads_denominator
 from .chunk import (
     GroupScratch, _groups, _normalize_backward, _plan, _stabiliser, chunked_linear_attention, group_backward, group_forward,
     unpack_result,
 )
 from ..decay import fold_keys, run_folded
-from ..feature_maps._trig import _feature_scale, trig_d_proj, trig_feature_map, trig_rows
+from ..feature_maps.trig import _feature_scale, trig_d_proj, trig_feature_map, trig_rows
 from ..inputs import validate_linear_attention_inputs
 
 # chunked_linear_attention's plan decides "long" (one head per block); False forces the plain path

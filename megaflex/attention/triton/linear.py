@@ -84,7 +84,7 @@ _SCAN_MIN_PROGRAMS = 256
 
 @dataclass
 class TrigMap:
-    """The trig feature map the kernels compute in registers (``feature_maps/_trig.py``): the
+    """The trig feature map the kernels compute in registers (``feature_maps/trig.py``): the
     frequencies omega [H, P, d] (fp32, contiguous), paired or not, and the feature scale."""
 
     omega: torch.Tensor

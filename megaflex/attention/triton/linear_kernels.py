@@ -177,7 +177,7 @@ def _features(
 ):  # fmt: skip
     """The [C, BF] feature tile of tokens ``tok``, columns ``f`` (zero outside the masks): loaded
     from X [BH, N, F], or with ``TRIG`` computed in registers from x = X [BH, N, DIN] and the
-    head's frequencies W [HEADS, P, DIN]: the map of ``feature_maps/_trig.py`` (column f < F/2 is
+    head's frequencies W [HEADS, P, DIN]: the map of ``feature_maps/trig.py`` (column f < F/2 is
     the cosine of frequency f, the rest the sines; paired maps add those of W[h, F/2 + f]), times
     ``trig_scale``, in fp32."""
     if TRIG:

@@ -27,7 +27,7 @@ import torch
 
 from ..base import LinearAttentionState
 from ..decay import fold_keys, run_folded
-from ..feature_maps._trig import _feature_scale, trig_feature_map_reference
+from ..feature_maps.trig import _feature_scale, trig_feature_map_reference
 from .linear import (
     ChunkPlan,
     TrigMap,

@@ -32,9 +32,9 @@ from __future__ import annotations
 
 import torch
 
-from .._heads import for_each_head
+from ..heads import for_each_head
 from ..base import accumulation_dtype
-from ._common import fp32_region
+from .common import fp32_region
 
 # elements of one block temporary ([rows, P] fp32): 512 KiB, so a block's few temporaries fit in L2
 _BLOCK_ELEMENTS = 1 << 17

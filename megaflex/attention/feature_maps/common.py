@@ -1,4 +1,4 @@
-"""Helpers shared by the feature maps: fp32 projection, frequency sampling (trig features: ``_trig.py``).
+"""Helpers shared by the feature maps: fp32 projection, frequency sampling (trig features: ``trig.py``).
 
 Precision policy (all maps): features are computed in fp32 (fp64 for fp64 inputs) with autocast
 disabled and cast back to the input dtype; ``log_scale`` stays fp32. Random-Fourier arguments ``omega @ x`` reach O(10)
