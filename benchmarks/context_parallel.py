@@ -104,13 +104,13 @@ def _rank_main(rank: int, cp: int, port: int, model_kw: dict[str, Any], n: int, 
     dist.init_process_group("gloo", rank=rank, world_size=cp)
     state = ParallelState.create(context_parallel_size=cp)
     sent = [0]
-    gather = cp_module._all_gather
+    gather = cp_module.cp_all_gather
 
     def counting_gather(x: torch.Tensor, st: ParallelState) -> torch.Tensor:
         sent[0] += x.numel() * x.element_size()
         return gather(x, st)
 
-    cp_module._all_gather = counting_gather  # count what this rank puts into each CP collective
+    cp_module.cp_all_gather = counting_gather  # count what this rank puts into each CP collective
     config = ModelConfig(max_seq_len=n, **model_kw)
     torch.manual_seed(0)
     model = parallelize_gpt(GPT(config), state, seed=0)

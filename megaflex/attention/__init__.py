@@ -26,7 +26,6 @@ from torch import nn
 
 from .base import (
     KERNEL_ROLES,
-    NORMALIZATIONS,
     FeatureMap,
     FeatureMapOutput,
     KernelParameter,
@@ -43,6 +42,7 @@ from .linear.bidirectional import bidirectional_linear_attention
 from .linear.naive import quadratic_bidirectional_linear_attention, quadratic_linear_attention
 from .linear.recurrent import recurrent_linear_attention
 from .inputs import FORMS, mask_padded_keys, padding_mask, validate_linear_attention_inputs
+from .normalize import NORMALIZATIONS
 from .softmax import KVCache, bidirectional_softmax_attention, softmax_attention
 
 

@@ -7,25 +7,7 @@ possibly huge magnitude (e.g. ||x||^2 / e^tau) in log space, so it never overflo
 The causal attention forms drop the query's ``log_scale`` (a per-query scalar that cancels
 under either normalisation) and stabilise the key's with a running maximum.
 
-Output normalisation (shared by every form, so they agree to rounding):
-
-* ``"rms"`` (default): ``o_t = n_t * rsqrt(mean_j n_tj^2 + eps)``. Parameter-free per-head RMS
-  norm of the numerator ``n_t = sum_s w_ts v_s``; the model adds a learnable gain. It never
-  divides by the kernel sum, which for trig (random-Fourier) features is a signed Monte-Carlo
-  estimate that can cross zero, so it is the stable default. Like the classic denominator it is
-  invariant to per-query scalars (which is why the query log-scale can be dropped).
-* ``"denominator"``: ``o_t = n_t / guard(d_t)`` with ``d_t = sum_s w_ts`` and
-  ``guard(x) = sign(x) * max(|x|, eps)``, ``sign(0) = +1``: the classic linear-attention
-  normalisation, guarded so a denominator crossing zero gives a large but finite output.
-  Exact for positive feature maps; needed to compare against softmax attention. With signed
-  (trig) features it does not train: the first negative weights drive some d_t to ~0 and the
-  gradient norm to 1e4+ (docs/results/kernel_study_v3/denominator.md).
-* ``"capped_denominator"``: ``o_t = n_t / max(d_t, r_t / OUTPUT_RMS_CAP)`` with
-  ``r_t = sqrt(mean_j n_tj^2 + eps^2)``: the denominator's ratio wherever it keeps the output's
-  RMS at most ``OUTPUT_RMS_CAP``, the RMS norm scaled to that ceiling where d_t is small, negative
-  or zero. Equal to ``"denominator"`` for every query whose output is not larger than the cap
-  (softmax-like weights give a convex combination of the values, whose RMS is O(1) at the
-  model's scale), bounded outputs and gradients everywhere; invariant to per-query scalars up to eps.
+Output normalisation: ``normalize.py`` (the names below are re-exported from there).
 """
 
 from __future__ import annotations
@@ -35,6 +17,11 @@ from typing import Iterator, Protocol
 
 import torch
 from torch import nn
+
+# re-exported: callers (and other branches) that import the normalisation names from base keep working
+from .normalize import (  # noqa: F401
+    NORMALIZATIONS, OUTPUT_RMS_CAP, capped_denominator, guard_denominator, normalize_output, output_rms, reads_denominator,
+)
 
 
 @dataclass
@@ -103,50 +90,6 @@ class LinearAttentionFn(Protocol):
         normalization: str = "rms", chunk_size: int = 64, initial_state: "LinearAttentionState | None" = None,
         eps: float = 1e-6, log_decay: torch.Tensor | None = None,
     ) -> "tuple[torch.Tensor, LinearAttentionState]": ...
-
-
-NORMALIZATIONS = ("rms", "denominator", "capped_denominator")
-# "capped_denominator": the largest output RMS the denominator's ratio may give before the RMS norm
-# takes over. The model's values are O(0.1-1) per entry (RMS-normed inputs, 0.02-std projections),
-# so the ceiling only binds near-zero or negative denominators; 2 and 8 both train (one seed).
-OUTPUT_RMS_CAP = 2.0
-
-
-def reads_denominator(normalization: str) -> bool:
-    """Whether ``normalization`` divides by the kernel sum d_t (the forms then carry it)."""
-    return normalization != "rms"
-
-
-def guard_denominator(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """sign(x) * max(|x|, eps) with sign(0) = +1: keeps the magnitude of a denominator >= eps."""
-    return torch.where(x >= 0, x.clamp(min=eps), x.clamp(max=-eps))
-
-
-def output_rms(numerator: torch.Tensor, eps: float) -> torch.Tensor:
-    """r = sqrt(mean n^2 + eps^2) [...] of ``numerator`` [..., Dv]: the RMS "capped_denominator" caps."""
-    return torch.sqrt(numerator.pow(2).mean(dim=-1) + eps * eps)
-
-
-def capped_denominator(numerator: torch.Tensor, denominator: torch.Tensor, eps: float, rms: torch.Tensor | None = None) -> torch.Tensor:
-    """max(d, r / OUTPUT_RMS_CAP) [...] of ``numerator`` [..., Dv], ``denominator`` [...]; ``rms``: r if
-    the caller has it (``output_rms``)."""
-    return torch.maximum(denominator, (output_rms(numerator, eps) if rms is None else rms) / OUTPUT_RMS_CAP)
-
-
-def normalize_output(numerator: torch.Tensor, denominator: torch.Tensor | None, normalization: str, eps: float) -> torch.Tensor:
-    """Apply the output normalisation to fp32 ``numerator`` [..., Dv] (``denominator`` [...]).
-
-    ``denominator`` is only read when ``reads_denominator(normalization)`` (may be None for "rms").
-    """
-    if normalization == "rms":
-        return numerator * torch.rsqrt(numerator.pow(2).mean(dim=-1, keepdim=True) + eps)
-    if normalization in NORMALIZATIONS:
-        if denominator is None:
-            raise ValueError(f"normalize_output: normalization={normalization!r} needs a denominator, got None")
-        if normalization == "capped_denominator":
-            return numerator / capped_denominator(numerator, denominator, eps).unsqueeze(-1)
-        return numerator / guard_denominator(denominator, eps).unsqueeze(-1)
-    raise ValueError(f"normalization: expected one of {NORMALIZATIONS}, got {normalization!r}")
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -53,15 +53,16 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .base import NORMALIZATIONS, KernelParameter, LinearAttentionState
+from .base import KernelParameter, LinearAttentionState
 from .decay import check_kernel_decay, initial_decay_logits, log_decay_of
 from .dispatch import ATTENTION_BACKENDS, Request, check_backend, chunked_backend, select
 from .documents import DocumentLayout, block_causal_mask
 from .feature_maps import FEATURE_MAP_KINDS, build_feature_map
 from .inputs import (
-    FORMS, _check_floating, _shape, checked_starts, mask_padded_keys, padding_mask, restarting,
+    FORMS, check_floating, checked_starts, mask_padded_keys, padding_mask, restarting, shape_of,
     validate_linear_attention_inputs,
 )
+from .normalize import check_normalization
 from .softmax import KVCache
 
 ATTENTION_KINDS = FEATURE_MAP_KINDS + ("softmax",)
@@ -211,8 +212,7 @@ class AttentionCore(nn.Module):
             raise ValueError(f"causal: expected a bool, got {causal!r}")
         if kind not in ATTENTION_KINDS:
             raise ValueError(f"kind: expected one of {ATTENTION_KINDS}, got {kind!r}")
-        if normalization not in NORMALIZATIONS:
-            raise ValueError(f"normalization: expected one of {NORMALIZATIONS}, got {normalization!r}")
+        check_normalization(normalization)
         if form not in FORMS:
             raise ValueError(f"form: expected one of {FORMS}, got {form!r}")
         self.kind, self.num_heads, self.head_dim = kind, num_heads, head_dim
@@ -247,16 +247,16 @@ class AttentionCore(nn.Module):
 
     def _check_qkv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         for name, t in (("q", q), ("k", k), ("v", v)):
-            _check_floating(name, t, 4)
+            check_floating(name, t, 4)
         expected = (q.shape[0], self.num_heads, q.shape[2], self.head_dim)
         for name, t in (("q", q), ("k", k)):
-            if _shape(t) != expected:
+            if shape_of(t) != expected:
                 raise ValueError(
                     f"{name}: expected shape [B, {self.num_heads}, N, {self.head_dim}] = {expected} "
-                    f"(num_heads={self.num_heads}, head_dim={self.head_dim}), got {_shape(t)}"
+                    f"(num_heads={self.num_heads}, head_dim={self.head_dim}), got {shape_of(t)}"
                 )
         if v.shape[:3] != q.shape[:3]:
-            raise ValueError(f"v: expected shape [{q.shape[0]}, {self.num_heads}, {q.shape[2]}, Dv], got {_shape(v)}")
+            raise ValueError(f"v: expected shape [{q.shape[0]}, {self.num_heads}, {q.shape[2]}, Dv], got {shape_of(v)}")
 
     def _check_state(self, state: AttentionState | None) -> None:
         expected = KVCache if self.feature_map is None else LinearAttentionState

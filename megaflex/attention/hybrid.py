@@ -46,11 +46,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import KernelParameter, LinearAttentionState, normalize_output
+from .base import KernelParameter, LinearAttentionState
 from .core import AttentionCore
 from .dispatch import Request, select
 from .documents import DocumentLayout, document_layout
 from .inputs import mask_padded_keys, padding_mask, restarting
+from .normalize import is_rms_norm, normalize_output
 from .softmax import padded_causal_mask
 from .window import WindowCache, bidirectional_windowed_attention, windowed_linear_attention
 from .window.segments import run_segments
@@ -190,7 +191,7 @@ class LocalMixingCore(nn.Module):
         window_k = window_v = None
         if self.window:
             local, window_k, window_v = self._window_attention(q, k, v, state, key_mask, docs)
-            if self.core.normalization == "rms":
+            if is_rms_norm(self.core.normalization):
                 local = normalize_output(local, None, "rms", self.core.eps)
             # in fp32 whatever the module's dtype: a bf16 mix moves in steps of 1/256 around 1/2
             mix = torch.sigmoid(self.window_mix.float())

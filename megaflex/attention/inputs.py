@@ -7,23 +7,25 @@ from __future__ import annotations
 
 import torch
 
-from .base import NORMALIZATIONS, LinearAttentionState
+from .base import LinearAttentionState
 from .documents import DocumentLayout, document_layout
+from .normalize import check_normalization
 
 FORMS = ("chunked", "recurrent", "quadratic")
 
 
-def _shape(t: torch.Tensor) -> tuple[int, ...]:
+def shape_of(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(t.shape)
 
 
-def _check_floating(name: str, t: torch.Tensor, rank: int) -> None:
+def check_floating(name: str, t: torch.Tensor, rank: int) -> None:
+    """ValueError unless ``t`` is a floating-point tensor of rank ``rank``."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if not torch.is_floating_point(t):
         raise ValueError(f"{name}: expected a floating-point tensor, got dtype {t.dtype}")
     if t.dim() != rank:
-        raise ValueError(f"{name}: expected a rank-{rank} tensor, got shape {_shape(t)} (rank {t.dim()})")
+        raise ValueError(f"{name}: expected a rank-{rank} tensor, got shape {shape_of(t)} (rank {t.dim()})")
 
 
 def validate_linear_attention_inputs(
@@ -40,28 +42,27 @@ def validate_linear_attention_inputs(
     log_decay: torch.Tensor | None = None,
 ) -> None:
     """ValueError naming the argument, expected vs got, for any malformed input of the forms."""
-    _check_floating("qf", qf, 4)
-    _check_floating("kf", kf, 4)
-    _check_floating("v", v, 4)
+    check_floating("qf", qf, 4)
+    check_floating("kf", kf, 4)
+    check_floating("v", v, 4)
     batch, heads, n, feat = qf.shape
     if kf.shape != qf.shape:
-        raise ValueError(f"kf: expected shape {_shape(qf)} (same as qf [B, H, N, F]), got {_shape(kf)}")
+        raise ValueError(f"kf: expected shape {shape_of(qf)} (same as qf [B, H, N, F]), got {shape_of(kf)}")
     if v.shape[:3] != qf.shape[:3]:
-        raise ValueError(f"v: expected shape [{batch}, {heads}, {n}, Dv] (B, H, N of qf), got {_shape(v)}")
+        raise ValueError(f"v: expected shape [{batch}, {heads}, {n}, Dv] (B, H, N of qf), got {shape_of(v)}")
     if n < 1:
-        raise ValueError(f"qf: expected at least one token (N >= 1), got shape {_shape(qf)}")
+        raise ValueError(f"qf: expected at least one token (N >= 1), got shape {shape_of(qf)}")
     if kls is not None:
-        _check_floating("kls", kls, 3)
+        check_floating("kls", kls, 3)
         if kls.shape != qf.shape[:3]:
-            raise ValueError(f"kls: expected shape [{batch}, {heads}, {n}] (B, H, N of qf) or None, got {_shape(kls)}")
+            raise ValueError(f"kls: expected shape [{batch}, {heads}, {n}] (B, H, N of qf) or None, got {shape_of(kls)}")
     if log_decay is not None:
-        _check_floating("log_decay", log_decay, 1)
+        check_floating("log_decay", log_decay, 1)
         if log_decay.shape[0] != heads:
-            raise ValueError(f"log_decay: expected shape [{heads}] (one log gamma per head) or None, got {_shape(log_decay)}")
+            raise ValueError(f"log_decay: expected shape [{heads}] (one log gamma per head) or None, got {shape_of(log_decay)}")
     if form not in FORMS:
         raise ValueError(f"form: expected one of {FORMS}, got {form!r}")
-    if normalization not in NORMALIZATIONS:
-        raise ValueError(f"normalization: expected one of {NORMALIZATIONS}, got {normalization!r}")
+    check_normalization(normalization)
     if not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
     if not eps > 0:
@@ -77,8 +78,8 @@ def validate_linear_attention_inputs(
         }
         for field, shape in expected.items():
             t = getattr(initial_state, field)
-            if not isinstance(t, torch.Tensor) or not torch.is_floating_point(t) or _shape(t) != shape:
-                got = f"{_shape(t)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            if not isinstance(t, torch.Tensor) or not torch.is_floating_point(t) or shape_of(t) != shape:
+                got = f"{shape_of(t)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(f"initial_state.{field}: expected a floating tensor of shape {shape}, got {got}")
         if initial_state.offset < 0:
             raise ValueError(f"initial_state.offset: expected >= 0, got {initial_state.offset}")

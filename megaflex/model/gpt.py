@@ -36,6 +36,7 @@ from megaflex.attention.documents import DocumentLayout
 from megaflex.attention.dispatch import RefusedAttention, refused_setting
 from megaflex.attention.hybrid import HybridState, LocalMixingCore, build_attention
 from megaflex.attention.inputs import refuse_padded_documents
+from megaflex.attention.normalize import is_rms_norm
 from megaflex.attention.qk_norm import QKNorm
 from megaflex.model.config import ModelConfig
 from megaflex.model.cross_entropy import chunked_linear_cross_entropy
@@ -156,7 +157,7 @@ class Attention(nn.Module):
         # learnable scale. Flat [heads * d], head-major: a contiguous 1/tp shard is whole heads,
         # and being 1-D it is exempt from weight decay like every other norm gain.
         self.out_gain = None
-        if config.is_linear_attention and config.normalization == "rms":
+        if config.is_linear_attention and is_rms_norm(config.normalization):
             self.out_gain = nn.Parameter(torch.ones(self.local_heads * d))
             self.out_gain.tensor_model_parallel = True  # Megatron attribute names: TP-sharded on dim 0
             self.out_gain.partition_dim = 0

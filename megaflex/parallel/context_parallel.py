@@ -55,7 +55,7 @@ def _check_cp_groups(state: ParallelState) -> None:
         raise RuntimeError(f"{state} has no process groups (built with single()/detached()); cannot communicate")
 
 
-def _all_gather(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
+def cp_all_gather(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
     """[...] on every CP rank -> [CP, ...] in CP-rank order."""
     _check_cp_groups(state)
     out = x.new_empty(state.cp_size, *x.shape)
@@ -183,7 +183,7 @@ class _PrefixState(torch.autograd.Function):
     @staticmethod
     def forward(ctx, s_local, m_local, state, resets, slice_decay):  # type: ignore[override]
         packed = [s_local, m_local.unsqueeze(-1)] + ([] if resets is None else [resets.to(s_local.dtype).unsqueeze(-1)])
-        gathered = _all_gather(torch.cat(packed, dim=-1), state)  # [CP, B, H, L + 1 (+ 1)]
+        gathered = cp_all_gather(torch.cat(packed, dim=-1), state)  # [CP, B, H, L + 1 (+ 1)]
         size = s_local.shape[-1]
         m_in, w = _incoming_weights(gathered[..., size], None if resets is None else gathered[..., size + 1], slice_decay)
         r = state.cp_rank
@@ -196,7 +196,7 @@ class _PrefixState(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_s_in, _d_m_in):  # type: ignore[override]
-        grads = _all_gather(d_s_in, ctx.state)  # [CP(r), B, H, L]
+        grads = cp_all_gather(d_s_in, ctx.state)  # [CP(r), B, H, L]
         j = ctx.state.cp_rank
         d_decay = None
         if ctx.needs_input_grad[4]:

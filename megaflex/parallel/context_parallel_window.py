@@ -29,7 +29,7 @@ from megaflex.attention.base import accumulation_dtype
 from megaflex.attention.documents import DocumentLayout, has_restarts
 from megaflex.attention.window import WindowCache, windowed_linear_attention
 from megaflex.attention.decay import fold_keys
-from megaflex.parallel.context_parallel import _all_gather, check_whole_sequences, local_state, slice_decay_grad, slice_lags
+from megaflex.parallel.context_parallel import check_whole_sequences, cp_all_gather, local_state, slice_decay_grad, slice_lags
 from megaflex.parallel.state import ParallelState
 
 
@@ -57,7 +57,7 @@ class _WindowExchange(torch.autograd.Function):
         size = s_far.shape[-1]
         flat_tail = tail.flatten(2)  # [B, H, T X]
         packed = torch.cat([s_far, m_far.unsqueeze(-1), s_tail, m_tail.unsqueeze(-1), flat_tail], dim=-1)
-        gathered = _all_gather(packed, state)  # [CP, B, H, 2 L + 2 + T X]
+        gathered = cp_all_gather(packed, state)  # [CP, B, H, 2 L + 2 + T X]
         states = torch.cat([gathered[..., :size], gathered[..., size + 1 : 2 * size + 1]])  # [2 CP, B, H, L]
         maxes = torch.cat([gathered[..., size], gathered[..., 2 * size + 1]])  # [2 CP, B, H]
         m_in, w = _weights(maxes, state.cp_size, slice_decay)
@@ -75,7 +75,7 @@ class _WindowExchange(torch.autograd.Function):
         state, cp, j = ctx.state, ctx.state.cp_size, ctx.state.cp_rank
         if d_halo is None:
             d_halo = d_s_in.new_zeros(ctx.tail_shape)
-        grads = _all_gather(torch.cat([d_s_in, d_halo.flatten(2)], dim=-1), state)  # [CP(r), B, H, L + T X]
+        grads = cp_all_gather(torch.cat([d_s_in, d_halo.flatten(2)], dim=-1), state)  # [CP(r), B, H, L + T X]
         size = d_s_in.shape[-1]
         d_states = grads[..., :size]
         d_far = torch.einsum("rbh,rbhl->bhl", ctx.w[:, j], d_states)

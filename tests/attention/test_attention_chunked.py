@@ -12,7 +12,8 @@ import torch
 
 from attention_helpers import attend, attention_steps, form_steps, log_scale_spread, make_map, make_qkv
 from megaflex.attention import LinearAttentionState, NORMALIZATIONS, causal_linear_attention
-from megaflex.attention.linear.chunk import _ChunkedLinearAttention, _stabiliser, chunked_linear_attention
+from megaflex.attention.linear.chunk import _ChunkedLinearAttention, chunked_linear_attention
+from megaflex.attention.linear.chunk import chunk_stabiliser as _stabiliser
 from megaflex.attention.linear.chunk_fla import gla_linear_attention
 from megaflex.attention.dispatch import Request, select
 from megaflex.attention.linear.naive import quadratic_linear_attention

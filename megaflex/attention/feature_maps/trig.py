@@ -84,7 +84,7 @@ def _per_item(t: torch.Tensor, item: slice, heads: int) -> torch.Tensor:
     return t.repeat((item.stop - item.start) // heads, *([1] * (t.dim() - 1)))
 
 
-def _feature_scale(proj_rows: int, paired: bool) -> float:
+def feature_scale(proj_rows: int, paired: bool) -> float:
     """D^-1/2 (unpaired, D = P) or (4D)^-1/2 (paired, D = P / 2)."""
     return (2 * proj_rows) ** -0.5 if paired else proj_rows**-0.5
 
@@ -157,7 +157,7 @@ class _TrigFeatureMap(torch.autograd.Function):
             for rows in blocks:
                 r = rows.stop - rows.start
                 xb, fb, pb, cb, sb = x32[it, rows], features[it, rows], proj[:, :r], cos[:, :r], sin[:, :r]
-                trig_rows(xb, w_t, paired, pb, cb, sb, fb, _feature_scale(p, paired))
+                trig_rows(xb, w_t, paired, pb, cb, sb, fb, feature_scale(p, paired))
                 torch.mul((xb * xb).sum(dim=-1), inv_i, out=log_scale[it, rows])
 
         with fp32_region(x):
@@ -201,7 +201,7 @@ class _TrigFeatureMap(torch.autograd.Function):
                         cb, sb, d_proj = cos[:, :r], sin[:, :r], d_proj_buf[:, :r]
                         torch.bmm(xb, w_i.transpose(1, 2), out=d_proj)
                         _cos_sin(d_proj, cb, sb)
-                        trig_d_proj(cb, sb, g, paired, d_proj, _feature_scale(p, paired))
+                        trig_d_proj(cb, sb, g, paired, d_proj, feature_scale(p, paired))
                     else:
                         fb = features[it, rows]  # s cos | s sin
                         d_proj = (fb[..., :half] * g_sin).addcmul_(fb[..., half:], g_cos, value=-1.0)
@@ -261,6 +261,6 @@ def trig_feature_map_reference(
         if paired:
             half = proj.shape[-1] // 2
             cos, sin = cos[..., :half] + cos[..., half:], sin[..., :half] + sin[..., half:]
-        features = torch.cat([cos, sin], dim=-1) * _feature_scale(proj.shape[-1], paired)
+        features = torch.cat([cos, sin], dim=-1) * feature_scale(proj.shape[-1], paired)
         log_scale = (x32 * x32).sum(dim=-1) * inv_temperature.to(acc)[:, None]
     return features.to(x.dtype), log_scale

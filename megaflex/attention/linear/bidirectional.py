@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from ..base import LinearAttentionState, fp32_inputs, normalize_output, reads_denominator
+from ..base import LinearAttentionState, fp32_inputs
 from ..inputs import mask_padded_keys
+from ..normalize import normalize_output, reads_denominator
 from ..window.common import absorb
 
 

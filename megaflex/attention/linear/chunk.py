@@ -62,13 +62,11 @@ import functools
 
 import torch
 
-from ..heads import for_each_head
-from ..base import (
-    OUTPUT_RMS_CAP, LinearAttentionState, capped_denominator, fp32_inputs, guard_denominator, normalize_output, output_rms,
-    reads_denominator,
-)
+from ..base import LinearAttentionState, fp32_inputs
 from ..decay import folded
+from ..heads import for_each_head
 from ..inputs import validate_linear_attention_inputs
+from ..normalize import normalize_backward, normalize_output, reads_denominator
 
 # target number of elements of a group's C x C weight block (x 4 bytes = 1 MiB)
 _GROUP_ELEMENTS = 1 << 18
@@ -87,7 +85,7 @@ def _future_mask(c: int, device: torch.device) -> torch.Tensor:
 Group = tuple[slice, int, int, int]  # (token slice, chunks g, chunk length, first chunk)
 
 
-def _groups(n: int, c: int, max_dim: int) -> list[Group]:
+def chunk_groups(n: int, c: int, max_dim: int) -> list[Group]:
     """Split N tokens into groups of whole chunks: (token slice, chunks g, chunk length, first chunk).
 
     Full chunks are grouped so that a group's largest temporary (g x C x max(C, F)) is about
@@ -113,15 +111,18 @@ def _head_blocks(bh: int, n: int, c: int, max_dim: int, device: torch.device) ->
     return [slice(h, min(h + size, bh)) for h in range(0, bh, size)]
 
 
-def _plan(bh: int, n: int, c: int, max_dim: int, device: torch.device) -> tuple[list[slice], list[Group], int]:
+def plan_blocks(bh: int, n: int, c: int, max_dim: int, device: torch.device) -> tuple[list[slice], list[Group], int]:
     """(head blocks, chunk groups, padded N). Head blocks of several heads take all chunks in one
     group, so every [heads, tokens, ...] slice is one batched ``bmm`` operand; N is then padded to
     a multiple of C (zero keys and values, log-scale -inf: nothing reaches a real token or the state)."""
     blocks = _head_blocks(bh, n, c, max_dim, device)
     if len(blocks) == bh:
-        return blocks, _groups(n, c, max_dim), n
+        return blocks, chunk_groups(n, c, max_dim), n
     n_pad = -(-n // c) * c
     return blocks, [(slice(0, n_pad), n_pad // c, c, 0)], n_pad
+
+
+_plan = plan_blocks  # the old name, which tests/attention/test_attention_head_blocks.py still calls
 
 
 def _pad_tokens(t: torch.Tensor, n_pad: int, value: float = 0.0) -> torch.Tensor:
@@ -188,37 +189,7 @@ def _decay_weights(lam: torch.Tensor, m: torch.Tensor, mask: torch.Tensor) -> to
     return e.masked_fill_(mask, float("-inf")).exp_()
 
 
-def _normalize_backward(n: torch.Tensor, grad: torch.Tensor, normalization: str, eps: float) -> torch.Tensor:
-    """Gradient w.r.t. the saved numerators of ``normalize_output``: n [..., Dv] for "rms", or
-    n_aug = [numerator, denominator] [..., Dv+1] for "denominator"."""
-    grad = grad.to(n.dtype)
-    if normalization == "rms":  # o = n r, r = (mean n^2 + eps)^-1/2: dn = r g - r^3 mean(n g) n
-        r = torch.rsqrt(n.pow(2).mean(dim=-1, keepdim=True) + eps)
-        coef = (n * grad).mean(dim=-1, keepdim=True) * r.pow(3)
-        return (grad * r).sub_(n * coef)
-    # o = n / G(d): dn = g / G, dd = -(g . o) / G where the guard is inactive (|d| >= eps)
-    dv = n.shape[-1] - 1
-    num, den = n[..., :dv], n[..., dv]
-    d_n = torch.empty_like(n)
-    if normalization == "capped_denominator":
-        # G = max(d, r / cap), r = (mean n^2 + eps^2)^1/2. Where d wins, as above; where the floor
-        # wins, o = cap n / r (the RMS norm): dn = g / G - cap mean(n g) / r^3 n, dd = 0
-        r = output_rms(num, eps)
-        guard = capped_denominator(num, den, eps, r)
-        ratio = den >= guard
-        torch.div(grad, guard.unsqueeze(-1), out=d_n[..., :dv])
-        ng = (num * grad).mean(dim=-1)
-        coef = torch.where(ratio, 0.0, ng * OUTPUT_RMS_CAP / r.pow(3))
-        d_n[..., :dv] -= coef.unsqueeze(-1) * num
-        d_n[..., dv] = torch.where(ratio, -dv * ng / guard.pow(2), 0.0)
-        return d_n
-    guard = guard_denominator(den, eps)
-    torch.div(grad, guard.unsqueeze(-1), out=d_n[..., :dv])
-    d_n[..., dv] = -(d_n[..., :dv] * num).sum(dim=-1) / guard * (den.abs() >= eps)
-    return d_n
-
-
-def _stabiliser(lam: torch.Tensor, m0: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list]:
+def chunk_stabiliser(lam: torch.Tensor, m0: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list]:
     """Running max m [BH, N], chunk boundaries M [BH, L+1] (M_0 = m0), per-chunk decays
     exp(M_{c-1} - M_c) [BH, L] and fast-path flags (running max rises <= _FAST_RANGE inside the chunk)."""
     n = lam.shape[-1]
@@ -338,12 +309,12 @@ class _ChunkedLinearAttention(torch.autograd.Function):
         bh, n, feat = q.shape
         dv = v.shape[-1]
         c = min(chunk_size, n)
-        blocks, groups, n_pad = _plan(bh, n, c, feat, q.device)
+        blocks, groups, n_pad = plan_blocks(bh, n, c, feat, q.device)
         q, k, lam = _pad_tokens(q, n_pad), _pad_tokens(k, n_pad), _pad_tokens(lam, n_pad, float("-inf"))
         v_aug = q.new_zeros(bh, n_pad, dv + 1)  # last column -> d_t, k_sum (0 on padding)
         v_aug[:, :n, :dv] = v
         v_aug[:, :n, dv] = 1.0
-        m, bounds, decay, fast = _stabiliser(lam, m0, c)
+        m, bounds, decay, fast = chunk_stabiliser(lam, m0, c)
 
         # only the state before each group (and the final one) is kept: the backward recomputes a
         # group's chunk states from it (one bmm and the scan) instead of keeping all N / C of them
@@ -405,7 +376,7 @@ class _ChunkedLinearAttention(torch.autograd.Function):
             dec_b = decay[hb].view(nh, -1, 1, 1)
             buf = GroupScratch(nh, most, feat, dva, q, backward=True)  # S_{c0 + j} recomputed, dL/dS_{c0 + j}
             for gi, (sl, g, cl, c0) in reversed(list(enumerate(groups))):
-                dng = _normalize_backward(numer[hb, sl].view(nh * g, cl, nc), d_out[hb, sl].reshape(nh * g, cl, dv), normalization, eps)
+                dng = normalize_backward(numer[hb, sl].view(nh * g, cl, nc), d_out[hb, sl].reshape(nh * g, cl, dv), normalization, eps)
                 group_backward(
                     q[hb, sl].reshape(nh * g, cl, feat), k[hb, sl].reshape(nh * g, cl, feat), v_aug[hb, sl].reshape(nh * g, cl, dva),
                     lam[hb, sl].reshape(nh * g, cl), m[hb, sl].reshape(nh * g, cl), bounds[hb, c0 : c0 + g + 1],

@@ -32,9 +32,10 @@ from typing import Callable
 
 import torch
 
-from ..base import LinearAttentionState, accumulation_dtype, fp32_inputs, normalize_output, reads_denominator
+from ..base import LinearAttentionState, accumulation_dtype, fp32_inputs
 from ..decay import folded
 from ..inputs import validate_linear_attention_inputs
+from ..normalize import normalize_output, reads_denominator
 
 # (q, k, v [B, T, H, *], g [B, T, H], scale, initial_state [B, H, K, V] | None, output_final_state)
 #   -> (o [B, T, H, V], final_state [B, H, K, V]); the signature of fla.ops.simple_gla.chunk_simple_gla

@@ -24,15 +24,16 @@ from __future__ import annotations
 
 import torch
 
+from ..base import LinearAttentionState, accumulation_dtype
+from ..decay import fold_keys, run_folded
+from ..feature_maps.trig import feature_scale, trig_d_proj, trig_feature_map, trig_rows
 from ..heads import for_each_head
-from ..base import LinearAttentionState, accumulation_dtype, normalize_output, reads_denominator
+from ..inputs import validate_linear_attention_inputs
+from ..normalize import normalize_backward, normalize_output, reads_denominator
 from .chunk import (
-    GroupScratch, _groups, _normalize_backward, _plan, _stabiliser, chunked_linear_attention, group_backward, group_forward,
+    GroupScratch, chunk_groups, chunk_stabiliser, chunked_linear_attention, group_backward, group_forward, plan_blocks,
     unpack_result,
 )
-from ..decay import fold_keys, run_folded
-from ..feature_maps.trig import _feature_scale, trig_d_proj, trig_feature_map, trig_rows
-from ..inputs import validate_linear_attention_inputs
 
 # chunked_linear_attention's plan decides "long" (one head per block); False forces the plain path
 FUSED_TRIG_ENABLED = True
@@ -87,12 +88,12 @@ class _ChunkedTrigAttention(torch.autograd.Function):
         dv, p = v.shape[-1], omega.shape[1]
         feat = p if paired else 2 * p
         c = min(chunk_size, n)
-        groups = _groups(n, c, feat)
-        scale = _feature_scale(p, paired)  # features are computed unscaled; the group functions apply it
+        groups = chunk_groups(n, c, feat)
+        scale = feature_scale(p, paired)  # features are computed unscaled; the group functions apply it
         inv_rows = inv_t.repeat(bh // heads)  # [BH]: head h of every batch entry
         shift = None if log_decay is None else fold_keys(None, log_decay, (bh // heads, heads, n), -origin).reshape(bh, n)
         k_sq, lam = _key_log_scale(k, inv_rows, shift)
-        m, bounds, decay, fast = _stabiliser(lam, m0, c)
+        m, bounds, decay, fast = chunk_stabiliser(lam, m0, c)
         states = q.new_empty(bh, len(groups) + 1, feat, dv + 1)
         states[:, 0] = s0
         most = max(g for _, g, _, _ in groups)
@@ -132,7 +133,7 @@ class _ChunkedTrigAttention(torch.autograd.Function):
         bh, n, d = q.shape
         dv, p, feat, nc = v.shape[-1], omega.shape[1], states.shape[2], numer.shape[-1]
         most = max(g for _, g, _, _ in groups)
-        scale = _feature_scale(p, paired)
+        scale = feature_scale(p, paired)
         inv_rows = inv_t.repeat(bh // heads)
         carry = d_final.clone()
         dq, dk, d_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -151,7 +152,7 @@ class _ChunkedTrigAttention(torch.autograd.Function):
                 r = g * cl
                 xq, xk = q[b : b + 1, sl], k[b : b + 1, sl]
                 buf.features(xq, xk, v[b : b + 1, sl], w_t, paired)
-                dng = _normalize_backward(numer[b, sl].view(g, cl, nc), d_out[b, sl].reshape(g, cl, dv), normalization, eps)
+                dng = normalize_backward(numer[b, sl].view(g, cl, nc), d_out[b, sl].reshape(g, cl, dv), normalization, eps)
                 dqf, dkf, d_lam = buf.dqf[:, :r], buf.dkf[:, :r], buf.d_lam[:r]
                 group_backward(
                     buf.qf[0, :r].view(g, cl, feat), buf.kf[0, :r].view(g, cl, feat), buf.v_aug[0, :r].view(g, cl, dv + 1),
@@ -219,7 +220,7 @@ def trig_linear_attention_chunked(
         initial_state=initial_state, eps=eps, log_decay=log_decay,
     )  # fmt: skip
     bh = batch * heads
-    blocks, _, _ = _plan(bh, n, min(chunk_size, n), feat, q.device)
+    blocks, _, _ = plan_blocks(bh, n, min(chunk_size, n), feat, q.device)
     if not FUSED_TRIG_ENABLED or len(blocks) != bh:
         qf, _ = trig_feature_map(q, omega, inv_temperature, paired=paired)
         kf, kls = trig_feature_map(k, omega, inv_temperature, paired=paired)

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from ..base import LinearAttentionState, fp32_inputs, normalize_output
+from ..base import LinearAttentionState, fp32_inputs
 from ..documents import block_causal_mask, document_ids
+from ..normalize import normalize_output
 from ..window.common import finite_stabiliser
 
 

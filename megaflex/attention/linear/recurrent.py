@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from ..base import LinearAttentionState, accumulation_dtype, fp32_inputs, normalize_output, reads_denominator
+from ..base import LinearAttentionState, accumulation_dtype, fp32_inputs
+from ..normalize import normalize_output, reads_denominator
 
 
 def recurrent_linear_attention(

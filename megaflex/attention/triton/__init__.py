@@ -10,7 +10,8 @@
 package imports without it.
 """
 
-from .linear import kernel_chunk, triton_available, triton_linear_attention
+from .launch import kernel_chunk
+from .linear import triton_available, triton_linear_attention
 from .tuning import interpreter_enabled
 from .trig import trig_linear_attention
 from .window import TritonWindowNumerator

@@ -20,7 +20,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .linear import ChunkPlan, TrigMap, _plan, attention_backward, attention_forward, kernel_chunk, map_backward
+from .launch import ChunkPlan, TrigMap, chunk_plan, kernel_chunk
+from .linear import attention_backward, attention_forward, map_backward
 
 # Shared memory per block (opt-in maximum) of the targets the kernels must launch on.
 SHARED_MEMORY_LIMIT = {80: 166_912, 90: 232_448}
@@ -129,7 +130,7 @@ def record_launches(
     else features given as inputs."""
     recorder = _Recorder()
     n = 2 * kernel_chunk(chunk_size) + 3  # several chunks, the last one partial
-    plan: ChunkPlan = _plan(torch.zeros(bh, n), torch.full((bh,), float("-inf")), feat, dv, chunk_size)
+    plan: ChunkPlan = chunk_plan(torch.zeros(bh, n), torch.full((bh,), float("-inf")), feat, dv, chunk_size)
     width = feat
     if trig_head_dim is not None:
         width = trig_head_dim

@@ -5,11 +5,11 @@ holds the chunk stabilisers: MB[:, 0] = the carried state's log_max, MB[:, c + 1
 last token of chunk c. ``M`` [BH, N] is the per-token running max m_t. Every exponent is <= 0.
 States: ``S`` [F, Dv] (kv) and ``Z`` [F] (k_sum), fp32, relative to their chunk's stabiliser.
 
-Precision: ``tl.dot`` operands are in the inputs' dtype (``_dot`` casts fp32 intermediates such
+Precision: ``tl.dot`` operands are in the inputs' dtype (``input_dot`` casts fp32 intermediates such
 as the C x C weights to it) and accumulate in fp32, as in flash attention: bf16 / fp16 operands
 take half the shared memory and registers of fp32 ones and run at the full tensor-core rate.
 fp32 inputs keep fp32 operands with ``PREC`` ("tf32" on CUDA). Products with a carried state
-(``_state_dot``) split the state into two half-precision parts (3xTF32 for fp32 inputs):
+(``state_dot``) split the state into two half-precision parts (3xTF32 for fp32 inputs):
 the state is where rounding hurts. Element-wise maths (exp, sums, normalisation) is fp32. The interpreter
 computes every dot in fp32 from the (rounded) operands.
 
@@ -55,7 +55,7 @@ import triton.language as tl
 from .tuning import TUNING_KEY, interpreter_enabled, launch_configs, prune_launch_configs
 
 
-def _tuned(fn, reset_to_zero: list[str] | None = None):
+def autotuned(fn, reset_to_zero: list[str] | None = None):
     """``fn`` autotuned over ``launch_configs`` (one fixed config under the interpreter), pruned
     per launch by ``prune_launch_configs`` (TRIG launches take fewer). These kernels only store
     (no accumulation into their outputs), so benchmark reruns are harmless; kernels that add into
@@ -72,19 +72,19 @@ def _tuned(fn, reset_to_zero: list[str] | None = None):
 
 
 @triton.jit
-def _tile(ptr, rows, row_mask, cols, col_mask, stride):
+def load_tile(ptr, rows, row_mask, cols, col_mask, stride):
     """[len(rows), len(cols)] tile of a row-major matrix in its stored dtype (zeros outside the masks)."""
     return tl.load(ptr + rows[:, None] * stride + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0)
 
 
 @triton.jit
-def _dot(a, b, ELT: tl.constexpr, PREC: tl.constexpr):
+def input_dot(a, b, ELT: tl.constexpr, PREC: tl.constexpr):
     """a @ b with both operands in ELT (the inputs' dtype) and fp32 accumulation."""
     return tl.dot(a.to(ELT), b.to(ELT), input_precision=PREC, out_dtype=tl.float32)
 
 
 @triton.jit
-def _state_dot(a, s, ELT: tl.constexpr):
+def state_dot(a, s, ELT: tl.constexpr):
     """a @ s where s is a carried state (or state gradient), fp32 in memory. Rounding s to 10 or
     8 mantissa bits gave 2% output and 45% dq errors on ill-conditioned rms rows (fp16, key
     scales x100; tests/attention/test_attention_triton.py), so s is split into two half-precision parts
@@ -102,9 +102,9 @@ def _trig_proj(x, w_rows, freq, fm, d, dm, DIN):
     """x [C, BD] (the inputs' dtype) times the fp32 frequencies ``w_rows[freq]`` [BF, BD]^T: [C, BF]
     fp32 projections. A cos/sin argument needs about fp32 accuracy (one rounding of the
     frequencies to bf16 would err by |proj| 2^-9), so they are multiplied as a state is
-    (``_state_dot``: two half-precision parts, 3xTF32 for fp32 inputs); x is exact in its dtype."""
-    w = _tile(w_rows, freq, fm, d, dm, DIN).to(tl.float32)
-    return _state_dot(x, tl.trans(w), x.dtype)
+    (``state_dot``: two half-precision parts, 3xTF32 for fp32 inputs); x is exact in its dtype."""
+    w = load_tile(w_rows, freq, fm, d, dm, DIN).to(tl.float32)
+    return state_dot(x, tl.trans(w), x.dtype)
 
 
 @triton.jit
@@ -163,7 +163,7 @@ def _trig_projs(
     for d0 in range(0, DIN, BD):
         d = d0 + tl.arange(0, BD)
         dm = d < DIN
-        x = _tile(x_rows, tok, tm, d, dm, DIN)
+        x = load_tile(x_rows, tok, tm, d, dm, DIN)
         p1 += _trig_proj(x, w_head, freq, fm, d, dm, DIN)
         if PAIRED:
             p2 += _trig_proj(x, w_head + half * DIN, freq, fm, d, dm, DIN)
@@ -192,10 +192,10 @@ def _features(
             feat += _cos_shifted(p2, shift)
         return tl.where(tm[:, None] & fm[None, :], feat * trig_scale, 0.0)
     else:
-        return _tile(X + bh * N * F, tok, tm, f, fm, F)
+        return load_tile(X + bh * N * F, tok, tm, f, fm, F)
 
 
-@_tuned
+@autotuned
 @triton.jit
 def chunk_states(
     K, V, LS, MB, S0, Z0, STATES, ZS, SF, ZF,
@@ -223,17 +223,17 @@ def chunk_states(
         tok = c * CHUNK + t
         tm = tok < N
         k = _features(K, W, bh, tok, tm, f, fm, N, F, DIN, HEADS, trig_scale, TRIG, PAIRED, BD, CHUNK, BF)
-        v = _tile(V + bh * N * DV, tok, tm, cols, vm, DV)
+        v = load_tile(V + bh * N * DV, tok, tm, cols, vm, DV)
         ls = tl.load(LS + bh * N + tok, mask=tm, other=0.0)
         kw = k.to(tl.float32) * tl.where(tm, tl.exp(ls - m_cur), 0.0)[:, None]
         decay = tl.exp(m_prev - m_cur)
-        s = s * decay + _dot(tl.trans(kw), v, K.dtype.element_ty, PREC)
+        s = s * decay + input_dot(tl.trans(kw), v, K.dtype.element_ty, PREC)
         z = z * decay + tl.sum(kw, axis=0)
     tl.store(SF + bh * F * DV + state_off, s, mask=state_mask)
     tl.store(ZF + bh * F + f, z, mask=zm)
 
 
-@_tuned
+@autotuned
 @triton.jit
 def chunk_outputs(
     Q, K, V, LS, M, MB, STATES, ZS, OUT, G, DN, DD,
@@ -259,12 +259,12 @@ def chunk_outputs(
         fm = f < F
         q = _features(Q, W, bh, tok, tm, f, fm, N, F, DIN, HEADS, trig_scale, TRIG, PAIRED, BD, CHUNK, BF)
         k = _features(K, W, bh, tok, tm, f, fm, N, F, DIN, HEADS, trig_scale, TRIG, PAIRED, BD, CHUNK, BF)
-        s = _tile(STATES + state * DV, f, fm, cols, vm, DV)
+        s = load_tile(STATES + state * DV, f, fm, cols, vm, DV)
         z = tl.load(ZS + state + f, mask=fm, other=0.0)
-        qk += _dot(q, tl.trans(k), elt, PREC)
-        qs += _state_dot(q, s, elt)
+        qk += input_dot(q, tl.trans(k), elt, PREC)
+        qs += state_dot(q, s, elt)
         qz += tl.sum(q.to(tl.float32) * z[None, :], axis=1)
-    v = _tile(V + bh * N * DV, tok, tm, cols, vm, DV)
+    v = load_tile(V + bh * N * DV, tok, tm, cols, vm, DV)
     ls = tl.load(LS + bh * N + tok, mask=tm, other=0.0)
     m = tl.load(M + bh * N + tok, mask=tm, other=0.0)
     m_prev = tl.load(MB + bh * (NC + 1) + c)
@@ -272,7 +272,7 @@ def chunk_outputs(
     # exponent masked to -inf before exp: a later key may have a larger log-scale than m_t
     w = qk * tl.exp(tl.where(causal, ls[None, :] - m[:, None], float("-inf")))
     carry = tl.exp(m_prev - m)
-    n = _dot(w, v, elt, PREC) + carry[:, None] * qs
+    n = input_dot(w, v, elt, PREC) + carry[:, None] * qs
     d = tl.sum(w, axis=1) + carry * qz
     out_mask = tm[:, None] & vm[None, :]
     out_off = bh * N * DV + tok[:, None] * DV + cols[None, :]
@@ -311,7 +311,7 @@ def chunk_outputs(
             tl.store(OUT + out_off, n / guarded[:, None], mask=out_mask)
 
 
-@_tuned
+@autotuned
 @triton.jit
 def chunk_state_grads(
     Q, M, MB, DN, DD, DSF, DZF, DSTATES, DZS, DS0, DZ0,
@@ -342,11 +342,11 @@ def chunk_state_grads(
         tm = tok < N
         q = _features(Q, W, bh, tok, tm, f, fm, N, F, DIN, HEADS, trig_scale, TRIG, PAIRED, BD, CHUNK, BF)
         m = tl.load(M + bh * N + tok, mask=tm, other=0.0)
-        dn = _tile(DN + bh * N * DV, tok, tm, cols, vm, DV)
+        dn = load_tile(DN + bh * N * DV, tok, tm, cols, vm, DV)
         dd = tl.load(DD + bh * N + tok, mask=tm, other=0.0)
         qa = q.to(tl.float32) * tl.where(tm, tl.exp(m_prev - m), 0.0)[:, None]
         decay = tl.exp(m_prev - m_cur)
-        ds = ds * decay + _dot(tl.trans(qa), dn, Q.dtype.element_ty, PREC)
+        ds = ds * decay + input_dot(tl.trans(qa), dn, Q.dtype.element_ty, PREC)
         dz = dz * decay + tl.sum(qa * dd[:, None], axis=0)
     tl.store(DS0 + bh * F * DV + state_off, ds, mask=state_mask)
     tl.store(DZ0 + bh * F + f, dz, mask=zm)
@@ -368,7 +368,7 @@ def _chunk_scales(LS, M, MB, bh, c, tok, tm, N, NC, CHUNK: tl.constexpr):
     return e, carry, key_scale
 
 
-@_tuned
+@autotuned
 @triton.jit
 def chunk_grads_qk(
     Q, K, V, LS, M, MB, STATES, ZS, DN, DD, DSTATES, DZS, DQ, DK, DLS,
@@ -392,13 +392,13 @@ def chunk_grads_qk(
     for v0 in range(0, DV, BV):
         cols = v0 + tl.arange(0, BV)
         vm = cols < DV
-        v = _tile(V + bh * N * DV, tok, tm, cols, vm, DV)
-        dn = _tile(DN + bh * N * DV, tok, tm, cols, vm, DV)
-        s = _tile(STATES + state * DV, f, fm, cols, vm, DV)
-        ds = _tile(DSTATES + state * DV, f, fm, cols, vm, DV)
-        dnv += _dot(dn, tl.trans(v), elt, PREC)
-        dns += _state_dot(dn, tl.trans(s), elt)
-        vds += _state_dot(v, tl.trans(ds), elt)
+        v = load_tile(V + bh * N * DV, tok, tm, cols, vm, DV)
+        dn = load_tile(DN + bh * N * DV, tok, tm, cols, vm, DV)
+        s = load_tile(STATES + state * DV, f, fm, cols, vm, DV)
+        ds = load_tile(DSTATES + state * DV, f, fm, cols, vm, DV)
+        dnv += input_dot(dn, tl.trans(v), elt, PREC)
+        dns += state_dot(dn, tl.trans(s), elt)
+        vds += state_dot(v, tl.trans(ds), elt)
     q = _features(Q, W, bh, tok, tm, f, fm, N, F, DIN, HEADS, trig_scale, TRIG, PAIRED, BD, CHUNK, BF)
     k = _features(K, W, bh, tok, tm, f, fm, N, F, DIN, HEADS, trig_scale, TRIG, PAIRED, BD, CHUNK, BF)
     dd = tl.load(DD + bh * N + tok, mask=tm, other=0.0)
@@ -408,8 +408,8 @@ def chunk_grads_qk(
     e, carry, key_scale = _chunk_scales(LS, M, MB, bh, c, tok, tm, N, NC, CHUNK)
     # dW'_ts = (dn_t . v_s + dd_t) exp(kls_s - m_t): the gradient of the q.k products
     dw = (dnv + dd[:, None]) * e
-    dq = _dot(dw, k, elt, PREC) + carry[:, None] * (dns + dd[:, None] * z[None, :])
-    dk = _dot(tl.trans(dw), q, elt, PREC) + key_scale[:, None] * (vds + dz[None, :])
+    dq = input_dot(dw, k, elt, PREC) + carry[:, None] * (dns + dd[:, None] * z[None, :])
+    dk = input_dot(tl.trans(dw), q, elt, PREC) + key_scale[:, None] * (vds + dz[None, :])
     feat_off = bh * N * F + tok[:, None] * F + f[None, :]
     tl.store(DQ + feat_off, dq, mask=tm[:, None] & fm[None, :])
     tl.store(DK + feat_off, dk, mask=tm[:, None] & fm[None, :])
@@ -418,7 +418,7 @@ def chunk_grads_qk(
     tl.store(DLS + (pf * bhs + bh) * N + tok, tl.sum(k.to(tl.float32) * dk, axis=1), mask=tm)
 
 
-@_tuned
+@autotuned
 @triton.jit
 def chunk_grads_v(
     Q, K, LS, M, MB, DN, DSTATES, DV_OUT,
@@ -442,12 +442,12 @@ def chunk_grads_v(
         fm = f < F
         q = _features(Q, W, bh, tok, tm, f, fm, N, F, DIN, HEADS, trig_scale, TRIG, PAIRED, BD, CHUNK, BF)
         k = _features(K, W, bh, tok, tm, f, fm, N, F, DIN, HEADS, trig_scale, TRIG, PAIRED, BD, CHUNK, BF)
-        ds = _tile(DSTATES + state * DV, f, fm, cols, vm, DV)
-        qk += _dot(q, tl.trans(k), elt, PREC)
-        kds += _state_dot(k, ds, elt)
+        ds = load_tile(DSTATES + state * DV, f, fm, cols, vm, DV)
+        qk += input_dot(q, tl.trans(k), elt, PREC)
+        kds += state_dot(k, ds, elt)
     e, _, key_scale = _chunk_scales(LS, M, MB, bh, c, tok, tm, N, NC, CHUNK)
-    dn = _tile(DN + bh * N * DV, tok, tm, cols, vm, DV)
-    dv = _dot(tl.trans(qk * e), dn, elt, PREC) + key_scale[:, None] * kds
+    dn = load_tile(DN + bh * N * DV, tok, tm, cols, vm, DV)
+    dv = input_dot(tl.trans(qk * e), dn, elt, PREC) + key_scale[:, None] * kds
     tl.store(DV_OUT + bh * N * DV + tok[:, None] * DV + cols[None, :], dv, mask=tm[:, None] & vm[None, :])
 
 
@@ -458,7 +458,7 @@ def _trig_d_proj(proj, g_cos, g_sin, trig_scale):
     return trig_scale * (cos_p * g_sin - sin_p * g_cos)
 
 
-@_tuned
+@autotuned
 @triton.jit
 def trig_grads(
     X, W, G, DX_PARTS, DW,
@@ -488,17 +488,17 @@ def trig_grads(
     for c in range(NC):
         tok = c * CHUNK + tl.arange(0, CHUNK)
         tm = tok < N
-        g_cos = _tile(G + bh * N * F, tok, tm, freq, jm, F)
-        g_sin = _tile(G + bh * N * F + half, tok, tm, freq, jm, F)
+        g_cos = load_tile(G + bh * N * F, tok, tm, freq, jm, F)
+        g_sin = load_tile(G + bh * N * F + half, tok, tm, freq, jm, F)
         p1, p2 = _trig_projs(X + bh * N * DIN, w_head, tok, tm, freq, jm, DIN, half, PAIRED, BK, CHUNK, BJ)
-        x = _tile(X + bh * N * DIN, tok, tm, d, dm, DIN)
+        x = load_tile(X + bh * N * DIN, tok, tm, d, dm, DIN)
         dp = _trig_d_proj(p1, g_cos, g_sin, trig_scale)
-        dx = _dot(dp, _tile(w_head, freq, jm, d, dm, DIN), elt, PREC)
-        dw1 += _dot(tl.trans(dp), x, elt, PREC)
+        dx = input_dot(dp, load_tile(w_head, freq, jm, d, dm, DIN), elt, PREC)
+        dw1 += input_dot(tl.trans(dp), x, elt, PREC)
         if PAIRED:
             dp = _trig_d_proj(p2, g_cos, g_sin, trig_scale)
-            dx += _dot(dp, _tile(w_head + half * DIN, freq, jm, d, dm, DIN), elt, PREC)
-            dw2 += _dot(tl.trans(dp), x, elt, PREC)
+            dx += input_dot(dp, load_tile(w_head + half * DIN, freq, jm, d, dm, DIN), elt, PREC)
+            dw2 += input_dot(tl.trans(dp), x, elt, PREC)
         dx_off = (jb * bhs + bh) * N * DIN + tok[:, None] * DIN + d[None, :]
         tl.store(DX_PARTS + dx_off, dx, mask=tm[:, None] & dm[None, :])
     w_mask = jm[:, None] & dm[None, :]

@@ -27,10 +27,9 @@ import torch
 
 from ..base import LinearAttentionState
 from ..decay import fold_keys, run_folded
-from ..feature_maps.trig import _feature_scale, trig_feature_map_reference
+from ..feature_maps.trig import feature_scale, trig_feature_map_reference
+from .launch import ChunkPlan, TrigMap
 from .linear import (
-    ChunkPlan,
-    TrigMap,
     attention_backward,
     attention_forward,
     check_options,
@@ -76,7 +75,7 @@ def _prepare(q, k, v, omega, inv_temperature, log_decay, origin, state, paired, 
     rows = omega.shape[1]
     kls = _folded(_key_log_scale(k, inv_temperature), log_decay, origin)
     flat, kv0, z0, plan = flat_inputs(q, k, kls, v, state, chunk_size, feat=rows if paired else 2 * rows)
-    plan.trig = TrigMap(omega.detach().float().contiguous(), paired, _feature_scale(rows, paired))
+    plan.trig = TrigMap(omega.detach().float().contiguous(), paired, feature_scale(rows, paired))
     return flat, kv0, z0, plan
 
 

@@ -1,7 +1,7 @@
 """Torch glue of the one-normaliser hybrid's Triton kernels (``window_kernels.py``): the autograd
 Function ``TritonWindowNumerator``, ``ChunkedWindowNumerator``'s contract (``window/chunk.py``).
 
-Forward: the chunk stabilisers B_j (``function._plan``: B_0 = m0, B_{j+1} = the running max of the
+Forward: the chunk stabilisers B_j (``launch.chunk_plan``: B_0 = m0, B_{j+1} = the running max of the
 key log-scales at chunk j's end), the state entering every chunk (``chunk_states`` of
 ``linear_kernels.py``, run on v_aug: the ones column makes the k_sum column), then ``window_outputs``.
 Saved for backward: the inputs and m [BH, T] (no states, no blocks).
@@ -23,7 +23,8 @@ from types import ModuleType
 
 import torch
 
-from .linear import _LOOP_TILE, ChunkPlan, _block, _chunk_states, _launch, _plan, check_triton_dtype, kernel_chunk, kernels_for
+from .launch import LOOP_TILE, ChunkPlan, block_size, chunk_plan, chunk_states, kernel_chunk, launch
+from .linear import check_triton_dtype, kernels_for
 
 
 # The window kernels hold [C, C] blocks (weights, their gradients) and [C, Dv] tiles in registers:
@@ -55,8 +56,8 @@ class WindowPlan:
     def blocks(self, kernel: str) -> dict[str, int]:
         """Loop blocks over the head dim, F and (the backward kernels) Dv: 32 wide, as the linear
         kernels' loops; ``window_outputs`` holds its [C, Dv] numerator whole (online rescaling)."""
-        loop = lambda size: min(_block(size), _LOOP_TILE)  # noqa: E731
-        return dict(BD=loop(self.head_dim), BF=loop(self.feat), BV=_block(self.dv) if kernel == "window_outputs" else loop(self.dv))
+        loop = lambda size: min(block_size(size), LOOP_TILE)  # noqa: E731
+        return dict(BD=loop(self.head_dim), BF=loop(self.feat), BV=block_size(self.dv) if kernel == "window_outputs" else loop(self.dv))
 
 
 def window_plan(q: torch.Tensor, kf: torch.Tensor, kls: torch.Tensor, v_aug: torch.Tensor, m0: torch.Tensor,
@@ -69,7 +70,7 @@ def window_plan(q: torch.Tensor, kf: torch.Tensor, kls: torch.Tensor, v_aug: tor
         raise ValueError(f"window: the Triton form takes W >= 1, got {window} (W = 0 is plain linear attention)")
     feat, dv = kf.shape[-1], v_aug.shape[-1] - 1
     chunks = t // c
-    scan = _plan(kls, m0.float(), feat, dv + 1, c)
+    scan = chunk_plan(kls, m0.float(), feat, dv + 1, c)
     return WindowPlan(bh, t, head_dim, feat, dv, window, c, chunks, min(-(-window // c), chunks - 1), scan)
 
 
@@ -98,7 +99,7 @@ def _states(kern, plan: WindowPlan, kf, kls, v_aug, s0) -> torch.Tensor:
     if not plan.feat:
         return torch.zeros(1, device=kf.device)
     z0 = torch.zeros(plan.bh, plan.feat, device=kf.device)
-    states, _, _, _ = _chunk_states(kern, kf, v_aug, kls, plan.scan, s0, z0)
+    states, _, _, _ = chunk_states(kern, kf, v_aug, kls, plan.scan, s0, z0)
     return states
 
 
@@ -134,7 +135,7 @@ def _state_grads(kern, plan: WindowPlan, qf, qls, m, m0, d_numer) -> torch.Tenso
     d_s0, d_z0 = torch.empty(plan.bh, plan.feat, dv1, **f32), torch.empty(plan.bh, plan.feat, **f32)
     zeros_n, zeros_s, zeros_z = torch.zeros(plan.bh, plan.t, **f32), torch.zeros(plan.bh, plan.feat, dv1, **f32), torch.zeros(plan.bh, plan.feat, **f32)
     bf, bv = plan.scan.scan_blocks()
-    _launch(
+    launch(
         kern, "chunk_state_grads", (plan.bh, -(-plan.feat // bf), -(-dv1 // bv)), plan.scan,
         q_read, m_read, plan.scan.chunk_max, dn_read, zeros_n, zeros_s, zeros_z, d_states, d_sums, d_s0, d_z0,
         plan.t, plan.feat, dv1, plan.chunks, BF=bf, BV=bv,

@@ -25,8 +25,8 @@ dq, dqf, dk, dkf, dv_aug are fp32 buffers the programs read, add to and write ba
 benchmark run), so no program keeps a [C, F] or [C, Dv] accumulator across its loops, and the
 backward kernels loop over 32-wide blocks of D, F and Dv (C = 32: no spills at the 1.3B shape);
 dqls = qf . dqf and dkls = kf . dkf (every path of a log-scale is exp(ls) times its features) are
-summed by the glue. Dots: operands in the inputs' dtype, fp32 accumulation (``kernels._dot``);
-carried states (fp32) via ``kernels._state_dot``; element-wise maths in fp32.
+summed by the glue. Dots: operands in the inputs' dtype, fp32 accumulation (``kernels.input_dot``);
+carried states (fp32) via ``kernels.state_dot``; element-wise maths in fp32.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import functools
 import triton
 import triton.language as tl
 
-from .linear_kernels import _dot, _state_dot, _tile, _tuned
+from .linear_kernels import autotuned, input_dot, load_tile, state_dot
 
 
 @triton.jit
@@ -44,7 +44,7 @@ def _aug(ptr, rows, cols, vm, DV):
     """[R, BV] tile of columns ``cols`` < DV (stored dtype) and the last column DV [R] (fp32) of a
     row-major [*, DV + 1] matrix."""
     rm = rows >= 0
-    tile = _tile(ptr, rows, rm, cols, vm, DV + 1)
+    tile = load_tile(ptr, rows, rm, cols, vm, DV + 1)
     last = tl.load(ptr + rows * (DV + 1) + DV).to(tl.float32)
     return tile, last
 
@@ -57,9 +57,9 @@ def _block_dot(A, B, bh, tq, tk, T, WIDTH, BW: tl.constexpr, CHUNK: tl.constexpr
     for w0 in range(0, WIDTH, BW):
         w = w0 + tl.arange(0, BW)
         wm = w < WIDTH
-        a = _tile(A + bh * T * WIDTH, tq, rm, w, wm, WIDTH)
-        b = _tile(B + bh * T * WIDTH, tk, rm, w, wm, WIDTH)
-        acc += _dot(a, tl.trans(b), A.dtype.element_ty, PREC)
+        a = load_tile(A + bh * T * WIDTH, tq, rm, w, wm, WIDTH)
+        b = load_tile(B + bh * T * WIDTH, tk, rm, w, wm, WIDTH)
+        acc += input_dot(a, tl.trans(b), A.dtype.element_ty, PREC)
     return acc
 
 
@@ -92,15 +92,15 @@ def _dn_v(DNUM, V, bh, tq, tk, T, DV, BV: tl.constexpr, CHUNK: tl.constexpr, PRE
     for v0 in range(0, DV, BV):
         cols = v0 + tl.arange(0, BV)
         vm = cols < DV
-        dn = _tile(DNUM + bh * T * (DV + 1), tq, rm, cols, vm, DV + 1)
-        v = _tile(V + bh * T * (DV + 1), tk, rm, cols, vm, DV + 1)
-        acc += _dot(dn, tl.trans(v), V.dtype.element_ty, PREC)
+        dn = load_tile(DNUM + bh * T * (DV + 1), tq, rm, cols, vm, DV + 1)
+        v = load_tile(V + bh * T * (DV + 1), tk, rm, cols, vm, DV + 1)
+        acc += input_dot(dn, tl.trans(v), V.dtype.element_ty, PREC)
     dn_last = tl.load(DNUM + bh * T * (DV + 1) + tq * (DV + 1) + DV)
     v_last = tl.load(V + bh * T * (DV + 1) + tk * (DV + 1) + DV).to(tl.float32)
     return acc + dn_last[:, None] * v_last[None, :]
 
 
-@_tuned
+@autotuned
 @triton.jit
 def window_outputs(
     Q, QF, QLS, K, KF, KLS, V, MB, STATES, NUMER, M_OUT,
@@ -144,7 +144,7 @@ def window_outputs(
             x_far = tl.exp(tl.where(lag >= WINDOW, qls[:, None] + kls[None, :], float("-inf")) - m_safe[:, None])
             w += x_far * _block_dot(QF, KF, bh, tq, tk, T, F, BF, CHUNK, PREC)
         v, v_last = _aug(V + bh * T * (DV + 1), tk, cols, vm, DV)
-        acc += _dot(w, v, elt, PREC)
+        acc += input_dot(w, v, elt, PREC)
         den += tl.sum(w * v_last[None, :], axis=1)
     m = tl.where(m == float("-inf"), 0.0, m)
     # the carried state: exp(qls_t + B - m_t) qf_t S (0 for an empty state, B = -inf)
@@ -155,10 +155,10 @@ def window_outputs(
     for f0 in range(0, F, BF):
         f = f0 + tl.arange(0, BF)
         fm = f < F
-        qf = _tile(QF + bh * T * F, tq, tq >= 0, f, fm, F)
-        s = _tile(state, f, fm, cols, vm, DV + 1)
+        qf = load_tile(QF + bh * T * F, tq, tq >= 0, f, fm, F)
+        s = load_tile(state, f, fm, cols, vm, DV + 1)
         z = tl.load(state + f * (DV + 1) + DV, mask=fm, other=0.0)
-        qs += _state_dot(qf, s, elt)
+        qs += state_dot(qf, s, elt)
         qz += tl.sum(qf.to(tl.float32) * z[None, :], axis=1)
     acc += carry[:, None] * qs
     den += carry * qz
@@ -185,11 +185,11 @@ def _add_dot(OUT, bh, rows, T, WIDTH, STRIDE, a, B, b_rows, b_stride, scale, ELT
     for w0 in range(0, WIDTH, BW):
         w = w0 + tl.arange(0, BW)
         wm = w < WIDTH
-        b = _tile(B + bh * T * b_stride, b_rows, rm, w, wm, b_stride)
-        _add_to(OUT + bh * T * STRIDE, rows, rm, w, wm, STRIDE, scale * _dot(a, b, ELT, PREC))
+        b = load_tile(B + bh * T * b_stride, b_rows, rm, w, wm, b_stride)
+        _add_to(OUT + bh * T * STRIDE, rows, rm, w, wm, STRIDE, scale * input_dot(a, b, ELT, PREC))
 
 
-@functools.partial(_tuned, reset_to_zero=["DQ", "DQF"])
+@functools.partial(autotuned, reset_to_zero=["DQ", "DQF"])
 @triton.jit
 def window_grads_q(
     Q, QF, QLS, K, KF, KLS, V, M, MB, STATES, DNUM, DQ, DQF,
@@ -226,12 +226,12 @@ def window_grads_q(
         for v0 in range(0, DV, BV):
             cols = v0 + tl.arange(0, BV)
             vm = cols < DV
-            dn = _tile(DNUM + bh * T * (DV + 1), tq, tq >= 0, cols, vm, DV + 1) * carry[:, None]
-            part += _state_dot(dn, tl.trans(_tile(state, f, fm, cols, vm, DV + 1)), elt)
+            dn = load_tile(DNUM + bh * T * (DV + 1), tq, tq >= 0, cols, vm, DV + 1) * carry[:, None]
+            part += state_dot(dn, tl.trans(load_tile(state, f, fm, cols, vm, DV + 1)), elt)
         _add_to(DQF + bh * T * F, tq, tq >= 0, f, fm, F, part)
 
 
-@functools.partial(_tuned, reset_to_zero=["DK", "DKF", "DV_OUT"])
+@functools.partial(autotuned, reset_to_zero=["DK", "DKF", "DV_OUT"])
 @triton.jit
 def window_grads_k(
     Q, QF, QLS, K, KF, KLS, V, M, MB, DSTATES, DNUM, DK, DKF, DV_OUT,
@@ -271,13 +271,13 @@ def window_grads_k(
         fm = f < F
         du_last = tl.load(dstate + f * (DV + 1) + DV, mask=fm, other=0.0)
         part = v_last[:, None] * du_last[None, :]
-        kf = _tile(KF + bh * T * F, tk, tk >= 0, f, fm, F)
+        kf = load_tile(KF + bh * T * F, tk, tk >= 0, f, fm, F)
         dv_last += key_scale * tl.sum(kf.to(tl.float32) * du_last[None, :], axis=1)
         for v0 in range(0, DV, BV):
             cols = v0 + tl.arange(0, BV)
             vm = cols < DV
-            v = _tile(V + bh * T * (DV + 1), tk, tk >= 0, cols, vm, DV + 1).to(tl.float32) * key_scale[:, None]
-            part += _state_dot(v, tl.trans(_tile(dstate, f, fm, cols, vm, DV + 1)), elt)
+            v = load_tile(V + bh * T * (DV + 1), tk, tk >= 0, cols, vm, DV + 1).to(tl.float32) * key_scale[:, None]
+            part += state_dot(v, tl.trans(load_tile(dstate, f, fm, cols, vm, DV + 1)), elt)
         _add_to(DKF + bh * T * F, tk, tk >= 0, f, fm, F, part)
     out = DV_OUT + bh * T * (DV + 1)
     for v0 in range(0, DV, BV):  # dv_s += key_scale_s kf_s dU
@@ -287,7 +287,7 @@ def window_grads_k(
         for f0 in range(0, F, BF):
             f = f0 + tl.arange(0, BF)
             fm = f < F
-            kf = _tile(KF + bh * T * F, tk, tk >= 0, f, fm, F)
-            part += _state_dot(kf, _tile(dstate, f, fm, cols, vm, DV + 1), elt)
+            kf = load_tile(KF + bh * T * F, tk, tk >= 0, f, fm, F)
+            part += state_dot(kf, load_tile(dstate, f, fm, cols, vm, DV + 1), elt)
         _add_to(out, tk, tk >= 0, cols, vm, DV + 1, key_scale[:, None] * part)
     tl.store(out + tk * (DV + 1) + DV, tl.load(out + tk * (DV + 1) + DV) + dv_last)

@@ -56,10 +56,10 @@ from __future__ import annotations
 
 import torch
 
-from ..base import LinearAttentionState, normalize_output, reads_denominator
+from ..base import LinearAttentionState
 from ..decay import fold_origin, leave
 from ..dispatch import Request, check_backend, select
-from .chunk import normalize_numerators
+from ..normalize import normalize_numerators, normalize_output, reads_denominator
 from .common import WINDOW_FORMS, WindowCache, WindowInputs, absorb, aligned_queries, fold_decay, pad_keys, prepare_inputs
 from .naive import quadratic_weights
 

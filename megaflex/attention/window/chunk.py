@@ -34,8 +34,8 @@ carried between them:
 
 The values are any columns: with a ones column last (and k_sum last in s0) the numerators carry
 the denominators; "rms" (which reads none) passes v and kv alone, so every value-side matmul is
-Dv wide. ``normalize_numerators`` applies the output normalisation with ``linear/chunk.py``'s
-hand-written backward.
+Dv wide. ``normalize.normalize_numerators`` applies the output normalisation with its hand-written
+backward.
 """
 
 from __future__ import annotations
@@ -46,8 +46,6 @@ from typing import NamedTuple
 
 import torch
 
-from ..base import normalize_output, reads_denominator
-from ..linear.chunk import _normalize_backward
 
 # elements of a group's [heads, g, C, (L + 1) C] temporaries (x 4 bytes = 4 MiB)
 _GROUP_ELEMENTS = 1 << 20
@@ -355,27 +353,3 @@ class ChunkedWindowNumerator(torch.autograd.Function):
                 dkls[:, keys] += (d_kw * grp.kw).sum(-1).view(bh, (hi - lo) * c)
         d_s0 = carry if needs_s0 else None
         return dq, dqf, dqls, dk, dkf, dkls, dv, d_s0, None, None, None
-
-
-class _Normalize(torch.autograd.Function):
-    """``normalize_output`` of numerators [..., Dv] ("rms") or [..., Dv + 1] (numerator, denominator)
-    with ``linear/chunk.py``'s hand-written backward: a few passes instead of autograd's ~8 ops and their
-    temporaries (the plain kernel fuses the same pair)."""
-
-    @staticmethod
-    def forward(ctx, numer, normalization, eps):  # type: ignore[override]
-        dv = numer.shape[-1] - reads_denominator(normalization)
-        ctx.save_for_backward(numer)
-        ctx.meta = (normalization, eps)
-        return normalize_output(numer[..., :dv], numer[..., dv] if reads_denominator(normalization) else None, normalization, eps)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        (numer,) = ctx.saved_tensors
-        return _normalize_backward(numer, grad, *ctx.meta), None, None
-
-
-def normalize_numerators(numer: torch.Tensor, normalization: str, eps: float) -> torch.Tensor:
-    """The output of ``ChunkedWindowNumerator``'s numerators [..., Dv'] (Dv' = Dv for "rms", Dv + 1 for
-    "denominator"): ``normalize_output`` with a hand-written backward."""
-    return _Normalize.apply(numer, normalization, eps)
