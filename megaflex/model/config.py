@@ -42,7 +42,7 @@ class ModelConfig:
     # without the field were trained with rms
     normalization: str = opt(
         "capped_denominator", "linear attention output normalisation: capped_denominator (n / max(d, rms(n)/2)), "
-        "rms or denominator (attention/base.py)",
+        "rms or denominator (attention/normalize.py)",
     )
     chunk_size: int = opt(64, "chunk length of the chunked linear-attention training form")
     attention_backend: str = opt(
