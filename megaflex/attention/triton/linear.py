@@ -1,4 +1,5 @@
-"""Torch glue of the Triton kernels: launches, the autograd.Function, ``triton_linear_attention``.
+"""Torch glue of the Triton kernels: the launches (with ``launch.py``'s helpers), the autograd.Function,
+``triton_linear_attention``.
 
 Forward: the running max m_t (one ``cummax``) and the chunk stabilisers in torch, then
 ``chunk_states`` (state entering every chunk + final state) and ``chunk_outputs``. Saved for
