@@ -23,7 +23,7 @@ from ..base import LinearAttentionState
 from ..decay import folded
 from ..inputs import validate_linear_attention_inputs
 from ..normalize import check_normalization, kernel_flags
-from .launch import MIN_BLOCK, ChunkPlan, block_size, chunk_plan, chunk_states, kernel_chunk, launch, projection_block
+from .launch import MIN_BLOCK, ChunkPlan, block_size, chunk_plan, chunk_states, launch, projection_block
 from .tuning import interpreter_enabled
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
