@@ -1,11 +1,13 @@
-"""THE table: which implementation runs an attention call. Decisions only, no maths.
+"""What runs where: the inspectable list of attention forms, and what no form serves. No maths, no choice.
 
-A caller describes its call as a ``Request`` (op, form, algorithm, backend, device, dtype, state,
-grad, padding, documents, ...) and ``select`` returns the first ``Row`` of ``ROWS`` whose conditions
-all hold; a request no row takes raises ``NoAttentionImplementation`` naming it. Each row names its
-implementation as "module:function" (imported on first use, so CUDA-only ones cost nothing on CPU)
-and an ``adapter``: how the calling entry point feeds it (``core.py``, ``hybrid.py``, ``window/``
-run ``adapter(row.implementation(), ...)``: one call, no further choice).
+The modules choose their forms in plain code, once at build where the build decides
+(``plan.plan_core``: the chunked, recurrent and document forms of a core on each device) and per call
+where the call does (decoding, documents, padding): ``core.AttentionCore._run``,
+``hybrid.LocalMixingCore._run``, ``window.windowed_linear_attention``. Each form is a ``Row`` holding the
+imported function it runs; ``ROWS`` gathers them from those modules (``plan.CORE_ROWS``,
+``hybrid.LOCAL_MIXING_ROWS`` / ``MODULE_ROWS``, ``window.WINDOW_ROWS``), each with the conditions
+(attributes of a ``Request``) under which its module picks it. ``select(Request(...))`` answers which row
+a call takes, for the docs and tests; ``recording`` lists the rows that actually ran.
 
 Ops (the ``op`` axis):
 
@@ -15,18 +17,17 @@ Ops (the ``op`` axis):
 * ``window``:       the one-normaliser window's numerator forms (``window/``).
 * ``module``:       the attention module a model builds (``hybrid.build_attention``).
 
-``form`` is "causal" or "bidirectional" (an encoder: every query reads every real key). The
-bidirectional rows sit next to the causal ones; what has no bidirectional meaning (a state carried in
-or out, packed documents, the causal q/k/v convolution, the gated window, the recurrent scan, context
-parallelism, the decay) is refused by ``REFUSALS`` before any row is tried, with a message naming the setting and
-the fix. The refusals that a model's settings alone decide (``SETTING_FIELDS``) are also what the
-configs check before anything is built: ``refused_setting``.
-Nothing here imports an implementation at import time, so this module imports nothing of the package.
+``form`` is "causal" or "bidirectional" (an encoder: every query reads every real key). What has no
+bidirectional meaning (a state carried in or out, packed documents, the causal q/k/v convolution, the
+gated window, the recurrent scan, context parallelism, the decay) is refused by ``REFUSALS`` with a
+message naming the setting and the fix: those a module's construction decides when it is built
+(``refused_build``), those a model's settings decide before anything is built (``refused_setting``, the
+config check), the rest at the call (``refuse_call``).
+This module imports nothing of the package at import time (the modules holding the rows import it).
 """
 
 from __future__ import annotations
 
-import importlib
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Iterator
@@ -127,25 +128,39 @@ class Request:
 
 @dataclass(frozen=True)
 class Row:
-    """``target`` ("module:function") runs every request of ``op`` meeting all ``conditions``
-    (attribute of ``Request`` -> the values it may take), fed by the caller's ``adapter``."""
+    """One form: ``fn`` (an imported function or autograd Function) runs the requests of ``op`` (the
+    first part of ``name``) meeting all ``conditions`` (attribute of ``Request`` -> the values it may
+    take), called with the ``adapter`` calling convention. The modules pick their rows in plain code
+    and call them (``row(...)``, or ``row.chosen()`` for a class); the conditions describe that choice."""
 
     name: str
-    op: str
-    target: str
+    fn: Callable[..., Any]
     adapter: str
     conditions: tuple[tuple[str, tuple[Any, ...]], ...] = ()
+
+    @property
+    def op(self) -> str:
+        return self.name.split(".")[0]
+
+    @property
+    def target(self) -> str:
+        """"module:qualname" of ``fn``, read off the function (for the docs and tests)."""
+        return f"{self.fn.__module__}:{self.fn.__qualname__}"
 
     def applies(self, request: Request) -> bool:
         return request.op == self.op and all(getattr(request, key) in allowed for key, allowed in self.conditions)
 
     def implementation(self) -> Callable[..., Any]:
-        module, _, name = self.target.partition(":")
-        # relative to this package, so that a bundled copy (the HF export) imports its own modules
-        found = importlib.import_module(module.replace("megaflex.attention", __package__, 1))
-        for attribute in name.split("."):  # "Class.method" too
-            found = getattr(found, attribute)
-        return found
+        return self.fn
+
+    def chosen(self) -> Callable[..., Any]:
+        """``fn``, after telling ``recording`` that this row runs."""
+        for observe in _observers:
+            observe(None, self)
+        return self.fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.chosen()(*args, **kwargs)
 
     def __str__(self) -> str:
         rule = ", ".join(f"{k} in {v}" if len(v) > 1 else f"{k}={v[0]!r}" for k, v in self.conditions)
@@ -156,85 +171,13 @@ def _pairs(conditions: dict[str, Any]) -> tuple[tuple[str, tuple[Any, ...]], ...
     return tuple((k, v if isinstance(v, tuple) else (v,)) for k, v in conditions.items())
 
 
-def _row(name: str, target: str, adapter: str, **conditions: Any) -> Row:
-    """A row of op ``name``'s first part; causal unless ``form`` is among the conditions."""
-    op = name.split(".")[0]
-    return Row(name, op, "megaflex.attention." + target, adapter, _pairs({"form": "causal", **conditions}))
+def row(name: str, fn: Callable[..., Any], adapter: str, **conditions: Any) -> Row:
+    """A row; causal unless ``form`` is among the conditions."""
+    return Row(name, fn, adapter, _pairs({"form": "causal", **conditions}))
 
 
-_BIDI = dict(form="bidirectional")
-
-
-_CORE = "core:"
-_HYBRID = "hybrid:LocalMixingCore."
-_TRITON = "triton:"
-_WINDOW = "window."
-_NO_DOCS = dict(documents="none")
-
-ROWS: tuple[Row, ...] = (
-    # the module a model layer holds: the core alone, or wrapped by the local closers
-    _row("module.local_mixing", "hybrid:LocalMixingCore", "wrap", mixes_locally=True, form=ATTENTION_FORMS),
-    _row("module.core", "core:AttentionCore", "as_is", mixes_locally=False, form=ATTENTION_FORMS),
-    # softmax: a block-causal mask for packed documents, else the KV cache and key mask
-    _row("softmax.documents", "softmax:softmax_attention", "softmax_documents",
-         documents=("restart_state", "restart_batched")),
-    _row("softmax.cached", "softmax:softmax_attention", "softmax", **_NO_DOCS),
-    # linear: packed documents first (each document runs as its own call, which comes back here)
-    _row("linear.documents.per_document", "documents:run_by_document", "by_document", documents="restart_state"),
-    _row("linear.documents.batched", "documents:run_documents_batched", "documents_batched",
-         documents="restart_batched"),
-    # decoding without autograd: q and k through the map as one batch, one token by the single step
-    _row("linear.decode.step", "linear.recurrent:recurrent_step", "decode",
-         decoding=True, grad=False, single_token=True, **_NO_DOCS),
-    _row("linear.decode.scan", "linear.recurrent:recurrent_linear_attention", "decode",
-         decoding=True, grad=False, **_NO_DOCS),
-    # the reference forms restart at document starts themselves
-    _row("linear.quadratic", "linear.naive:quadratic_linear_attention", "features",
-         runs="quadratic", documents=("none", "restart")),
-    _row("linear.recurrent", "linear.recurrent:recurrent_linear_attention", "features",
-         runs="recurrent", documents=("none", "restart")),
-    _row("linear.chunk.by_document", "documents:run_by_document", "chunks_by_document",
-         runs="chunked", documents="restart"),
-    # the chunked form: trig maps fused into the kernels (no features kept for backward) unless keys are masked
-    _row("linear.chunk.triton_trig", _TRITON + "trig_linear_attention", "trig",
-         runs="chunked", chunk_backend="triton", trig=True, padded=False, **_NO_DOCS),
-    _row("linear.chunk.triton", _TRITON + "triton_linear_attention", "features",
-         runs="chunked", chunk_backend="triton", **_NO_DOCS),
-    _row("linear.chunk.fla", "linear.chunk_fla:fla_linear_attention", "features",
-         runs="chunked", chunk_backend="fla", **_NO_DOCS),
-    _row("linear.chunk.torch_trig_cpu", "linear.chunk_trig:trig_linear_attention_chunked", "trig",
-         runs="chunked", chunk_backend="torch", trig=True, padded=False, device="cpu", **_NO_DOCS),
-    _row("linear.chunk.torch", "linear.chunk:chunked_linear_attention", "features",
-         runs="chunked", chunk_backend="torch", **_NO_DOCS),
-    # the hybrid (LocalMixingCore): the core with a convolution and/or the gated window, or the one-normaliser window
-    _row("local_mixing.core", _HYBRID + "_core_forward", "method", shared_window=False),
-    _row("local_mixing.documents", "documents:run_documents_batched", "documents_batched",
-         shared_window=True, documents=("restart_state", "restart_batched")),
-    _row("local_mixing.segments", _HYBRID + "_segmented", "shared",
-         shared_window=True, grad=True, padded=False, algorithm="chunked", segmented=True, **_NO_DOCS),
-    _row("local_mixing.shared", _HYBRID + "_shared_forward", "shared", shared_window=True, **_NO_DOCS),
-    # the one-normaliser window's numerators; padded keys: the torch-ops blocks; "fla" has no window kernel
-    _row("window.quadratic", _WINDOW + "naive:quadratic_numerators", "numerators", runs="quadratic"),
-    _row("window.recurrent", _WINDOW + "recurrent:recurrent_numerators", "numerators", runs="recurrent"),
-    _row("window.chunk.padded", _WINDOW + "chunk_blocks:blocks_numerators", "numerators", runs="chunked", padded=True),
-    _row("window.chunk.triton", _TRITON + "TritonWindowNumerator", "triton_function",
-         runs="chunked", backend="triton", has_window=True),
-    # "auto" on CUDA keeps fp64 on the torch Function (the kernels' dots are at most fp32)
-    _row("window.chunk.triton_auto", _TRITON + "TritonWindowNumerator", "triton_function",
-         runs="chunked", backend="auto", chunk_backend="triton", has_window=True, fp64=False),
-    _row("window.chunk.torch", _WINDOW + "chunk:ChunkedWindowNumerator", "torch_function", runs="chunked"),
-    # bidirectional (after ``REFUSALS``: no state, documents, convolution, gated window or recurrent scan)
-    _row("softmax.bidirectional", "softmax:bidirectional_softmax_attention", "softmax_bidirectional", **_BIDI),
-    _row("linear.bidirectional.quadratic", "linear.naive:quadratic_bidirectional_linear_attention", "bidirectional",
-         runs="quadratic", **_BIDI),
-    _row("linear.bidirectional.global", "linear.bidirectional:bidirectional_linear_attention", "bidirectional",
-         runs="chunked", **_BIDI),
-    _row("local_mixing.bidirectional", _HYBRID + "_bidirectional_forward", "method", shared_window=True, **_BIDI),
-    _row("window.bidirectional.quadratic", _WINDOW + "naive:quadratic_bidirectional_numerators", "bidirectional",
-         runs="quadratic", **_BIDI),
-    _row("window.bidirectional.blocks", _WINDOW + "bidirectional:banded_numerators", "bidirectional",
-         runs="chunked", **_BIDI),
-)
+BIDIRECTIONAL = dict(form="bidirectional")
+NO_DOCUMENTS = dict(documents="none")
 
 
 @dataclass(frozen=True)
@@ -277,11 +220,14 @@ REFUSALS: tuple[Refusal, ...] = (
              context_parallel=True),
 )
 
+_REFUSAL_MESSAGES = {refusal.name: refusal.message for refusal in REFUSALS}
+
 # The ``Request`` fields that a model's settings fix before any call (model.causal, qkv_conv_size,
 # softmax_window, window_mixing; a run's document resets and context parallelism); the others
 # describe one call (its tensors, a state in or out, autograd).
 SETTING_FIELDS = ("form", "conv_size", "window", "mixing", "documents", "context_parallel")
-OPS = tuple(dict.fromkeys(row.op for row in ROWS))
+# every op of ``ROWS``, in its order (a test checks that they agree)
+OPS = ("module", "softmax", "linear", "local_mixing", "window")
 
 
 def refusal_of(request: Request) -> Refusal | None:
@@ -303,6 +249,27 @@ def refused_setting(**settings: Any) -> Refusal | None:
     return None
 
 
+# The ``Request`` fields a module's construction fixes (``plan.plan_core``, ``LocalMixingCore``): a
+# refusal they meet is raised when the module is built, not at its first call.
+BUILD_FIELDS = ("form", "algorithm", "conv_size", "window", "mixing", "decays")
+
+
+def refused_build(op: str, **settings: Any) -> Refusal | None:
+    """The refusal that a module of ``op`` built with ``settings`` (``BUILD_FIELDS``) meets, or None."""
+    unknown = sorted(set(settings) - set(BUILD_FIELDS))
+    if unknown:
+        raise TypeError(f"refused_build: {unknown} are not build settings; expected some of {BUILD_FIELDS}")
+    return refusal_of(Request(op, **settings))
+
+
+def refuse_call(*, continues_state: bool, returns_state: bool, documents: bool) -> None:
+    """``RefusedAttention`` for what one bidirectional call asks beyond its module's settings (a state in
+    or out, packed documents), in ``REFUSALS``' order."""
+    for name, asked in (("state_in", continues_state), ("state_out", returns_state), ("documents", documents)):
+        if asked:
+            raise RefusedAttention(_REFUSAL_MESSAGES["bidirectional." + name])
+
+
 class NoAttentionImplementation(ValueError):
     """No row of the dispatch table takes this request."""
 
@@ -311,35 +278,44 @@ class RefusedAttention(ValueError):
     """The request asks for something its form cannot mean (``REFUSALS``); the message says the fix."""
 
 
-_observers: list[Callable[[Request, Row], None]] = []
+_observers: list[Callable[[None, Row], None]] = []
 
 
-def select(request: Request, rows: tuple[Row, ...] = ROWS) -> Row:
-    """The first row of ``rows`` that takes ``request``; ``RefusedAttention`` for a refused one."""
+def rows() -> tuple[Row, ...]:
+    """Every row: gathered from the modules that hold them (they import this module, hence here, on use)."""
+    from .hybrid import LOCAL_MIXING_ROWS, MODULE_ROWS
+    from .plan import CORE_ROWS
+    from .window import WINDOW_ROWS
+
+    return (*MODULE_ROWS, *CORE_ROWS, *LOCAL_MIXING_ROWS, *WINDOW_ROWS)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ROWS":  # the list derived from the forms (``rows``)
+        return rows()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def select(request: Request, rows_: tuple[Row, ...] | None = None) -> Row:
+    """The first row of ``rows_`` (default: every row) that describes ``request``; ``RefusedAttention``
+    for a refused one. The modules do not call this: it answers what their plain code picks."""
     refusal = refusal_of(request)
     if refusal is not None:
         raise RefusedAttention(refusal.message)
-    for row in rows:
-        if row.applies(request):
-            for observe in _observers:
-                observe(request, row)
-            return row
+    for candidate in rows() if rows_ is None else rows_:
+        if candidate.applies(request):
+            return candidate
     described = ", ".join(f"{f.name}={getattr(request, f.name)!r}" for f in fields(request))
     raise NoAttentionImplementation(f"no attention implementation for Request({described})")
 
 
 @contextmanager
-def recording() -> Iterator[list[tuple[Request, Row]]]:
-    """Every (request, row) ``select`` answers inside the block, in order (tests: which rows ran)."""
-    seen: list[tuple[Request, Row]] = []
-    observe = lambda request, row: seen.append((request, row))  # noqa: E731
+def recording() -> Iterator[list[tuple[None, Row]]]:
+    """(None, row) for every row that runs inside the block, in order (tests: which rows ran)."""
+    seen: list[tuple[None, Row]] = []
+    observe = lambda request, ran: seen.append((request, ran))  # noqa: E731
     _observers.append(observe)
     try:
         yield seen
     finally:
         _observers.remove(observe)
-
-
-def describe(rows: tuple[Row, ...] = ROWS) -> str:
-    """The table, one row a line."""
-    return "\n".join(str(row) for row in rows)
