@@ -56,7 +56,7 @@ from torch import nn
 
 from .base import NORMALIZATIONS, KernelParameter, LinearAttentionState
 from .decay import check_kernel_decay, initial_decay_logits, log_decay_of
-from .dispatch import ATTENTION_BACKENDS, RefusedAttention, check_backend, chunked_backend, refuse_call
+from .forms import ATTENTION_BACKENDS, RefusedAttention, check_backend, chunked_backend, refuse_call
 from .documents import DocumentLayout, block_causal_mask
 from .feature_maps import FEATURE_MAP_KINDS, build_feature_map
 from .inputs import (

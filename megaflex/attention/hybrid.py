@@ -47,7 +47,7 @@ from torch import nn
 
 from .base import KernelParameter, LinearAttentionState, normalize_output
 from .core import AttentionCore
-from .dispatch import RefusedAttention, Row, refuse_call, refused_build, row
+from .forms import RefusedAttention, Row, refuse_call, refused_build, row
 from .documents import DocumentLayout, document_layout, run_documents_batched
 from .inputs import mask_padded_keys, padding_mask, restarting
 from .softmax import padded_causal_mask

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .dispatch import BIDIRECTIONAL, NO_DOCUMENTS, Refusal, Row, check_backend, chunked_backend, refused_build, row
+from .forms import BIDIRECTIONAL, NO_DOCUMENTS, Refusal, Row, check_backend, chunked_backend, refused_build, row
 from .documents import run_by_document, run_documents_batched
 from .linear.bidirectional import bidirectional_linear_attention
 from .linear.chunk import chunked_linear_attention

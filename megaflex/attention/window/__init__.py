@@ -58,7 +58,7 @@ import torch
 
 from ..base import LinearAttentionState, normalize_output, reads_denominator
 from ..decay import fold_origin, leave
-from ..dispatch import BIDIRECTIONAL, RefusedAttention, Row, check_backend, chunked_backend, refused_build, row
+from ..forms import BIDIRECTIONAL, RefusedAttention, Row, check_backend, chunked_backend, refused_build, row
 from ..triton.window import TritonWindowNumerator, window_chunk
 from .bidirectional import banded_numerators
 from .chunk import ChunkedWindowNumerator, normalize_numerators
