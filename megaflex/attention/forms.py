@@ -249,7 +249,7 @@ def refuse_call(*, continues_state: bool, returns_state: bool, documents: bool) 
 
 
 class NoAttentionImplementation(ValueError):
-    """No row of the dispatch table takes this request."""
+    """No row of ``dispatch.ROWS`` describes this request."""
 
 
 class RefusedAttention(ValueError):
