@@ -7,7 +7,7 @@ All tensors are [B, H, N, d]. See ``core.py`` for the maths shared by every form
 * ``causal_linear_attention(qf, kf, kls, v, *, form, normalization, chunk_size, initial_state, eps, backend, log_decay)``
   (``backend``: auto | torch | triton | fla, the chunked form's implementation; ``log_decay``: the per-head
   decay of old keys, ``decay.py``)
-* ``ROWS`` / ``select(Request(...))``: the one table that decides which implementation runs (``dispatch.py``)
+* ``ROWS`` / ``select(Request(...))``: what runs where, gathered from the forms the modules call (``dispatch.py``)
 * ``AttentionCore(kind, num_heads, head_dim, ..., causal=True, decay="none")``: the module the model uses
   (``decay="learned"``: a learnable per-head gamma^(t - s) on every weight, ``decay.py``)
   (``causal=False``: bidirectional, ``Request.form`` "bidirectional"; what it cannot do is refused

@@ -16,8 +16,9 @@ with one of three forms that agree to fp rounding:
   CPU under TRITON_INTERPRET=1 when forced) and flash-linear-attention's ``chunk_simple_gla``
   (``linear/chunk_fla.py``; CUDA only, extra "gpu").
 
-Which implementation runs is decided in one place, the table of ``dispatch.py`` (rows ``linear.*`` and
-``softmax.*``); this module describes the call as a ``Request`` and feeds the chosen row (``_ADAPTERS``).
+Which implementation runs: the core's build resolves its plan (``plan.plan_core``: the chunked forms on
+each device, the refusal its settings meet), and ``AttentionCore._run`` picks the form of each call in
+plain code, calling the imported function by name (rows ``linear.*`` and ``softmax.*`` of ``plan.py``).
 
 Stabiliser: the key log-scale (e.g. ||k||^2 / e^tau, unbounded) only ever enters as
 exp(kls_s - m_t) <= 1 with m_t the running max, so nothing overflows for any key norm; the
@@ -47,7 +48,7 @@ running max m_t is the max over real keys only, as without the pads; softmax mas
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -55,7 +56,7 @@ from torch import nn
 
 from .base import KernelParameter, LinearAttentionState
 from .decay import check_kernel_decay, initial_decay_logits, log_decay_of
-from .dispatch import ATTENTION_BACKENDS, Request, check_backend, chunked_backend, select
+from .forms import ATTENTION_BACKENDS, RefusedAttention, check_backend, chunked_backend, refuse_call
 from .documents import DocumentLayout, block_causal_mask
 from .feature_maps import FEATURE_MAP_KINDS, build_feature_map
 from .inputs import (
@@ -63,6 +64,10 @@ from .inputs import (
     validate_linear_attention_inputs,
 )
 from .normalize import check_normalization
+from .plan import (
+    CHUNKS_BY_DOCUMENT, DECODE_SCAN, DECODE_STEP, DOCUMENTS_BATCHED, PER_DOCUMENT, QUADRATIC, RECURRENT,
+    SOFTMAX_BIDIRECTIONAL, SOFTMAX_CACHED, SOFTMAX_DOCUMENTS, CorePlan, chunked_forms, plan_core,
+)
 from .softmax import KVCache
 
 ATTENTION_KINDS = FEATURE_MAP_KINDS + ("softmax",)
@@ -103,32 +108,17 @@ def causal_linear_attention(
     )
     check_backend(backend)
     layout = restarting(checked_starts(document_starts, qf), initial_state is not None)
-    request = Request(
-        "linear", algorithm=form, backend=backend, device=qf.device.type, dtype=v.dtype, tokens=qf.shape[2],
-        chunk_size=chunk_size, continues_state=initial_state is not None, documents="none" if layout is None else "restart",
-        decays=log_decay is not None,
-    )  # fmt: skip
     options = dict(normalization=normalization, chunk_size=chunk_size, eps=eps, log_decay=log_decay)
-    row = select(request)
-    return _FUNCTIONAL_ADAPTERS[row.adapter](row.implementation(), request, [qf, kf, kls, v], initial_state, layout, options)
-
-
-def _features_call(fn, request, tensors, state, layout, options):  # noqa: ANN001, ANN202
-    """The contract (``base.LinearAttentionFn``); the reference forms take the document starts themselves."""
-    starts = {} if layout is None else {"document_starts": layout.starts}
-    return fn(*tensors, initial_state=state, **options, **starts)
-
-
-def _chunks_by_document(fn, request, tensors, state, layout, options):  # noqa: ANN001, ANN202
-    """``run_by_document``: one chunked call per document, by the row the call without documents takes."""
-    chunked = select(replace(request, documents="none")).implementation()
-    return fn(lambda t, s: chunked(*t, initial_state=s, **options), tensors, layout, state)
-
-
-# how ``causal_linear_attention`` feeds each row of op "linear" it can select (``dispatch.ROWS``)
-_FUNCTIONAL_ADAPTERS: dict[str, Callable[..., tuple[torch.Tensor, LinearAttentionState]]] = {
-    "features": _features_call, "chunks_by_document": _chunks_by_document,
-}
+    if form in ("quadratic", "recurrent"):  # the reference forms restart at document starts themselves
+        starts = {} if layout is None else {"document_starts": layout.starts}
+        reference = QUADRATIC if form == "quadratic" else RECURRENT
+        return reference(qf, kf, kls, v, initial_state=initial_state, **options, **starts)
+    chunked = chunked_forms(backend, qf.device.type).features
+    if layout is None:
+        return chunked(qf, kf, kls, v, initial_state=initial_state, **options)
+    # one chunked call per document
+    run = lambda t, s: chunked(*t, initial_state=s, **options)  # noqa: E731
+    return CHUNKS_BY_DOCUMENT(run, [qf, kf, kls, v], layout, initial_state)
 
 
 AttentionState = LinearAttentionState | KVCache
@@ -145,7 +135,6 @@ class _Call:
     return_state: bool
     key_mask: torch.Tensor | None  # [B, offset + N], None when nothing is padding
     layout: DocumentLayout | None  # only when its starts restart something
-    trig_spec: tuple[torch.Tensor, torch.Tensor, bool] | None = None  # the feature map's, set by ``_run``
 
     @property
     def offset(self) -> int:
@@ -179,7 +168,7 @@ class AttentionCore(nn.Module):
     evaluation and prefill alike (decoding keeps the recurrent form): trig maps
     (``feature_map.trig_spec()``) go through a fused map + attention that keeps no features alive for
     backward (Triton: ``trig_linear_attention``; torch on CPU: ``linear.chunk_trig``); other maps compute
-    their features in torch first. ``dispatch.ROWS`` lists every path.
+    their features in torch first. ``plan.CORE_ROWS`` lists every path (``dispatch.ROWS``, all of them).
     """
 
     op = "core"  # what ``parallel.layers`` wraps for context parallelism
@@ -216,9 +205,9 @@ class AttentionCore(nn.Module):
         if form not in FORMS:
             raise ValueError(f"form: expected one of {FORMS}, got {form!r}")
         self.kind, self.num_heads, self.head_dim = kind, num_heads, head_dim
-        self.normalization, self.chunk_size, self.form, self.eps = normalization, chunk_size, form, eps
+        self.normalization, self.chunk_size, self._form, self.eps = normalization, chunk_size, form, eps
         self.recurrent_max_tokens = recurrent_max_tokens
-        self.backend = backend
+        self._backend = backend
         self.causal = causal
         self.max_seq_len = max_seq_len
         self.feature_map = None
@@ -230,6 +219,31 @@ class AttentionCore(nn.Module):
             raise ValueError(f"feature_kwargs: 'softmax' takes none, got {sorted(feature_kwargs)}")
         # heads on dim 0 (tensor parallelism keeps this rank's); deterministic init (no RNG drawn)
         self.decay_logit = nn.Parameter(initial_decay_logits(num_heads)) if decay == "learned" else None
+        self.plan = self._planned()
+
+    def _planned(self) -> CorePlan:
+        return plan_core(softmax=self.feature_map is None, algorithm=self._form, causal=self.causal,
+                         backend=self._backend, decays=self.decays)  # fmt: skip
+
+    @property
+    def form(self) -> str:
+        """The configured algorithm ("chunked" | "recurrent" | "quadratic"); setting it plans again."""
+        return self._form
+
+    @form.setter
+    def form(self, form: str) -> None:
+        self._form = form
+        self.plan = self._planned()
+
+    @property
+    def backend(self) -> str:
+        """The chunked form's backend (auto | torch | triton | fla); setting it plans again."""
+        return self._backend
+
+    @backend.setter
+    def backend(self, backend: str) -> None:
+        self._backend = backend
+        self.plan = self._planned()
 
     @property
     def decays(self) -> bool:
@@ -282,26 +296,55 @@ class AttentionCore(nn.Module):
         return self._run(_Call(q, k, v, state, return_state, key_mask, layout))
 
     def _run(self, call: _Call) -> tuple[torch.Tensor, AttentionState | None]:
-        """Feature map -> dispatch -> one call: ``dispatch.select`` picks the row, its adapter feeds it."""
-        call.trig_spec = self._trig_spec()
-        row = select(self._request(call))
-        return _ADAPTERS[row.adapter](self, row.implementation(), call)
+        """The form of this call: softmax, packed documents, or one linear form (``_linear``)."""
+        if not self.causal:
+            refuse_call(continues_state=call.state is not None, returns_state=call.return_state,
+                        documents=call.layout is not None)  # fmt: skip
+        if self.plan.refusal is not None:
+            raise RefusedAttention(self.plan.refusal.message)
+        if self.feature_map is None:
+            return self._softmax(call)
+        if call.layout is None:
+            return self._linear(call)
+        if call.return_state:  # one call per document: the state after each row's last one
+            run = lambda t, s: self._linear(_Call(*t, s, True, None, None))  # noqa: E731
+            return PER_DOCUMENT(run, [call.q, call.k, call.v], call.layout, call.state)
+        # training: documents of similar length batched into one call
+        run = lambda t, s: self._linear(_Call(*t, s, False, None, None))  # noqa: E731
+        return DOCUMENTS_BATCHED(run, [call.q, call.k, call.v], call.layout, call.state), None
+
+    def _linear(self, call: _Call) -> tuple[torch.Tensor, AttentionState | None]:
+        """Decoding (few tokens after a state, no autograd), the bidirectional sums, or the configured
+        form: quadratic, recurrent (also decoding under autograd) or chunked on the tensors' device."""
+        decoding = call.state is not None and call.q.shape[2] <= self.recurrent_max_tokens
+        if decoding and not torch.is_grad_enabled():
+            return self._decode(DECODE_STEP if call.q.shape[2] == 1 else DECODE_SCAN, call)
+        if not self.causal:
+            return self._bidirectional(self.plan.bidirectional, call)
+        algorithm = "recurrent" if decoding else self.form
+        if algorithm == "quadratic":
+            return self._on_features(QUADRATIC, call)
+        if algorithm == "recurrent":
+            return self._on_features(RECURRENT, call)
+        chunked = self.plan.chunked_on(call.q.device.type)
+        trig_spec = self._trig_spec()
+        if chunked.fused is not None and trig_spec is not None and call.new_keys is None:
+            return self._fused_trig(chunked.fused, trig_spec, call)
+        return self._on_features(chunked.features, call)
+
+    def _softmax(self, call: _Call) -> tuple[torch.Tensor, AttentionState | None]:
+        if not self.causal:
+            return SOFTMAX_BIDIRECTIONAL(call.q, call.k, call.v, key_mask=call.key_mask), None
+        if call.layout is not None:
+            if call.state is not None or call.return_state:
+                raise ValueError("document_starts: expected no KVCache in or out (decode one document at a time)")
+            return SOFTMAX_DOCUMENTS(call.q, call.k, call.v, mask=block_causal_mask(call.layout.starts))[0], None
+        return call.kept(*SOFTMAX_CACHED(call.q, call.k, call.v, cache=call.state, key_mask=call.key_mask))
 
     @property
     def attention_form(self) -> str:
         """``Request.form`` of this module's calls: "causal" or "bidirectional"."""
         return "causal" if self.causal else "bidirectional"
-
-    def _request(self, call: _Call) -> Request:
-        documents = "none" if call.layout is None else ("restart_state" if call.return_state else "restart_batched")
-        return Request(
-            "softmax" if self.feature_map is None else "linear", algorithm=self.form, form=self.attention_form,
-            backend=self.backend, returns_state=call.return_state,
-            device=call.q.device.type, dtype=call.v.dtype, tokens=call.q.shape[2], chunk_size=self.chunk_size,
-            continues_state=call.state is not None, recurrent_max_tokens=self.recurrent_max_tokens,
-            grad=torch.is_grad_enabled(), trig=call.trig_spec is not None, padded=call.new_keys is not None,
-            documents=documents, decays=self.decays,
-        )  # fmt: skip
 
     def _trig_spec(self) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
         """(omega, inv_temperature, paired) when the feature map is a trig map, else None."""
@@ -339,8 +382,10 @@ class AttentionCore(nn.Module):
         validate_linear_attention_inputs(qf, kf, kls, call.v, form=self.form, **options)
         return call.kept(*fn(qf, kf, kls, call.v, **options))
 
-    def _fused_trig(self, fn: Callable, call: _Call) -> tuple[torch.Tensor, AttentionState | None]:
-        omega, inv_temperature, paired = call.trig_spec
+    def _fused_trig(
+        self, fn: Callable, trig_spec: tuple[torch.Tensor, torch.Tensor, bool], call: _Call
+    ) -> tuple[torch.Tensor, AttentionState | None]:
+        omega, inv_temperature, paired = trig_spec
         return call.kept(*fn(call.q, call.k, call.v, omega, inv_temperature, paired=paired, **self._options(call)))
 
     def _decode(self, fn: Callable, call: _Call) -> tuple[torch.Tensor, AttentionState | None]:
@@ -358,33 +403,12 @@ class AttentionCore(nn.Module):
         validate_linear_attention_inputs(qf, kf, kls, call.v, form="recurrent", **options)
         return call.kept(*fn(qf, kf, kls, call.v, **options))
 
-    def _softmax(self, fn: Callable, call: _Call) -> tuple[torch.Tensor, AttentionState | None]:
-        return call.kept(*fn(call.q, call.k, call.v, cache=call.state, key_mask=call.key_mask))
-
     def _bidirectional(self, fn: Callable, call: _Call) -> tuple[torch.Tensor, None]:
         """The global sums (or their quadratic reference) over the features, padded keys masked."""
         qf, kf, kls = self._features(call)
         validate_linear_attention_inputs(qf, kf, kls, call.v, form=self.form, normalization=self.normalization, eps=self.eps)
         # the features already hold no padded key (``_features``): no key_mask to apply again
         return fn(qf, kf, kls, call.v, normalization=self.normalization, eps=self.eps), None
-
-    def _softmax_bidirectional(self, fn: Callable, call: _Call) -> tuple[torch.Tensor, None]:
-        return fn(call.q, call.k, call.v, key_mask=call.key_mask), None
-
-    def _softmax_documents(self, fn: Callable, call: _Call) -> tuple[torch.Tensor, None]:
-        if call.state is not None or call.return_state:
-            raise ValueError("document_starts: expected no KVCache in or out (decode one document at a time)")
-        return fn(call.q, call.k, call.v, mask=block_causal_mask(call.layout.starts))[0], None
-
-    def _per_document(self, fn: Callable, call: _Call) -> tuple[torch.Tensor, AttentionState | None]:
-        """One call per document (the state after each row's last document), each through ``_run``."""
-        run = lambda t, s: self._run(_Call(*t, s, True, None, None))  # noqa: E731
-        return fn(run, [call.q, call.k, call.v], call.layout, call.state)
-
-    def _documents_batched(self, fn: Callable, call: _Call) -> tuple[torch.Tensor, None]:
-        """Training: documents of similar length batched into one call, through ``_run``."""
-        run = lambda t, s: self._run(_Call(*t, s, False, None, None))  # noqa: E731
-        return fn(run, [call.q, call.k, call.v], call.layout, call.state), None
 
     def extra_repr(self) -> str:
         return (
@@ -393,16 +417,3 @@ class AttentionCore(nn.Module):
             + (", decay=learned" if self.decays else "")
         )
 
-
-# how ``AttentionCore`` feeds each row it can select (``dispatch.ROWS``, ops "softmax" and "linear")
-_ADAPTERS: dict[str, Callable[[AttentionCore, Callable, _Call], tuple[torch.Tensor, AttentionState | None]]] = {
-    "softmax": AttentionCore._softmax,
-    "softmax_documents": AttentionCore._softmax_documents,
-    "by_document": AttentionCore._per_document,
-    "documents_batched": AttentionCore._documents_batched,
-    "decode": AttentionCore._decode,
-    "features": AttentionCore._on_features,
-    "trig": AttentionCore._fused_trig,
-    "bidirectional": AttentionCore._bidirectional,
-    "softmax_bidirectional": AttentionCore._softmax_bidirectional,
-}

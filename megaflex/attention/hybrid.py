@@ -30,7 +30,7 @@
 
 With a bidirectional core (``AttentionCore(causal=False)``) only the one-normaliser window applies: exact
 softmax for the keys with |t - s| < W, the kernel for every other key (``window/bidirectional.py``); the
-convolution and the gated window are causal and refused (``dispatch.REFUSALS``).
+convolution and the gated window are causal and refused when the module is built (``dispatch.REFUSALS``).
 
 Both are position-local and causal, so the result is the same for any linear form (chunked,
 recurrent, quadratic) and for decoding token by token from a ``HybridState`` as for the full
@@ -40,7 +40,6 @@ sequence.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -48,8 +47,8 @@ from torch import nn
 
 from .base import KernelParameter, LinearAttentionState
 from .core import AttentionCore
-from .dispatch import Request, select
-from .documents import DocumentLayout, document_layout
+from .forms import RefusedAttention, Row, refuse_call, refused_build, row
+from .documents import DocumentLayout, document_layout, run_documents_batched
 from .inputs import mask_padded_keys, padding_mask, restarting
 from .normalize import is_rms_norm, normalize_output
 from .softmax import padded_causal_mask
@@ -106,6 +105,10 @@ class LocalMixingCore(nn.Module):
         if window == 0 and conv_size == 0:
             raise ValueError("LocalMixingCore: expected window > 0 or conv_size > 0, got both 0")
         check_far_gain(far_gain, window, mixing, core.feature_map is not None)
+        refusal = refused_build("local_mixing", form=core.attention_form, algorithm=core.form, conv_size=conv_size,
+                                window=window, mixing=mixing, decays=core.decays)  # fmt: skip
+        if refusal is not None:
+            raise RefusedAttention(refusal.message)
         self.core, self.window, self.conv_size, self.mixing = core, window, conv_size, mixing
         self.num_heads, self.head_dim = core.num_heads, core.head_dim
         self.conv_weight = self.window_mix = self.far_log_gain = None
@@ -158,22 +161,25 @@ class LocalMixingCore(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: HybridState | None, return_state: bool,
         key_mask: torch.Tensor | None, layout: DocumentLayout | None,
     ) -> tuple[torch.Tensor, HybridState | None]:
-        """Dispatch (``dispatch.ROWS``, op "local_mixing") -> one call."""
-        core = self.core
-        documents = "none" if layout is None else ("restart_state" if return_state else "restart_batched")
-        request = Request(
-            "local_mixing", algorithm=core.form, form=core.attention_form, backend=core.backend, device=q.device.type,
-            dtype=v.dtype, tokens=q.shape[2], chunk_size=core.chunk_size, continues_state=state is not None,
-            recurrent_max_tokens=core.recurrent_max_tokens, grad=torch.is_grad_enabled(), padded=key_mask is not None,
-            documents=documents, mixing=self.mixing, window=self.window, segment_tokens=self.segment_tokens,
-            conv_size=self.conv_size, returns_state=return_state, decays=core.decays,
-        )  # fmt: skip
-        row = select(request)
-        return _ADAPTERS[row.adapter](self, row.implementation(), request, q, k, v, state, return_state, key_mask, layout)
+        """The path of this call: the core (with the convolution and/or the gated window), or the
+        one-normaliser window: bidirectional, over packed documents, or ``_one_normaliser``."""
+        if not self.core.causal:
+            refuse_call(continues_state=state is not None, returns_state=return_state, documents=layout is not None)
+        if not self.window or self.mixing == "gated":
+            return CORE(self, q, k, v, state, return_state, key_mask, layout)
+        if not self.core.causal:
+            return BIDIRECTIONAL_WINDOW(self, q, k, v, key_mask)
+        if layout is None:
+            return self._one_normaliser(q, k, v, state, return_state, key_mask)
+        # packed documents: one document per row, convolution included
+        if state is not None or return_state:
+            raise ValueError("document_starts: expected no state in or out (decode one document at a time)")
+        run = lambda t, s: (self._one_normaliser(*t, None, False, None)[0], None)  # noqa: E731
+        return DOCUMENTS(run, [q, k, v], layout, None), None
 
     def _core_forward(
-        self, request: Request, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: HybridState | None,
-        return_state: bool, key_mask: torch.Tensor | None, layout: DocumentLayout | None,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: HybridState | None, return_state: bool,
+        key_mask: torch.Tensor | None, layout: DocumentLayout | None,
     ) -> tuple[torch.Tensor, HybridState | None]:
         """The core over (convolved) q, k, v, and the gated window mixed in."""
         docs = None  # document index per token (0: the document the state belongs to), when documents restart
@@ -198,32 +204,29 @@ class LocalMixingCore(nn.Module):
             out = torch.lerp(out.float(), local.float(), mix).to(out.dtype)
         return out, (HybridState(linear_state, window_k, window_v, conv_tail) if return_state else None)
 
-    def _documents_batched(
-        self, run_documents_batched: Callable, request: Request, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        state: HybridState | None, return_state: bool, key_mask: torch.Tensor | None, layout: DocumentLayout,
-    ) -> tuple[torch.Tensor, None]:
-        """Packed documents through the one-normaliser window: one document per row, convolution included."""
-        if state is not None or return_state:
-            raise ValueError("document_starts: expected no state in or out (decode one document at a time)")
-        run = lambda t, s: (self._run(*t, None, False, None, None)[0], None)  # noqa: E731
-        return run_documents_batched(run, [q, k, v], layout, None), None
-
-    def _shared(
-        self, window_fn: Callable, request: Request, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        state: HybridState | None, return_state: bool, key_mask: torch.Tensor | None, layout: None,
+    def _one_normaliser(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: HybridState | None, return_state: bool,
+        key_mask: torch.Tensor | None,
     ) -> tuple[torch.Tensor, HybridState | None]:
-        """The one-normaliser window (``window/``) after the optional convolution: ``window_fn`` is
-        ``_segmented`` (long training sequences) or ``_shared_forward``."""
+        """The one-normaliser window (``window/``) after the optional convolution: in recomputed segments
+        for long training sequences (``_segmented``), else one call (``_shared_forward``)."""
+        core = self.core
+        decoding = state is not None and q.shape[2] <= core.recurrent_max_tokens
+        segmented = (torch.is_grad_enabled() and key_mask is None and core.form == "chunked"
+                     and q.shape[2] > 2 * max(self.segment_tokens, core.chunk_size))  # fmt: skip
         conv_tail = None
         if self.conv_weight is not None:
             q, k, v, conv_tail = self._convolve(q, k, v, state, key_mask)
-        self.core._check_qkv(q, k, v)
-        out, far, cache = window_fn(self, request, q, k, v, state, key_mask, return_state)
+        core._check_qkv(q, k, v)
+        if segmented:
+            out, far, cache = SEGMENTS(self, q, k, v, state)
+        else:
+            out, far, cache = SHARED(self, q, k, v, state, key_mask, return_state, "recurrent" if decoding else core.form)
         return out, (HybridState(far, None, None, conv_tail, cache) if return_state else None)
 
     def _shared_forward(
-        self, request: Request, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: HybridState | None,
-        key_mask: torch.Tensor | None, return_state: bool,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: HybridState | None,
+        key_mask: torch.Tensor | None, return_state: bool, form: str,
     ) -> tuple[torch.Tensor, LinearAttentionState | None, WindowCache | None]:
         """One call of ``windowed_linear_attention`` over the whole sequence (decoding: its recurrent form)."""
         offset = 0 if state is None else state.offset
@@ -238,15 +241,14 @@ class LocalMixingCore(nn.Module):
             prefix = 0 if cache is None else cache.length
             key_valid = key_mask[:, offset - prefix :]
         return windowed_linear_attention(
-            q, qf, qls, k, kf, kls, v, window=self.window, form=request.runs, normalization=self.core.normalization,
+            q, qf, qls, k, kf, kls, v, window=self.window, form=form, normalization=self.core.normalization,
             chunk_size=self.core.chunk_size, far_state=None if state is None else state.linear, cache=cache,
             eps=self.core.eps, key_valid=key_valid, return_state=return_state, backend=self.core.backend,
             log_decay=self.core.log_decay(),
         )  # fmt: skip
 
     def _bidirectional_forward(
-        self, request: Request, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: None, return_state: bool,
-        key_mask: torch.Tensor | None, layout: None,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None
     ) -> tuple[torch.Tensor, None]:
         """The bidirectional one-normaliser window over the whole call (no convolution, no state: ``REFUSALS``)."""
         self.core._check_qkv(q, k, v)
@@ -254,14 +256,13 @@ class LocalMixingCore(nn.Module):
         if key_mask is not None and self.core.feature_map is not None:
             kf, kls = mask_padded_keys(kf, kls, key_mask)
         out = bidirectional_windowed_attention(
-            q, qf, qls, k, kf, kls, v, window=self.window, form=request.runs, normalization=self.core.normalization,
+            q, qf, qls, k, kf, kls, v, window=self.window, form=self.core.form, normalization=self.core.normalization,
             chunk_size=self.core.chunk_size, eps=self.core.eps, key_valid=key_mask, backend=self.core.backend,
         )  # fmt: skip
         return out, None
 
     def _segmented(
-        self, request: Request, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: HybridState | None,
-        key_mask: None, return_state: bool,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: HybridState | None
     ) -> tuple[torch.Tensor, LinearAttentionState, WindowCache]:
         """Training on long sequences: segments of ``segment_tokens`` (at least a chunk, whole chunks), each
         continuing the previous one's (far state, window cache) (``window/segments.py``), so between forward
@@ -378,28 +379,35 @@ def check_far_gain(far_gain: bool, window: int, mixing: str, linear: bool) -> No
                          "set window_far_gain=false")
 
 
-# how ``LocalMixingCore`` feeds each row it can select (``dispatch.ROWS``, op "local_mixing")
-_ADAPTERS: dict[str, Callable[..., tuple[torch.Tensor, HybridState | None]]] = {
-    "method": lambda self, fn, *args: fn(self, *args),
-    "documents_batched": LocalMixingCore._documents_batched,
-    "shared": LocalMixingCore._shared,
-}
+# the hybrid's paths (``LocalMixingCore._run``): the core with a convolution and/or the gated window, or the
+# one-normaliser window (segments for long training sequences, packed documents, bidirectional)
+CORE = row("local_mixing.core", LocalMixingCore._core_forward, "method", shared_window=False)
+DOCUMENTS = row("local_mixing.documents", run_documents_batched, "documents_batched", shared_window=True,
+                documents=("restart_state", "restart_batched"))
+SEGMENTS = row("local_mixing.segments", LocalMixingCore._segmented, "method", shared_window=True, grad=True,
+               padded=False, algorithm="chunked", segmented=True, documents="none")
+SHARED = row("local_mixing.shared", LocalMixingCore._shared_forward, "method", shared_window=True, documents="none")
+BIDIRECTIONAL_WINDOW = row("local_mixing.bidirectional", LocalMixingCore._bidirectional_forward, "method",
+                           shared_window=True, form="bidirectional")
+LOCAL_MIXING_ROWS: tuple[Row, ...] = (CORE, DOCUMENTS, SEGMENTS, SHARED, BIDIRECTIONAL_WINDOW)
+# the module a model layer holds (``build_attention``): the core alone, or wrapped by the local closers
+WRAPPED = row("module.local_mixing", LocalMixingCore, "wrap", mixes_locally=True, form=("causal", "bidirectional"))
+AS_IS = row("module.core", AttentionCore, "as_is", mixes_locally=False, form=("causal", "bidirectional"))
+MODULE_ROWS: tuple[Row, ...] = (WRAPPED, AS_IS)
 
 
 def build_attention(
     core: AttentionCore, *, window: int = 0, conv_size: int = 0, mixing: str = "shared_normaliser", far_gain: bool = False,
 ) -> AttentionCore | LocalMixingCore:
     """The attention module of a model layer: ``core``, wrapped in a ``LocalMixingCore`` when a ``window``
-    or a convolution (``conv_size``) is asked for (``dispatch.ROWS``, op "module"); ``far_gain``: the
-    window's learned far-field gain (needs that window)."""
+    or a convolution (``conv_size``) is asked for; ``far_gain``: the window's learned far-field gain (needs
+    that window). What the settings refuse (``dispatch.REFUSALS``) is raised here, before any call."""
     check_far_gain(far_gain, window, mixing, core.feature_map is not None)
-    row = select(Request("module", form=core.attention_form, window=window, conv_size=conv_size, decays=core.decays))
-    return _MODULE_ADAPTERS[row.adapter](row.implementation(), core, window=window, conv_size=conv_size, mixing=mixing,
-                                         far_gain=far_gain)
-
-
-# how ``build_attention`` feeds the rows of op "module": the core as it is, or the wrapper class around it
-_MODULE_ADAPTERS: dict[str, Callable[..., AttentionCore | LocalMixingCore]] = {
-    "as_is": lambda cls, core, **closers: core,
-    "wrap": lambda cls, core, **closers: cls(core, **closers),
-}
+    refusal = refused_build("module", form=core.attention_form, window=window, conv_size=conv_size, decays=core.decays)
+    refusal = refusal or core.plan.refusal
+    if refusal is not None:
+        raise RefusedAttention(refusal.message)
+    if window >= 1 or conv_size >= 1:
+        return WRAPPED(core, window=window, conv_size=conv_size, mixing=mixing, far_gain=far_gain)
+    AS_IS.chosen()  # noted for ``dispatch.recording``: the core is the module
+    return core

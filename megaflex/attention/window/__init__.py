@@ -29,7 +29,7 @@ State after T keys (decoding, segments): a ``LinearAttentionState`` of every key
 window (s <= T - W) and a ``WindowCache`` of the last W - 1 keys (raw k for the window logits,
 kf / kls for when they leave it, v).
 
-Three forms that agree to rounding (``dispatch.py`` picks one: the rows ``window.*``):
+Three forms that agree to rounding (``_numerators`` picks one in plain code: the rows ``WINDOW_ROWS``):
 
 * ``quadratic`` (``naive.py``): materialised [N, P + N] weights (P cached keys); the reference.
 * ``recurrent`` (``recurrent.py``): token by token: the key leaving the window enters the linear state, the window is
@@ -58,10 +58,15 @@ import torch
 
 from ..base import LinearAttentionState
 from ..decay import fold_origin, leave
-from ..dispatch import Request, check_backend, select
+from ..forms import BIDIRECTIONAL, RefusedAttention, Row, check_backend, chunked_backend, refused_build, row
 from ..normalize import normalize_numerators, normalize_output, reads_denominator
+from ..triton.window import TritonWindowNumerator, window_chunk
+from .bidirectional import banded_numerators
+from .chunk import ChunkedWindowNumerator
+from .chunk_blocks import blocks_numerators
 from .common import WINDOW_FORMS, WindowCache, WindowInputs, absorb, aligned_queries, fold_decay, pad_keys, prepare_inputs
-from .naive import quadratic_weights
+from .naive import quadratic_bidirectional_numerators, quadratic_numerators, quadratic_weights
+from .recurrent import recurrent_numerators
 
 __all__ = [
     "WINDOW_FORMS", "WindowCache", "absorb", "bidirectional_windowed_attention", "quadratic_weights",
@@ -104,21 +109,45 @@ def _triton_function(numerator: type, x: WindowInputs, window: int, chunk_size: 
     """``TritonWindowNumerator``: chunks of ``window_chunk`` (a power of two in [16, 32]); half inputs give the
     kernels' dot operands in that dtype (fp32 accumulation), as the linear kernels': full-rate tensor cores
     and half the saved bytes; log-scales and the state stay fp32."""
-    from ..triton.window import window_chunk
-
     half = x.input_dtype if x.input_dtype in (torch.float16, torch.bfloat16) else None
     c = window_chunk(min(chunk_size, x.k.shape[2]))
     return _function_numerators(numerator, x, window, c, x.v_aug.shape[-1], half), None
 
 
-# how each row's implementation is fed (``dispatch.ROWS``, op "window"): -> (numerators [B, H, N, Dv(+1)],
-# the linear state the recurrent loop absorbed, or None)
-_ADAPTERS = {
-    "numerators": lambda fn, x, window, chunk_size, denominators: fn(x, window, chunk_size),
-    "bidirectional": lambda fn, x, window, chunk_size, denominators: (fn(x, window, chunk_size), None),
-    "torch_function": _torch_function,
-    "triton_function": _triton_function,
-}
+# the one-normaliser window's numerator forms; padded keys: the torch-ops blocks; "fla" has no window kernel
+QUADRATIC = row("window.quadratic", quadratic_numerators, "numerators", runs="quadratic")
+RECURRENT = row("window.recurrent", recurrent_numerators, "numerators", runs="recurrent")
+BLOCKS = row("window.chunk.padded", blocks_numerators, "numerators", runs="chunked", padded=True)
+TRITON = row("window.chunk.triton", TritonWindowNumerator, "triton_function", runs="chunked", backend="triton",
+             has_window=True)
+# "auto" on CUDA keeps fp64 on the torch Function (the kernels' dots are at most fp32)
+TRITON_AUTO = row("window.chunk.triton_auto", TritonWindowNumerator, "triton_function", runs="chunked", backend="auto",
+                  chunk_backend="triton", has_window=True, fp64=False)
+TORCH = row("window.chunk.torch", ChunkedWindowNumerator, "torch_function", runs="chunked")
+QUADRATIC_BIDIRECTIONAL = row("window.bidirectional.quadratic", quadratic_bidirectional_numerators, "bidirectional",
+                              runs="quadratic", **BIDIRECTIONAL)
+BANDED = row("window.bidirectional.blocks", banded_numerators, "bidirectional", runs="chunked", **BIDIRECTIONAL)
+WINDOW_ROWS: tuple[Row, ...] = (QUADRATIC, RECURRENT, BLOCKS, TRITON, TRITON_AUTO, TORCH, QUADRATIC_BIDIRECTIONAL, BANDED)
+
+
+def _numerators(
+    x: WindowInputs, form: str, window: int, chunk_size: int, backend: str, padded: bool, denominators: bool
+) -> tuple[torch.Tensor, LinearAttentionState | None]:
+    """(numerators [B, H, N, Dv(+1)], the linear state the recurrent loop absorbed, or None) by ``form``;
+    the chunked one on ``backend``: Triton kernels when asked ("auto": on CUDA, fp64 excepted), else the
+    torch Function, or its torch-ops reference for padded keys."""
+    if form == "quadratic":
+        return QUADRATIC(x, window, chunk_size)
+    if form == "recurrent":
+        return RECURRENT(x, window, chunk_size)
+    if padded:
+        return BLOCKS(x, window, chunk_size)
+    if window >= 1 and backend == "triton":
+        return _triton_function(TRITON.chosen(), x, window, chunk_size, denominators)
+    on_cuda = x.q.device.type == "cuda"
+    if window >= 1 and backend == "auto" and chunked_backend(backend, on_cuda) == "triton" and x.q.dtype != torch.float64:
+        return _triton_function(TRITON_AUTO.chosen(), x, window, chunk_size, denominators)
+    return _torch_function(TORCH.chosen(), x, window, chunk_size, denominators)
 
 
 def windowed_linear_attention(
@@ -156,13 +185,9 @@ def windowed_linear_attention(
     if log_decay is not None:
         x = fold_decay(x, log_decay, window, origin)
     dv = v.shape[-1]
-    request = Request(
-        "window", algorithm=form, backend=backend, device=q.device.type, dtype=x.q.dtype, tokens=q.shape[2],
-        chunk_size=chunk_size, padded=key_valid is not None, window=window, decays=log_decay is not None,
-    )  # fmt: skip
-    row = select(request)
     with torch.autocast(device_type=q.device.type, enabled=False):
-        numer, absorbed = _ADAPTERS[row.adapter](row.implementation(), x, window, chunk_size, reads_denominator(normalization))
+        numer, absorbed = _numerators(x, form, window, chunk_size, backend, key_valid is not None,
+                                      reads_denominator(normalization))  # fmt: skip
         if form == "chunked" and numer.shape[-1] == dv + reads_denominator(normalization):
             out = normalize_numerators(numer, normalization, eps).to(v.dtype)  # the training path: fused
         else:
@@ -199,13 +224,12 @@ def bidirectional_windowed_attention(
     if form not in WINDOW_FORMS:
         raise ValueError(f"form: expected one of {WINDOW_FORMS}, got {form!r}")
     check_backend(backend)
+    refusal = refused_build("window", form="bidirectional", algorithm=form)  # the recurrent scan is causal
+    if refusal is not None:
+        raise RefusedAttention(refusal.message)
     x = prepare_inputs(q, qf, qls, k, kf, kls, v, None, None, key_valid)
-    request = Request(
-        "window", algorithm=form, form="bidirectional", backend=backend, device=q.device.type, dtype=x.q.dtype,
-        tokens=q.shape[2], chunk_size=chunk_size, padded=key_valid is not None, window=window,
-    )  # fmt: skip
-    row = select(request)
     dv = v.shape[-1]
     with torch.autocast(device_type=q.device.type, enabled=False):
-        numer, _ = _ADAPTERS[row.adapter](row.implementation(), x, window, chunk_size, True)
+        numerators = QUADRATIC_BIDIRECTIONAL if form == "quadratic" else BANDED
+        numer = numerators(x, window, chunk_size)
         return normalize_output(numer[..., :dv], numer[..., dv], normalization, eps).to(v.dtype)
