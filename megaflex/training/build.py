@@ -17,8 +17,8 @@ from torch import nn
 
 from megaflex.model.compile import compile_blocks
 from megaflex.model.gpt import GPT
-from megaflex.parallel import ParallelState, TensorParallelRNGTracker, deepspeed_mpu, parallel_layers, parallelize_with
-from megaflex.parallel.deferred_init import zero3_build
+from megaflex.parallel import ParallelState, is_tensor_parallel, TensorParallelRNGTracker, deepspeed_mpu, parallel_layers, parallelize_with
+from megaflex.parallel.deferred_init import full_numel, zero3_build
 from megaflex.training.config import Config
 from megaflex.training.deepspeed_config import deepspeed_config
 
@@ -45,3 +45,8 @@ def build_gpt(cfg: Config, state: ParallelState, device: str, rng_tracker: Tenso
     if cfg.train.compile:
         compile_blocks(model)  # in place: parameter names (checkpoint keys) unchanged
     return model
+
+
+def full_parameter_count(model: nn.Module, tp_size: int) -> int:
+    """Parameters of the whole model (TP shards counted once per shard, replicated ones once)."""
+    return sum(full_numel(p) * (tp_size if tp_size > 1 and is_tensor_parallel(p) else 1) for p in model.parameters())
