@@ -176,7 +176,7 @@ class Trainer:
         )
         self.logger = logger = MetricsLogger(
             self.run_dir, enabled=self.is_main, tensorboard=cfg.logging.tensorboard,
-            progressbar=cfg.logging.progressbar, total_steps=cfg.train.train_iters,
+            progress_bar=cfg.logging.progress_bar, total_steps=cfg.train.train_iters,
         )
         if self.is_main:
             write_run_files(cfg, state, self.record, self.model, self.device, logger, space_warning)
