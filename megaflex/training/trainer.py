@@ -115,9 +115,9 @@ class Trainer:
         self._load_data_and_resume()
         self.emit("on_start")
 
-    def _build_model(self) -> tuple[list[str], dict[str, Any] | None]:
+    def _build_model(self) -> tuple[list[str], dict[str, Any] | None, dict[str, Any]]:
         """Distributed set-up, the model and the resume decision; returns the start-up warnings
-        (printed once the logger exists) and the tokenizer record (kept with checkpoints)."""
+        (printed once the logger exists), the tokenizer record and the DeepSpeed config."""
         from megaflex.parallel import ParallelState, model_parallel_seed
 
         cfg = self.cfg
@@ -141,13 +141,14 @@ class Trainer:
         # identically initialised plain models; the tracker gives each TP rank its own stream.
         self.tracker = model_parallel_seed(cfg.train.seed, state.tp_rank, device=device)
         # Built plain, then parallelised over the grid (feature-map params tagged head-sharded).
-        self.model = model = build_gpt(cfg, state, device, self.tracker)
+        ds_config = deepspeed_config(cfg, state.dp_size, state.cp_size, on_cuda=device == "cuda")
+        self.model = build_gpt(cfg, state, device, self.tracker, ds_config)
         self.manager = CheckpointManager(Path(cfg.checkpoint_dir), cfg.checkpoint.keep_last, self.rank,
                                          background=cfg.checkpoint.background)
         self.resume = plan_resume(cfg, self.manager)
-        return start_warnings, tokenizer
+        return start_warnings, tokenizer, ds_config
 
-    def _build_engine(self, start_warnings: list[str], tokenizer: dict[str, Any] | None) -> None:
+    def _build_engine(self, start_warnings: list[str], tokenizer: dict[str, Any] | None, ds_config: dict[str, Any]) -> None:
         """The warm start, the objective's set-up, the optimizer, the resume checks, the engine."""
         import deepspeed
 
@@ -169,7 +170,7 @@ class Trainer:
             optimizer.check_finite = True  # no ZeRO/bf16 wrapper checks the gradients here
         self.record = RunRecord(
             state, cfg.parallel.zero_stage, cfg.train.precision, shapes, num_params, cfg.to_dict(),
-            deepspeed_config(cfg, dp_size, cp_size, on_cuda=device == "cuda"),
+            ds_config,
             [g["name"] for g in optimizer.param_groups], global_batch_size(cfg, dp_size),
             gradient_accumulation_steps(cfg, dp_size), tokenizer=tokenizer,
             init_from=self.resume.meta.init_from if self.resume.meta is not None else warm_start,
