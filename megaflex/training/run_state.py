@@ -52,12 +52,10 @@ class RunProgress:
 class RunRecord:
     """What every checkpoint of this run records beside its progress, fixed once the run is built."""
 
+    cfg: Config  # recorded resolved (to_dict) in every checkpoint
     state: Any  # megaflex.parallel.ParallelState: the TP x CP x PP x DP grid
-    zero_stage: int
-    precision: str
     parameter_shapes: dict[str, list[int]]
     num_parameters: int
-    config: dict[str, Any]
     deepspeed_config: dict[str, Any]
     optimizer_groups: list[str]
     global_batch_size: int
@@ -72,8 +70,9 @@ class RunRecord:
             nonfinite_total=progress.nonfinite_total, world_size=state.world_size,
             tensor_parallel_size=state.tp_size, data_parallel_size=state.dp_size, context_parallel_size=state.cp_size,
             pipeline_parallel_size=state.pp_size if state.pp_size > 1 else None,
-            zero_stage=self.zero_stage, precision=self.precision, parameter_shapes=self.parameter_shapes,
-            num_parameters=self.num_parameters, config=self.config, deepspeed_config=self.deepspeed_config,
+            zero_stage=self.cfg.parallel.zero_stage, precision=self.cfg.train.precision,
+            parameter_shapes=self.parameter_shapes, num_parameters=self.num_parameters, config=self.cfg.to_dict(),
+            deepspeed_config=self.deepspeed_config,
             optimizer_groups=self.optimizer_groups,
             sampler={"consumed_samples": progress.consumed_samples, "global_batch_size": self.global_batch_size},
             tokenizer=self.tokenizer, init_from=self.init_from,

@@ -3,9 +3,11 @@
     runner = StepRunner(engine, optimizer, state, device, grad_accum, batches, loss, on_loss, agreed_flags)
     sums = runner.run(step)        # grad_accum x forward_backward_step, the update; sums stay on the device
 
-A non-finite micro-batch loss is masked to zero before backward (every rank runs the same
-backward/step sequence) and the step is skipped (``SkippableAdamW.skip``), decided identically on
-every rank from the agreed flags read once per step, at the accumulation boundary.
+One optimizer step = ``grad_accum`` micro-batches, each ``engine.backward`` + ``engine.step``
+(DeepSpeed applies the update at the accumulation boundary). A non-finite micro-batch loss is
+masked to zero before backward (every rank runs the same backward/step sequence) and the whole
+step is skipped (``SkippableAdamW.skip``), decided identically on every rank from the flags
+agreed once per step, at the boundary.
 """
 
 from __future__ import annotations

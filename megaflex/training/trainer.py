@@ -11,12 +11,10 @@ holds the run: ``build()`` does that set-up, ``train()`` is the loop (``train_st
 ``evaluate``, ``save``); fault injection, kernel statistics, the profiler and an ``Objective``
 attach as hooks (``megaflex.training.hooks``).
 
-One optimizer step = ``grad_accum`` micro-batches, each ``engine.backward`` + ``engine.step``
-(DeepSpeed applies the update at the accumulation boundary). A non-finite micro-batch loss is
-masked to zero before backward and the whole step is skipped (``SkippableAdamW.skip``, decided
-identically on every rank); a non-finite gradient norm makes DeepSpeed's ZeRO/bf16/fp16
-optimizers discard the step (for ZeRO 0 fp32, ``SkippableAdamW`` checks the gradients). Skipped
-steps still consume their data; ``train.max_nonfinite_in_a_row`` in a row abort the run.
+One optimizer step (``megaflex.training.step``): ``grad_accum`` micro-batches, then the update; a
+non-finite gradient norm makes DeepSpeed's ZeRO/bf16/fp16 optimizers discard the step (for ZeRO 0
+fp32, ``SkippableAdamW`` checks the gradients). Skipped steps still consume their data;
+``train.max_nonfinite_in_a_row`` in a row abort the run.
 """
 
 from __future__ import annotations
@@ -169,10 +167,8 @@ class Trainer:
         if cfg.parallel.zero_stage == 0 and cfg.train.precision == "fp32" and hasattr(optimizer, "skip"):
             optimizer.check_finite = True  # no ZeRO/bf16 wrapper checks the gradients here
         self.record = RunRecord(
-            state, cfg.parallel.zero_stage, cfg.train.precision, shapes, num_params, cfg.to_dict(),
-            ds_config,
-            [g["name"] for g in optimizer.param_groups], global_batch_size(cfg, dp_size),
-            gradient_accumulation_steps(cfg, dp_size), tokenizer=tokenizer,
+            cfg, state, shapes, num_params, ds_config, [g["name"] for g in optimizer.param_groups],
+            global_batch_size(cfg, dp_size), gradient_accumulation_steps(cfg, dp_size), tokenizer,
             init_from=self.resume.meta.init_from if self.resume.meta is not None else warm_start,
         )
         self.logger = logger = MetricsLogger(
@@ -192,8 +188,7 @@ class Trainer:
         # Resume checks, before the engine.
         for warning in start_warnings + self.resume.warnings:
             logger.print(warning)
-        repartition = self.resume.check(cfg, state, self.record, self.manager)
-        if repartition:
+        if repartition := self.resume.check(cfg, state, self.record, self.manager):
             logger.print(repartition)
         if self.is_main and cfg.logging.wandb is not None:
             logger.add_sink(WandbSink.open(cfg.logging.wandb, self.run_dir, cfg.to_dict(), resuming=self.resume.resuming))
