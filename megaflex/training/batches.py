@@ -10,14 +10,19 @@ data-parallel rank ``r`` takes its micro-batches out of them (``megaflex.data.Pr
 Under context parallelism every CP rank of a replica reads the same samples and keeps its
 contiguous slice of the sequence. With document boundaries (``data.document_boundaries: reset``)
 each token's position in its document is counted on the whole sequence before the cut, so a CP
-slice starting mid-document knows it; ``Batch.documents`` carries it to the model.
+slice starting mid-document knows it; ``Batch.documents`` carries it to the model. The samples are
+read, stacked and pinned one ahead on a background thread (``Prefetcher``).
 """
 
 from __future__ import annotations
 
+import queue
+import threading
+import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+import numpy as np
 import torch
 
 from megaflex.attention.documents import document_positions
@@ -25,7 +30,7 @@ from megaflex.data.sampler import PretrainingSampler
 from megaflex.model.gpt import Documents
 from megaflex.parallel.context_parallel import sequence_slice
 from megaflex.training.config import Config
-from megaflex.training.data import Prefetcher, TokenDataset, document_eod_id, get_batch
+from megaflex.training.data import TokenDataset, document_eod_id
 
 
 @dataclass
@@ -55,6 +60,16 @@ class BatchLayout:
         """The layout of a run's rank (``state``: its ``megaflex.parallel.ParallelState``)."""
         return cls(cfg.train.micro_batch_size, state.dp_rank, state.dp_size, state.cp_rank, state.cp_size,
                    document_eod_id(cfg), cfg.data.reset_positions)
+
+
+def _tokens(sample: Any) -> torch.Tensor:
+    return torch.as_tensor(np.asarray(sample, dtype=np.int64))
+
+
+def get_batch(dataset: TokenDataset, indices: list[int], device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids [B, N], labels [B, N]) of the given samples."""
+    tokens = torch.stack([_tokens(dataset[i]) for i in indices]).to(device)  # [B, N + 1]
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
 class BatchStream:
@@ -99,3 +114,75 @@ def batch_stream(dataset: TokenDataset, layout: BatchLayout, device: str, count:
             yield tensors
 
     return BatchStream(host_tensors(), device, layout.reset_positions)
+
+
+class Prefetcher:
+    """Iterate CPU tensor tuples from ``source``, ``depth`` ahead on a daemon thread, delivered on
+    ``device``: pinned memory and non-blocking copies when ``device`` is CUDA (pinning off on the
+    CPU). An exception in ``source`` (e.g. a ``DataError``) is raised by ``next`` in order."""
+
+    _END = object()
+
+    def __init__(self, source: Iterator[tuple[torch.Tensor, ...]], device: str, depth: int = 2) -> None:
+        self.device = torch.device(device)
+        self._pin = self.device.type == "cuda"
+        self._queue: Any = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._fill, args=(source,), daemon=True, name="batch-prefetch")
+        self._thread.start()
+
+    def _fill(self, source: Iterator[tuple[torch.Tensor, ...]]) -> None:
+        try:
+            for item in source:
+                if self._pin:
+                    item = tuple(t.pin_memory() for t in item)
+                if not self._put(item):
+                    return
+        except BaseException as e:  # handed to the consumer, raised there
+            self._put(e)
+            return
+        self._put(self._END)
+
+    def _put(self, item: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def __iter__(self) -> "Prefetcher":
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, ...]:
+        item = self._queue.get()
+        if item is self._END:
+            self._queue.put(self._END)  # stay exhausted
+            raise StopIteration
+        if isinstance(item, BaseException):
+            raise item
+        return tuple(t.to(self.device, non_blocking=self._pin) for t in item)
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Stop the reader thread and wait for it (it also stops on its own after the last batch).
+
+        Waiting matters at exit: a daemon thread still inside an ATen op (GIL released) when the
+        interpreter finalises is unwound through C++ ``noexcept`` frames, which aborts the process
+        (``terminate called without an active exception``, exit -6 instead of the run's code)."""
+        self._stop.set()
+        if self._thread is threading.current_thread() or not self._thread.is_alive():
+            return
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            warnings.warn(f"the batch-prefetch thread did not stop within {timeout_s:.0f} s (a blocked read?)",
+                          RuntimeWarning, stacklevel=2)
+
+    def __enter__(self) -> "Prefetcher":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self._stop.set()

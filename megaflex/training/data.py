@@ -1,5 +1,5 @@
-"""Training/validation data for the trainer: the datasets, and the prefetching reader under the
-batch stream (``megaflex.training.batches``).
+"""Training/validation data for the trainer: the datasets (the batch stream over them is
+``megaflex.training.batches``).
 
 A dataset maps a sample index to ``seq_len + 1`` token ids (inputs = [:-1], labels = [1:]).
 ``indexed`` datasets come from ``megaflex.data`` (Megatron .bin/.idx, shuffled sample index);
@@ -20,15 +20,13 @@ from __future__ import annotations
 
 import os
 import tempfile
-import threading
 import time
 import warnings
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Iterator, NamedTuple, Protocol
+from typing import Any, Callable, NamedTuple, Protocol
 
 import numpy as np
-import torch
 
 from megaflex.data.card import check_same_tokenizer, data_tokenizer, read_data_card
 from megaflex.data.indexed import DataError
@@ -233,16 +231,6 @@ def build_datasets(cfg: Config, train_samples: int, valid_samples: int, rank: in
     return Datasets(train, valid)
 
 
-def _tokens(sample: Any) -> torch.Tensor:
-    return torch.as_tensor(np.asarray(sample, dtype=np.int64))
-
-
-def get_batch(dataset: TokenDataset, indices: list[int], device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids [B, N], labels [B, N]) of the given samples."""
-    tokens = torch.stack([_tokens(dataset[i]) for i in indices]).to(device)  # [B, N + 1]
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-
-
 def document_eod_id(cfg: Config) -> int | None:
     """The EOD id packed samples are cut after (``data.document_boundaries: reset``), else None."""
     d = cfg.data
@@ -253,79 +241,3 @@ def document_eod_id(cfg: Config) -> int | None:
     from megaflex.data.tokenizer import Tokenizer
 
     return Tokenizer(d.tokenizer).eod_id
-
-
-class Prefetcher:
-    """Iterate CPU tensor tuples from ``source``, ``depth`` ahead on a daemon thread, delivered on
-    ``device``: pinned memory and non-blocking copies when ``device`` is CUDA (pinning off on the
-    CPU). An exception in ``source`` (e.g. a ``DataError``) is raised by ``next`` in order."""
-
-    _END = object()
-
-    def __init__(self, source: Iterator[tuple[torch.Tensor, ...]], device: str, depth: int = 2) -> None:
-        import queue
-
-        self.device = torch.device(device)
-        self._pin = self.device.type == "cuda"
-        self._queue: Any = queue.Queue(maxsize=depth)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._fill, args=(source,), daemon=True, name="batch-prefetch")
-        self._thread.start()
-
-    def _fill(self, source: Iterator[tuple[torch.Tensor, ...]]) -> None:
-        try:
-            for item in source:
-                if self._pin:
-                    item = tuple(t.pin_memory() for t in item)
-                if not self._put(item):
-                    return
-        except BaseException as e:  # handed to the consumer, raised there
-            self._put(e)
-            return
-        self._put(self._END)
-
-    def _put(self, item: Any) -> bool:
-        import queue
-
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def __iter__(self) -> "Prefetcher":
-        return self
-
-    def __next__(self) -> tuple[torch.Tensor, ...]:
-        item = self._queue.get()
-        if item is self._END:
-            self._queue.put(self._END)  # stay exhausted
-            raise StopIteration
-        if isinstance(item, BaseException):
-            raise item
-        return tuple(t.to(self.device, non_blocking=self._pin) for t in item)
-
-    def close(self, timeout_s: float = 60.0) -> None:
-        """Stop the reader thread and wait for it (it also stops on its own after the last batch).
-
-        Waiting matters at exit: a daemon thread still inside an ATen op (GIL released) when the
-        interpreter finalises is unwound through C++ ``noexcept`` frames, which aborts the process
-        (``terminate called without an active exception``, exit -6 instead of the run's code)."""
-        self._stop.set()
-        if self._thread is threading.current_thread() or not self._thread.is_alive():
-            return
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            warnings.warn(f"the batch-prefetch thread did not stop within {timeout_s:.0f} s (a blocked read?)",
-                          RuntimeWarning, stacklevel=2)
-
-    def __enter__(self) -> "Prefetcher":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        self._stop.set()
