@@ -109,7 +109,9 @@ class Trainer:
     # ---------------------------------------------------------------- build
     def build(self) -> None:
         """Everything before the first step; collective."""
-        self._build_engine(*self._build_model())
+        start_warnings, tokenizer, ds_config = self._build_model()
+        self._build_optimizer(tokenizer, ds_config)
+        self._build_engine(start_warnings)
         self._load_data_and_resume()
         self.emit("on_start")
 
@@ -146,16 +148,11 @@ class Trainer:
         self.resume = plan_resume(cfg, self.manager)
         return start_warnings, tokenizer, ds_config
 
-    def _build_engine(self, start_warnings: list[str], tokenizer: dict[str, Any] | None, ds_config: dict[str, Any]) -> None:
-        """The warm start, the objective's set-up, the optimizer, the resume checks, the engine."""
-        import deepspeed
-
-        from megaflex.parallel import deepspeed_mpu
-
+    def _build_optimizer(self, tokenizer: dict[str, Any] | None, ds_config: dict[str, Any]) -> None:
+        """The warm start, the objective's set-up (hooks), the optimizer, the run's record and logger."""
         cfg, state, device, model = self.cfg, self.state, self.device, self.model
         dp_size, cp_size = state.dp_size, state.cp_size
-        # Before the optimizer and DeepSpeed.
-        warm_start = warm_start_from(cfg, model, resuming=self.resume.resuming)
+        warm_start = warm_start_from(cfg, model, resuming=self.resume.resuming)  # before the optimizer
         self.emit("on_model_built")
         shapes, num_params = parameter_shapes(model), full_parameter_count(model, state.tp_size)
         if state.pp_size > 1:  # parallelise after build: this rank's stage of the whole GPT
@@ -185,7 +182,13 @@ class Trainer:
         if cfg.parallel.zero_stage == 3:
             register_zero3_external_parameters(model)
 
-        # Resume checks, before the engine.
+    def _build_engine(self, start_warnings: list[str]) -> None:
+        """The resume checks, then DeepSpeed's engine."""
+        import deepspeed
+
+        from megaflex.parallel import deepspeed_mpu
+
+        cfg, state, logger, optimizer = self.cfg, self.state, self.logger, self.optimizer
         for warning in start_warnings + self.resume.warnings:
             logger.print(warning)
         if repartition := self.resume.check(cfg, state, self.record, self.manager):
@@ -195,10 +198,9 @@ class Trainer:
         # The pipeline engine brings its own grid (PipelineModule's topology) and takes no mpu.
         mpu = deepspeed_mpu(state) if state.pp_size == 1 else None
         declare_zero_supported(optimizer)  # no "untested optimizer" warning for torch's AdamW
-        self.engine, _, _, _ = deepspeed.initialize(
-            model=model, optimizer=optimizer, config=self.resume.engine_config(self.record.deepspeed_config), mpu=mpu,
-            dist_init_required=False,
-        )
+        engine_config = self.resume.engine_config(self.record.deepspeed_config)
+        self.engine, _, _, _ = deepspeed.initialize(model=self.model, optimizer=optimizer, config=engine_config, mpu=mpu,
+                                                    dist_init_required=False)
         # DeepSpeed builds groups of its own (e.g. its data-parallel group without an mpu): same timeout.
         apply_timeout(cfg.parallel.timeout_minutes, every_process_group())
 
