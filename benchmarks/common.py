@@ -10,14 +10,17 @@ from megaflex.cli_args import nonnegative_int, positive_int
 from megaflex.model.config import ModelConfig
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags for the benchmarked GPT's shape (small defaults that run on a 2-core CPU)."""
-    parser.add_argument("--vocab-size", type=positive_int, default=8000)
-    parser.add_argument("--num-layers", type=positive_int, default=4)
-    parser.add_argument("--hidden-size", type=positive_int, default=256)
-    parser.add_argument("--num-heads", type=positive_int, default=4)
-    parser.add_argument("--feature-dim", type=positive_int, default=64)
-    parser.add_argument("--threads", type=nonnegative_int, default=0, help="torch threads (0: torch default)")
+# The benchmarked GPT's shape: small defaults that run on a 2-core CPU.
+MODEL_DEFAULTS = dict(vocab_size=8000, num_layers=4, hidden_size=256, num_heads=4, feature_dim=64)
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, *, threads: bool = True, **defaults: int) -> None:
+    """--vocab-size, --num-layers, ... of the benchmarked GPT (``MODEL_DEFAULTS``, or ``defaults``,
+    which may add shape fields such as ``chunk_size``); ``threads``: also --threads."""
+    for name, default in {**MODEL_DEFAULTS, **defaults}.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=positive_int, default=default)
+    if threads:
+        parser.add_argument("--threads", type=nonnegative_int, default=0, help="torch threads (0: torch default)")
 
 
 def model_config(args: argparse.Namespace, kind: str, max_seq_len: int) -> ModelConfig:

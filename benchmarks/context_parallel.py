@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import add_model_arguments
 from megaflex.cli_args import positive_int, scratch_results, writable_file
 
 
@@ -202,14 +203,8 @@ def fit_memory(points: list[dict[str, Any]]) -> dict[str, Any]:
 MODEL_ARGUMENTS = dict(vocab_size=256, num_layers=2, hidden_size=32, num_heads=2, feature_dim=16, chunk_size=64)
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, **defaults: int) -> None:
-    """--vocab-size, --num-layers, ... of the benchmarked Flexformer-N GPT (``MODEL_ARGUMENTS``, or ``defaults``)."""
-    for name, default in {**MODEL_ARGUMENTS, **defaults}.items():
-        parser.add_argument("--" + name.replace("_", "-"), type=positive_int, default=default)
-
-
 def model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """``ModelConfig`` keywords from ``add_model_arguments``' options."""
+    """``ModelConfig`` keywords from the ``MODEL_ARGUMENTS`` options (``common.add_model_arguments``)."""
     return dict({name: getattr(args, name) for name in MODEL_ARGUMENTS}, attention="flexformer_n")
 
 
@@ -218,7 +213,7 @@ def main() -> None:
     parser.add_argument("--lengths", type=positive_int, nargs="+", default=[32768, 65536, 131072, 262144])
     parser.add_argument("--cp", type=positive_int, nargs="+", default=[1, 2])
     parser.add_argument("--steps", type=positive_int, default=2)
-    add_model_arguments(parser)
+    add_model_arguments(parser, threads=False, **MODEL_ARGUMENTS)
     parser.add_argument("--activation-checkpointing", action="store_true", help="recompute blocks in backward")
     parser.add_argument("--no-long", action="store_true", help="skip the long-sequence step")
     parser.add_argument("--long-length", type=positive_int, default=1 << 20)

@@ -98,7 +98,8 @@ def bench(tp: int, sp: bool, model_kw: dict[str, Any], shape: tuple[int, int], s
 
 
 def main() -> None:
-    from benchmarks.context_parallel import add_model_arguments, model_kwargs
+    from benchmarks.common import add_model_arguments
+    from benchmarks.context_parallel import MODEL_ARGUMENTS, model_kwargs
     from megaflex.eval.plotting import write_json
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -106,7 +107,7 @@ def main() -> None:
     parser.add_argument("--batch", type=positive_int, default=1)
     parser.add_argument("--seq-len", type=positive_int, default=2048)
     parser.add_argument("--steps", type=positive_int, default=2)
-    add_model_arguments(parser, vocab_size=1024, hidden_size=512, num_heads=8, feature_dim=32)
+    add_model_arguments(parser, threads=False, **dict(MODEL_ARGUMENTS, vocab_size=1024, hidden_size=512, num_heads=8, feature_dim=32))
     parser.add_argument("--out", type=writable_file, default=str(scratch_results("bench_sequence_parallel.json")))
     args = parser.parse_args()
 

@@ -161,9 +161,3 @@ def gpt_parameter_name(name: str, num_layers: int) -> str:
     if 1 <= int(index) <= num_layers:
         return f"blocks.{int(index) - 1}.{rest.removeprefix('block.')}"
     return rest
-
-
-def stage_batches(batches: Any) -> Any:
-    """Trainer micro-batches (ids, labels, ...) -> the pipeline engine's (inputs, labels) pairs."""
-    for ids, labels, *_ in batches:
-        yield ids, labels

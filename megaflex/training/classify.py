@@ -47,7 +47,7 @@ from megaflex.data.lra import (
 from megaflex.model.config import POSITION_KINDS, ModelConfig
 from megaflex.model.encoder import POOLINGS, EncoderClassifier
 from megaflex.training.metrics import hms
-from megaflex.training.optim import decay_factor, param_groups
+from megaflex.training.optim import param_groups, warmup_decay_lr
 
 Dataset = torch.utils.data.Dataset
 SPLITS = ("train", "valid", "test")
@@ -138,10 +138,7 @@ class ClassifyInterrupted(KeyboardInterrupt):
 
 def lr_at(cfg: ClassifyConfig, step: int) -> float:
     """Linear warm-up to ``lr`` over ``warmup`` steps, then cosine decay to ``min_lr`` at ``steps``."""
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    progress = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
-    return cfg.min_lr + decay_factor("cosine", progress) * (cfg.lr - cfg.min_lr)
+    return warmup_decay_lr(step, cfg.lr, cfg.min_lr, cfg.warmup, cfg.warmup, cfg.steps, "cosine")
 
 
 @torch.no_grad()

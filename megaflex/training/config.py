@@ -141,6 +141,7 @@ if __name__ == "__main__":  # python -m megaflex.training.config --reference > r
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m megaflex.training.config", description="the run config's reference")
-    parser.add_argument("--reference", action="store_true", required=True, help="print the Markdown reference")
+    # Optional: the reference is all this prints; docs/training.md names the command with the flag.
+    parser.add_argument("--reference", action="store_true", help="print the Markdown reference (the default)")
     parser.parse_args()
     print(reference_markdown())

@@ -1,44 +1,35 @@
-"""Training/validation data for the trainer: datasets and the data-parallel batch stream.
+"""Training/validation data for the trainer: the datasets (the batch stream over them is
+``megaflex.training.batches``).
 
 A dataset maps a sample index to ``seq_len + 1`` token ids (inputs = [:-1], labels = [1:]).
 ``indexed`` datasets come from ``megaflex.data`` (Megatron .bin/.idx, shuffled sample index);
 ``synthetic`` draws seeded random tokens per index (benchmarks, no files needed).
 
-The stream is a pure function of ``consumed_samples``: optimizer step ``i`` reads the
-``global_batch`` consecutive sample indices starting at ``consumed_samples`` and data-parallel
-rank ``r`` takes its micro-batches out of them (``megaflex.data.PretrainingSampler``). Resuming from a checkpoint
-with the same or a different data-parallel size therefore continues exactly where it stopped.
+The batch stream is a pure function of ``consumed_samples`` (``megaflex.training.batches``):
+resuming from a checkpoint with the same or a different data-parallel size therefore continues
+exactly where it stopped.
 
 Start-up checks (``check_data_tokenizer`` before the model is built, ``build_datasets`` after):
 ``data.tokenizer`` exists and fits ``model.vocab_size``; every prefix's data card names the same
 tokenizer; every index passes the structural checks and a sample of its ids is below the
 vocabulary; every sample served is checked again, so an id >= ``model.vocab_size`` is a
 :class:`DataError` naming the sample, never an ``IndexError`` in the embedding.
-
-Under context parallelism every CP rank of a replica reads the same samples and keeps its
-contiguous slice of the sequence (so the CP size can change on resume too).
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
-import threading
 import time
 import warnings
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, NamedTuple, Protocol
 
 import numpy as np
-import torch
 
 from megaflex.data.card import check_same_tokenizer, data_tokenizer, read_data_card
 from megaflex.data.indexed import DataError
-from megaflex.attention.documents import document_positions
-from megaflex.data.sampler import PretrainingSampler
-from megaflex.model.gpt import Documents
-from megaflex.parallel.context_parallel import sequence_slice
 from megaflex.training.config import Config
 
 
@@ -197,7 +188,12 @@ def index_build_barrier() -> Callable[[], None]:
     return wait
 
 
-def build_datasets(cfg: Config, train_samples: int, valid_samples: int, rank: int = 0) -> tuple[TokenDataset, TokenDataset | None]:
+class Datasets(NamedTuple):
+    train: TokenDataset
+    valid: TokenDataset | None  # None without validation (train.eval_iters 0)
+
+
+def build_datasets(cfg: Config, train_samples: int, valid_samples: int, rank: int = 0) -> Datasets:
     """(train, valid or None) holding at least the requested number of samples.
 
     Indexed data: with ``data.valid_path`` the two sets come from their own files, otherwise
@@ -210,7 +206,7 @@ def build_datasets(cfg: Config, train_samples: int, valid_samples: int, rank: in
         train = SyntheticDataset(train_samples, d.seq_len, cfg.model.vocab_size, cfg.train.seed)
         # train.eval_iters=0 (no validation): no validation set, as for indexed data below
         valid = SyntheticDataset(valid_samples, d.seq_len, cfg.model.vocab_size, cfg.train.seed + 1) if valid_samples else None
-        return train, valid
+        return Datasets(train, valid)
     import torch.distributed as dist
 
     from megaflex.data import build_datasets as build_indexed  # noqa: PLC0415 - only for indexed data
@@ -232,17 +228,7 @@ def build_datasets(cfg: Config, train_samples: int, valid_samples: int, rank: in
     train = VocabCheckedDataset(train, vocab, f"training data {', '.join(d.train_path)}")
     if valid is not None:
         valid = VocabCheckedDataset(valid, vocab, f"validation data {', '.join(d.valid_path or d.train_path)}")
-    return train, valid
-
-
-def _tokens(sample: Any) -> torch.Tensor:
-    return torch.as_tensor(np.asarray(sample, dtype=np.int64))
-
-
-def get_batch(dataset: TokenDataset, indices: list[int], device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids [B, N], labels [B, N]) of the given samples."""
-    tokens = torch.stack([_tokens(dataset[i]) for i in indices]).to(device)  # [B, N + 1]
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    return Datasets(train, valid)
 
 
 def document_eod_id(cfg: Config) -> int | None:
@@ -255,115 +241,3 @@ def document_eod_id(cfg: Config) -> int | None:
     from megaflex.data.tokenizer import Tokenizer
 
     return Tokenizer(d.tokenizer).eod_id
-
-
-def batch_documents(batch: tuple[torch.Tensor, ...], reset_positions: bool) -> Documents | None:
-    """The ``documents`` argument of the model for a micro-batch of ``micro_batches`` (None without
-    document boundaries): starts where the in-document position is 0, positions when they restart."""
-    if len(batch) < 3:
-        return None
-    positions = batch[2]
-    return Documents(starts=positions == 0, position_ids=positions if reset_positions else None)
-
-
-def micro_batches(
-    dataset: TokenDataset, consumed_samples: int, micro: int, count: int, dp_rank: int, dp_size: int, device: str,
-    cp_rank: int = 0, cp_size: int = 1, eod_id: int | None = None,
-) -> "Prefetcher":
-    """This rank's next ``count`` micro-batches after ``consumed_samples`` (all ranks together),
-    cut to CP rank ``cp_rank``'s slice of the sequence, on ``device``: (input_ids, labels), plus
-    with ``eod_id`` each token's position in its document (``attention.documents.document_positions``,
-    counted on the whole sequence, so a CP slice starting mid-document knows it; see ``batch_documents``).
-
-    Prepared one ahead on a background thread (reading, stacking, pinning) and copied with
-    ``non_blocking`` from pinned memory on CUDA, so neither the read nor the copy waits on the
-    step in flight; the order is that of the sampler either way. A caller that stops before the
-    last batch closes it (``with micro_batches(...) as batches``) so no reader outlives the use."""
-
-    def host_batches() -> Iterator[tuple[torch.Tensor, ...]]:
-        sampler = PretrainingSampler(len(dataset), consumed_samples, micro, dp_rank, dp_size)
-        for _, indices in zip(range(count), sampler):
-            batch = get_batch(dataset, indices, "cpu")
-            if eod_id is not None:
-                batch = (*batch, document_positions(batch[0], eod_id))
-            if cp_size > 1:
-                batch = tuple(sequence_slice(t, cp_rank, cp_size).contiguous() for t in batch)
-            yield batch
-
-    return Prefetcher(host_batches(), device)
-
-
-class Prefetcher:
-    """Iterate CPU tensor tuples from ``source``, ``depth`` ahead on a daemon thread, delivered on
-    ``device``: pinned memory and non-blocking copies when ``device`` is CUDA (pinning off on the
-    CPU). An exception in ``source`` (e.g. a ``DataError``) is raised by ``next`` in order."""
-
-    _END = object()
-
-    def __init__(self, source: Iterator[tuple[torch.Tensor, ...]], device: str, depth: int = 2) -> None:
-        import queue
-
-        self.device = torch.device(device)
-        self._pin = self.device.type == "cuda"
-        self._queue: Any = queue.Queue(maxsize=depth)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._fill, args=(source,), daemon=True, name="batch-prefetch")
-        self._thread.start()
-
-    def _fill(self, source: Iterator[tuple[torch.Tensor, ...]]) -> None:
-        try:
-            for item in source:
-                if self._pin:
-                    item = tuple(t.pin_memory() for t in item)
-                if not self._put(item):
-                    return
-        except BaseException as e:  # handed to the consumer, raised there
-            self._put(e)
-            return
-        self._put(self._END)
-
-    def _put(self, item: Any) -> bool:
-        import queue
-
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def __iter__(self) -> "Prefetcher":
-        return self
-
-    def __next__(self) -> tuple[torch.Tensor, ...]:
-        item = self._queue.get()
-        if item is self._END:
-            self._queue.put(self._END)  # stay exhausted
-            raise StopIteration
-        if isinstance(item, BaseException):
-            raise item
-        return tuple(t.to(self.device, non_blocking=self._pin) for t in item)
-
-    def close(self, timeout_s: float = 60.0) -> None:
-        """Stop the reader thread and wait for it (it also stops on its own after the last batch).
-
-        Waiting matters at exit: a daemon thread still inside an ATen op (GIL released) when the
-        interpreter finalises is unwound through C++ ``noexcept`` frames, which aborts the process
-        (``terminate called without an active exception``, exit -6 instead of the run's code)."""
-        self._stop.set()
-        if self._thread is threading.current_thread() or not self._thread.is_alive():
-            return
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            warnings.warn(f"the batch-prefetch thread did not stop within {timeout_s:.0f} s (a blocked read?)",
-                          RuntimeWarning, stacklevel=2)
-
-    def __enter__(self) -> "Prefetcher":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        self._stop.set()

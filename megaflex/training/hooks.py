@@ -24,7 +24,7 @@ import torch.distributed as dist
 from megaflex.model.gpt import GPT
 from megaflex.model.kernel_stats import kernel_snapshot
 from megaflex.training.config import Config, ConfigError
-from megaflex.training.data import micro_batches
+from megaflex.training.batches import BatchLayout, batch_stream
 from megaflex.training.profiling import StepProfiler
 
 
@@ -54,11 +54,10 @@ class TrainerView(Protocol):
     engine: Any  # DeepSpeed's engine
     manager: Any  # megaflex.checkpoint.CheckpointManager
     logger: Any  # megaflex.training.metrics.MetricsLogger
-    iteration: int
-    t_last: float
-    resume_path: Path | None
-    train_data: Any
-    valid_data: Any
+    progress: Any  # megaflex.training.run_state.RunProgress
+    throughput: Any  # megaflex.training.metrics.Throughput
+    resume: Any  # megaflex.training.run_state.ResumePlan
+    data: Any  # megaflex.training.data.Datasets
 
 
 class TrainerHook(Protocol):
@@ -103,7 +102,7 @@ class BaseHook:
 
 
 class ObjectiveHook(BaseHook):
-    """An ``Objective``'s set-up and finish; its loss replaces the LM loss (``Trainer.micro_batch_loss``)."""
+    """An ``Objective``'s set-up and finish; its loss replaces the LM loss (``training.step.objective_loss``)."""
 
     def __init__(self, objective: Objective) -> None:
         self.objective = objective
@@ -117,7 +116,7 @@ class ObjectiveHook(BaseHook):
 
     def on_train_end(self, trainer: TrainerView, stop_reason: str) -> None:
         if stop_reason == "done":
-            self.objective.finish(trainer.engine, trainer.iteration)
+            self.objective.finish(trainer.engine, trainer.progress.iteration)
 
 
 class FaultInjectionHook(BaseHook):
@@ -174,10 +173,10 @@ class KernelStatsHook(BaseHook):
     def on_start(self, trainer: TrainerView) -> None:
         cfg = trainer.cfg
         self.reference = _kernel_reference(self.reference, trainer.run_dir, trainer.state,
-                                           fresh=trainer.resume_path is None)
-        data = trainer.valid_data or trainer.train_data
-        with micro_batches(data, 0, min(2, cfg.train.micro_batch_size), 1, 0, 1, trainer.device) as batches:
-            self.probe = next(batches)[0]
+                                           fresh=not trainer.resume.resuming)
+        data = trainer.data.valid or trainer.data.train
+        with batch_stream(data, BatchLayout(min(2, cfg.train.micro_batch_size)), trainer.device, count=1) as batches:
+            self.probe = next(batches).input_ids
 
     def on_step_applied(self, trainer: TrainerView, step: int) -> None:
         if step % self.interval == 0:
@@ -194,11 +193,12 @@ class ProfilerHook(BaseHook):
 
     def on_start(self, trainer: TrainerView) -> None:
         settings = trainer.cfg.logging.profile
-        if settings is not None and trainer.iteration >= settings.start:  # the window opens at its first step only
+        iteration = trainer.progress.iteration
+        if settings is not None and iteration >= settings.start:  # the window opens at its first step only
             trainer.logger.print(
                 f"WARNING: logging.profile: steps {settings.start}-{settings.start + settings.steps - 1} are not "
-                f"profiled, this run resumed at step {trainer.iteration}; "
-                f"set logging.profile.start above {trainer.iteration} to profile"
+                f"profiled, this run resumed at step {iteration}; "
+                f"set logging.profile.start above {iteration} to profile"
             )
         self.profiler = StepProfiler(trainer.cfg.logging.profile, trainer.engine.module, trainer.run_dir / "profile",
                                      trainer.rank, trainer.device, trainer.logger.print)
@@ -207,7 +207,7 @@ class ProfilerHook(BaseHook):
         self.profiler.step_starts(step)
 
     def on_step_end(self, trainer: TrainerView, step: int) -> None:
-        trainer.t_last += self.profiler.step_ended(step)  # writing the trace is not training time
+        trainer.throughput.exclude(self.profiler.step_ended(step))  # writing the trace is not training time
 
     def on_loop_end(self, trainer: TrainerView) -> None:
         self.profiler.close()

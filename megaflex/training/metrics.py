@@ -18,6 +18,7 @@ import resource
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -103,6 +104,38 @@ def device_peak_tflops(configured: float | None, device: str) -> float | None:
 def peak_tflops_of(device_name: str) -> float | None:
     """The known dense bf16 peak of a GPU named like ``torch.cuda.get_device_name()``, else None."""
     return next((value for key, value in PEAK_TFLOPS if key in device_name), None)
+
+
+@dataclass
+class Rate:
+    """Throughput over the steps since the last measure: tokens/s, model TFLOP/s per device, MFU."""
+
+    tokens_per_s: float
+    tflops_per_device: float
+    mfu: float | None  # None when the device's peak is unknown
+
+
+class Throughput:
+    """The throughput arithmetic of the train records: tokens and FLOPs over the wall time between
+    logged steps (time spent outside training, e.g. writing a profiler trace, excluded)."""
+
+    def __init__(self, tokens_per_step: int, flops_per_token: float, world_size: int, peak_tflops: float | None) -> None:
+        self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
+        self.world_size, self.peak_tflops = world_size, peak_tflops
+        self.last = time.time()
+
+    def exclude(self, seconds: float) -> None:
+        """Leave ``seconds`` just spent outside training out of the next measure."""
+        self.last += seconds
+
+    def measure(self, steps: int) -> Rate:
+        """The rate of the ``steps`` optimizer steps since the last measure (or the start)."""
+        now = time.time()
+        elapsed = max(now - self.last, 1e-9)
+        self.last = now
+        tokens_per_s = self.tokens_per_step * steps / elapsed
+        tflops = self.flops_per_token * tokens_per_s / self.world_size / 1e12
+        return Rate(tokens_per_s, tflops, tflops / self.peak_tflops if self.peak_tflops else None)
 
 
 class ScalarSink(Protocol):

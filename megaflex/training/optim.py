@@ -173,19 +173,26 @@ def build_optimizer(cfg: Config, model: nn.Module, device: str) -> torch.optim.O
 def lr_at(cfg: Config, iteration: int) -> float:
     """Learning rate of optimizer step ``iteration`` (0-based): warmup, then decay to min_lr
     (``wsd``: held at the peak until its decay window, ``ScheduleConfig.decay_window``)."""
-    s, peak = cfg.schedule, cfg.train.lr
-    if s.warmup_iters > 0 and iteration < s.warmup_iters:
-        return peak * (iteration + 1) / s.warmup_iters
-    if s.decay_style == "constant":
-        return peak
+    s = cfg.schedule
     decay_first, decay_iters = s.decay_window(cfg.train.train_iters)
-    if iteration >= decay_iters:
-        return s.min_lr
-    if iteration < decay_first:  # the stable phase of wsd
+    shape = "constant" if s.decay_style == "constant" else s.wsd_decay_shape if s.decay_style == "wsd" else s.decay_style
+    return warmup_decay_lr(iteration, cfg.train.lr, s.min_lr, s.warmup_iters, decay_first, decay_iters, shape)
+
+
+def warmup_decay_lr(step: int, peak: float, min_lr: float, warmup: int, decay_first: int, decay_end: int, shape: str) -> float:
+    """Learning rate of step ``step`` (0-based): linear warm-up over ``warmup`` steps, the peak until
+    ``decay_first``, then ``shape`` (linear, 1-sqrt, cosine; "constant": no decay) down to ``min_lr``
+    at ``decay_end``. The trainer's schedule (``lr_at``) and the classifier's (``classify.lr_at``)."""
+    if warmup > 0 and step < warmup:
+        return peak * (step + 1) / warmup
+    if shape == "constant":
         return peak
-    progress = (iteration - decay_first) / max(1, decay_iters - decay_first)
-    shape = s.wsd_decay_shape if s.decay_style == "wsd" else s.decay_style
-    return s.min_lr + decay_factor(shape, progress) * (peak - s.min_lr)
+    if step >= decay_end:
+        return min_lr
+    if step < decay_first:  # the stable phase of wsd
+        return peak
+    progress = (step - decay_first) / max(1, decay_end - decay_first)
+    return min_lr + decay_factor(shape, progress) * (peak - min_lr)
 
 
 def decay_factor(shape: str, progress: float) -> float:

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from megaflex.checkpoint.weights import StateDict, load_checkpoint_weights
 from megaflex.parallel.deferred_init import gathered
+from megaflex.training.config import Config
 from megaflex.training.config_loader import ConfigError
 
 INIT_PARAMETERS = ("all", "kernel", "non_kernel")
@@ -105,3 +107,13 @@ def init_from_checkpoint(
     except ValueError as e:
         raise ConfigError(f"checkpoint.init_from: {e}") from None
     return copy_parameters(model, state, selection, source=f"checkpoint {path}"), path
+
+
+def warm_start_from(cfg: Config, model: nn.Module, resuming: bool) -> dict[str, Any] | None:
+    """``checkpoint.init_from`` at a fresh start (not when this run resumes its own checkpoint):
+    copy the selected parameters into ``model``. Returns the record kept in checkpoint metadata."""
+    c = cfg.checkpoint
+    if c.init_from is None or resuming:
+        return None
+    copied, source = init_from_checkpoint(model, c.init_from, c.init_parameters)
+    return {"path": str(source), "parameters": c.init_parameters, "copied": len(copied)}

@@ -283,19 +283,24 @@ def test_model_lays_out_the_documents_once_per_forward(monkeypatch, window: int,
 
 
 def test_micro_batches_carry_document_positions_of_the_whole_sequence() -> None:
-    from megaflex.training.data import batch_documents, micro_batches
+    from megaflex.training.batches import BatchLayout, batch_stream
+
+    def first(dataset, **layout):  # the first micro-batch of 2 samples
+        with batch_stream(dataset, BatchLayout(2, **layout), "cpu", count=1) as batches:
+            return next(batches)
 
     tokens = torch.cat(packed_documents((5, 9, 7, 12))).numpy()  # 33 tokens: one sample of 32 + 1
     dataset = [tokens, tokens[::-1].copy()]
-    whole = next(iter(micro_batches(dataset, 0, 2, 1, 0, 1, "cpu", eod_id=EOD)))
-    assert torch.equal(whole[2], document_positions(whole[0], EOD))
-    halves = [next(iter(micro_batches(dataset, 0, 2, 1, 0, 1, "cpu", r, 2, eod_id=EOD))) for r in range(2)]
-    assert torch.equal(torch.cat([h[2] for h in halves], dim=1), whole[2])  # rank 1 counts from the documents' starts
-    assert halves[1][2][0, 0] > 0  # its slice begins mid-document
-    documents = batch_documents(whole, reset_positions=False)
-    assert torch.equal(documents.starts, whole[2] == 0) and documents.position_ids is None
-    assert batch_documents(whole[:2], reset_positions=True) is None
-    assert len(next(iter(micro_batches(dataset, 0, 2, 1, 0, 1, "cpu")))) == 2  # none: (ids, labels) as before
+    whole = first(dataset, eod_id=EOD, reset_positions=True)
+    positions = whole.documents.position_ids
+    assert torch.equal(positions, document_positions(whole.input_ids, EOD))
+    halves = [first(dataset, cp_rank=r, cp_size=2, eod_id=EOD, reset_positions=True) for r in range(2)]
+    assert torch.equal(torch.cat([h.documents.position_ids for h in halves], dim=1), positions)  # rank 1 counts from the documents' starts
+    assert halves[1].documents.position_ids[0, 0] > 0  # its slice begins mid-document
+    documents = first(dataset, eod_id=EOD).documents
+    assert torch.equal(documents.starts, positions == 0) and documents.position_ids is None
+    assert first(dataset, reset_positions=True).documents is None
+    assert first(dataset).documents is None  # no document boundaries: (ids, labels) as before
 
 
 def test_config_needs_an_eod_id_for_resets() -> None:

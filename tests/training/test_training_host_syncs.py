@@ -24,7 +24,7 @@ COUNTER = r'''
 import json, sys, threading
 import torch
 import megaflex.training.trainer as trainer
-import megaflex.training.data as data
+import megaflex.training.batches as data
 
 main_thread, reads, ours, marks = threading.get_ident(), [0], [0], []
 CPU_KERNEL = "megaflex/attention/linear/chunk.py"  # CPU-only path: on CUDA the Triton kernels run, read-free
@@ -105,7 +105,7 @@ def test_prefetcher_keeps_order_and_raises_in_place() -> None:
     import torch
 
     from megaflex.data.indexed import DataError
-    from megaflex.training.data import Prefetcher
+    from megaflex.training.batches import Prefetcher
 
     def source():
         for i in range(5):
@@ -130,7 +130,7 @@ def test_prefetcher_close_waits_for_its_reader_thread() -> None:
 
     import torch
 
-    from megaflex.training.data import Prefetcher
+    from megaflex.training.batches import Prefetcher
 
     reading = threading.Event()
 
