@@ -43,7 +43,7 @@ from megaflex.attention.triton.aot import (
     SHARED_MEMORY_LIMIT, Compiled, Launch, compile_launch, record_launches, record_window_launches,
 )  # fmt: skip
 from megaflex.attention import AttentionCore
-from megaflex.attention.base import NORMALIZATIONS
+from megaflex.attention.normalize import NORMALIZATIONS
 from megaflex.cli_args import existing_file, positive_int, scratch_results, writable_file
 from megaflex.model.config import ModelConfig
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from megaflex.attention.base import NORMALIZATIONS
+from megaflex.attention.normalize import NORMALIZATIONS
 from megaflex.checkpoint.layout import run_checkpoint_dir
 from megaflex.cli_args import scratch_results
 

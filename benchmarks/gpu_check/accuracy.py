@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 
 from megaflex.attention import LinearAttentionState
-from megaflex.attention.base import NORMALIZATIONS
+from megaflex.attention.normalize import NORMALIZATIONS
 from megaflex.attention.feature_maps.trig import trig_feature_map_reference
 from megaflex.attention.linear.naive import quadratic_linear_attention
 from megaflex.attention.triton import trig_linear_attention, triton_linear_attention

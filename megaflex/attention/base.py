@@ -7,7 +7,7 @@ possibly huge magnitude (e.g. ||x||^2 / e^tau) in log space, so it never overflo
 The causal attention forms drop the query's ``log_scale`` (a per-query scalar that cancels
 under either normalisation) and stabilise the key's with a running maximum.
 
-Output normalisation: ``normalize.py`` (the names below are re-exported from there).
+Output normalisation: ``normalize.py``.
 """
 
 from __future__ import annotations
@@ -17,11 +17,6 @@ from typing import Iterator, Protocol
 
 import torch
 from torch import nn
-
-# re-exported: callers (and other branches) that import the normalisation names from base keep working
-from .normalize import (  # noqa: F401
-    NORMALIZATIONS, OUTPUT_RMS_CAP, capped_denominator, guard_denominator, normalize_output, output_rms, reads_denominator,
-)
 
 
 @dataclass

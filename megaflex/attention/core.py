@@ -1,6 +1,6 @@
 """Dispatcher over the causal linear-attention forms, input validation, and ``AttentionCore``.
 
-``causal_linear_attention`` computes (see ``base.py`` for the normalisations)
+``causal_linear_attention`` computes (see ``normalize.py`` for the normalisations)
 
     w_ts = (qf_t . kf_s) exp(kls_s - m_t),  s <= t (carried state included),
     m_t  = max(state.log_max, max_{s<=t} kls_s)   (detached),

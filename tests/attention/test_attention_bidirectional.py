@@ -11,7 +11,7 @@ import torch
 
 from attention_helpers import LINEAR_KINDS, attention_steps, form_steps, log_scale_spread, make_map, make_qkv
 from megaflex.attention import NORMALIZATIONS, AttentionCore, LinearAttentionState
-from megaflex.attention.base import OUTPUT_RMS_CAP
+from megaflex.attention.normalize import OUTPUT_RMS_CAP
 from megaflex.attention.dispatch import REFUSALS, RefusedAttention, Request, select
 from megaflex.attention.hybrid import LocalMixingCore, build_attention
 from megaflex.attention.linear.bidirectional import bidirectional_linear_attention
@@ -370,7 +370,7 @@ def test_huge_norms_stay_finite(kind, normalization):
 def test_signed_denominators_crossing_zero_are_guarded_as_in_the_causal_forms(normalization):
     """Trig-like signed features: keys +-e1, +-e2 give z = (1, -1), queries (cos a, sin a) give
     d_i = cos a - sin a: positive, zero and negative, while the numerators do not vanish."""
-    from megaflex.attention.base import capped_denominator, guard_denominator
+    from megaflex.attention.normalize import capped_denominator, guard_denominator
 
     angles = torch.tensor([0.0, math.pi / 4, math.pi / 2, math.pi, 5 * math.pi / 4, 3 * math.pi / 2, 0.3, 2.0])
     qf = torch.stack([angles.cos(), angles.sin()], -1)[None, None]  # [1, 1, 8, 2]

@@ -16,7 +16,7 @@ import torch
 
 from attention_helpers import attention_steps, log_scale_spread, make_qkv
 from megaflex.attention import AttentionCore, NORMALIZATIONS
-from megaflex.attention.base import normalize_output
+from megaflex.attention.normalize import normalize_output
 from megaflex.attention.feature_maps.trig import trig_feature_map_reference
 from megaflex.attention.hybrid import LocalMixingCore
 from numerics import assert_close, normwise_scale

@@ -139,7 +139,7 @@ def _crossing_denominators(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tens
 
 @pytest.mark.parametrize("form", AVAILABLE_FORMS)
 def test_capped_denominator_is_the_ratio_below_the_cap_and_bounded_where_d_crosses_zero(form):
-    from megaflex.attention.base import OUTPUT_RMS_CAP
+    from megaflex.attention.normalize import OUTPUT_RMS_CAP
 
     qf, kf, v, denominators = _crossing_denominators(torch.float32)
     eps = 1e-6

@@ -21,7 +21,7 @@ import triton.language as tl  # noqa: E402
 
 import megaflex.attention.linear.naive as quadratic_module  # noqa: E402
 from megaflex.attention import LinearAttentionState  # noqa: E402
-from megaflex.attention.base import NORMALIZATIONS, OUTPUT_RMS_CAP, normalize_output, output_rms  # noqa: E402
+from megaflex.attention.normalize import NORMALIZATIONS, OUTPUT_RMS_CAP, normalize_output, output_rms  # noqa: E402
 from megaflex.attention.feature_maps.trig import trig_feature_map_reference  # noqa: E402
 from megaflex.attention.linear.naive import quadratic_linear_attention  # noqa: E402
 from megaflex.attention.triton import kernel_chunk, trig_linear_attention, triton_linear_attention  # noqa: E402

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from megaflex.attention import AttentionCore
-from megaflex.attention.base import normalize_output
+from megaflex.attention.normalize import normalize_output
 from megaflex.attention.feature_maps.flexformer_n import FlexformerNFeatureMap
 from megaflex.attention.hybrid import LocalMixingCore
 from megaflex.model import GPT, ModelConfig

@@ -451,7 +451,7 @@ CASES: dict[str, Case] = {
     "`megaflex-eval` / `megaflex-generate` of a bidirectional checkpoint (`model.causal: false`, trained before the refusal above)":
         Case(_bidirectional_checkpoint, "holds a bidirectional model (model.causal: false), which sees every token it is "
                                         "asked to predict: perplexity needs a causal language model"),
-    "`model.causal: false` with a setting the attention dispatch table refuses for it (`model.qkv_conv_size`, a gated `model.softmax_window`, `data.document_boundaries: reset`, `parallel.context_parallel_size` > 1)":
+    "`model.causal: false` with a setting the attention plan refuses for it (`model.qkv_conv_size`, a gated `model.softmax_window`, `data.document_boundaries: reset`, `parallel.context_parallel_size` > 1)":
         Case(covered_by="tests/training/test_config_refusals.py::test_every_refusal_the_settings_decide_is_a_config_error"),
     "a count of 0 or less, `nan`/`inf`, a device this machine lacks or that does not exist (`--device cuda` on a CPU machine, `--device foo`), an output path that is an existing file or cannot be created, given to `megaflex-eval`/`-generate`/`-export`, the commands of `benchmarks/` or `studies/`; or as a config key (`train.global_batch_size=0`, `schedule.decay_iters=0`)":
         Case(covered_by="tests/test_entry_point_arguments.py::test_a_value_that_cannot_work_is_refused_while_parsing"),

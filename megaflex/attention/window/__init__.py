@@ -4,7 +4,7 @@ Per query t (LoLCATs / Based form), with window(t) = {s : t - W < s <= t} and fa
 
     w_ts = exp(q_t . k_s / sqrt d - m_t)                                   s in window(t)
     w_ts = (qf_t . kf_s) exp(qls_t + kls_s - m_t)  = phi~(q_t).phi~(k_s) e^-m_t    s in far(t)
-    n_t  = sum_s w_ts v_s,   d_t = sum_s w_ts,   o_t = normalize(n_t, d_t)        (base.py)
+    n_t  = sum_s w_ts v_s,   d_t = sum_s w_ts,   o_t = normalize(n_t, d_t)        (normalize.py)
 
 One stabiliser per query, shared by both parts (detached, like every stabiliser here):
 
