@@ -80,13 +80,16 @@ ARMS: dict[str, tuple[list[str], str]] = {
                                           f"fn_window{w}_capped with a learned per-head gain e^b_h (init 1) on the far "
                                           "field's weights against the window's") for w in (16, 64)},
     "fn_decay": (["model.kernel_decay=learned"], "plus a learned per-head decay gamma^(t - s) of old keys (RetNet init, attention/decay.py)"),
+    "performer_decay": (["model.kernel_decay=learned"],
+                        "Performer (the fixed kernel) with fn_decay's learned per-head decay: what the decay is worth "
+                        "without the learned kernel, fn_decay's fixed-kernel counterpart"),
     "fn_window64_capped_decay": (["model.softmax_window=64", "model.window_mixing=shared_normaliser", "model.normalization=capped_denominator", "model.kernel_decay=learned"], "fn_window64_capped with the far field decayed by a learned gamma^(t - s - 64)"),
 }
 # arms whose overrides hold values computed for the study's head dim (``StudyConfig.runs`` checks it)
 HEAD_DIM_ARMS = {f"fn_tau_max{margin}": STUDY_HEAD_DIM for margin in ("0.5", "1.0")}
 # the kind an arm changes (default: flexformer_n)
 ARM_KINDS = {"softmax_rms": "softmax", **{f"performer_window{w}{c}": "performer" for w in (16, 64) for c in ("", "_capped")},
-             **{f"softmax_window{w}": "softmax" for w in (16, 64)}}
+             **{f"softmax_window{w}": "softmax" for w in (16, 64)}, "performer_decay": "performer"}
 # the run an arm is one change away from, where it is not its kind's default recipe (``control_of``)
 ARM_CONTROLS: dict[str, str] = {**{f"fn_window{w}_capped_far_gain": f"fn_window{w}_capped" for w in (16, 64)},
                                 "fn_window64_capped_decay": "fn_window64_capped"}
@@ -99,7 +102,7 @@ V3_ARMS += tuple(f"{arm}{w}_capped" for arm in ("fn_window", "performer_window")
 # window) and the remedies of the learned kernel, each one change to the default recipe or to a hybrid
 V5_KINDS = ("softmax", "flexformer_n", "performer")
 V5_CONTROLS = tuple(f"softmax_window{w}" for w in (16, 64)) + tuple(
-    f"{arm}{w}_capped" for w in (16, 64) for arm in ("fn_window", "performer_window"))
+    f"{arm}{w}_capped" for w in (16, 64) for arm in ("fn_window", "performer_window")) + ("performer_decay",)
 V5_REMEDIES = (
     "fn_tied_eta0.3", "fn_tied_eta0.5", "fn_tied_eta1.0", "fn_corr_rho0.5", "fn_corr_rho0.8",  # (a) no floor
     "fn_tau_max0.5", "fn_tau_max1.0", "fn_tau_lr1", "fn_tau_lr3",  # (b) a bounded temperature

@@ -99,6 +99,7 @@ def verdict(summary: list[dict[str, Any]], rows: list[dict[str, Any]]) -> str:
         lines.append(f"- Omega moved {100 * fn['omega_rel_change_mean']:.0f}% from its init (default recipe; "
                      "||Omega - Omega_init|| / ||Omega_init||, mean over layers and seeds).")
     lines += learned_against_fixed(summary, rows)
+    lines += learned_against_its_fixed_kernel(summary, rows)
     lines += window_targets(summary, rows)
     return f"## Verdict (every comparison {RULE})\n\n" + "\n".join(lines) + "\n"
 
@@ -120,6 +121,29 @@ def learned_against_fixed(summary: list[dict[str, Any]], rows: list[dict[str, An
                          f"{answer}" + ("" if not worse_or_tied else " (" + "; ".join(
                              f"{results[label].word()} {label} ({results[label].describe()})"
                              for label in worse_or_tied) + ")") + ".")
+    return lines
+
+
+def fixed_counterpart(label: str, labels: set[str]) -> str:
+    """The Performer run a (window-free) Flexformer_n recipe is one kernel away from: ``performer_decay``
+    for a recipe with the learned decay (where the study has it), else plain ``performer``."""
+    decayed = "model.kernel_decay=learned" in ARMS.get(label, ((), ""))[0]
+    return "performer_decay" if decayed and "performer_decay" in labels else "performer"
+
+
+def learned_against_its_fixed_kernel(summary: list[dict[str, Any]], rows: list[dict[str, Any]]) -> list[str]:
+    """Issue 46's first target, the paper's claim: each window-free Flexformer_n recipe against the fixed
+    kernel it starts from under the same setting (``fixed_counterpart``), paired by seed; the hybrids
+    meet Performer with their window in ``window_targets``."""
+    labels = {s["label"] for s in summary}
+    recipes = [s for s in summary if s["kind"] == "flexformer_n" and not window_only(s["label"])]
+    lines = []
+    for metric, name in EVAL_SETS.items():
+        for s in recipes:
+            fixed = fixed_counterpart(s["label"], labels)
+            if fixed in labels:
+                lines.append(f"- {name}: learned kernel against the fixed one, same setting: {s['label']} "
+                             f"{s[f'{metric}_mean']:.1f} {separation(rows, s['label'], fixed, metric)}.")
     return lines
 
 

@@ -452,3 +452,24 @@ def test_v4_verdict_asks_whether_each_learned_kernel_beats_every_fixed_one_and_t
     assert fn["n"] == 1 and fn["at training length"] == "230.00"  # the scored seed's own training-length ppl
     assert fn["stateful1024 / training length"] == "1.000" and fn["stateful1024 / softmax"] == f"{230 / 220:.3f}"
     assert table["softmax"]["windows 1024"] == "198.00"
+
+
+def test_each_recipe_meets_the_fixed_kernel_it_starts_from_under_the_same_setting() -> None:
+    from studies.kernel_study_report import learned_against_its_fixed_kernel
+
+    def runs(label: str, kind: str, valid: tuple[float, ...]) -> list[dict]:
+        return [{"label": label, "kind": kind, "seed": s, "english_docs_valid_ppl": v, "wikitext2_test_ppl": v}
+                for s, v in enumerate(valid)]
+
+    rows = (runs("performer", "performer", (240, 232, 236)) + runs("flexformer_n", "flexformer_n", (246, 238, 242))
+            + runs("fn_decay", "flexformer_n", (226, 219, 222)) + runs("fn_window64_capped", "flexformer_n", (226, 220, 224)))
+    lines = learned_against_its_fixed_kernel(aggregate(rows), rows)
+    docs = [line for line in lines if line.startswith("- english-docs valid")]
+    assert len(docs) == 2 and not any("fn_window64_capped" in line for line in lines)  # hybrids: window_targets
+    plain, decay = docs
+    assert plain.startswith("- english-docs valid: learned kernel against the fixed one, same setting: flexformer_n 242.0 worse than performer (")
+    assert "fn_decay 222.3 better than performer (" in decay  # no performer_decay in the study: plain Performer
+    with_decay = rows + runs("performer_decay", "performer", (224, 218, 221))
+    decay = [line for line in learned_against_its_fixed_kernel(aggregate(with_decay), with_decay) if "fn_decay" in line][0]
+    assert "not separated from performer_decay (" in decay and "performer (" not in decay.replace("performer_decay (", "")
+    assert learned_against_its_fixed_kernel(aggregate(rows[3:]), rows[3:]) == []  # no Performer: nothing to compare
