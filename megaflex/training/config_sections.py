@@ -237,8 +237,9 @@ class FaultConfig:
         None, "the last rank SIGSTOPs itself after this step (a frozen peer: tests parallel.timeout_minutes)"
     )
     sigkill_during_save_at_step: int | None = opt(
-        None, "every rank kill -9s itself in the save at this step, after the shards are written but before the commit "
-        "(checkpoint.background: from the writer thread, once its first file is written)"
+        None, "every rank is killed with kill -9 in the save at this step, after the shards are written but before the "
+        "commit (checkpoint.background: from the writer thread, once its first file is written); the first rank there "
+        "kills its node's ranks at once"
     )
     sigterm_during_save_at_step: int | None = opt(
         None, "every rank sends itself SIGTERM in the save at this step, before the commit (a preemption mid-save; "

@@ -132,7 +132,10 @@ class FaultInjectionHook(BaseHook):
         # A background save's faults strike its writer thread mid-write, while training goes on.
         moment = "during_write" if trainer.cfg.checkpoint.background else "before_commit"
         if kill_step is not None:
-            setattr(trainer.manager, moment, lambda it: _sigkill() if it == kill_step else None)
+            # The first rank to get there kills every rank of its node at once: ranks that died one by one
+            # would let a survivor see its peer gone in a collective and exit with an error first.
+            node_ranks = _node_rank_pids()
+            setattr(trainer.manager, moment, lambda it: _sigkill(node_ranks) if it == kill_step else None)
         elif term_step is not None:
             setattr(trainer.manager, moment, lambda it: os.kill(os.getpid(), signal.SIGTERM) if it == term_step else None)
         if self.fault.sigterm_during_startup:
@@ -235,8 +238,20 @@ class _InfiniteGradient(torch.autograd.Function):
         return grad * float("inf")
 
 
-def _sigkill() -> None:
-    os.kill(os.getpid(), signal.SIGKILL)
+def _node_rank_pids() -> list[int]:
+    """The process ids of this node's ranks (a collective: every rank calls it), this process's last."""
+    me = (os.uname().nodename, os.getpid())
+    ranks = [me]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        ranks = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, me)
+    return [pid for node, pid in ranks if node == me[0] and pid != me[1]] + [me[1]]
+
+
+def _sigkill(pids: list[int] | None = None) -> None:
+    for pid in pids or [os.getpid()]:  # this process last
+        with contextlib.suppress(ProcessLookupError):  # a peer that got there first
+            os.kill(pid, signal.SIGKILL)
 
 
 def _kernel_reference(
