@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from megaflex.model.gpt import GPT
 from megaflex.model.kernel_stats import kernel_snapshot
+from megaflex.parallel.comm import all_gather_objects, is_distributed
 from megaflex.training.config import Config, ConfigError
 from megaflex.training.batches import BatchLayout, batch_stream
 from megaflex.training.profiling import StepProfiler
@@ -241,10 +242,7 @@ class _InfiniteGradient(torch.autograd.Function):
 def _node_rank_pids() -> list[int]:
     """The process ids of this node's ranks (a collective: every rank calls it), this process's last."""
     me = (os.uname().nodename, os.getpid())
-    ranks = [me]
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        ranks = [None] * dist.get_world_size()
-        dist.all_gather_object(ranks, me)
+    ranks = all_gather_objects(me) if is_distributed() else [me]
     return [pid for node, pid in ranks if node == me[0] and pid != me[1]] + [me[1]]
 
 
