@@ -70,7 +70,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     if towers:  # the encoder classifier (bidirectional) over one sequence or a pair of documents
         from megaflex.model.encoder import EncoderClassifier
 
-        model = EncoderClassifier(dataclasses.replace(config, causal=False), 2, "mean", towers).to(args.device).train()
+        model = EncoderClassifier(dataclasses.replace(config, causal=False, kernel_decay="auto"), 2, "mean", towers).to(args.device).train()
         docs = torch.randint(0, config.vocab_size, (towers, args.batch_size, args.seq_len), device=args.device)
         labels = torch.randint(0, 2, (args.batch_size,), device=args.device)
         forward = lambda: model(docs[0], labels=labels, pair_ids=docs[1] if towers == 2 else None).loss  # noqa: E731

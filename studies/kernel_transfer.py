@@ -237,7 +237,7 @@ def config_from_args(args: argparse.Namespace) -> TransferConfig:
     kinds = tuple(k for k in args.kinds.split(",") if k)
     for kind in kinds:  # the experiment needs a kernel that can be learned and frozen
         probe = GPT(ModelConfig(vocab_size=8, num_layers=1, hidden_size=8, num_heads=1, ffn_hidden_size=8,
-                                attention=kind, feature_dim=4, max_seq_len=8))
+                                attention=kind, feature_dim=4, max_seq_len=8, kernel_decay="none"))
         if not any(True for _ in named_kernel_parameters(probe)):
             raise ValueError(f"--kinds: {kind!r} has no learnable kernel parameters to transfer")
     fields = set(StudyConfig.__dataclass_fields__)

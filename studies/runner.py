@@ -82,7 +82,10 @@ def train_overrides(cfg: StudyConfig, run: RunSpec, seed: int, data: dict[str, P
         f"logging.run_dir={run_dir}", "logging.log_interval=5", "logging.tensorboard=false",
         "logging.progress_bar=false", f"logging.kernel_stats_interval={cfg.kernel_stats_interval}",
         f"model.normalization={cfg.normalization}",
-        *run.overrides,  # an arm's own model.normalization comes later and wins
+        # the kinds are the plain maps, as their stored rows were trained before the decay became the
+        # default (issue 46); the decay is an arm's override
+        "model.kernel_decay=none",
+        *run.overrides,  # an arm's own model.normalization (or kernel_decay) comes later and wins
     ]
 
 

@@ -203,7 +203,7 @@ _REFUSAL_MESSAGES = {refusal.name: refusal.message for refusal in REFUSALS}
 # The ``Request`` fields that a model's settings fix before any call (model.causal, qkv_conv_size,
 # softmax_window, window_mixing; a run's document resets and context parallelism); the others
 # describe one call (its tensors, a state in or out, autograd).
-SETTING_FIELDS = ("form", "conv_size", "window", "mixing", "documents", "context_parallel")
+SETTING_FIELDS = ("form", "conv_size", "window", "mixing", "decays", "documents", "context_parallel")
 # every op of ``ROWS``, in its order (a test checks that they agree)
 OPS = ("module", "softmax", "linear", "local_mixing", "window")
 

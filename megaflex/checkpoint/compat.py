@@ -162,7 +162,8 @@ def _check_model_fields(meta: CheckpointMeta, model_config: dict[str, Any], path
         legacy = (f" (it records no model.normalization: written when {LEGACY_NORMALIZATION} was the default; "
                   f"the default is now {defaults['normalization']})")
     elif "kernel_decay" in differ and "kernel_decay" not in meta.config["model"]:
-        legacy = f" (it records no model.kernel_decay: written before the decay existed, so {LEGACY_KERNEL_DECAY})"
+        legacy = (f" (it records no model.kernel_decay: written before the decay existed, so {LEGACY_KERNEL_DECAY}; "
+                  "the default is now learned for causal linear attention)")
     consequence = (f"its parameters do not fit ({other_shape})" if other_shape else "the weights and their optimizer "
                    "moments would continue as another model (same shapes, other maths)")
     raise CheckpointError(

@@ -22,16 +22,14 @@ from pathlib import Path
 from typing import Any
 
 from megaflex.checkpoint.layout import FILES_KEY, read_meta
+from megaflex.model.config import LEGACY_MODEL_FIELDS
 
 # Recorded as null (not left out) in training checkpoints: "no tokenizer", "no warm start".
 _NULL_IN_TRAINING = ("tokenizer", "init_from")
 # Optimizer param groups of checkpoints written before the kernel LR groups existed.
 LEGACY_OPTIMIZER_GROUPS = ["decay", "no_decay"]
 # model.normalization of checkpoints that do not record it (the default until capped_denominator).
-LEGACY_NORMALIZATION = "rms"
-# Model fields added later, with the value every model had before the field existed: a checkpoint
-# that does not record one was trained with it, whatever ModelConfig's default has become since.
-LEGACY_MODEL_FIELDS: dict[str, Any] = {"qk_norm": "none", "window_far_gain": False, "kernel_decay": "none"}  # issue 46
+LEGACY_NORMALIZATION = LEGACY_MODEL_FIELDS["normalization"]
 LEGACY_KERNEL_DECAY = LEGACY_MODEL_FIELDS["kernel_decay"]
 
 
@@ -111,9 +109,6 @@ class CheckpointMeta:
         model = self.config["model"]
         if model.get("softmax_window") and "window_mixing" not in model:
             model = {**model, "window_mixing": "gated"}
-        if "normalization" not in model:
-            # written before the field existed, when every linear model was trained with "rms"
-            model = {**model, "normalization": LEGACY_NORMALIZATION}
         return {**LEGACY_MODEL_FIELDS, **model}
 
     @property

@@ -17,7 +17,7 @@ from typing import Any
 
 from transformers import PreTrainedConfig
 
-from megaflex.model.config import ModelConfig
+from megaflex.model.config import LEGACY_MODEL_FIELDS, ModelConfig
 
 MODEL_TYPE = "flexformer"
 _RENAMED = {"rope_theta": "rope_base"}  # ModelConfig field -> config.json key
@@ -55,9 +55,9 @@ class FlexformerConfig(PreTrainedConfig):
     qkv_conv_size: int = 0  # the hybrid's causal q/k/v convolution (0: off)
     # the value before the field existed (a config.json without it was exported then), not ModelConfig's default
     qk_norm: str = "none"  # norm control of q and k before the feature map (none | rms | affine_rms)
-    # "none", not whatever ModelConfig's default becomes: a config.json without the key was exported
-    # before the decay existed (exports write every field)
-    kernel_decay: str = "none"
+    # ModelConfig's default; a config.json without the key was exported before the decay existed
+    # (exports write every field, resolved): from_dict reads it as "none"
+    kernel_decay: str = "auto"
     causal: bool = True  # False: a bidirectional encoder (no decoding state: generate() refuses it)
     mlp: str = "gelu"
     norm: str = "rmsnorm"
@@ -90,7 +90,8 @@ class FlexformerConfig(PreTrainedConfig):
             model_config = self.to_model_config()
         except ValueError as err:
             raise ValueError(f"FlexformerConfig (config.json): {err}") from None
-        self.ffn_hidden_size = model_config.ffn_hidden_size
+        # derived or resolved on construction (ffn width; kernel_decay auto), so config.json records what was built
+        self.ffn_hidden_size, self.kernel_decay = model_config.ffn_hidden_size, model_config.kernel_decay
         limit = self.tokenizer_vocab_size
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or not 0 < limit <= self.vocab_size):
             raise ValueError(f"FlexformerConfig (config.json): tokenizer_vocab_size must be an int in [1, vocab_size "
@@ -100,9 +101,8 @@ class FlexformerConfig(PreTrainedConfig):
     @classmethod
     def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> Any:
         """``PreTrainedConfig.from_dict`` (what ``from_pretrained`` reads config.json with); a
-        config.json without ``normalization`` is an export from before capped_denominator: rms."""
-        if "normalization" not in config_dict:
-            config_dict = {**config_dict, "normalization": "rms"}
+        config.json without a field is an export from before it: ``LEGACY_MODEL_FIELDS``."""
+        config_dict = {**LEGACY_MODEL_FIELDS, **config_dict}
         return super().from_dict(config_dict, **kwargs)
 
     def to_model_config(self) -> ModelConfig:

@@ -110,8 +110,12 @@ def test_construction_refusals_are_raised_at_build(build, message: str) -> None:
 
 
 def test_a_model_built_with_a_refused_setting_raises_at_construction() -> None:
-    """A bidirectional model with the causal-only decay: refused while the model is built, not at step 1."""
-    config = ModelConfig(**MODEL, causal=False, kernel_decay="learned")
+    """A bidirectional model with the causal-only decay: refused by the config check, and (a config changed after
+    its check) while the model is built, not at step 1."""
+    with pytest.raises(RefusedAttention, match="kernel_decay: .*kernel_decay='none'"):
+        ModelConfig(**MODEL, causal=False, kernel_decay="learned")
+    config = ModelConfig(**MODEL, causal=False)
+    config.kernel_decay = "learned"
     with pytest.raises(RefusedAttention, match="kernel_decay: .*kernel_decay='none'"):
         GPT(config)
     GPT(ModelConfig(**MODEL, kernel_decay="learned"))  # the causal model with the same setting is built

@@ -68,7 +68,8 @@ def test_param_groups_put_the_kernel_in_its_lr_groups_without_decay():
     by_name = {g["name"]: g for g in groups}
     names = group_names(model, groups)
     assert names["kernel_frequencies"] == {f"blocks.{i}.attn.core.feature_map.omega{j}" for i in (0, 1) for j in (1, 2)}
-    assert names["kernel_temperature"] == {f"blocks.{i}.attn.core.feature_map.tau" for i in (0, 1)}
+    assert names["kernel_temperature"] == {f"blocks.{i}.attn.core.{name}" for i in (0, 1)
+                                           for name in ("feature_map.tau", "decay_logit")}  # the default decay
     assert by_name["kernel_frequencies"]["lr_multiplier"] == 10.0 and by_name["kernel_temperature"]["weight_decay"] == 0.0
     assert all(model.get_parameter(n).dim() == 2 for n in names["decay"])
     assert set().union(*names.values()) == {n for n, _ in model.named_parameters()}
@@ -105,7 +106,7 @@ def test_tp_marking_tags_exactly_the_declared_kernel_parameters():
     model = GPT(tiny(qkv_conv_size=3))
     count = mark_head_sharded_params(model)
     declared = {n for n, _ in named_kernel_parameters(model)}
-    assert count == len(declared) == 2 * 4  # omega1, omega2, tau, conv taps per layer
+    assert count == len(declared) == 2 * 5  # omega1, omega2, tau, the decay (the default), conv taps per layer
     # out_gain is tagged by the model itself (not a kernel parameter)
     tagged = {n for n, p in model.named_parameters() if getattr(p, "tensor_model_parallel", False)} - {
         f"blocks.{i}.attn.out_gain" for i in (0, 1)

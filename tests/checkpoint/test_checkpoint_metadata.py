@@ -183,7 +183,7 @@ def test_a_model_saved_before_the_issue_46_options_loads_with_what_it_was_traine
     # defaults become: qk_norm "none" (metadata.LEGACY_MODEL_FIELDS), and its tau, far above any
     # ceiling one might set today, unbounded: the same logits, bit for bit.
     torch.manual_seed(0)
-    old = GPT(ModelConfig(**TINY["model"]))
+    old = GPT(ModelConfig(**{**TINY["model"], **LEGACY_MODEL_FIELDS}))  # every field as it was then
     with torch.no_grad():
         for block in old.blocks:
             block.attn.core.feature_map.tau.fill_(6.0)  # 3.2 above its init log(2 sqrt 16) = 2.08
@@ -207,7 +207,8 @@ def test_a_model_saved_before_the_decay_loads_without_one(tmp_path: Path) -> Non
     # A model config written before model.kernel_decay existed has no such key: it loads without a decay
     # (no decay_logit), whatever ModelConfig's default becomes; one saved with the decay loads with it.
     torch.manual_seed(0)
-    plain = GPT(ModelConfig(**TINY["model"]))
+    plain = GPT(ModelConfig(**TINY["model"], kernel_decay="none"))
+    assert ModelConfig(**TINY["model"]).kernel_decay == "learned"  # today's default
     meta = _old_meta(plain)
     del meta["config"]["model"]["kernel_decay"]  # as an older megaflex saved it
     tag = _write_checkpoint(tmp_path / "old", plain, meta)

@@ -146,8 +146,10 @@ def _built(**config) -> dict[str, torch.Tensor]:
     from megaflex.model import ModelConfig
     from megaflex.model.gpt import build_attention_core
 
+    # the code before the dispatch table had no decay, today's default (auto) builds one
+    undecayed = {"kernel_decay": "none"} if "kernel_decay" in ModelConfig.__dataclass_fields__ else {}
     cfg = ModelConfig(vocab_size=32, num_layers=1, hidden_size=H * D, num_heads=H, attention="elu", feature_dim=8,
-                      chunk_size=CHUNK, **config)  # fmt: skip
+                      chunk_size=CHUNK, **undecayed, **config)  # fmt: skip
     torch.manual_seed(0)
     module = build_attention_core(cfg, H)
     result = _module_call(module)

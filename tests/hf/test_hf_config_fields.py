@@ -7,15 +7,12 @@ from __future__ import annotations
 import dataclasses
 
 from megaflex.hf.configuration import MODEL_CONFIG_KEYS, FlexformerConfig
-from megaflex.model.config import ModelConfig
+from megaflex.model.config import LEGACY_MODEL_FIELDS, ModelConfig
 
 # transformers-side fields with no ModelConfig counterpart (export metadata and HF switches)
 HF_ONLY = {"megaflex_run_config", "megaflex_iteration", "tokenizer_vocab_size", "tie_word_embeddings", "use_cache"}
 # annotations that differ on purpose: config.json may write null for an empty feature_kwargs
 TYPE_EXCEPTIONS = {"feature_kwargs": ("dict[str, Any]", "dict | None")}
-# defaults a config.json without the key must read as: the value before the field existed (exports
-# write every field), whatever ModelConfig's default becomes
-OLD_EXPORT_DEFAULTS = {"qk_norm": "none", "kernel_decay": "none"}
 
 
 def _annotations() -> dict[str, str]:
@@ -42,25 +39,23 @@ def test_the_field_types_agree() -> None:
 
 
 def test_the_defaults_agree() -> None:
-    """Where ModelConfig has a default, a config.json without the key builds the same model
-    (apart from the old-export defaults, pinned here)."""
+    """Where ModelConfig has a default, a fresh FlexformerConfig builds the same model (defaults resolved on
+    construction, e.g. kernel_decay auto, alike in both)."""
     built = FlexformerConfig().to_model_config()
-    differ = {}
-    for f in dataclasses.fields(ModelConfig):
-        if f.name in OLD_EXPORT_DEFAULTS:
-            assert getattr(built, f.name) == OLD_EXPORT_DEFAULTS[f.name], f.name
-            continue
-        if f.default is not dataclasses.MISSING:
-            default = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            default = f.default_factory()
-        else:
-            continue  # required in ModelConfig (vocab_size, ...): the HF defaults are transformers'
-        if f.name == "ffn_hidden_size":
-            continue  # None: derived from hidden_size on construction, in both
-        if getattr(built, f.name) != default:
-            differ[f.name] = (getattr(built, f.name), default)
-    assert differ == {}
+    required = [f.name for f in dataclasses.fields(ModelConfig)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    assert built == ModelConfig(**{name: getattr(built, name) for name in required})
+
+
+def test_a_config_json_without_a_later_field_reads_the_value_from_before_it() -> None:
+    """Exports write every field, so a config.json without one was exported before it existed (or before its
+    default changed): it reads as the value every model had then (``LEGACY_MODEL_FIELDS``), not today's default."""
+    written = FlexformerConfig().to_dict()
+    assert {key: written[key] for key in LEGACY_MODEL_FIELDS} == {
+        "normalization": "capped_denominator", "qk_norm": "none", "window_far_gain": False, "kernel_decay": "learned"}
+    old = FlexformerConfig.from_dict({k: v for k, v in written.items() if k not in LEGACY_MODEL_FIELDS})
+    assert {key: getattr(old, key) for key in LEGACY_MODEL_FIELDS} == LEGACY_MODEL_FIELDS
+    assert FlexformerConfig.from_dict(written).kernel_decay == "learned"  # recorded: taken as written
 
 
 def test_a_non_default_model_config_round_trips() -> None:

@@ -165,7 +165,7 @@ NON_DEFAULTS = dict(
     window_far_gain=False,  # needs the one-normaliser window, not the gated one: set in BIDIRECTIONAL below
     norm="layernorm", norm_eps=1e-6, bias=True, tie_embeddings=False, hidden_dropout=0.1, attention_dropout=0.05,
     max_seq_len=96, position="learned", rope_theta=500.0, init_std=0.05, activation_checkpointing=True,
-    kernel_decay="learned",
+    kernel_decay="none",  # the default (auto) builds learned here
 )
 BIDIRECTIONAL = dict(NON_DEFAULTS, causal=False, window_mixing="shared_normaliser", qkv_conv_size=0, window_far_gain=True)
 

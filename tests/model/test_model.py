@@ -255,7 +255,7 @@ def shard_state_dict(full: dict[str, torch.Tensor], rank: int, tp: int) -> dict[
     out = {}
     for name, t in full.items():
         if name.endswith(("qkv.weight", "fc_in.weight")) or ".feature_map." in f".{name}" or name == "out_gain" \
-                or name.startswith("qk_norm."):
+                or name.startswith("qk_norm.") or name in ("core.decay_logit", "core.far_log_gain"):
             out[name] = piece(t, 0)  # column-parallel outputs / per-head tensors: dim 0
         elif name.endswith(("proj.weight", "fc_out.weight")):
             out[name] = piece(t, 1)  # row-parallel inputs: dim 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -80,6 +81,30 @@ def test_feature_map_misfit_is_reported_when_the_config_is_made(overrides, field
         GPT(ModelConfig(**BASE, **overrides))
 
 
+def test_kernel_decay_auto_is_learned_for_causal_linear_attention_only():
+    """Issue 46: the default (auto) is the study-v5 recipe's decay where a decay exists (causal linear attention,
+    the window hybrid's far field included) and none elsewhere; a built config records the resolved value, which
+    is what checkpoints and config.json keep."""
+    assert ModelConfig(**BASE).kernel_decay == "learned"
+    assert ModelConfig(**BASE, softmax_window=8).kernel_decay == "learned"
+    assert ModelConfig(**BASE, attention="performer").kernel_decay == "learned"
+    assert ModelConfig(**BASE, attention="softmax").kernel_decay == "none"
+    assert ModelConfig(**BASE, causal=False).kernel_decay == "none"
+    assert ModelConfig(**BASE).to_dict()["kernel_decay"] == "learned"
+    model = GPT(ModelConfig(**BASE))
+    assert all(block.attn.core.decay_logit.shape == (4,) for block in model.blocks)
+    with pytest.raises(ValueError, match="kernel_decay must be 'none' for attention='softmax'"):
+        ModelConfig(**BASE, attention="softmax", kernel_decay="learned")
+    with pytest.raises(ValueError, match=r"kernel_decay must be one of \['auto', 'none', 'learned'\], got 'fixed'"):
+        ModelConfig(**BASE, kernel_decay="fixed")
+
+
+@pytest.mark.parametrize("path", sorted(p.name for p in CONFIGS.glob("flexformer_n_*.yaml")))
+def test_every_flexformer_n_config_ships_the_study_v5_recipe(path):
+    config = load_model_config(CONFIGS / path)
+    assert (config.attention, config.normalization, config.kernel_decay) == ("flexformer_n", "capped_denominator", "learned")
+
+
 def test_head_dim_rope_odd_allowed_without_rope():
     assert ModelConfig(**{**BASE, "hidden_size": 36}, position="none").head_dim == 9
 
@@ -99,6 +124,14 @@ def test_summary_count_equals_the_built_model(name):
     torch.manual_seed(0)
     model = GPT(config)  # a real CPU build, not the summary's meta build
     assert printed_count(summarize(config)) == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("path", sorted(p.name for p in CONFIGS.glob("*.yaml") if "Exact count" in p.read_text()))
+def test_the_exact_count_a_config_states_is_the_summary_count(path):
+    """The comment users read ("Exact count: N") is what ``megaflex.model.summary`` prints for the file
+    (it went stale when the defaults' parameters changed)."""
+    stated = int(re.search(r"Exact count: (\d+)", (CONFIGS / path).read_text()).group(1))
+    assert printed_count(summarize(load_model_config(CONFIGS / path))) == stated
 
 
 def test_summary_count_for_a_map_built_with_data():
@@ -131,7 +164,7 @@ def test_named_sizes_are_within_ten_percent(name, target):
 def test_softmax_variants_differ_only_in_attention(size):
     flex = yaml.safe_load((CONFIGS / f"flexformer_n_{size}.yaml").read_text())["model"]
     soft = yaml.safe_load((CONFIGS / f"softmax_{size}.yaml").read_text())["model"]
-    linear_only = {"attention", "feature_dim", "normalization", "chunk_size", "feature_kwargs"}
+    linear_only = {"attention", "feature_dim", "normalization", "chunk_size", "feature_kwargs", "kernel_decay"}
     assert soft["attention"] == "softmax" and flex["attention"] == "flexformer_n"
     assert {k: v for k, v in flex.items() if k not in linear_only} == {
         k: v for k, v in soft.items() if k not in linear_only

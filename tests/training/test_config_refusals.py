@@ -22,6 +22,7 @@ SETTING_OVERRIDES = {
     ("conv_size", 3): ["model.qkv_conv_size=3"],
     ("window", 8): ["model.softmax_window=8"],
     ("mixing", "gated"): ["model.window_mixing=gated"],
+    ("decays", True): ["model.kernel_decay=learned"],
     ("documents", "restart_batched"): ["data.document_boundaries=reset", "data.eod_token_id=0"],
     ("context_parallel", True): ["parallel.context_parallel_size=2"],
 }
@@ -60,12 +61,13 @@ def test_every_refusal_the_settings_decide_is_a_config_error(tiny: Path) -> None
             reported.add(named[0].name)
     assert reported == reachable
     assert reachable >= {"bidirectional.convolution", "bidirectional.gated_window", "bidirectional.documents",
-                         "bidirectional.context_parallel"}
+                         "bidirectional.context_parallel", "bidirectional.decay"}
 
 
 @pytest.mark.parametrize("overrides,key", [
     (["model.qkv_conv_size=3"], "model.qkv_conv_size"),
     (["model.softmax_window=8", "model.window_mixing=gated"], "model.window_mixing"),
+    (["model.kernel_decay=learned"], "model.kernel_decay"),
     (["data.document_boundaries=reset", "data.eod_token_id=0"], "data.document_boundaries"),
     (["parallel.context_parallel_size=2"], "parallel.context_parallel_size"),
 ])  # fmt: skip

@@ -315,8 +315,9 @@ def _resume(meta: CheckpointMeta, model: ModelConfig) -> None:
 def test_resume_refuses_a_changed_model_field(field: str, value: object, same_shapes: bool) -> None:
     """Other maths: refused naming both values and the way out, also where every shape is the same
     (those resumed silently as another model before)."""
-    saved = ModelConfig(**TINY["model"])
-    changed = ModelConfig(**{**TINY["model"], field: value})
+    base = {**TINY["model"], "kernel_decay": "none"}  # one field changes: causal=False keeps no decay either
+    saved = ModelConfig(**base)
+    changed = ModelConfig(**{**base, field: value})
     assert (parameter_shapes(GPT(changed)) == parameter_shapes(GPT(saved))) == same_shapes
     with pytest.raises(CheckpointError) as err:
         _resume(_saved(saved), changed)
@@ -360,22 +361,30 @@ def test_resume_of_a_checkpoint_without_normalization_says_how_to_continue() -> 
 
 
 def test_a_checkpoint_without_kernel_decay_had_none() -> None:
-    """Checkpoints from before model.kernel_decay had no decay: they resume without one, and refuse one naming why."""
-    old = _saved(ModelConfig(**TINY["model"]), drop=("kernel_decay",))
-    _resume(old, ModelConfig(**TINY["model"]))
+    """Checkpoints from before model.kernel_decay had no decay; today's default (auto) is learned for causal linear
+    attention: they refuse it naming why and how to continue, and resume with kernel_decay none."""
+    old = _saved(ModelConfig(**TINY["model"], kernel_decay="none"), drop=("kernel_decay",))
+    assert ModelConfig(**TINY["model"]).kernel_decay == "learned"
     with pytest.raises(CheckpointError) as err:
-        _resume(old, ModelConfig(**TINY["model"], kernel_decay="learned"))
+        _resume(old, ModelConfig(**TINY["model"]))
     assert str(err.value).startswith(
         "checkpoint R/step_00000002 was trained with model.kernel_decay=none (it records no model.kernel_decay: written "
-        "before the decay existed, so none), this run has model.kernel_decay=learned; its parameters do not fit")
+        "before the decay existed, so none; the default is now learned for causal linear attention), this run has "
+        "model.kernel_decay=learned; its parameters do not fit")
+    assert "Set model.kernel_decay=none to continue this run" in str(err.value)
+    _resume(old, ModelConfig(**TINY["model"], kernel_decay="none"))  # as the message says
+    # an old softmax checkpoint (no decay then or now) resumes under the new default
+    softmax = {**TINY["model"], "attention": "softmax"}
+    _resume(_saved(ModelConfig(**softmax), drop=("kernel_decay",)), ModelConfig(**softmax))
 
 
 def test_a_checkpoint_without_causal_was_causal() -> None:
     """Checkpoints from before model.causal were causal: they resume causal, and refuse causal=False."""
-    old = _saved(ModelConfig(**TINY["model"]), drop=("causal",))
-    _resume(old, ModelConfig(**TINY["model"]))
+    plain = {**TINY["model"], "kernel_decay": "none"}  # what a bidirectional model can have too
+    old = _saved(ModelConfig(**plain), drop=("causal",))
+    _resume(old, ModelConfig(**plain))
     with pytest.raises(CheckpointError, match="trained with model.causal=True, this run has model.causal=False"):
-        _resume(old, ModelConfig(**TINY["model"], causal=False))
+        _resume(old, ModelConfig(**plain, causal=False))
 
 
 @pytest.mark.usefixtures("forked_python")

@@ -100,7 +100,7 @@ def test_kernel_and_non_kernel_copy_only_their_parameters(sources: dict[str, Pat
     state = load_model_state(sources["zero0_tp2"])
     fresh = {n: p.detach().clone() for n, p in _fresh().named_parameters()}
     kernel = kernel_parameter_names(_fresh())
-    assert kernel and all(".feature_map." in n for n in kernel)
+    assert kernel and all(".feature_map." in n or n.endswith(".core.decay_logit") for n in kernel)  # the decay: default
     for selection, copied_set in (("kernel", kernel), ("non_kernel", set(fresh) - kernel)):
         model = _fresh()
         copied, _ = init_from_checkpoint(model, sources["zero0_tp2"], selection)
@@ -120,7 +120,7 @@ def test_softmax_source_into_flexformer_keeps_the_kernel_fresh(sources: dict[str
     assert set(copied) == set(fresh) - optional and any(n.endswith("omega1") for n in optional)
     for n, p in model.named_parameters():
         assert torch.equal(p, fresh[n] if n in optional else state[n]), n
-    with pytest.raises(ConfigError, match=r"no parameter 'blocks\.0\.attn\.core\.feature_map\.omega1'.*init_parameters=kernel"):
+    with pytest.raises(ConfigError, match=r"no parameter 'blocks\.0\.attn\.core\.(decay_logit|feature_map\.omega1)'.*init_parameters=kernel"):
         init_from_checkpoint(_fresh(), sources["softmax"], "kernel")
 
 
@@ -147,13 +147,13 @@ def test_trainer_warm_start_with_frozen_kernel(sources: dict[str, Path], tmp_pat
         "optimizer.kernel_frequency_lr_multiplier=0", "optimizer.kernel_temperature_lr_multiplier=0",
     ])
     assert result.returncodes == [0], result.output
-    assert "initialised 6 parameter tensors (kernel)" in result.outputs[0]
+    assert "initialised 8 parameter tensors (kernel)" in result.outputs[0]  # 2 layers: omega1, omega2, tau, decay
     source, trained = load_model_state(sources["zero2_dp2"]), load_model_state(run)
     kernel = kernel_parameter_names(_fresh())
     for n, value in trained.items():
         assert torch.equal(value, source[n]) == (n in kernel), n
     meta = json.loads((resolve_checkpoint(run) / "megaflex.json").read_text())
-    assert meta["init_from"] == {"path": str(resolve_checkpoint(sources["zero2_dp2"])), "parameters": "kernel", "copied": 6}
+    assert meta["init_from"] == {"path": str(resolve_checkpoint(sources["zero2_dp2"])), "parameters": "kernel", "copied": 8}
 
     missing = launch(cfg, [f"logging.run_dir={tmp_path / 'bad'}", f"checkpoint.init_from={tmp_path / 'nowhere'}"])
     assert missing.returncodes == [2], missing.output
