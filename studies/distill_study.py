@@ -38,7 +38,7 @@ from megaflex.cli_args import scratch_results
 
 from megaflex.cli_args import available_device
 from studies.kernel_study_config import RunSpec, StudyConfig, number_type, output_dir_option, path_option
-from studies.runner import evaluate_run, prepare_data, reused_run_data, train_run
+from studies.runner import PLAIN_KIND_FIELDS, evaluate_run, prepare_data, reused_run_data, train_run
 
 DISTILL_ENTRY = "megaflex.distill"  # megaflex-distill's module, run with python -m
 STUDENTS = ("flexformer_n", "performer")
@@ -379,8 +379,7 @@ def untrainable_students(students: list[str], normalization: str) -> list[str]:
 
     def trainable(kind: str) -> bool:
         probe = ModelConfig(vocab_size=8, num_layers=1, hidden_size=8, num_heads=1, feature_dim=4, chunk_size=4,
-                            max_seq_len=8, attention=kind, normalization=normalization,
-                            kernel_decay="none")  # as the study's runner trains its kinds (studies/runner.py)
+                            max_seq_len=8, attention=kind, normalization=normalization, **PLAIN_KIND_FIELDS)
         return bool(linear_attention_parameter_names(GPT(probe)))
 
     return [s for s in students if not trainable(s)]

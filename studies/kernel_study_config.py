@@ -12,6 +12,7 @@ from megaflex.attention.feature_maps.common import log_sqrt_scale
 from megaflex.cli_args import (
     creatable_dir, nonnegative_float, nonnegative_int, positive_float, positive_int, scratch_results, unit_interval,
 )
+from megaflex.model.config import LEGACY_MODEL_FIELDS
 from megaflex.training.config import OptimizerConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -116,7 +117,7 @@ ORDERS = ("seeds", "kinds")  # seed-major (a stopped study still has whole seeds
 # StudyConfig fields that select runs or name places, not what a run computes: not fingerprinted
 NOT_FINGERPRINTED = ("kinds", "arms", "seeds", "data_root", "work_dir", "out", "long_contexts")
 # The normalisation runs of studies v1-v3 were trained with (configs/tiny.yaml's then), absent from their fingerprints.
-LEGACY_NORMALIZATION = "rms"
+LEGACY_NORMALIZATION = LEGACY_MODEL_FIELDS["normalization"]
 DEFAULT_ARMS = ("fn_tied_init", "fn_kernel_lr_off", "fn_omega_frozen", "fn_hybrid")  # fn_paper_init = the default
 # model/training shapes per preset (the rest of StudyConfig is shared)
 PRESETS: dict[str, dict[str, Any]] = {

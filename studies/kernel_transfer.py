@@ -48,7 +48,7 @@ import torch
 
 from studies.kernel_study_config import RunSpec, StudyConfig, number_type, output_dir_option, path_option
 from studies.runner import (
-    evaluate_run, initial_model, load_row, prepare_data, reused_run_data, save_row, train_run,
+    PLAIN_KIND_FIELDS, evaluate_run, initial_model, load_row, prepare_data, reused_run_data, save_row, train_run,
 )
 from studies.kernel_transfer_config import ARMS, B_METRIC, FROZEN, TransferConfig
 from studies.kernel_transfer_report import write_report
@@ -237,7 +237,7 @@ def config_from_args(args: argparse.Namespace) -> TransferConfig:
     kinds = tuple(k for k in args.kinds.split(",") if k)
     for kind in kinds:  # the experiment needs a kernel that can be learned and frozen
         probe = GPT(ModelConfig(vocab_size=8, num_layers=1, hidden_size=8, num_heads=1, ffn_hidden_size=8,
-                                attention=kind, feature_dim=4, max_seq_len=8, kernel_decay="none"))
+                                attention=kind, feature_dim=4, max_seq_len=8, **PLAIN_KIND_FIELDS))
         if not any(True for _ in named_kernel_parameters(probe)):
             raise ValueError(f"--kinds: {kind!r} has no learnable kernel parameters to transfer")
     fields = set(StudyConfig.__dataclass_fields__)

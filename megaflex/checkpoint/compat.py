@@ -19,8 +19,8 @@ import dataclasses
 import torch
 
 from megaflex.checkpoint.layout import CheckpointError
-from megaflex.checkpoint.metadata import LEGACY_KERNEL_DECAY, LEGACY_NORMALIZATION, CheckpointMeta
-from megaflex.model.config import ModelConfig
+from megaflex.checkpoint.metadata import CheckpointMeta
+from megaflex.model.config import LEGACY_MODEL_FIELDS, ModelConfig
 from megaflex.parallel.deferred_init import full_shape
 
 # ZeRO stages whose optimizer states DeepSpeed loads into each other (1 and 2 share one optimizer
@@ -159,10 +159,10 @@ def _check_model_fields(meta: CheckpointMeta, model_config: dict[str, Any], path
     fix = " ".join(f"model.{k}={saved[k]}" for k in differ)
     legacy = ""
     if "normalization" in differ and "normalization" not in meta.config["model"]:
-        legacy = (f" (it records no model.normalization: written when {LEGACY_NORMALIZATION} was the default; "
+        legacy = (f" (it records no model.normalization: written when {LEGACY_MODEL_FIELDS['normalization']} was the default; "
                   f"the default is now {defaults['normalization']})")
     elif "kernel_decay" in differ and "kernel_decay" not in meta.config["model"]:
-        legacy = (f" (it records no model.kernel_decay: written before the decay existed, so {LEGACY_KERNEL_DECAY}; "
+        legacy = (f" (it records no model.kernel_decay: written before the decay existed, so {LEGACY_MODEL_FIELDS['kernel_decay']}; "
                   "the default is now learned for causal linear attention)")
     consequence = (f"its parameters do not fit ({other_shape})" if other_shape else "the weights and their optimizer "
                    "moments would continue as another model (same shapes, other maths)")

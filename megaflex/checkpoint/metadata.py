@@ -28,9 +28,6 @@ from megaflex.model.config import LEGACY_MODEL_FIELDS
 _NULL_IN_TRAINING = ("tokenizer", "init_from")
 # Optimizer param groups of checkpoints written before the kernel LR groups existed.
 LEGACY_OPTIMIZER_GROUPS = ["decay", "no_decay"]
-# model.normalization of checkpoints that do not record it (the default until capped_denominator).
-LEGACY_NORMALIZATION = LEGACY_MODEL_FIELDS["normalization"]
-LEGACY_KERNEL_DECAY = LEGACY_MODEL_FIELDS["kernel_decay"]
 
 
 @dataclass
